@@ -1,0 +1,81 @@
+"""Gradient and parameter codecs: a flat fp32 tensor to bytes on the wire and back.
+
+Codecs come in named pairs (``encode_fp32`` / ``decode_fp32``). Bytes are
+little-endian whatever the machine. Decoders check the byte length and return
+fp32 tensors that own their memory; finiteness is the receiver's check, since
+an fp16 overflow only shows after decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .protocol import ProtocolError
+
+
+def encode_fp32(flat: torch.Tensor) -> bytes:
+    """Raw little-endian float32 bytes of a 1-D tensor (copied to the CPU if needed)."""
+    return flat.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4", copy=False).tobytes()
+
+
+def decode_fp32(data: bytes | bytearray | memoryview, num_elements: int) -> torch.Tensor:
+    """Inverse of ``encode_fp32``.
+
+    Raises:
+        ProtocolError: if the length is not 4 * num_elements.
+    """
+    _check_length(data, num_elements, 4, "fp32")
+    return torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32, copy=True))
+
+
+def encode_fp16(flat: torch.Tensor) -> bytes:
+    """Half-precision bytes: half the traffic, ~3 significant digits; values above 65504 become inf."""
+    return flat.detach().to("cpu", torch.float16).contiguous().numpy().astype("<f2", copy=False).tobytes()
+
+
+def decode_fp16(data: bytes | bytearray | memoryview, num_elements: int) -> torch.Tensor:
+    """Inverse of ``encode_fp16``, widened back to float32.
+
+    Raises:
+        ProtocolError: if the length is not 2 * num_elements.
+    """
+    _check_length(data, num_elements, 2, "fp16")
+    return torch.from_numpy(np.frombuffer(data, dtype="<f2").astype(np.float32))
+
+
+def _check_length(data: bytes | bytearray | memoryview, num_elements: int, width: int, name: str) -> None:
+    if num_elements < 0 or len(data) != num_elements * width:
+        raise ProtocolError(
+            f"{name} payload of {len(data)} bytes does not hold {num_elements} elements "
+            f"({num_elements * width} bytes expected)"
+        )
+
+
+@dataclass(frozen=True)
+class Codec:
+    name: str
+    bytes_per_element: int
+    encode: Callable[[torch.Tensor], bytes]
+    decode: Callable[[bytes | bytearray | memoryview, int], torch.Tensor]
+
+
+CODECS: dict[str, Codec] = {
+    "fp32": Codec("fp32", 4, encode_fp32, decode_fp32),
+    "fp16": Codec("fp16", 2, encode_fp16, decode_fp16),
+}
+
+
+def get_codec(name: str) -> Codec:
+    """Look up a codec by its wire name.
+
+    Raises:
+        ProtocolError: for a codec this version does not know.
+    """
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ProtocolError(f"unknown codec {name!r}; known codecs: {', '.join(CODECS)}") from None

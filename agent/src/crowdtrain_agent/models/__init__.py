@@ -1,0 +1,13 @@
+"""The model registry: the only architectures an agent will ever run.
+
+A campaign names an architecture and its keyword arguments; no code is ever
+sent to a volunteer's machine. The server imports this registry too, to
+validate campaign configs and count parameters.
+"""
+
+from __future__ import annotations
+
+from .registry import REGISTRY, ModelEntry, get_model
+from .registry import ModelConfigError
+
+__all__ = ["REGISTRY", "ModelConfigError", "ModelEntry", "get_model"]

@@ -1,0 +1,190 @@
+"""Registry entries: config schema, validation, construction, loss and cost of each architecture."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .gpt import GPT
+from .mlp import MLP
+
+
+class ModelConfigError(ValueError):
+    """A campaign's model config that the registry cannot build; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """One keyword argument of an architecture, as forms and validators see it."""
+
+    kind: Literal["int", "float", "int_list"]
+    default: Any
+    minimum: float = 1
+    maximum: float = 1 << 20
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """How the platform knows one architecture.
+
+    ``loss_sum`` returns the *sum* over the batch of each sample's mean loss:
+    aggregators divide the summed gradient by the step's sample count, which
+    makes a global step equal to a mean-loss step on one big machine.
+    """
+
+    name: str
+    description: str
+    data_kind: Literal["text", "tensors"]
+    fields: dict[str, ConfigField]
+    _build: Callable[[dict[str, Any]], nn.Module]
+    _flops_forward: Callable[[dict[str, Any]], int]
+    _loss_sum: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    _check: Callable[[dict[str, Any]], None] = field(default=lambda config: None)
+
+    def validate(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """Fill defaults and check every field.
+
+        Raises:
+            ModelConfigError: naming the field, the value, and what is accepted.
+        """
+        if not isinstance(config, Mapping):
+            raise ModelConfigError(f"{self.name}: config must be an object, got {type(config).__name__}")
+        unknown = sorted(set(config) - set(self.fields))
+        if unknown:
+            raise ModelConfigError(f"{self.name}: unknown field {unknown[0]!r}; known fields: {', '.join(self.fields)}")
+        clean: dict[str, Any] = {}
+        for name, spec in self.fields.items():
+            value = config.get(name, spec.default)
+            clean[name] = _check_field(self.name, name, spec, value)
+        self._check(clean)
+        return clean
+
+    def build(self, config: Mapping[str, Any], seed: int | None = None) -> nn.Module:
+        """Construct the model; with ``seed``, initial weights are the same on every machine."""
+        clean = self.validate(config)
+        if seed is None:
+            return self._build(clean)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self._build(clean)
+
+    def param_count(self, config: Mapping[str, Any]) -> int:
+        """Number of elements in the flat parameter vector, without allocating it."""
+        with torch.device("meta"):
+            model = self._build(self.validate(config))
+        return sum(p.numel() for p in model.parameters())
+
+    def flops_per_sample(self, config: Mapping[str, Any]) -> int:
+        """Forward plus backward cost of one sample (about three forwards)."""
+        return 3 * self._flops_forward(self.validate(config))
+
+    def sample_len(self, config: Mapping[str, Any]) -> int:
+        """Bytes per sample of a text dataset this model can train on (0 for tensor data)."""
+        return int(self.validate(config)["block_size"]) + 1 if self.data_kind == "text" else 0
+
+    def loss_sum(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self._loss_sum(model, x, y)
+
+
+def _check_field(model: str, name: str, spec: ConfigField, value: Any) -> Any:
+    where = f"{model}.{name}"
+    if spec.kind == "int_list":
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ModelConfigError(f"{where} must be a non-empty list of integers, got {value!r}")
+        return [_check_number(where, spec, v, integer=True) for v in value]
+    return _check_number(where, spec, value, integer=spec.kind == "int")
+
+
+def _check_number(where: str, spec: ConfigField, value: Any, *, integer: bool) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+        raise ModelConfigError(f"{where} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if not math.isfinite(value) or not spec.minimum <= value <= spec.maximum:
+        raise ModelConfigError(f"{where} must be between {spec.minimum} and {spec.maximum}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+# ----------------------------------------------------------------------- gpt
+
+
+def _gpt_check(config: dict[str, Any]) -> None:
+    if config["n_embd"] % config["n_head"]:
+        raise ModelConfigError(
+            f"gpt.n_embd ({config['n_embd']}) must be divisible by gpt.n_head ({config['n_head']})"
+        )
+
+
+def _gpt_flops(config: dict[str, Any]) -> int:
+    n_layer, d, t = config["n_layer"], config["n_embd"], config["block_size"]
+    per_token = n_layer * (24 * d * d + 4 * t * d) + 2 * d * 256
+    return per_token * t
+
+
+def _gpt_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum") / y.size(1)
+
+
+# ----------------------------------------------------------------------- mlp
+
+
+def _mlp_flops(config: dict[str, Any]) -> int:
+    widths = [config["in_dim"], *config["hidden"], config["classes"]]
+    return sum(2 * a * b for a, b in zip(widths, widths[1:]))
+
+
+def _mlp_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y, reduction="sum")
+
+
+REGISTRY: dict[str, ModelEntry] = {
+    "gpt": ModelEntry(
+        name="gpt",
+        description="Byte-level GPT (decoder-only transformer) for text datasets.",
+        data_kind="text",
+        fields={
+            "n_layer": ConfigField("int", 4, 1, 96, "transformer blocks"),
+            "n_head": ConfigField("int", 4, 1, 128, "attention heads per block"),
+            "n_embd": ConfigField("int", 128, 8, 16384, "embedding width; a multiple of n_head"),
+            "block_size": ConfigField("int", 64, 2, 8192, "context length in bytes"),
+        },
+        _build=lambda c: GPT(c["n_layer"], c["n_head"], c["n_embd"], c["block_size"]),
+        _flops_forward=_gpt_flops,
+        _loss_sum=_gpt_loss_sum,
+        _check=_gpt_check,
+    ),
+    "mlp": ModelEntry(
+        name="mlp",
+        description="Multi-layer perceptron classifier for tensor datasets (x: features, y: class).",
+        data_kind="tensors",
+        fields={
+            "in_dim": ConfigField("int", 256, 1, 1 << 20, "input features"),
+            "hidden": ConfigField("int_list", [1024, 1024], 1, 1 << 16, "hidden layer widths"),
+            "classes": ConfigField("int", 10, 2, 1 << 20, "output classes"),
+        },
+        _build=lambda c: MLP(c["in_dim"], c["hidden"], c["classes"]),
+        _flops_forward=_mlp_flops,
+        _loss_sum=_mlp_loss_sum,
+    ),
+}
+
+
+def get_model(name: str) -> ModelEntry:
+    """Look up an architecture by name.
+
+    Raises:
+        ModelConfigError: if no such architecture ships with this agent.
+    """
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ModelConfigError(
+            f"unknown architecture {name!r}; this agent knows {', '.join(sorted(REGISTRY))}. "
+            "Upgrade crowdtrain-agent if the campaign needs a newer one."
+        ) from None

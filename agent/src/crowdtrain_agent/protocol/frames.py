@@ -1,0 +1,115 @@
+"""Binary frame layout, size limits and WebSocket close codes of the Crowdtrain protocol."""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+PROTOCOL_VERSION = 1
+
+# Every WebSocket message either side sends stays under 1 MiB: daphne and the
+# `websockets` client both drop larger ones by default (../shared/STACK.md).
+MAX_WS_MESSAGE_BYTES = 1 << 20
+# JSON control messages are small; anything bigger is an attack or a bug.
+MAX_CONTROL_MESSAGE_BYTES = 64 << 10
+# What an agent puts in one binary chunk; leaves room for the chunk header.
+CHUNK_PAYLOAD_BYTES = 512 << 10
+MAX_CHUNK_PAYLOAD_BYTES = MAX_WS_MESSAGE_BYTES - 64
+
+# Liveness: both agents and aggregators send a heartbeat this often, and the
+# site treats a peer silent for GONE_AFTER_S as gone and frees what it held.
+HEARTBEAT_INTERVAL_S = 2.0
+GONE_AFTER_S = 10.0
+
+_CHUNK_MAGIC = b"CTGC"
+_CHUNK_HEADER = struct.Struct("!4sIII")
+CHUNK_HEADER_BYTES = _CHUNK_HEADER.size
+
+
+class CloseCode(enum.IntEnum):
+    """WebSocket close codes (4000-4999) and whether a client should reconnect."""
+
+    BAD_MESSAGE = 4000  # malformed or unknown message; reconnecting is fine
+    UNAUTHORIZED = 4001  # missing, wrong or expired token: log in again
+    REVOKED = 4003  # the volunteer revoked this device in the browser
+    UNSUPPORTED_VERSION = 4004  # protocol version mismatch: upgrade the agent
+    TOO_LARGE = 4008  # a message over the size limit
+    TOO_MANY_ERRORS = 4009  # the peer kept sending bad messages
+    BAD_TICKET = 4010  # a gradient upload with a ticket that does not verify
+    GOING_AWAY = 4011  # server shutting down; reconnect with backoff
+    REPLACED = 4012  # the same device connected again elsewhere
+
+
+_FINAL_CODES = {CloseCode.UNAUTHORIZED, CloseCode.REVOKED, CloseCode.UNSUPPORTED_VERSION, CloseCode.REPLACED}
+
+
+def should_reconnect(code: int | None) -> bool:
+    """Whether a client closed with ``code`` should try again after a backoff.
+
+    Args:
+        code: the WebSocket close code received, or None if the TCP connection dropped.
+
+    Returns:
+        False for codes that no retry can fix (bad credentials, revoked device,
+        protocol mismatch, replaced by a newer connection); True otherwise.
+    """
+    return code is None or code not in _FINAL_CODES
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """The fixed header at the front of every binary gradient chunk.
+
+    Layout (network byte order): ``b"CTGC"``, chunk index (u32), number of
+    chunks of this upload (u32), payload length in bytes (u32); the payload
+    follows immediately.
+    """
+
+    chunk_index: int
+    num_chunks: int
+    payload_len: int
+
+
+def encode_chunk(chunk_index: int, num_chunks: int, payload: bytes | memoryview) -> bytes:
+    """Prefix ``payload`` with its chunk header.
+
+    Raises:
+        ValueError: if the payload is larger than MAX_CHUNK_PAYLOAD_BYTES.
+    """
+    if len(payload) > MAX_CHUNK_PAYLOAD_BYTES:
+        raise ValueError(f"chunk payload of {len(payload)} bytes is over the {MAX_CHUNK_PAYLOAD_BYTES} byte limit")
+    return _CHUNK_HEADER.pack(_CHUNK_MAGIC, chunk_index, num_chunks, len(payload)) + bytes(payload)
+
+
+def decode_chunk(frame: bytes) -> tuple[ChunkHeader, memoryview]:
+    """Split a binary frame into its header and payload, checking the layout.
+
+    Raises:
+        ProtocolError: if the magic, lengths or size limit are wrong.
+    """
+    from .errors import ProtocolError
+
+    if len(frame) > MAX_WS_MESSAGE_BYTES:
+        raise ProtocolError(
+            f"binary frame of {len(frame)} bytes is over the {MAX_WS_MESSAGE_BYTES} byte limit; "
+            f"send chunks of at most {CHUNK_PAYLOAD_BYTES} bytes",
+            close_code=CloseCode.TOO_LARGE,
+        )
+    if len(frame) < CHUNK_HEADER_BYTES:
+        raise ProtocolError(f"binary frame of {len(frame)} bytes is shorter than the {CHUNK_HEADER_BYTES} byte chunk header")
+    magic, index, total, length = _CHUNK_HEADER.unpack_from(frame)
+    if magic != _CHUNK_MAGIC:
+        raise ProtocolError(f"binary frame starts with {magic!r}, expected {_CHUNK_MAGIC!r}")
+    if length != len(frame) - CHUNK_HEADER_BYTES:
+        raise ProtocolError(f"chunk header says {length} payload bytes but the frame carries {len(frame) - CHUNK_HEADER_BYTES}")
+    if total == 0 or index >= total:
+        raise ProtocolError(f"chunk index {index} is outside 0..{total - 1}")
+    return ChunkHeader(index, total, length), memoryview(frame)[CHUNK_HEADER_BYTES:]
+
+
+def split_payload(payload: bytes | memoryview, chunk_bytes: int = CHUNK_PAYLOAD_BYTES) -> list[bytes]:
+    """Cut an encoded slice into framed chunks ready to send, in order."""
+    view = memoryview(payload)
+    count = max(1, -(-len(view) // chunk_bytes))
+    return [encode_chunk(i, count, view[i * chunk_bytes : (i + 1) * chunk_bytes]) for i in range(count)]

@@ -1,0 +1,88 @@
+"""Site-signed tickets for gradient uploads, and aggregator-signed receipts.
+
+A *ticket* is what an agent shows an aggregator to upload the gradient of one
+lease: the site signs it (HMAC-SHA256 with a key it shares only with the
+aggregators), so an aggregator can check it without asking the site. A
+*receipt* is the aggregator's signed answer that it holds one slice of that
+lease; the agent hands receipts back to the site in its ``done`` report, so
+the site never counts samples whose gradient no aggregator holds.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import time
+from dataclasses import dataclass
+
+from .errors import ProtocolError
+from .frames import CloseCode
+from .schema import from_dict, to_dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ticket:
+    lease_id: int
+    campaign_id: int
+    device_id: int
+    base_version: int
+    num_samples: int
+    expires_at: float  # unix time; a little after the lease deadline
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _mac(key: bytes, payload: bytes) -> bytes:
+    return hmac.new(key, payload, hashlib.sha256).digest()
+
+
+def sign_ticket(ticket: Ticket, key: bytes) -> str:
+    """Encode and sign a ticket as ``<payload>.<signature>`` in base64url."""
+    payload = json.dumps(to_dict(ticket), sort_keys=True, separators=(",", ":")).encode()
+    return f"{_b64(payload)}.{_b64(_mac(key, payload))}"
+
+
+def verify_ticket(token: str, key: bytes, *, now: float | None = None) -> Ticket:
+    """Check a ticket's signature and expiry and return its contents.
+
+    Raises:
+        ProtocolError: with close code BAD_TICKET if the ticket is malformed,
+            forged, or expired.
+    """
+    try:
+        payload_b64, sig_b64 = token.split(".")
+        payload, signature = _unb64(payload_b64), _unb64(sig_b64)
+    except (ValueError, TypeError):
+        raise ProtocolError("bad ticket: not a Crowdtrain ticket", close_code=CloseCode.BAD_TICKET) from None
+    if not hmac.compare_digest(signature, _mac(key, payload)):
+        raise ProtocolError("bad ticket: signature does not verify", close_code=CloseCode.BAD_TICKET)
+    try:
+        ticket = from_dict(Ticket, json.loads(payload))
+    except ValueError as exc:
+        raise ProtocolError(f"bad ticket: {exc}", close_code=CloseCode.BAD_TICKET) from None
+    if ticket.expires_at < (time.time() if now is None else now):
+        raise ProtocolError(f"ticket for lease {ticket.lease_id} has expired", close_code=CloseCode.BAD_TICKET)
+    return ticket
+
+
+def _receipt_payload(campaign_id: int, lease_id: int, slice_index: int, num_samples: int) -> bytes:
+    return f"receipt|{campaign_id}|{lease_id}|{slice_index}|{num_samples}".encode()
+
+
+def sign_receipt(key: bytes, *, campaign_id: int, lease_id: int, slice_index: int, num_samples: int) -> str:
+    """The token an aggregator returns after it accepted one slice of a lease."""
+    return _b64(_mac(key, _receipt_payload(campaign_id, lease_id, slice_index, num_samples)))
+
+
+def verify_receipt(token: str, key: bytes, *, campaign_id: int, lease_id: int, slice_index: int, num_samples: int) -> bool:
+    """Whether ``token`` is the receipt an aggregator would sign for that slice."""
+    expected = sign_receipt(key, campaign_id=campaign_id, lease_id=lease_id, slice_index=slice_index, num_samples=num_samples)
+    return hmac.compare_digest(token.encode(), expected.encode())
