@@ -1,0 +1,184 @@
+"""The agent's configuration: CLI flags, then CROWDTRAIN_AGENT_* variables, then the config file, then defaults."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import platformdirs
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "crowdtrain"
+ENV_PREFIX = "CROWDTRAIN_AGENT_"
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "mps")
+# A fresh checkout runs the site on this address (`./manage.py runserver`).
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+
+
+class ConfigError(ValueError):
+    """A configuration value the agent cannot start with; the message names where it came from."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """Everything the agent needs to run, read once at start-up."""
+
+    server: str  # http(s) base URL of the site, without a trailing slash
+    token: str  # the device's API token, sent as `Authorization: Bearer ...`
+    device: str = "auto"  # auto | cpu | cuda | mps
+    threads: int | None = None  # torch.set_num_threads; None keeps torch's default
+    campaign_id: int | None = None  # None: any running campaign
+    cache_dir: Path = Path(platformdirs.user_cache_dir(APP_NAME))
+    max_leases: int | None = None  # stop after this many leases (tests, benchmarks)
+    progress: bool = True  # rich live panel; False logs plain lines
+
+    @property
+    def control_url(self) -> str:
+        """The control channel's WebSocket URL, derived from the site's HTTP address."""
+        scheme, rest = self.server.split("://", 1)
+        return f"{'wss' if scheme == 'https' else 'ws'}://{rest}/ws/agent/"
+
+    def shard_url(self, sha256: str) -> str:
+        return f"{self.server}/api/shards/{sha256}"
+
+
+def default_config_path() -> Path:
+    """Where `crowdtrain-agent login` keeps the server address and token."""
+    return Path(platformdirs.user_config_dir(APP_NAME)) / "config.json"
+
+
+def read_config_file(path: Path) -> dict[str, str]:
+    """Read the saved login (``server``, ``token``); a missing file is an empty login.
+
+    Raises:
+        ConfigError: if the file exists but is not a JSON object of strings.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read the agent config file {path}: {exc}; fix its permissions or delete it") from None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+        raise ConfigError(
+            f"the agent config file {path} is not a JSON object of strings; delete it and log in again"
+        )
+    return {k: v for k, v in data.items() if k in ("server", "token")}
+
+
+def write_config_file(path: Path, *, server: str, token: str) -> None:
+    """Save the login so later runs need no flags; readable by its owner only (mode 0600).
+
+    The file is created with mode 0600 before the token is written, so the
+    token is never readable by other users, not even for an instant.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        os.chmod(tmp, 0o600)  # O_CREAT's mode does not apply if the file already existed
+        json.dump({"server": _check_server("server", server), "token": token}, fh)
+    os.replace(tmp, path)
+
+
+def load_config(
+    flags: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    config_path: Path | None = None,
+) -> AgentConfig:
+    """Build the config from flags, then environment, then the config file, then defaults.
+
+    Args:
+        flags: parsed CLI flags by field name; None means "not given".
+        env: the environment (os.environ when None).
+        config_path: the saved login file (default_config_path() when None).
+
+    Returns:
+        A validated, frozen AgentConfig.
+
+    Raises:
+        ConfigError: naming the flag or variable, the bad value and what is accepted.
+    """
+    env = os.environ if env is None else env
+    saved = read_config_file(default_config_path() if config_path is None else config_path)
+
+    def pick(field: str, flag: str, var: str) -> tuple[str, Any] | None:
+        """The first source that sets ``field``, with a name a person can look up."""
+        if flags.get(field) is not None:
+            return flag, flags[field]
+        if env.get(ENV_PREFIX + var):
+            return ENV_PREFIX + var, env[ENV_PREFIX + var]
+        return None
+
+    server_src = pick("server", "--server", "SERVER")
+    if server_src is not None:
+        server = _check_server(*server_src)
+    elif saved.get("server"):
+        server = _check_server(f"server in {config_path or default_config_path()}", saved["server"])
+    else:
+        server = DEFAULT_SERVER
+
+    token_src = pick("token", "--token", "TOKEN")
+    token = str(token_src[1]).strip() if token_src else ""
+    # The saved token belongs to the saved server; never send it to another one.
+    if not token and saved.get("token") and saved.get("server", "").rstrip("/") == server:
+        token = saved["token"]
+    if not token:
+        raise ConfigError(
+            f"no API token for {server}: pass --token TOKEN or set {ENV_PREFIX}TOKEN "
+            "(copy a device token from your account page on the site)"
+        )
+
+    device_src = pick("device", "--device", "DEVICE")
+    device = "auto"
+    if device_src is not None:
+        device = str(device_src[1]).strip().lower()
+        if device not in DEVICE_CHOICES:
+            raise ConfigError(f"{device_src[0]} must be one of {', '.join(DEVICE_CHOICES)}, got {device_src[1]!r}")
+
+    threads_src = pick("threads", "--threads", "THREADS")
+    campaign_src = pick("campaign_id", "--campaign", "CAMPAIGN")
+    cache_src = pick("cache_dir", "--cache-dir", "CACHE_DIR")
+    max_leases_src = ("--max-leases", flags["max_leases"]) if flags.get("max_leases") is not None else None
+
+    return AgentConfig(
+        server=server,
+        token=token,
+        device=device,
+        threads=_positive_int(*threads_src) if threads_src else None,
+        campaign_id=_positive_int(*campaign_src) if campaign_src else None,
+        cache_dir=Path(cache_src[1]).expanduser() if cache_src else Path(platformdirs.user_cache_dir(APP_NAME)),
+        max_leases=_positive_int(*max_leases_src) if max_leases_src else None,
+        progress=bool(flags.get("progress", True)),
+    )
+
+
+def _check_server(name: str, value: Any) -> str:
+    url = str(value).strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+        raise ConfigError(
+            f"{name} must be the site's http:// or https:// address, like {DEFAULT_SERVER}, got {value!r}"
+        )
+    return url
+
+
+def _positive_int(name: str, value: Any) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return number

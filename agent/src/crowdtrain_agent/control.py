@@ -1,0 +1,318 @@
+"""The control channel to the site: hello, heartbeats, request/reply calls, pushes, reconnects.
+
+One reader task owns the socket's incoming side. Replies go to the waiter
+that asked for them (keyed by reply slot: ``lease``, ``done:<id>``,
+``release:<id>``); pushes (new versions, errors) go to a callback. When the
+connection drops, waiters fail with ConnectionLost and the channel
+reconnects with exponential backoff plus jitter, unless the close code says
+no retry can help (bad token, revoked device, old agent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+
+from .protocol import (
+    HEARTBEAT_INTERVAL_S,
+    MAX_WS_MESSAGE_BYTES,
+    AgentHello,
+    CloseCode,
+    DoneAck,
+    ErrorMessage,
+    Heartbeat,
+    Lease,
+    LeaseRelease,
+    NoLease,
+    ProtocolError,
+    ReleaseAck,
+    VersionPublished,
+    Welcome,
+    decode_message,
+    encode_message,
+    should_reconnect,
+)
+
+logger = logging.getLogger(__name__)
+
+SITE_TO_AGENT = (Welcome, Lease, NoLease, DoneAck, ReleaseAck, VersionPublished, ErrorMessage)
+
+
+class ConnectionLost(ConnectionError):
+    """The control connection dropped before the reply arrived; the channel is reconnecting."""
+
+
+class AgentStopped(RuntimeError):
+    """The site refused this agent for good (or could not be reached); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Reconnect delays: ``base * factor**(try-1)``, capped, with +-``jitter`` spread, for ``max_tries``."""
+
+    base_s: float = 0.5
+    factor: float = 2.0
+    max_s: float = 60.0
+    jitter: float = 0.5  # fraction of the delay; spreads a crowd of agents after a site restart
+    max_tries: int = 30  # about 25 minutes of retrying with the defaults
+
+    def delay(self, attempt: int) -> float:
+        raw = min(self.max_s, self.base_s * self.factor ** max(0, attempt - 1))
+        return raw * (1.0 + self.jitter * (2.0 * random.random() - 1.0))
+
+
+def close_hint(code: int, url: str) -> str:
+    """The message a volunteer sees when the site closed with a code no retry can fix."""
+    if code == CloseCode.UNAUTHORIZED:
+        return (
+            f"the site at {url} rejected this agent's token (close code {code}); log in again, or check the "
+            "token given with --token, CROWDTRAIN_AGENT_TOKEN or the saved config file"
+        )
+    if code == CloseCode.REVOKED:
+        return (
+            f"this device was revoked in the browser (close code {code}); log in again to register it as a "
+            "new device if that was a mistake"
+        )
+    if code == CloseCode.UNSUPPORTED_VERSION:
+        return f"the site speaks a newer protocol (close code {code}); upgrade: pip install -U crowdtrain-agent"
+    if code == CloseCode.REPLACED:
+        return (
+            f"another agent connected with this device's token (close code {code}); run one agent per device "
+            "token, or log in again on the second machine"
+        )
+    return f"the site closed the control connection with code {code}"
+
+
+def _reply_slot(message: Any) -> str | None:
+    if isinstance(message, (Lease, NoLease)):
+        return "lease"
+    if isinstance(message, DoneAck):
+        return f"done:{message.lease_id}"
+    if isinstance(message, ReleaseAck):
+        return f"release:{message.lease_id}"
+    return None
+
+
+class ControlChannel:
+    """A self-healing connection to the site's ``/ws/agent/`` endpoint.
+
+    Args:
+        url: ws:// or wss:// URL of the control endpoint.
+        token: device API token, sent as a Bearer header on every connect.
+        hello: the AgentHello sent first on every connection.
+        on_push: called on the event loop for VersionPublished and ErrorMessage.
+        on_state: called with a short status text when the connection goes up or down.
+        backoff: reconnect policy.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        hello: AgentHello,
+        *,
+        on_push: Callable[[Any], None] = lambda message: None,
+        on_state: Callable[[str], None] = lambda text: None,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.url = url
+        self._token = token
+        self._hello = hello
+        self._on_push = on_push
+        self._on_state = on_state
+        self._backoff = backoff or Backoff()
+        self._ws: ClientConnection | None = None
+        self._ready = asyncio.Event()  # set while connected and welcomed, or once fatal
+        self._closing = False
+        self._waiters: dict[str, asyncio.Future[Any]] = {}
+        self.fatal: AgentStopped | None = None
+        self.welcome: Welcome | None = None
+        self.connections = 0
+
+    # ------------------------------------------------------------ public calls
+
+    async def call(self, message: Any, slot: str, *, timeout: float = 30.0, retries: int = 0) -> Any:
+        """Send ``message`` and wait for the reply that lands in ``slot``.
+
+        Args:
+            message: a request dataclass (LeaseRequest, LeaseDone, LeaseRelease).
+            slot: the reply slot (see _reply_slot).
+            timeout: seconds to wait for the reply once sent.
+            retries: how many times to send again after a dropped connection.
+
+        Raises:
+            AgentStopped: if the channel failed for good.
+            ConnectionLost: if the connection dropped more than ``retries`` times.
+            TimeoutError: if no reply came within ``timeout``.
+        """
+        for attempt in range(retries + 1):
+            ws = await self._connected()
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._waiters[slot] = future
+            try:
+                try:
+                    await ws.send(encode_message(message))
+                except ConnectionClosed:
+                    raise ConnectionLost("control connection closed while sending") from None
+                return await asyncio.wait_for(future, timeout)
+            except ConnectionLost:
+                if attempt == retries:
+                    raise
+                logger.debug("connection lost waiting for %s; sending again after reconnect", slot)
+            finally:
+                if self._waiters.get(slot) is future:
+                    del self._waiters[slot]
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    async def send(self, message: Any) -> None:
+        """Send without waiting for a reply; dropped silently if disconnected."""
+        ws = self._ws
+        if ws is not None:
+            try:
+                await ws.send(encode_message(message))
+            except ConnectionClosed:
+                pass
+
+    async def close(self) -> None:
+        """Close for good; run() returns."""
+        self._closing = True
+        if self._ws is not None:
+            await self._ws.close()
+
+    # ----------------------------------------------------------- connection
+
+    async def run(self) -> None:
+        """Connect, and reconnect after every drop, until close() or a fatal close code.
+
+        Raises:
+            AgentStopped: for a close code no retry can fix, or after Backoff.max_tries failures.
+        """
+        tries = 0  # connection attempts since the last welcomed connection
+        while not self._closing:
+            tries += 1
+            code: int | None = None
+            try:
+                code = await self._connect_once(tries)
+            except InvalidStatus as exc:
+                status = exc.response.status_code
+                code = CloseCode.UNAUTHORIZED if status in (401, 403) else None
+                logger.debug("connect try %d to %s: HTTP %d", tries, self.url, status)
+            except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed, ProtocolError) as exc:
+                code = getattr(getattr(exc, "rcvd", None), "code", None)
+                logger.debug("connect try %d to %s failed: %s", tries, self.url, exc)
+            if self._closing:
+                return
+            if not should_reconnect(code):
+                self._fail(AgentStopped(close_hint(int(code or 0), self.url)))
+                raise self.fatal  # type: ignore[misc]
+            if self.welcome is not None:
+                tries = 0  # that connection worked; a drop starts a fresh count
+            elif tries >= self._backoff.max_tries:
+                logger.warning("giving up on %s after %d tries", self.url, tries)
+                self._fail(
+                    AgentStopped(
+                        f"could not reach the site at {self.url} after {tries} tries; check the network and the "
+                        "--server address, then start the agent again"
+                    )
+                )
+                raise self.fatal  # type: ignore[misc]
+            self._on_state(f"reconnecting to the site (try {tries + 1})")
+            await asyncio.sleep(self._backoff.delay(tries + 1))
+
+    async def _connect_once(self, attempt: int) -> int | None:
+        """One connection's life; returns the close code (None if the TCP connection just dropped)."""
+        self.welcome = None
+        async with connect(
+            self.url,
+            additional_headers={"Authorization": f"Bearer {self._token}"},
+            max_size=MAX_WS_MESSAGE_BYTES,
+            open_timeout=10,
+        ) as ws:
+            await ws.send(encode_message(self._hello))
+            first = decode_message(await asyncio.wait_for(ws.recv(), 15), allowed=SITE_TO_AGENT)
+            if not isinstance(first, Welcome):
+                raise ProtocolError(f"expected a welcome from the site, got {first!r}")
+            self.welcome = first
+            self.connections += 1
+            if self.connections > 1:
+                logger.info("reconnected after %d tries", attempt)
+            logger.debug("connected as device %d (%s) of %s", first.device_id, first.device_name, first.volunteer)
+            self._on_state("connected")
+            self._ws = ws
+            self._ready.set()
+            interval = first.heartbeat_s if first.heartbeat_s > 0 else HEARTBEAT_INTERVAL_S
+            heartbeat = asyncio.create_task(self._heartbeat(ws, interval), name="crowdtrain-heartbeat")
+            try:
+                await self._read(ws)
+            finally:
+                heartbeat.cancel()
+                self._ws = None
+                self._ready.clear()
+                self._fail_waiters(ConnectionLost("control connection lost"))
+                self._on_state("disconnected from the site")
+        code = ws.close_code
+        logger.debug("control connection closed with code %s", code)
+        return None if code in (None, 1006) else code
+
+    async def _read(self, ws: ClientConnection) -> None:
+        """Dispatch every incoming message until the connection closes."""
+        try:
+            async for raw in ws:
+                try:
+                    message = decode_message(raw, allowed=SITE_TO_AGENT)
+                except ProtocolError as exc:
+                    logger.warning("ignoring a malformed message from the site: %s", exc)
+                    continue
+                self._dispatch(message)
+        except ConnectionClosed:
+            pass
+
+    def _dispatch(self, message: Any) -> None:
+        slot = _reply_slot(message)
+        if slot is not None:
+            waiter = self._waiters.get(slot)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message)
+            elif isinstance(message, Lease):
+                # Nobody waits any more (timed out, stopping): give it back instead of letting it expire.
+                logger.debug("unrequested lease %d; releasing it", message.lease_id)
+                asyncio.get_running_loop().create_task(self.send(LeaseRelease(lease_id=message.lease_id)))
+            else:
+                logger.debug("dropping a reply nobody waits for: %s", message)
+            return
+        if isinstance(message, ErrorMessage):
+            logger.warning("the site rejected a message: %s (%s)", message.code, message.detail)
+        self._on_push(message)
+
+    async def _heartbeat(self, ws: ClientConnection, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await ws.send(encode_message(Heartbeat()))
+            except ConnectionClosed:
+                return
+
+    async def _connected(self) -> ClientConnection:
+        while True:
+            if self.fatal is not None:
+                raise self.fatal
+            if self._ws is not None:
+                return self._ws
+            await self._ready.wait()
+
+    def _fail(self, error: AgentStopped) -> None:
+        self.fatal = error
+        self._fail_waiters(error)
+        self._ready.set()  # wake callers blocked in _connected so they see the error
+
+    def _fail_waiters(self, error: BaseException) -> None:
+        for future in self._waiters.values():
+            if not future.done():
+                future.set_exception(error)

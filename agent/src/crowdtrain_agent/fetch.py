@@ -1,0 +1,195 @@
+"""Downloads a lease needs: data shards (verified, cached on disk) and parameter slices of one version.
+
+Everything here is blocking (stdlib urllib) and meant to run in a worker
+thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .data import sha256_hex
+from .protocol import SliceRoute
+
+logger = logging.getLogger(__name__)
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+HTTP_TIMEOUT_S = 60.0
+
+
+class FetchError(RuntimeError):
+    """A download that failed in a way a retry right now will not fix."""
+
+
+def http_get(url: str, *, token: str | None = None, timeout: float = HTTP_TIMEOUT_S) -> bytes:
+    """GET ``url`` and return the body.
+
+    Raises:
+        urllib.error.HTTPError: for a non-2xx answer (callers look at ``.code``).
+        FetchError: if the server cannot be reached.
+    """
+    request = urllib.request.Request(url, headers={"User-Agent": "crowdtrain-agent"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.read()
+    except urllib.error.HTTPError:
+        raise
+    except (urllib.error.URLError, OSError) as exc:
+        raise FetchError(f"cannot download {url}: {getattr(exc, 'reason', exc)}") from None
+
+
+class ShardCache:
+    """Content-addressed shard store: memory for the few most recent, disk for the rest.
+
+    Shards are immutable and named by their sha256, so a verified file never
+    goes stale; a file whose bytes no longer match its name (a crash mid-write,
+    disk trouble, tampering) is deleted and downloaded again.
+
+    Args:
+        cache_dir: the agent's cache folder; shards go under ``shards/``.
+        shard_url: URL prefix; ``/<sha256>`` is appended.
+        token: the device token for the site's shard endpoint.
+        memory_items: how many verified shards to keep in memory.
+    """
+
+    def __init__(self, cache_dir: Path, shard_url: str, token: str, *, memory_items: int = 8) -> None:
+        self.root = Path(cache_dir) / "shards"
+        self._url = shard_url
+        self._token = token
+        self._memory: OrderedDict[str, bytes] = OrderedDict()
+        self._memory_items = memory_items
+        self.downloads = 0
+
+    def path_for(self, sha256: str) -> Path:
+        return self.root / sha256[:2] / sha256
+
+    def get(self, sha256: str) -> bytes:
+        """The verified bytes of shard ``sha256``, from memory, disk or the site.
+
+        Raises:
+            FetchError: for a malformed name, a download that fails, or bytes
+                that do not match the name.
+        """
+        if not _SHA256.fullmatch(sha256):
+            raise FetchError(f"shard name {sha256!r} is not a lower-case sha256 hex digest")
+        if sha256 in self._memory:
+            self._memory.move_to_end(sha256)
+            return self._memory[sha256]
+        data = self._read_disk(sha256)
+        if data is None:
+            data = self._download(sha256)
+            self._write_disk(sha256, data)
+        self._memory[sha256] = data
+        while len(self._memory) > self._memory_items:
+            self._memory.popitem(last=False)
+        return data
+
+    def _read_disk(self, sha256: str) -> bytes | None:
+        path = self.path_for(sha256)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        if sha256_hex(data) == sha256:
+            return data
+        logger.warning("cached shard %s is corrupted (%d bytes); deleting it and downloading again", path, len(data))
+        path.unlink(missing_ok=True)
+        return None
+
+    def _download(self, sha256: str) -> bytes:
+        url = f"{self._url.rstrip('/')}/{sha256}"
+        try:
+            data = http_get(url, token=self._token)
+        except urllib.error.HTTPError as exc:
+            raise FetchError(f"shard {sha256[:12]}: the site answered HTTP {exc.code} for {url}") from None
+        actual = sha256_hex(data)
+        if actual != sha256:
+            raise FetchError(
+                f"shard {sha256[:12]}: downloaded {len(data)} bytes whose sha256 is {actual[:12]}; "
+                "the download was damaged or the server is misconfigured, the lease will be retried"
+            )
+        self.downloads += 1
+        return data
+
+    def _write_disk(self, sha256: str, data: bytes) -> None:
+        path = self.path_for(sha256)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Write then rename, so a crash never leaves a truncated file under the final name.
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.warning("cannot cache shard %s in %s (%s); it will be downloaded again next time", sha256[:12], path.parent, exc)
+
+
+def fetch_slice(route: SliceRoute, version: int, *, retry_for_s: float = 10.0) -> torch.Tensor:
+    """Download elements ``route.start:route.end`` of parameter version ``version``.
+
+    A 404 usually means the version is being published right now (the lease
+    was handed out as the last slice stepped), so it is retried for a while.
+
+    Raises:
+        FetchError: if the slice stays missing, has the wrong size, or cannot be downloaded.
+    """
+    url = f"{route.params_url}{version}"
+    deadline = time.monotonic() + retry_for_s
+    delay = 0.05
+    while True:
+        try:
+            data = http_get(url)
+            break
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404 or time.monotonic() + delay > deadline:
+                raise FetchError(f"parameters of version {version}, slice {route.index}: HTTP {exc.code} from {url}") from None
+            logger.debug("slice %d of version %d not published yet; retrying in %.2f s", route.index, version, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+    expected = 4 * (route.end - route.start)
+    if len(data) != expected:
+        raise FetchError(
+            f"parameters of version {version}, slice {route.index}: got {len(data)} bytes from {url}, "
+            f"expected {expected} (fp32 elements {route.start}:{route.end})"
+        )
+    return torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
+
+
+def fetch_params(routes: list[SliceRoute], version: int, param_count: int) -> torch.Tensor:
+    """Assemble the flat fp32 parameter vector of ``version`` from every aggregator's slice.
+
+    Raises:
+        FetchError: if the slices do not tile 0..param_count exactly, or a download fails.
+    """
+    check_routes(routes, param_count)
+    flat = torch.empty(param_count, dtype=torch.float32)
+    for route in routes:
+        flat[route.start : route.end] = fetch_slice(route, version)
+    return flat
+
+
+def check_routes(routes: list[SliceRoute], param_count: int) -> None:
+    """Raise FetchError unless the slices cover 0..param_count once each, without gaps."""
+    position = 0
+    for route in sorted(routes, key=lambda r: r.start):
+        if route.start != position or route.end <= route.start:
+            raise FetchError(
+                f"lease slices do not tile the {param_count} parameters: slice {route.index} is "
+                f"{route.start}:{route.end} where {position} was expected; the site sent an inconsistent lease"
+            )
+        position = route.end
+    if position != param_count:
+        raise FetchError(f"lease slices end at element {position} but the model has {param_count} parameters")

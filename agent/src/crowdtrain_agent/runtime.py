@@ -1,0 +1,428 @@
+"""The agent's main loop: lease, fetch what it lacks, compute, upload, report, with upload overlapping compute."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from . import __version__, trainer
+from .codec import Codec, get_codec
+from .config import AgentConfig
+from .control import AgentStopped, Backoff, ConnectionLost, ControlChannel
+from .device import describe_device, select_device
+from .fetch import FetchError, ShardCache, fetch_params
+from .models import ModelConfigError
+from .progress import AgentStatus
+from .protocol import (
+    AgentHello,
+    Lease,
+    LeaseDone,
+    LeaseRelease,
+    LeaseRequest,
+    ProtocolError,
+    Receipt,
+    SliceRoute,
+    UploadBegin,
+    VersionPublished,
+    split_payload,
+)
+from .trainer import CampaignModel, ComputeCancelled, GradientResult, ModelCache
+from .uploader import Uploader, UploadError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+EXIT_OK = 0
+EXIT_INTERRUPTED = 130  # second Ctrl-C: the shell convention for "killed by SIGINT"
+LEASE_ERROR_PAUSE_S = 2.0  # after a lease that could not be prepared, before asking for another
+
+
+async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run blocking ``fn`` in a fresh daemon thread and await its result.
+
+    Unlike asyncio.to_thread, a daemon thread does not keep the process alive:
+    a second Ctrl-C exits at once even while a long download or a gradient
+    computation is still running.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def target() -> None:
+        try:
+            result, error = fn(*args, **kwargs), None
+        except BaseException as exc:  # handed to the awaiting coroutine, which decides
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass  # the loop already closed: nobody waits for this result any more
+
+    threading.Thread(target=target, name=f"crowdtrain-{getattr(fn, '__name__', 'work')}", daemon=True).start()
+    return await future
+
+
+class LeaseFailed(RuntimeError):
+    """A lease this agent cannot work on (bad data, missing parameters, unknown model)."""
+
+
+class Agent:
+    """One volunteer agent: connects to the site and works leases until stopped.
+
+    Args:
+        config: the validated configuration.
+        status: shared with the progress display; a fresh one when None.
+        backoff: reconnect policy of the control channel.
+        handle_signals: install SIGINT/SIGTERM handlers (only from the main thread).
+        benchmark_s: time budget of the start-up matmul benchmark.
+    """
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        status: AgentStatus | None = None,
+        backoff: Backoff | None = None,
+        handle_signals: bool = False,
+        benchmark_s: float = 0.2,
+    ) -> None:
+        self.config = config
+        self.status = status or AgentStatus()
+        self._backoff = backoff
+        self._handle_signals = handle_signals
+        self._benchmark_s = benchmark_s
+        self._stopping = asyncio.Event()  # first Ctrl-C: finish the lease in progress, then exit
+        self._stop_now = asyncio.Event()  # second Ctrl-C: give everything back and exit
+        self._abort = threading.Event()  # tells the compute thread to give up between microbatches
+        self._version_pushed = asyncio.Event()
+        self._held: dict[int, Lease] = {}  # leases taken and not yet reported or released
+        self._speed: dict[int, float] = {}  # samples/s per campaign, smoothed
+        self._last_campaign: int | None = None
+        self._last_no_lease: str | None = None
+        self._reports: set[asyncio.Task[None]] = set()
+        self.leases_taken = 0
+        self._control: ControlChannel
+        self._uploader = Uploader()
+
+    def request_stop(self) -> None:
+        """First call: finish the lease being computed, report it, then exit. Second call: exit now."""
+        if not self._stopping.is_set():
+            logger.warning("stopping after the current lease; press Ctrl-C again to stop now")
+            self.status.set_status("stopping after the current lease (Ctrl-C again: stop now)")
+            self._stopping.set()
+        else:
+            logger.warning("stopping now; giving unfinished leases back")
+            self._abort.set()
+            self._stop_now.set()
+
+    async def run(self) -> int:
+        """Work until stopped, the lease limit is reached, or the site refuses this agent.
+
+        Returns:
+            The process exit code: 0 after a clean stop, 130 after a second Ctrl-C.
+
+        Raises:
+            AgentStopped: the site closed for good (bad token, revoked device) or stayed unreachable.
+            ConfigError: the requested device is missing.
+        """
+        # start-up: pick the device and measure it, so the site can size the first lease
+        device = select_device(self.config.device)
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        info = await in_daemon_thread(describe_device, device, benchmark_s=self._benchmark_s)
+        self.status.device = f"{info.kind}: {info.name}"
+        self._models = ModelCache(device)
+        self._shards = ShardCache(self.config.cache_dir, f"{self.config.server}/api/shards", self.config.token)
+        self._control = ControlChannel(
+            self.config.control_url,
+            self.config.token,
+            AgentHello(agent_version=__version__, device=info),
+            on_push=self._on_push,
+            on_state=self._on_connection_state,
+            backoff=self._backoff,
+        )
+        loop = asyncio.get_running_loop()
+        if self._handle_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.request_stop)
+        control = asyncio.create_task(self._control.run(), name="crowdtrain-control")
+        work = asyncio.create_task(self._work(), name="crowdtrain-work")
+        stop_now = asyncio.create_task(self._stop_now.wait())
+        try:
+            await asyncio.wait({control, work, stop_now}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            if control.done():
+                control.result()  # raises AgentStopped with the hint for the volunteer
+                return EXIT_OK
+            # second Ctrl-C: stop computing, hand every unfinished lease back, leave
+            work.cancel()
+            for task in self._reports:
+                task.cancel()
+            await self._release_all(timeout=2.0)
+            return EXIT_INTERRUPTED
+        finally:
+            if self._handle_signals:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+            self._abort.set()
+            for task in (work, stop_now, *self._reports):
+                task.cancel()
+            await self._control.close()
+            control.cancel()
+            await asyncio.gather(control, work, *self._reports, return_exceptions=True)
+            await self._uploader.close()
+
+    # ------------------------------------------------------------------ main loop
+
+    async def _work(self) -> int:
+        """Work leases one after another; the upload of one overlaps the compute of the next."""
+        lease: Lease | None = None
+        report: asyncio.Task[None] | None = None
+        following: asyncio.Task[Lease | None] | None = None
+        try:
+            while True:
+                # fetch work: a lease from the site (waiting while it has none)
+                if lease is None:
+                    if not self._may_take_more():
+                        break
+                    lease = await self._next_lease()
+                    if lease is None:
+                        break
+                if self._stopping.is_set():
+                    # Ctrl-C came before this lease started: the site can give it to someone else now.
+                    await self._release(lease)
+                    break
+
+                # fetch what it lacks: shards, and the base version's parameters
+                try:
+                    cm, x, y = await self._prepare(lease)
+                except LeaseFailed as exc:
+                    logger.warning("lease %d cannot be worked on: %s; giving it back", lease.lease_id, exc)
+                    await self._release(lease)
+                    lease = None
+                    await self._pause(LEASE_ERROR_PAUSE_S)
+                    continue
+                if self._stopping.is_set():
+                    await self._release(lease)
+                    break
+
+                # forward/backward in a worker thread; the event loop keeps heartbeats and uploads going
+                self.status.set_status(f"computing lease {lease.lease_id} ({lease.num_samples} samples)")
+                try:
+                    result = await in_daemon_thread(
+                        trainer.compute_gradient, cm, x, y, lease.microbatch_size, cancel=self._abort
+                    )
+                except ComputeCancelled:
+                    break
+                self._note_speed(lease, result)
+
+                # ask for the next lease now, so compute resumes while this one uploads
+                following = asyncio.create_task(self._next_lease()) if self._may_take_more() else None
+
+                # send + report in the background; at most one lease uploads while the next computes
+                if report is not None:
+                    await report
+                report = asyncio.create_task(self._send_and_report(lease, result))
+                self._reports.add(report)
+                report.add_done_callback(self._reports.discard)
+                if following is None:
+                    lease = None
+                    continue
+                lease = await following
+                following = None
+                if lease is None:
+                    break  # stopping while we waited for work
+            if report is not None:
+                self.status.set_status("uploading the last lease")
+                await report
+        finally:
+            if following is not None:
+                following.cancel()
+        self.status.set_status("stopped")
+        return EXIT_OK
+
+    def _may_take_more(self) -> bool:
+        limit = self.config.max_leases
+        return not self._stopping.is_set() and (limit is None or self.leases_taken < limit)
+
+    async def _next_lease(self) -> Lease | None:
+        """Ask the site for a lease until it gives one; None if the agent is stopping."""
+        while not self._stopping.is_set():
+            self._version_pushed.clear()  # before asking, so a push during the request still wakes us
+            campaign = self.config.campaign_id
+            speed = self._speed.get(campaign if campaign is not None else self._last_campaign or -1)
+            request = LeaseRequest(campaign_id=campaign, samples_per_s=speed)
+            self.status.set_status("asking for work")
+            try:
+                reply = await self._control.call(request, "lease", timeout=30.0, retries=3)
+            except (ConnectionLost, TimeoutError) as exc:
+                logger.debug("lease request failed (%r); asking again", exc)
+                continue
+            if isinstance(reply, Lease):
+                self._held[reply.lease_id] = reply
+                self.leases_taken += 1
+                self._last_no_lease = None
+                if self._stopping.is_set():
+                    await self._release(reply)
+                    return None
+                self.status.campaign_id, self.status.lease_id = reply.campaign_id, reply.lease_id
+                self.status.version = max(self.status.version or 0, reply.base_version)
+                return reply
+            # no lease: say why, then ask again after retry_after_s or as soon as a version is published
+            why = f"{reply.reason.replace('_', ' ')}: {reply.detail}" if reply.detail else reply.reason.replace("_", " ")
+            self.status.set_status(f"waiting for work ({why})")
+            if why != self._last_no_lease:
+                logger.info("no lease from the site (%s); asking again in %.0f s", why, reply.retry_after_s)
+            else:
+                logger.debug("no lease from the site (%s)", why)
+            self._last_no_lease = why
+            await _wait_any((self._version_pushed, self._stopping), timeout=reply.retry_after_s)
+        return None
+
+    async def _prepare(self, lease: Lease) -> tuple[CampaignModel, torch.Tensor, torch.Tensor]:
+        """Model at the lease's base version plus the lease's samples, downloading only what is missing."""
+        self.status.set_status(f"fetching data for lease {lease.lease_id}")
+        try:
+            cm = self._models.get(lease.campaign_id, lease.model)
+        except ModelConfigError as exc:
+            raise LeaseFailed(str(exc)) from None
+        if cm.param_count != lease.param_count:
+            raise LeaseFailed(
+                f"the site says {lease.model.architecture} has {lease.param_count} parameters, this agent builds "
+                f"{cm.param_count}; upgrade crowdtrain-agent (pip install -U crowdtrain-agent)"
+            )
+        need_params = not self._models.holds(lease.campaign_id, lease.model, lease.base_version)
+
+        def blocking() -> tuple[torch.Tensor, torch.Tensor]:
+            shards = {r.shard: self._shards.get(r.shard) for r in lease.ranges}
+            if need_params:
+                flat = fetch_params(lease.slices, lease.base_version, lease.param_count)
+                trainer.load_params_(cm, flat, lease.base_version)
+            return trainer.gather_samples(lease.data, lease.ranges, shards)
+
+        try:
+            x, y = await in_daemon_thread(blocking)
+        except (FetchError, ProtocolError, ValueError, OSError) as exc:
+            raise LeaseFailed(str(exc)) from None
+        return cm, x, y
+
+    def _note_speed(self, lease: Lease, result: GradientResult) -> None:
+        speed = result.num_samples / max(result.compute_s, 1e-6)
+        previous = self._speed.get(lease.campaign_id)
+        # Smoothed, so one slow lease (a browser tab, thermal throttling) does not halve the next lease.
+        self._speed[lease.campaign_id] = speed if previous is None else 0.7 * previous + 0.3 * speed
+        self._last_campaign = lease.campaign_id
+        self.status.samples_per_s = self._speed[lease.campaign_id]
+        self.status.last_loss = result.loss_sum / max(result.num_samples, 1)
+
+    # ------------------------------------------------------------- send, report
+
+    async def _send_and_report(self, lease: Lease, result: GradientResult) -> None:
+        """Upload every slice of the lease's gradient, then report the receipts to the site."""
+        try:
+            # send: each slice to the aggregator that owns it, all aggregators at once
+            codec = get_codec(lease.codec)
+            receipts = await asyncio.gather(*(self._send_slice(lease, route, result.grad, codec) for route in lease.slices))
+            # report: the receipts prove that the aggregators hold this lease's gradient
+            done = LeaseDone(
+                lease_id=lease.lease_id,
+                receipts=list(receipts),
+                num_samples=result.num_samples,
+                loss_sum=result.loss_sum,
+                compute_s=result.compute_s,
+            )
+            ack = await self._control.call(done, f"done:{lease.lease_id}", timeout=30.0, retries=3)
+        except (UploadError, ProtocolError) as exc:
+            logger.warning("lease %d: %s; giving the lease back", lease.lease_id, exc)
+            self.status.rejected += 1
+            await self._release(lease)
+            return
+        except (ConnectionLost, TimeoutError) as exc:
+            logger.warning("lease %d: the site did not confirm the done report (%r); it will expire", lease.lease_id, exc)
+            self._held.pop(lease.lease_id, None)
+            return
+        self._held.pop(lease.lease_id, None)
+        per_sample = result.loss_sum / max(result.num_samples, 1)
+        if ack.accepted:
+            self.status.accepted += 1
+            logger.info(
+                "lease %d done: %d samples at version %d, loss %.4f, %.1f samples/s; counted in step %s",
+                lease.lease_id, result.num_samples, lease.base_version, per_sample,
+                result.num_samples / max(result.compute_s, 1e-6), ack.step,
+            )  # fmt: skip
+        else:
+            self.status.rejected += 1
+            logger.warning("lease %d was not counted: %s", lease.lease_id, ack.reason or "no reason given")
+
+    async def _send_slice(self, lease: Lease, route: SliceRoute, grad: torch.Tensor, codec: Codec) -> Receipt:
+        # Encoding a large slice takes a while: keep it off the event loop.
+        chunks = await in_daemon_thread(lambda: split_payload(codec.encode(grad[route.start : route.end])))
+        begin = UploadBegin(
+            ticket=lease.ticket,
+            slice_index=route.index,
+            codec=lease.codec,
+            num_elements=route.end - route.start,
+            num_chunks=len(chunks),
+        )
+        receipt = await self._uploader.upload(route.upload_url, begin, chunks)
+        return Receipt(slice_index=route.index, token=receipt.token)
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _release(self, lease: Lease, timeout: float = 5.0) -> None:
+        """Give a lease back so its samples go to another agent at once instead of at its deadline."""
+        self._held.pop(lease.lease_id, None)
+        try:
+            await self._control.call(LeaseRelease(lease_id=lease.lease_id), f"release:{lease.lease_id}", timeout=timeout)
+            logger.info("gave lease %d back to the site", lease.lease_id)
+        except (ConnectionLost, TimeoutError, AgentStopped) as exc:
+            logger.debug("release of lease %d not confirmed (%r); it will expire", lease.lease_id, exc)
+
+    async def _release_all(self, timeout: float) -> None:
+        leases = list(self._held.values())
+        await asyncio.gather(*(self._release(lease, timeout) for lease in leases), return_exceptions=True)
+
+    async def _pause(self, seconds: float) -> None:
+        await _wait_any((self._stopping,), timeout=seconds)
+
+    def _on_push(self, message: Any) -> None:
+        if isinstance(message, VersionPublished):
+            wanted = self.config.campaign_id
+            if wanted is not None and message.campaign_id != wanted:
+                return
+            if self.status.campaign_id in (None, message.campaign_id):
+                self.status.version = message.version
+                self.status.published_loss = message.loss
+            loss = "" if message.loss is None else f" (training loss {message.loss:.4f})"
+            logger.info("campaign %d published version %d%s", message.campaign_id, message.version, loss)
+            self._version_pushed.set()
+
+    def _on_connection_state(self, text: str) -> None:
+        # "connected" only replaces a connection status; it must not hide "computing lease 7".
+        if text != "connected" or self.status.status.startswith(("starting", "reconnecting", "disconnected")):
+            self.status.set_status(text)
+
+
+async def _wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:
+    """Wait until one of ``events`` is set or ``timeout`` seconds pass."""
+    waiters = [asyncio.create_task(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

@@ -1,0 +1,151 @@
+"""The model of each campaign and the gradient of one lease: plain PyTorch, no networking."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .data import read_samples
+from .models import ModelEntry, get_model
+from .protocol import DataSpec, ModelSpec, SampleRange
+
+logger = logging.getLogger(__name__)
+
+
+class ComputeCancelled(RuntimeError):
+    """The agent is stopping now; the lease's gradient was abandoned half way."""
+
+
+@dataclass
+class CampaignModel:
+    """A campaign's model on the compute device and the parameter version it holds."""
+
+    spec: ModelSpec
+    entry: ModelEntry
+    model: nn.Module
+    param_count: int
+    version: int | None = None  # None until parameters were loaded
+
+
+class ModelCache:
+    """One built model per campaign, rebuilt only when the campaign's model spec changes.
+
+    Keeping the model (and the version loaded into it) means a second lease
+    at the same version downloads and copies nothing.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._models: dict[int, CampaignModel] = {}
+
+    def get(self, campaign_id: int, spec: ModelSpec) -> CampaignModel:
+        """The campaign's model for ``spec``, built on first use.
+
+        Raises:
+            ModelConfigError: for an architecture or config this agent cannot build.
+        """
+        cached = self._models.get(campaign_id)
+        if cached is not None and cached.spec == spec:
+            return cached
+        entry = get_model(spec.architecture)
+        model = entry.build(spec.config).to(self.device)
+        model.train()
+        param_count = sum(p.numel() for p in model.parameters())
+        cached = CampaignModel(spec=spec, entry=entry, model=model, param_count=param_count)
+        self._models[campaign_id] = cached
+        logger.debug("built %s for campaign %d: %d parameters", spec.architecture, campaign_id, param_count)
+        return cached
+
+    def holds(self, campaign_id: int, spec: ModelSpec, version: int) -> bool:
+        """Whether the campaign's model already holds parameter ``version``."""
+        cached = self._models.get(campaign_id)
+        return cached is not None and cached.spec == spec and cached.version == version
+
+
+def load_params_(cm: CampaignModel, flat: torch.Tensor, version: int) -> None:
+    """Copy a flat parameter vector (parameters_to_vector order) into the model, in place."""
+    if flat.numel() != cm.param_count:
+        raise ValueError(
+            f"parameter vector has {flat.numel()} elements but {cm.spec.architecture} has {cm.param_count}; "
+            "the campaign may need a newer crowdtrain-agent"
+        )
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(flat.to(next(cm.model.parameters()).device), cm.model.parameters())
+    cm.version = version
+
+
+def gather_samples(spec: DataSpec, ranges: Sequence[SampleRange], shards: dict[str, bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of every range of a lease, concatenated in lease order.
+
+    Raises:
+        ProtocolError: if a range lies outside its shard.
+    """
+    parts = [read_samples(spec, shards[r.shard], r.start, r.count) for r in ranges]
+    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+
+@dataclass(frozen=True)
+class GradientResult:
+    """A lease's summed gradient (flat, on the CPU) and what the done report needs."""
+
+    grad: torch.Tensor
+    loss_sum: float
+    num_samples: int
+    compute_s: float
+
+
+def compute_gradient(
+    cm: CampaignModel,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    microbatch_size: int,
+    *,
+    cancel: threading.Event | None = None,
+) -> GradientResult:
+    """Gradient of the summed per-sample loss over all samples, in microbatches.
+
+    Summing (not averaging) lets aggregators add leases of any size and divide
+    once by the step's sample count, and makes the result independent of the
+    microbatch size.
+
+    Args:
+        cm: the campaign's model, holding the lease's base version.
+        x: inputs, one row per sample.
+        y: targets, one row per sample.
+        microbatch_size: samples per forward/backward; bounds device memory.
+        cancel: set from another thread to abandon the computation between microbatches.
+
+    Returns:
+        The flat gradient in parameters_to_vector order, on the CPU.
+
+    Raises:
+        ComputeCancelled: if ``cancel`` was set.
+        ValueError: for a non-positive microbatch size.
+    """
+    if microbatch_size < 1:
+        raise ValueError(f"microbatch size must be at least 1, got {microbatch_size}")
+    model, device = cm.model, next(cm.model.parameters()).device
+    start = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=device)
+    for lo in range(0, len(x), microbatch_size):
+        if cancel is not None and cancel.is_set():
+            raise ComputeCancelled("gradient computation abandoned")
+        xb = x[lo : lo + microbatch_size].to(device, non_blocking=True)
+        yb = y[lo : lo + microbatch_size].to(device, non_blocking=True)
+        loss = cm.entry.loss_sum(model, xb, yb)
+        loss.backward()  # accumulates into .grad across microbatches
+        total += loss.detach()  # stays on the device: no GPU->CPU sync per microbatch
+    params = list(model.parameters())
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    # .cpu() and .item() are where the CPU waits for the GPU to finish the lease.
+    flat = torch.cat([g.reshape(-1) for g in grads]).to("cpu", torch.float32)
+    loss_sum = float(total.item())
+    model.zero_grad(set_to_none=True)
+    return GradientResult(grad=flat, loss_sum=loss_sum, num_samples=len(x), compute_s=time.perf_counter() - start)

@@ -1,0 +1,120 @@
+"""The data channel: gradient slices to the aggregators that own them, one reused connection per aggregator."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
+from .protocol import (
+    MAX_WS_MESSAGE_BYTES,
+    CloseCode,
+    ErrorMessage,
+    ProtocolError,
+    UploadBegin,
+    UploadReceipt,
+    UploadRejected,
+    decode_message,
+    encode_message,
+)
+
+logger = logging.getLogger(__name__)
+
+AGGREGATOR_TO_AGENT = (UploadReceipt, UploadRejected, ErrorMessage)
+
+
+class UploadError(RuntimeError):
+    """A slice the aggregator did not accept; the lease cannot be reported as done."""
+
+    def __init__(self, message: str, *, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Uploader:
+    """Sends slices over one WebSocket per aggregator URL, kept open between leases.
+
+    Uploads to the same aggregator are serialized (a receipt answers the
+    upload before it); uploads to different aggregators run concurrently.
+
+    Args:
+        reply_timeout_s: how long to wait for a receipt after the last chunk.
+    """
+
+    def __init__(self, *, reply_timeout_s: float = 60.0) -> None:
+        self._reply_timeout_s = reply_timeout_s
+        self._connections: dict[str, ClientConnection] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.connects = 0
+
+    async def upload(self, url: str, begin: UploadBegin, chunks: list[bytes]) -> UploadReceipt:
+        """Send one slice (header, then its binary chunks) and wait for the aggregator's answer.
+
+        A connection that dropped is reopened once and the slice sent again.
+
+        Raises:
+            UploadError: if the aggregator rejected the slice, closed on it, or cannot be reached.
+        """
+        lock = self._locks.setdefault(url, asyncio.Lock())
+        async with lock:
+            for attempt in (1, 2):
+                try:
+                    ws = await self._connection(url)
+                    await ws.send(encode_message(begin))
+                    for chunk in chunks:
+                        await ws.send(chunk)
+                    raw = await asyncio.wait_for(ws.recv(), self._reply_timeout_s)
+                except ConnectionClosed as exc:
+                    self._connections.pop(url, None)
+                    code = exc.rcvd.code if exc.rcvd is not None else None
+                    if code == CloseCode.BAD_TICKET or attempt == 2:
+                        reason = exc.rcvd.reason if exc.rcvd is not None else "connection dropped"
+                        raise UploadError(
+                            f"aggregator {url} closed the upload of slice {begin.slice_index} (code {code}: {reason})",
+                            code="closed",
+                        ) from None
+                    logger.debug("aggregator %s dropped the connection; sending slice %d again", url, begin.slice_index)
+                    continue
+                except (OSError, TimeoutError, InvalidHandshake) as exc:
+                    self._connections.pop(url, None)
+                    if attempt == 2:
+                        raise UploadError(f"cannot upload slice {begin.slice_index} to {url}: {exc}", code="unreachable") from None
+                    await asyncio.sleep(0.5)
+                    continue
+                return self._check_reply(url, begin, raw)
+        raise UploadError(f"cannot upload slice {begin.slice_index} to {url}", code="unreachable")
+
+    def _check_reply(self, url: str, begin: UploadBegin, raw: str | bytes) -> UploadReceipt:
+        try:
+            reply = decode_message(raw, allowed=AGGREGATOR_TO_AGENT)
+        except ProtocolError as exc:
+            raise UploadError(f"aggregator {url} answered slice {begin.slice_index} with a bad message: {exc}") from None
+        if isinstance(reply, UploadReceipt):
+            if reply.slice_index != begin.slice_index:
+                raise UploadError(
+                    f"aggregator {url} sent a receipt for slice {reply.slice_index} after slice {begin.slice_index}"
+                )
+            return reply
+        if isinstance(reply, UploadRejected):
+            raise UploadError(f"aggregator {url} rejected slice {begin.slice_index}: {reply.code} ({reply.detail})", code=reply.code)
+        raise UploadError(f"aggregator {url} refused slice {begin.slice_index}: {reply.code} ({reply.detail})", code=reply.code)
+
+    async def _connection(self, url: str) -> ClientConnection:
+        ws = self._connections.get(url)
+        if ws is None:
+            # Replies are small; outgoing chunks are kept under the limit by split_payload.
+            ws = await connect(url, max_size=MAX_WS_MESSAGE_BYTES, open_timeout=10)
+            self._connections[url] = ws
+            self.connects += 1
+        return ws
+
+    async def close(self) -> None:
+        """Close every aggregator connection."""
+        connections, self._connections = list(self._connections.values()), {}
+        for ws in connections:
+            try:
+                await ws.close()
+            except Exception:  # closing a dead socket must not hide the reason we are stopping
+                logger.debug("error closing an aggregator connection", exc_info=True)

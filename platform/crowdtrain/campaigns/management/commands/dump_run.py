@@ -1,0 +1,77 @@
+"""Print a campaign's committed steps, their sample ranges and its slices as JSON.
+
+Tests and benchmarks read a child site's SQLite file through this command
+instead of opening it in their own process (where pytest-django owns the
+database settings)::
+
+    ./manage.py dump_run --campaign 1
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db.models import Count
+
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.scheduler.leasing import step_ranges
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def dump_campaign(campaign: Campaign) -> dict[str, Any]:
+    steps = []
+    for step in campaign.steps.order_by("index"):
+        steps.append({
+            "index": step.index,
+            "num_samples": step.num_samples,
+            "loss_sum": step.loss_sum,
+            "committed_at": _iso(step.committed_at),
+            "applied_at": _iso(step.applied_at),
+            "ranges": step_ranges(step),
+            "leases": [
+                {"id": lease.pk, "device": lease.device_id, "base_version": lease.base_version,
+                 "num_samples": lease.num_samples, "ranges": lease.ranges}
+                for lease in step.leases.order_by("id")
+            ],
+        })  # fmt: skip
+    lease_states = dict(campaign.leases.values_list("state").annotate(n=Count("id")))
+    return {
+        "id": campaign.pk,
+        "state": campaign.state,
+        "architecture": campaign.architecture,
+        "model_config": campaign.model_config,
+        "optimizer": campaign.optimizer,
+        "seed": campaign.seed,
+        "target_batch_size": campaign.target_batch_size,
+        "committed_steps": campaign.committed_steps,
+        "version": campaign.version,
+        "param_count": campaign.param_count,
+        "dataset": {"kind": campaign.dataset.kind, "sample_len": campaign.dataset.sample_len},
+        "media_root": str(settings.MEDIA_ROOT),
+        "slices": [
+            {"index": s.index, "start": s.start, "end": s.end, "version": s.version,
+             "params_url": s.aggregator.params_url, "upload_url": s.aggregator.upload_url}
+            for s in campaign.slices.select_related("aggregator").order_by("index")
+        ],  # fmt: skip
+        "lease_states": lease_states,
+        "steps": steps,
+    }
+
+
+class Command(BaseCommand):
+    help = "Print one campaign's steps, sample ranges, slices and lease counts as JSON."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--campaign", type=int, required=True, help="campaign id")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        campaign = Campaign.objects.select_related("dataset").filter(pk=options["campaign"]).first()
+        if campaign is None:
+            raise CommandError(f"no campaign {options['campaign']}; seed_run prints the ids it created")
+        self.stdout.write(json.dumps(dump_campaign(campaign)))

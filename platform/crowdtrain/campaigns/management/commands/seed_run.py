@@ -1,0 +1,110 @@
+"""Seed a local run from a JSON spec: datasets, running campaigns, aggregator and agent tokens.
+
+The demo, the end-to-end tests and the benchmark run the site in a child
+process on its own SQLite file; this command is how they fill that file
+without sharing an ORM connection with it. It prints one JSON object::
+
+    ./manage.py seed_run --migrate --spec run.json
+    {"campaigns": [1], "aggregators": {"agg-1": "ctb_..."}, "agents": {"agent-1": "ctd_..."}}
+
+Spec (every key optional)::
+
+    {"campaigns": [
+        {"preset": "demo", "max_steps": 30, "target_batch_size": 128},
+        {"dataset": {"kind": "npz", "path": "w1.npz", "name": "w1"},
+         "name": "W1", "architecture": "mlp", "model_config": {...}, "optimizer": {...},
+         "target_batch_size": 1024, "microbatch_size": 64, "staleness": 1, "max_steps": 40},
+        {"dataset": {"kind": "stdlib", "bytes": 1048576, "sample_len": 33}, "architecture": "gpt", ...}],
+     "aggregators": ["agg-1"], "agents": ["agent-1", "agent-2"]}
+
+Seed campaigns before their aggregators connect: the site assigns slices
+when an aggregator says hello.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import transaction
+
+from crowdtrain.accounts.models import Device
+from crowdtrain.accounts.tokens import hash_token, new_token
+from crowdtrain.campaigns.demo import seed_demo_campaign
+from crowdtrain.campaigns.models import Campaign, Dataset
+from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign
+from crowdtrain.campaigns.sharding import DatasetError, create_npz_dataset, create_text_dataset, stdlib_corpus
+from crowdtrain.scheduler.models import Aggregator
+
+CAMPAIGN_FIELDS = {
+    "name", "architecture", "model_config", "optimizer", "target_batch_size", "microbatch_size", "codec",
+    "staleness", "num_aggregators", "max_steps", "checkpoint_every", "seed", "max_grad_norm",
+}  # fmt: skip
+
+
+def _dataset(spec: dict[str, Any]) -> Dataset:
+    kind = spec.get("kind")
+    shard_bytes = int(spec.get("shard_bytes", 1 << 20))
+    if kind == "npz":
+        path = Path(spec["path"])
+        return create_npz_dataset(spec.get("name", path.stem), path.read_bytes(), shard_bytes)
+    if kind == "stdlib":
+        corpus = stdlib_corpus(int(spec.get("bytes", 1 << 20)))
+        return create_text_dataset(spec.get("name", "python-stdlib"), corpus, int(spec["sample_len"]), shard_bytes)
+    raise CommandError(f"dataset kind must be 'npz' or 'stdlib', got {kind!r}")
+
+
+def _campaign(spec: dict[str, Any], owner: Any) -> Campaign:
+    if spec.get("preset") == "demo":
+        kwargs = {k: v for k, v in spec.items() if k != "preset"}
+        return seed_demo_campaign(**kwargs)
+    unknown = set(spec) - CAMPAIGN_FIELDS - {"dataset"}
+    if unknown:
+        raise CommandError(f"unknown campaign field(s) {sorted(unknown)}; known: {sorted(CAMPAIGN_FIELDS)}")
+    fields = {k: v for k, v in spec.items() if k in CAMPAIGN_FIELDS}
+    fields.setdefault("name", f"{spec.get('architecture', 'model')} campaign")
+    campaign = create_campaign(owner=owner, dataset=_dataset(spec.get("dataset", {})), **fields)
+    campaign.state = Campaign.State.RUNNING
+    campaign.save(update_fields=["state"])
+    return campaign
+
+
+class Command(BaseCommand):
+    help = "Create datasets, running campaigns and tokens from a JSON spec; print ids and tokens as JSON."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--spec", required=True, help="path of the JSON spec (see the module docstring)")
+        parser.add_argument("--migrate", action="store_true", help="apply migrations first (saves a second start-up)")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            spec = json.loads(Path(options["spec"]).read_text())
+        except (OSError, ValueError) as exc:
+            raise CommandError(f"cannot read the run spec {options['spec']}: {exc}") from None
+        if options["migrate"]:
+            call_command("migrate", interactive=False, verbosity=0)
+        try:
+            result = self._seed(spec)
+        except (CampaignConfigError, DatasetError, KeyError, TypeError) as exc:
+            raise CommandError(f"bad run spec {options['spec']}: {exc}") from None
+        self.stdout.write(json.dumps(result))
+
+    @transaction.atomic
+    def _seed(self, spec: dict[str, Any]) -> dict[str, Any]:
+        users = get_user_model().objects
+        owner, _ = users.get_or_create(username="organizer")
+        campaigns = [_campaign(c, owner).pk for c in spec.get("campaigns", [])]
+        aggregators: dict[str, str] = {}
+        for name in spec.get("aggregators", []):
+            token = new_token("ctb")
+            Aggregator.objects.update_or_create(name=name, defaults={"token_hash": hash_token(token)})
+            aggregators[name] = token
+        agents: dict[str, str] = {}
+        for name in spec.get("agents", []):
+            volunteer, _ = users.get_or_create(username=f"volunteer-{name}")  # one volunteer per agent
+            agents[name] = Device.issue(volunteer, name)[1]
+        return {"campaigns": campaigns, "aggregators": aggregators, "agents": agents}

@@ -1,0 +1,101 @@
+"""HTTP views: shard downloads for agents and the campaign progress feed."""
+
+from __future__ import annotations
+
+import re
+
+from django.core.files.storage import default_storage
+from django.db.models import Count, Q
+from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404, render
+from django.views.decorators.http import require_GET
+
+from crowdtrain.accounts.models import Device
+from crowdtrain.accounts.tokens import bearer_token
+
+from .models import Campaign, Shard, shard_storage_name
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+def _error(message: str, status: int) -> JsonResponse:
+    return JsonResponse({"error": message}, status=status)
+
+
+@require_GET
+def shard(request: HttpRequest, sha256: str) -> HttpResponse:
+    """A shard's bytes; immutable, so cacheable forever, with ETag and single-range support."""
+    device = Device.authenticate(bearer_token(dict(request.headers)))
+    if device is None or device.is_revoked:
+        return _error("invalid or revoked device token", 401)
+    if not _SHA256.match(sha256) or not Shard.objects.filter(sha256=sha256).exists():
+        return _error("unknown shard", 404)
+    etag = f'"{sha256}"'
+    if request.headers.get("If-None-Match") == etag:
+        return HttpResponse(status=304, headers={"ETag": etag})
+    name = shard_storage_name(sha256)
+    size = default_storage.size(name)
+    headers = {"ETag": etag, "Accept-Ranges": "bytes", "Cache-Control": "private, max-age=31536000, immutable"}
+    match = _RANGE.match(request.headers.get("Range", ""))
+    if request.headers.get("Range") and match:
+        first, last = match.groups()
+        if first == "":  # suffix range: the last N bytes
+            start, end = max(0, size - int(last or 0)), size - 1
+        else:
+            start, end = int(first), min(size - 1, int(last)) if last else size - 1
+        if start > end or start >= size:
+            return HttpResponse(status=416, headers={"Content-Range": f"bytes */{size}"})
+        with default_storage.open(name, "rb") as fh:
+            fh.seek(start)
+            body = fh.read(end - start + 1)
+        response = HttpResponse(body, status=206, content_type="application/octet-stream", headers=headers)
+        response["Content-Range"] = f"bytes {start}-{end}/{size}"
+        return response
+    response = FileResponse(default_storage.open(name, "rb"), content_type="application/octet-stream", headers=headers)
+    response["Content-Length"] = str(size)
+    return response
+
+
+def _progress(campaign: Campaign) -> dict:
+    steps = list(campaign.steps.order_by("index").values("index", "num_samples", "loss_sum", "committed_at"))
+    contributors = campaign.leases.filter(step__isnull=False).aggregate(n=Count("device__owner", distinct=True))["n"]
+    samples = sum(s["num_samples"] for s in steps)
+    rate = 0.0
+    if len(steps) >= 2:
+        span = (steps[-1]["committed_at"] - steps[0]["committed_at"]).total_seconds()
+        rate = sum(s["num_samples"] for s in steps[1:]) / span if span > 0 else 0.0
+    return {
+        "id": campaign.pk,
+        "name": campaign.name,
+        "state": campaign.state,
+        "architecture": campaign.architecture,
+        "param_count": campaign.param_count,
+        "target_batch_size": campaign.target_batch_size,
+        "max_steps": campaign.max_steps,
+        "committed_steps": campaign.committed_steps,
+        "version": campaign.version,
+        "epoch": campaign.epoch,
+        "samples": samples,
+        "samples_per_s": rate,
+        "contributors": contributors,
+        "active_leases": campaign.leases.filter(state="active").count(),
+        "losses": [s["loss_sum"] / s["num_samples"] for s in steps if s["num_samples"]],
+    }
+
+
+@require_GET
+def progress(request: HttpRequest, campaign_id: int) -> JsonResponse:
+    return JsonResponse(_progress(get_object_or_404(Campaign, pk=campaign_id)))
+
+
+@require_GET
+def index(request: HttpRequest) -> HttpResponse:
+    campaigns = Campaign.objects.exclude(state=Campaign.State.DRAFT).order_by("-id")
+    return render(request, "campaigns/index.html", {"campaigns": [_progress(c) for c in campaigns]})
+
+
+@require_GET
+def healthz(request: HttpRequest) -> JsonResponse:
+    running = Campaign.objects.filter(Q(state=Campaign.State.RUNNING)).count()
+    return JsonResponse({"ok": True, "running_campaigns": running})

@@ -1,0 +1,219 @@
+"""WebSocket endpoints: the agents' control channel and the aggregators' backbone channel."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+
+from crowdtrain.accounts.models import Device
+from crowdtrain.accounts.tokens import bearer_token, hash_token
+from crowdtrain.scheduler import backbone, leasing
+from crowdtrain.scheduler.models import Aggregator
+from crowdtrain_agent.protocol import (
+    AGENT_TO_SITE,
+    BACKBONE_TO_SITE,
+    PROTOCOL_VERSION,
+    AgentHello,
+    BackboneHello,
+    BackboneWelcome,
+    CloseCode,
+    ErrorMessage,
+    Heartbeat,
+    Lease,
+    LeaseDone,
+    LeaseRelease,
+    LeaseRequest,
+    ProtocolError,
+    ReleaseAck,
+    SliceReady,
+    StepApplied,
+    StepFailed,
+    Welcome,
+    decode_message,
+    encode_message,
+)
+
+from .outbox import SendEvent, RevokedEvent, backbone_group, campaign_agents_group, device_group, send_outbox, send_to_group
+
+logger = logging.getLogger(__name__)
+
+# A peer that keeps sending bad messages is cut off; a few mistakes are answered and forgiven.
+MAX_ERRORS = 20
+
+_ERROR_CODES = {CloseCode.TOO_LARGE: "too large", CloseCode.BAD_TICKET: "bad ticket"}
+
+
+class _ProtocolConsumer(AsyncWebsocketConsumer):
+    """Shared parts: strict decoding, error replies, and relaying channel-layer events."""
+
+    accepts: tuple[type, ...] = ()
+    errors = 0
+    greeted = False
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if text_data is None:
+            await self.reject(ProtocolError("binary frames are not accepted on this channel; send JSON text"))
+            return
+        try:
+            message = decode_message(text_data, self.accepts)
+            if not self.greeted and message.kind not in {"hello", "backbone_hello"}:
+                raise ProtocolError(f"send hello before {message.kind!r}")
+            await getattr(self, f"on_{message.kind}")(message)
+        except ProtocolError as exc:
+            await self.reject(exc)
+
+    async def reject(self, exc: ProtocolError) -> None:
+        self.errors += 1
+        code = _ERROR_CODES.get(exc.close_code, "bad message")
+        await self.send(text_data=encode_message(ErrorMessage(code=code, detail=str(exc))))
+        logger.info("%s: rejected message: %s", self.__class__.__name__, exc)
+        if exc.fatal:
+            await self.close(code=exc.close_code)
+        elif self.errors > MAX_ERRORS:
+            await self.close(code=CloseCode.TOO_MANY_ERRORS)
+
+    async def send_message(self, message: Any) -> None:
+        await self.send(text_data=encode_message(message))
+
+    async def socket_send(self, event: SendEvent) -> None:
+        await self.send(text_data=event["text"])
+
+    def check_version(self, version: int) -> None:
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"protocol version {version} is not supported (this site speaks {PROTOCOL_VERSION}); "
+                "upgrade crowdtrain-agent",
+                close_code=CloseCode.UNSUPPORTED_VERSION,
+                fatal=True,
+            )
+
+
+class AgentConsumer(_ProtocolConsumer):
+    """``/ws/agent/``: one volunteer device, authenticated by its API token."""
+
+    accepts = AGENT_TO_SITE
+
+    async def connect(self) -> None:
+        device = await database_sync_to_async(Device.authenticate)(bearer_token(self.scope["headers"]))
+        await self.accept()
+        if device is None:
+            await self.close(code=CloseCode.UNAUTHORIZED)
+            return
+        if device.is_revoked:
+            await self.close(code=CloseCode.REVOKED)
+            return
+        self.device = device
+        self.campaigns: set[int] = set()
+        await self.channel_layer.group_add(device_group(device.pk), self.channel_name)
+
+    async def disconnect(self, code: int) -> None:
+        device = getattr(self, "device", None)
+        if device is None:
+            return
+        await self.channel_layer.group_discard(device_group(device.pk), self.channel_name)
+        for campaign_id in self.campaigns:
+            await self.channel_layer.group_discard(campaign_agents_group(campaign_id), self.channel_name)
+
+    async def on_hello(self, hello: AgentHello) -> None:
+        self.check_version(hello.protocol_version)
+        await database_sync_to_async(_record_hello)(self.device.pk, asdict(hello.device))
+        self.greeted = True
+        await self.send_message(
+            Welcome(
+                device_id=self.device.pk, device_name=self.device.name, volunteer=self.device.owner.get_username(),
+                heartbeat_s=settings.CROWDTRAIN_HEARTBEAT_S, gone_after_s=settings.CROWDTRAIN_GONE_AFTER_S,
+            )
+        )
+
+    async def on_heartbeat(self, _: Heartbeat) -> None:
+        await database_sync_to_async(leasing.touch_device)(self.device.pk)
+
+    async def on_lease_request(self, request: LeaseRequest) -> None:
+        await database_sync_to_async(leasing.touch_device)(self.device.pk)
+        answer = await database_sync_to_async(leasing.request_lease)(
+            self.device.pk, request.campaign_id, request.samples_per_s
+        )
+        if isinstance(answer, Lease) and answer.campaign_id not in self.campaigns:
+            self.campaigns.add(answer.campaign_id)
+            await self.channel_layer.group_add(campaign_agents_group(answer.campaign_id), self.channel_name)
+        await self.send_message(answer)
+
+    async def on_done(self, done: LeaseDone) -> None:
+        outcome = await database_sync_to_async(leasing.report_done)(self.device.pk, done)
+        await self.send_message(outcome.ack)
+        for commit in outcome.commits:
+            await send_outbox((aggregator_id, commit.message) for aggregator_id in commit.aggregator_ids)
+
+    async def on_release(self, release: LeaseRelease) -> None:
+        await database_sync_to_async(leasing.release_lease)(self.device.pk, release.lease_id)
+        await self.send_message(ReleaseAck(lease_id=release.lease_id))
+
+    async def device_revoked(self, event: RevokedEvent) -> None:
+        logger.info("device %s revoked: %s", self.device.pk, event["reason"])
+        await self.close(code=CloseCode.REVOKED)
+
+
+def _record_hello(device_id: int, hardware: dict[str, Any]) -> None:
+    from django.utils import timezone
+
+    Device.objects.filter(pk=device_id).update(hardware=hardware, last_seen_at=timezone.now())
+
+
+class BackboneConsumer(_ProtocolConsumer):
+    """``/ws/backbone/``: one aggregator, authenticated by its backbone token."""
+
+    accepts = BACKBONE_TO_SITE
+
+    async def connect(self) -> None:
+        token = bearer_token(self.scope["headers"])
+        aggregator = await database_sync_to_async(
+            lambda: Aggregator.objects.filter(token_hash=hash_token(token or "")).first()
+        )()
+        await self.accept()
+        if aggregator is None:
+            await self.close(code=CloseCode.UNAUTHORIZED)
+            return
+        self.aggregator = aggregator
+
+    async def disconnect(self, code: int) -> None:
+        aggregator = getattr(self, "aggregator", None)
+        if aggregator is None or not self.greeted:
+            return
+        await self.channel_layer.group_discard(backbone_group(aggregator.pk), self.channel_name)
+        await database_sync_to_async(backbone.aggregator_left)(aggregator.pk)
+        logger.warning("aggregator %s disconnected; its campaigns pause until it returns", aggregator.name)
+
+    async def on_backbone_hello(self, hello: BackboneHello) -> None:
+        self.check_version(hello.protocol_version)
+        self.greeted = True
+        await self.channel_layer.group_add(backbone_group(self.aggregator.pk), self.channel_name)
+        await self.send_message(
+            BackboneWelcome(
+                aggregator_id=self.aggregator.pk, ticket_key=backbone.ticket_key_hex(),
+                heartbeat_s=settings.CROWDTRAIN_HEARTBEAT_S,
+            )
+        )
+        await send_outbox(await database_sync_to_async(backbone.aggregator_joined)(self.aggregator.pk, hello))
+        logger.info("aggregator %s joined from %s", self.aggregator.name, hello.upload_url)
+
+    async def on_heartbeat(self, _: Heartbeat) -> None:
+        await database_sync_to_async(backbone.touch_aggregator)(self.aggregator.pk)
+
+    async def on_slice_ready(self, ready: SliceReady) -> None:
+        await send_outbox(await database_sync_to_async(backbone.slice_ready)(self.aggregator.pk, ready))
+
+    async def on_applied(self, applied: StepApplied) -> None:
+        published = await database_sync_to_async(backbone.step_applied)(self.aggregator.pk, applied)
+        if published is not None:
+            await send_to_group(campaign_agents_group(published.campaign_id), published)
+
+    async def on_step_failed(self, failed: StepFailed) -> None:
+        logger.error(
+            "aggregator %s could not apply step %s of campaign %s: %s (missing leases %s)",
+            self.aggregator.name, failed.step, failed.campaign_id, failed.detail, failed.missing_lease_ids,
+        )

@@ -1,0 +1,54 @@
+"""Channel-layer addresses and how messages reach agents and aggregators through them.
+
+Groups: ``backbone.<aggregator id>`` (one aggregator's socket),
+``campaign.<id>.agents`` (every agent working on a campaign),
+``device.<id>`` (one agent's socket, for revocation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, TypedDict
+
+from channels.layers import get_channel_layer
+
+from crowdtrain_agent.protocol import encode_message
+
+
+class SendEvent(TypedDict):
+    type: str  # "socket.send": the consumer writes ``text`` to its socket as is
+    text: str
+
+
+class RevokedEvent(TypedDict):
+    type: str  # "device.revoked"
+    reason: str
+
+
+def backbone_group(aggregator_id: int) -> str:
+    return f"backbone.{aggregator_id}"
+
+
+def campaign_agents_group(campaign_id: int) -> str:
+    return f"campaign.{campaign_id}.agents"
+
+
+def device_group(device_id: int) -> str:
+    return f"device.{device_id}"
+
+
+async def send_to_group(group: str, message: Any) -> None:
+    event: SendEvent = {"type": "socket.send", "text": encode_message(message)}
+    await get_channel_layer().group_send(group, event)
+
+
+async def send_outbox(outbox: Iterable[tuple[int, Any]]) -> None:
+    """Deliver (aggregator id, message) pairs returned by the scheduler."""
+    for aggregator_id, message in outbox:
+        await send_to_group(backbone_group(aggregator_id), message)
+
+
+async def revoke_device(device_id: int, reason: str) -> None:
+    """Disconnect a device's agent at once; it is told why by the close code."""
+    event: RevokedEvent = {"type": "device.revoked", "reason": reason}
+    await get_channel_layer().group_send(device_group(device_id), event)

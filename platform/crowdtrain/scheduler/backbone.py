@@ -1,0 +1,186 @@
+"""The site's side of the backbone: which aggregator owns which slice, and which version is live.
+
+Functions return ``(aggregator_id, message)`` pairs for ``crowdtrain.gateway``
+to send, plus any VersionPublished to push to agents.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Count
+from django.utils import timezone
+
+from crowdtrain.campaigns.models import Campaign, Step
+from crowdtrain_agent.protocol import (
+    BackboneHello,
+    ModelSpec,
+    OptimizerSpec,
+    Rollback,
+    SliceAssignment as AssignMessage,
+    SliceReady,
+    StepApplied,
+    StepCommit,
+    VersionPublished,
+)
+from crowdtrain_agent.protocol.schema import from_dict
+
+from .leasing import retire_lease
+from .models import Aggregator, Lease, SliceAssignment
+
+logger = logging.getLogger(__name__)
+
+Outbox = list[tuple[int, object]]
+
+
+def _assign_message(s: SliceAssignment, campaign: Campaign) -> AssignMessage:
+    return AssignMessage(
+        campaign_id=campaign.pk, slice_index=s.index, start=s.start, end=s.end, param_count=campaign.param_count,
+        model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
+        optimizer=from_dict(OptimizerSpec, campaign.optimizer), seed=campaign.seed, version=campaign.version,
+        staleness=campaign.staleness, checkpoint_every=campaign.checkpoint_every, max_grad_norm=campaign.max_grad_norm,
+    )
+
+
+def slice_bounds(param_count: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``param_count`` elements into ``parts`` contiguous, nearly equal slices."""
+    edges = [param_count * i // parts for i in range(parts + 1)]
+    return list(zip(edges, edges[1:]))
+
+
+def live_aggregators() -> list[Aggregator]:
+    fresh = timezone.now() - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
+    return list(
+        Aggregator.objects.filter(connected=True, last_seen_at__gte=fresh)
+        .annotate(load=Count("slices"))
+        .order_by("load", "id")
+    )
+
+
+def assign_waiting_campaigns() -> Outbox:
+    """Give every running campaign without a full set of slices its aggregators, if enough are live."""
+    outbox: Outbox = []
+    with transaction.atomic():
+        for campaign in Campaign.objects.select_for_update().filter(state=Campaign.State.RUNNING):
+            if campaign.slices.count() == campaign.num_aggregators:
+                continue
+            live = live_aggregators()
+            if len(live) < campaign.num_aggregators:
+                logger.info("campaign %s waits for %s aggregators, %s live", campaign.pk, campaign.num_aggregators, len(live))
+                continue
+            campaign.slices.all().delete()
+            bounds = slice_bounds(campaign.param_count, campaign.num_aggregators)
+            for index, ((start, end), aggregator) in enumerate(zip(bounds, live)):
+                s = SliceAssignment.objects.create(
+                    campaign=campaign, aggregator=aggregator, index=index, start=start, end=end, version=campaign.version
+                )
+                outbox.append((aggregator.pk, _assign_message(s, campaign)))
+    return outbox
+
+
+def aggregator_joined(aggregator_id: int, hello: BackboneHello) -> Outbox:
+    """Record a (re)connected aggregator and tell it which slices it owns."""
+    with transaction.atomic():
+        Aggregator.objects.filter(pk=aggregator_id).update(
+            upload_url=hello.upload_url, params_url=hello.params_url, connected=True, last_seen_at=timezone.now()
+        )
+        outbox: Outbox = []
+        held = SliceAssignment.objects.filter(aggregator_id=aggregator_id).exclude(campaign__state=Campaign.State.FINISHED)
+        for s in held.select_related("campaign"):
+            s.ready = False
+            s.save(update_fields=["ready"])
+            outbox.append((aggregator_id, _assign_message(s, s.campaign)))
+    return outbox + assign_waiting_campaigns()
+
+
+def aggregator_left(aggregator_id: int) -> None:
+    """Its slices stop being ready, which pauses leasing for their campaigns."""
+    with transaction.atomic():
+        Aggregator.objects.filter(pk=aggregator_id).update(connected=False)
+        SliceAssignment.objects.filter(aggregator_id=aggregator_id).update(ready=False)
+
+
+def touch_aggregator(aggregator_id: int) -> None:
+    Aggregator.objects.filter(pk=aggregator_id).update(last_seen_at=timezone.now())
+
+
+def _commits_since(campaign: Campaign, version: int) -> list[StepCommit]:
+    return [
+        StepCommit(campaign_id=campaign.pk, step=step.index, lease_ids=list(step.leases.order_by("id").values_list("id", flat=True)),
+                   num_samples=step.num_samples)
+        for step in campaign.steps.filter(index__gte=version).order_by("index")
+    ]  # fmt: skip
+
+
+def _rollback(campaign: Campaign, version: int) -> None:
+    """Forget every step at or after ``version``; their samples and all in-flight work are redone."""
+    for step in campaign.steps.filter(index__gte=version):
+        for lease in step.leases.all():
+            lease.step = None
+            lease.save(update_fields=["step"])
+            retire_lease(lease, Lease.State.REJECTED, f"rolled back to version {version}")
+        step.delete()
+    # Accepted-but-uncommitted gradients lived in the lost aggregator's memory.
+    for lease in campaign.leases.filter(state__in=[Lease.State.ACCEPTED, Lease.State.ACTIVE], step__isnull=True):
+        retire_lease(lease, Lease.State.REJECTED, f"rolled back to version {version}")
+    campaign.committed_steps = version
+    campaign.version = version
+    campaign.save(update_fields=["committed_steps", "version"])
+    logger.warning("campaign %s rolled back to version %s after an aggregator lost its state", campaign.pk, version)
+
+
+def slice_ready(aggregator_id: int, ready: SliceReady) -> Outbox:
+    """An aggregator holds a slice at some version: resume it, replay commits, or roll everyone back."""
+    outbox: Outbox = []
+    with transaction.atomic():
+        campaign = Campaign.objects.select_for_update().filter(pk=ready.campaign_id).first()
+        s = SliceAssignment.objects.filter(campaign_id=ready.campaign_id, index=ready.slice_index, aggregator_id=aggregator_id).first()
+        if campaign is None or s is None:
+            logger.warning("aggregator %s reported a slice it does not own: %s", aggregator_id, ready)
+            return outbox
+        if ready.version < campaign.version:
+            _rollback(campaign, ready.version)
+            for other in campaign.slices.exclude(pk=s.pk):
+                other.ready = False
+                other.save(update_fields=["ready"])
+                outbox.append((other.aggregator_id, Rollback(campaign_id=campaign.pk, version=ready.version)))
+        s.ready = True
+        s.version = ready.version
+        s.save(update_fields=["ready", "version"])
+        # Commits sent while it was away (or before a site restart) are sent again; it acks duplicates.
+        outbox += [(aggregator_id, c) for c in _commits_since(campaign, ready.version)]
+    return outbox
+
+
+def step_applied(aggregator_id: int, applied: StepApplied) -> VersionPublished | None:
+    """Record one slice's progress; when every slice has a version, publish it to agents."""
+    with transaction.atomic():
+        campaign = Campaign.objects.select_for_update().filter(pk=applied.campaign_id).first()
+        s = SliceAssignment.objects.filter(campaign_id=applied.campaign_id, index=applied.slice_index, aggregator_id=aggregator_id).first()
+        if campaign is None or s is None:
+            return None
+        if applied.version > s.version:
+            s.version = applied.version
+            s.save(update_fields=["version"])
+        versions = list(campaign.slices.values_list("version", flat=True))
+        newest = min(versions) if len(versions) == campaign.num_aggregators else campaign.version
+        if newest <= campaign.version:
+            return None
+        campaign.version = newest
+        fields = ["version"]
+        if campaign.max_steps is not None and newest >= campaign.max_steps:
+            campaign.state = Campaign.State.FINISHED
+            fields.append("state")
+        campaign.save(update_fields=fields)
+        Step.objects.filter(campaign=campaign, index__lt=newest, applied_at__isnull=True).update(applied_at=timezone.now())
+        step = campaign.steps.filter(index=newest - 1).first()
+        logger.info("campaign %s: version %s published", campaign.pk, newest)
+        return VersionPublished(campaign_id=campaign.pk, version=newest, loss=step.loss if step else None)
+
+
+def ticket_key_hex() -> str:
+    return settings.CROWDTRAIN_TICKET_KEY.hex()
+

@@ -1,0 +1,305 @@
+"""Leases and step accounting: the site's half of the life of a global step.
+
+Every function runs in one transaction with the campaign row locked, so the
+scheduler's decisions are serial per campaign whatever the number of agents.
+They return the protocol messages to send; ``crowdtrain.gateway`` sends them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F, Q, Sum
+from django.utils import timezone
+
+from crowdtrain.accounts.models import Device
+from crowdtrain.campaigns.models import Campaign, Shard, Step
+from crowdtrain_agent.models import get_model
+from crowdtrain_agent.protocol import (
+    DataSpec,
+    DoneAck,
+    Lease as LeaseMessage,
+    LeaseDone,
+    ModelSpec,
+    NoLease,
+    SampleRange,
+    SliceRoute,
+    StepCommit,
+    Ticket,
+    sign_ticket,
+    verify_receipt,
+)
+
+from .models import Lease, SliceAssignment
+from .sampling import return_samples, take_samples
+
+logger = logging.getLogger(__name__)
+
+TICKET_GRACE_S = 30.0
+
+
+@dataclass
+class Commit:
+    """A step the scheduler just closed, and the aggregators that must apply it."""
+
+    message: StepCommit
+    aggregator_ids: list[int]
+
+
+@dataclass
+class DoneOutcome:
+    ack: DoneAck
+    commits: list[Commit] = field(default_factory=list)
+
+
+def _locked(campaign_id: int) -> Campaign:
+    return Campaign.objects.select_for_update().select_related("dataset").get(pk=campaign_id)
+
+
+def _sum(queryset: object) -> int:
+    return queryset.aggregate(n=Sum("num_samples"))["n"] or 0  # type: ignore[attr-defined]
+
+
+def retire_lease(lease: Lease, state: str, reason: str) -> None:
+    """End a lease without counting it; its samples go back in the queue."""
+    lease.state = state
+    lease.reason = reason
+    lease.finished_at = timezone.now()
+    lease.save(update_fields=["state", "reason", "finished_at"])
+    return_samples(lease.campaign_id, lease.ranges)
+    logger.info("lease %s %s: %s", lease.pk, state, reason)
+
+
+def expire_overdue(campaign: Campaign) -> int:
+    """Expire leases past their deadline or held by agents silent for GONE_AFTER_S."""
+    now = timezone.now()
+    gone = now - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
+    overdue = campaign.leases.filter(state=Lease.State.ACTIVE).filter(
+        Q(deadline__lt=now) | Q(device__last_seen_at__lt=gone) | Q(device__revoked_at__isnull=False)
+    )
+    count = 0
+    for lease in overdue:
+        reason = "deadline passed" if lease.deadline < now else "agent went silent"
+        retire_lease(lease, Lease.State.EXPIRED, reason)
+        count += 1
+    return count
+
+
+def _no_lease(reason: str, detail: str, retry_after_s: float | None = None) -> NoLease:
+    return NoLease(reason=reason, detail=detail, retry_after_s=retry_after_s or settings.CROWDTRAIN_RETRY_AFTER_S)
+
+
+def _slices_ready(campaign: Campaign) -> tuple[list[SliceAssignment], str | None]:
+    slices = list(campaign.slices.select_related("aggregator").order_by("index"))
+    fresh = timezone.now() - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
+    ready = [
+        s for s in slices
+        if s.ready and s.aggregator.connected and s.aggregator.last_seen_at and s.aggregator.last_seen_at >= fresh
+    ]  # fmt: skip
+    if len(slices) < campaign.num_aggregators or len(ready) < len(slices):
+        return slices, f"waiting for aggregators: {len(ready)} of {campaign.num_aggregators} slices ready"
+    return slices, None
+
+
+def _lease_size(campaign: Campaign, device: Device, samples_per_s: float | None) -> tuple[int, float | None]:
+    """Samples for ~LEASE_TARGET_S of work on this device, and its speed estimate."""
+    speed = samples_per_s
+    if not speed:
+        flops = float(device.hardware.get("flops_per_s") or 0.0)
+        per_sample = get_model(campaign.architecture).flops_per_sample(campaign.model_config)
+        # The matmul benchmark overstates real training speed; halve it.
+        speed = 0.5 * flops / per_sample if flops > 0 else None
+    if not speed:
+        return 2 * campaign.microbatch_size, None
+    want = speed * settings.CROWDTRAIN_LEASE_TARGET_S
+    micro = campaign.microbatch_size
+    return max(micro, int(want // micro) * micro), speed
+
+
+def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) -> LeaseMessage | NoLease:
+    expire_overdue(campaign)
+    slices, waiting = _slices_ready(campaign)
+    if waiting:
+        return _no_lease("campaign_paused", f"campaign {campaign.pk}: {waiting}")
+    target = campaign.target_batch_size
+    accepted_open = _sum(campaign.leases.filter(state=Lease.State.ACCEPTED, step__isnull=True))
+    outstanding = _sum(campaign.leases.filter(state=Lease.State.ACTIVE))
+    filled = accepted_open + outstanding
+    # The step these samples would land in, if every lease out there is reported.
+    landing_step = campaign.open_step + filled // target
+    if campaign.max_steps is not None and landing_step >= campaign.max_steps:
+        return _no_lease("step_full", f"campaign {campaign.pk}: the last of its {campaign.max_steps} steps is in flight")
+    if landing_step > campaign.version + campaign.staleness:
+        if landing_step > campaign.open_step:
+            return _no_lease(
+                "step_full", f"step {campaign.open_step} has all {target} samples in flight; waiting for its commit"
+            )
+        return _no_lease("waiting_for_version", f"version {campaign.open_step} is being applied by the aggregators")
+    size, speed = _lease_size(campaign, device, samples_per_s)
+    size = min(size, target - filled % target, settings.CROWDTRAIN_MAX_LEASE_SAMPLES)
+    ranges = take_samples(campaign, size)
+    campaign.save(update_fields=["cursor", "epoch"])
+    seconds = max(settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S, 3 * size / speed if speed else 0.0)
+    deadline = timezone.now() + timedelta(seconds=seconds)
+    lease = Lease.objects.create(
+        campaign=campaign, device=device, base_version=campaign.version, ranges=ranges, num_samples=size,
+        deadline=deadline,
+    )
+    ticket = Ticket(
+        lease_id=lease.pk, campaign_id=campaign.pk, device_id=device.pk, base_version=campaign.version,
+        num_samples=size, expires_at=deadline.timestamp() + TICKET_GRACE_S,
+    )
+    shards = dict(campaign.dataset.shards.values_list("index", "sha256"))
+    return LeaseMessage(
+        lease_id=lease.pk,
+        campaign_id=campaign.pk,
+        base_version=campaign.version,
+        ranges=[SampleRange(shard=shards[s], start=start, count=count) for _, s, start, count in ranges],
+        num_samples=size,
+        microbatch_size=campaign.microbatch_size,
+        deadline_s=seconds,
+        ticket=sign_ticket(ticket, settings.CROWDTRAIN_TICKET_KEY),
+        codec=campaign.codec,
+        model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
+        data=DataSpec(kind=campaign.dataset.kind, sample_len=campaign.dataset.sample_len),
+        param_count=campaign.param_count,
+        slices=[
+            SliceRoute(
+                index=s.index, start=s.start, end=s.end, upload_url=s.aggregator.upload_url,
+                params_url=f"{s.aggregator.params_url}{campaign.pk}/{s.index}/",
+            )
+            for s in slices
+        ],
+    )
+
+
+def request_lease(device_id: int, campaign_id: int | None, samples_per_s: float | None) -> LeaseMessage | NoLease:
+    """Give this device work from a running campaign, or say why not and when to ask again."""
+    with transaction.atomic():
+        device = Device.objects.select_for_update().get(pk=device_id)
+        candidates = Campaign.objects.filter(state=Campaign.State.RUNNING).order_by("id")
+        if campaign_id is not None:
+            candidates = candidates.filter(pk=campaign_id)
+        refusals: list[NoLease] = []
+        for candidate_id in candidates.values_list("id", flat=True):
+            outcome = _try_lease(_locked(candidate_id), device, samples_per_s)
+            if isinstance(outcome, LeaseMessage):
+                return outcome
+            refusals.append(outcome)
+        if refusals:
+            return min(refusals, key=lambda r: r.retry_after_s)
+    if campaign_id is not None:
+        state = Campaign.objects.filter(pk=campaign_id).values_list("state", flat=True).first()
+        if state == Campaign.State.FINISHED:
+            return _no_lease("campaign_finished", f"campaign {campaign_id} has finished", 60.0)
+        if state is not None:
+            return _no_lease("campaign_paused", f"campaign {campaign_id} is {state}", 10.0)
+    return _no_lease("no_campaign", "no running campaign accepts volunteers right now", 10.0)
+
+
+def _reject(lease: Lease, reason: str) -> DoneOutcome:
+    retire_lease(lease, Lease.State.REJECTED, reason)
+    return DoneOutcome(DoneAck(lease_id=lease.pk, accepted=False, reason=reason))
+
+
+def _receipts_valid(lease: Lease, done: LeaseDone) -> str | None:
+    tokens = {r.slice_index: r.token for r in done.receipts}
+    for index in lease.campaign.slices.values_list("index", flat=True):
+        token = tokens.get(index)
+        valid = token is not None and verify_receipt(
+            token, settings.CROWDTRAIN_TICKET_KEY, campaign_id=lease.campaign_id, lease_id=lease.pk,
+            slice_index=index, num_samples=lease.num_samples,
+        )
+        if not valid:
+            return f"missing or invalid receipt for slice {index}"
+    return None
+
+
+def commit_open_step(campaign: Campaign) -> Commit:
+    """Close the open step over every accepted lease waiting in it, in lease-id order."""
+    leases = list(campaign.leases.filter(state=Lease.State.ACCEPTED, step__isnull=True).order_by("id"))
+    step = Step.objects.create(
+        campaign=campaign, index=campaign.open_step, num_samples=sum(l.num_samples for l in leases),
+        loss_sum=math.fsum(l.loss_sum or 0.0 for l in leases),
+    )
+    Lease.objects.filter(pk__in=[l.pk for l in leases]).update(step=step)
+    for lease in leases:  # credit only work that made it into a committed step
+        Device.objects.filter(pk=lease.device_id).update(samples_accepted=F("samples_accepted") + lease.num_samples)
+    campaign.committed_steps += 1
+    campaign.save(update_fields=["committed_steps"])
+    logger.info("campaign %s: step %s committed (%s samples, %s leases)", campaign.pk, step.index, step.num_samples, len(leases))
+    message = StepCommit(
+        campaign_id=campaign.pk, step=step.index, lease_ids=[l.pk for l in leases], num_samples=step.num_samples
+    )
+    return Commit(message, list(campaign.slices.values_list("aggregator_id", flat=True)))
+
+
+def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
+    """Count a finished lease in the open step if it is still valid; commit the step when full."""
+    with transaction.atomic():
+        lease = Lease.objects.filter(pk=done.lease_id, device_id=device_id).first()
+        if lease is None:  # another device's lease looks the same as no lease at all
+            return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason="unknown lease"))
+        campaign = _locked(lease.campaign_id)
+        lease.refresh_from_db()
+        if lease.state != Lease.State.ACTIVE:
+            already = "lease already reported" if lease.state == Lease.State.ACCEPTED else f"lease {lease.state}"
+            return DoneOutcome(DoneAck(lease_id=lease.pk, accepted=False, reason=already))
+        if lease.deadline < timezone.now():
+            retire_lease(lease, Lease.State.EXPIRED, "deadline passed")
+            return DoneOutcome(DoneAck(lease_id=lease.pk, accepted=False, reason="lease expired"))
+        if done.num_samples != lease.num_samples:
+            return _reject(lease, f"lease has {lease.num_samples} samples, report says {done.num_samples}")
+        problem = _receipts_valid(lease, done)
+        if problem:
+            return _reject(lease, problem)
+        if lease.base_version + campaign.staleness < campaign.open_step:
+            return _reject(lease, f"stale version: computed on {lease.base_version}, step {campaign.open_step} is open")
+        lease.state = Lease.State.ACCEPTED
+        lease.loss_sum = done.loss_sum
+        lease.compute_s = done.compute_s
+        lease.finished_at = timezone.now()
+        lease.save(update_fields=["state", "loss_sum", "compute_s", "finished_at"])
+        outcome = DoneOutcome(DoneAck(lease_id=lease.pk, accepted=True, step=campaign.open_step))
+        accepted_open = _sum(campaign.leases.filter(state=Lease.State.ACCEPTED, step__isnull=True))
+        if accepted_open >= campaign.target_batch_size:
+            outcome.commits.append(commit_open_step(campaign))
+        return outcome
+
+
+def release_lease(device_id: int, lease_id: int) -> bool:
+    """Give an unfinished lease back (the agent is shutting down); its samples are redone."""
+    with transaction.atomic():
+        lease = Lease.objects.filter(pk=lease_id, device_id=device_id).first()
+        if lease is None:
+            return False
+        _locked(lease.campaign_id)
+        lease.refresh_from_db()
+        if lease.state != Lease.State.ACTIVE:
+            return False
+        retire_lease(lease, Lease.State.RELEASED, "released by the agent")
+        return True
+
+
+def expire_all_overdue() -> int:
+    """Periodic sweep for campaigns nobody is asking leases of right now."""
+    count = 0
+    for campaign_id in Campaign.objects.filter(state=Campaign.State.RUNNING).values_list("id", flat=True):
+        with transaction.atomic():
+            count += expire_overdue(_locked(campaign_id))
+    return count
+
+
+def touch_device(device_id: int) -> None:
+    Device.objects.filter(pk=device_id).update(last_seen_at=timezone.now())
+
+
+def step_ranges(step: Step) -> list[tuple[str, int, int]]:
+    """The (shard sha256, start, count) ranges that made a committed step, in lease-id order."""
+    shards = dict(Shard.objects.filter(dataset_id=step.campaign.dataset_id).values_list("index", "sha256"))
+    return [(shards[s], start, count) for lease in step.leases.order_by("id") for _, s, start, count in lease.ranges]

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+from crowdtrain.accounts.models import Device
+from crowdtrain.campaigns.models import Campaign, Step
+
+
+class Lease(models.Model):
+    """One assignment of sample ranges to one agent, with a deadline.
+
+    ``ranges`` is a list of ``[epoch, shard_index, start, count]``. A lease is
+    *active* until its agent reports it; *accepted* leases wait in the open
+    step (``step`` null) until the step commits, then point at their Step.
+    """
+
+    class State(models.TextChoices):
+        ACTIVE = "active"
+        ACCEPTED = "accepted"
+        EXPIRED = "expired"
+        RELEASED = "released"
+        REJECTED = "rejected"
+
+    campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="leases")
+    device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="leases")
+    base_version = models.PositiveIntegerField()
+    ranges = models.JSONField()
+    num_samples = models.PositiveIntegerField()
+    state = models.CharField(max_length=16, choices=State.choices, default=State.ACTIVE, db_index=True)
+    issued_at = models.DateTimeField(default=timezone.now)
+    deadline = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    step = models.ForeignKey(Step, on_delete=models.SET_NULL, null=True, blank=True, related_name="leases")
+    loss_sum = models.FloatField(null=True, blank=True)
+    compute_s = models.FloatField(null=True, blank=True)
+    reason = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["campaign", "state"])]
+
+    def __str__(self) -> str:
+        return f"lease {self.pk} ({self.state})"
+
+
+class ReturnedRange(models.Model):
+    """Samples from an expired, released or rejected lease, served again before the cursor moves."""
+
+    campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="returned_ranges")
+    epoch = models.PositiveIntegerField()
+    shard_index = models.PositiveIntegerField()
+    start = models.PositiveIntegerField()
+    count = models.PositiveIntegerField()
+
+    class Meta:
+        ordering = ["id"]
+
+
+class Aggregator(models.Model):
+    """A backbone node; it authenticates with its own token and owns parameter slices."""
+
+    name = models.CharField(max_length=100, unique=True)
+    token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    upload_url = models.CharField(max_length=300, blank=True)
+    params_url = models.CharField(max_length=300, blank=True)
+    connected = models.BooleanField(default=False)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class SliceAssignment(models.Model):
+    """Elements ``start:end`` of a campaign's flat parameters live on one aggregator."""
+
+    campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="slices")
+    aggregator = models.ForeignKey(Aggregator, on_delete=models.CASCADE, related_name="slices")
+    index = models.PositiveSmallIntegerField()
+    start = models.BigIntegerField()
+    end = models.BigIntegerField()
+    ready = models.BooleanField(default=False)
+    version = models.PositiveIntegerField(default=0, help_text="newest version this slice has applied")
+
+    class Meta:
+        ordering = ["campaign", "index"]
+        constraints = [models.UniqueConstraint(fields=["campaign", "index"], name="unique_slice_index")]

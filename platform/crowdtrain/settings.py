@@ -1,0 +1,141 @@
+"""Django settings, read once from the environment; every default runs a fresh checkout.
+
+Embedded default: SQLite in var/, in-memory channel layer, Celery tasks run
+in-process. Set DATABASE_URL (PostgreSQL) and REDIS_URL (channel layer and
+Celery broker) for production; production-only rules are system checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+
+import dj_database_url
+
+from .env import env_bool, env_float, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parents[2]
+VAR_DIR = Path(env_str("CROWDTRAIN_VAR_DIR", str(BASE_DIR / "var")))
+
+DEBUG = env_bool("CROWDTRAIN_DEBUG", True)
+SECRET_KEY = env_str("CROWDTRAIN_SECRET_KEY", "insecure-dev-key-change-me-in-production-0123456789")
+ALLOWED_HOSTS = env_list("CROWDTRAIN_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env_list("CROWDTRAIN_CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "crowdtrain.accounts",
+    "crowdtrain.campaigns",
+    "crowdtrain.scheduler",
+    "crowdtrain.gateway",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "crowdtrain.urls"
+ASGI_APPLICATION = "crowdtrain.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "frontend" / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# SQLite waits for the write lock instead of failing at once, and opens its
+# transactions IMMEDIATE so two writers never deadlock upgrading read locks.
+_SQLITE_OPTIONS = {"timeout": 30, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}
+DATABASES = {
+    "default": dj_database_url.parse(
+        env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'crowdtrain.sqlite3'}"), conn_max_age=0
+    )
+}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES["default"]["OPTIONS"] = _SQLITE_OPTIONS
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test.sqlite3")}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env_str("REDIS_URL", "")
+if REDIS_URL:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}}
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# Celery: with no broker configured, tasks run in-process (embedded default).
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "memory://")
+CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", not REDIS_URL)
+CELERY_TASK_EAGER_PROPAGATES = True
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_BEAT_SCHEDULE = {
+    "expire-leases": {"task": "crowdtrain.scheduler.tasks.expire_leases", "schedule": 5.0},
+}
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+MEDIA_ROOT = Path(env_str("CROWDTRAIN_MEDIA_ROOT", str(VAR_DIR / "media")))
+MEDIA_URL = "media/"
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+}
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {
+        "crowdtrain": {"handlers": ["console"], "level": env_str("CROWDTRAIN_LOG_LEVEL", "INFO")},
+    },
+}
+
+# ----------------------------------------------------------- the scheduler
+
+# A lease should take about this long on the device it goes to.
+CROWDTRAIN_LEASE_TARGET_S = env_float("CROWDTRAIN_LEASE_TARGET_S", 15.0, minimum=0.1)
+# Never give a lease less time than this, whatever the device's speed.
+CROWDTRAIN_LEASE_MIN_DEADLINE_S = env_float("CROWDTRAIN_LEASE_MIN_DEADLINE_S", 60.0, minimum=1.0)
+CROWDTRAIN_MAX_LEASE_SAMPLES = env_int("CROWDTRAIN_MAX_LEASE_SAMPLES", 65536, minimum=1)
+# How often idle agents ask again when no lease can be given.
+CROWDTRAIN_RETRY_AFTER_S = env_float("CROWDTRAIN_RETRY_AFTER_S", 2.0, minimum=0.05)
+# Agents and aggregators silent this long are gone; what they held is freed.
+CROWDTRAIN_GONE_AFTER_S = env_float("CROWDTRAIN_GONE_AFTER_S", 10.0, minimum=1.0)
+CROWDTRAIN_HEARTBEAT_S = env_float("CROWDTRAIN_HEARTBEAT_S", 2.0, minimum=0.1)
+
+# Tickets and receipts are HMAC-signed with a key the site shares only with
+# its aggregators (sent to each one after it authenticates).
+CROWDTRAIN_TICKET_KEY = bytes.fromhex(
+    env_str("CROWDTRAIN_TICKET_KEY", hmac.new(SECRET_KEY.encode(), b"crowdtrain-ticket-key", hashlib.sha256).hexdigest())
+)

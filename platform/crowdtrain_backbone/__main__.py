@@ -1,0 +1,76 @@
+"""Command line of the backbone aggregator.
+
+Run it next to a site (port 0 picks a free port; the real one is printed)::
+
+    python -m crowdtrain_backbone --site http://127.0.0.1:8000 --token TOKEN --name agg-1 \\
+        --host 127.0.0.1 --port 0 --checkpoint-dir var/checkpoints
+
+    CROWDTRAIN_BACKBONE_TOKEN=... CROWDTRAIN_BACKBONE_PUBLIC_HOST=agg1.example.org \\
+        python -m crowdtrain_backbone --host 0.0.0.0 --port 8100
+
+On start it prints exactly one line, ``crowdtrain-backbone: listening on http://HOST:PORT``,
+for launchers and tests to parse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from .config import ENV_PREFIX, ConfigError, load_config
+from .server import WS_LOGGER_NAME, run
+
+logger = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m crowdtrain_backbone",
+        description=f"Crowdtrain backbone aggregator. Every flag may also be set as {ENV_PREFIX}<NAME>.",
+    )
+    parser.add_argument("--site", help="the site's base URL (default http://127.0.0.1:8000)")
+    parser.add_argument("--token", help="backbone token issued by the site's admin")
+    parser.add_argument("--name", help="stable name, so the site gives this aggregator back its slices")
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", help="port to bind; 0 picks a free one (default 8100)")
+    parser.add_argument("--checkpoint-dir", dest="checkpoint_dir", help="checkpoint folder (default var/checkpoints)")
+    parser.add_argument("--public-host", dest="public_host", help="host agents use to reach this aggregator")
+    parser.add_argument("--max-pending-bytes", dest="max_pending_bytes", help="cap on pending gradient bytes")
+    parser.add_argument("--log-level", default=os.getenv(ENV_PREFIX + "LOG_LEVEL", "INFO"), help="default INFO")
+    return parser
+
+
+async def _main(args: argparse.Namespace) -> int:
+    config = load_config(vars(args), os.environ)
+    main_task = asyncio.current_task()
+    if main_task is not None:
+        # SIGTERM (docker stop, kubectl) ends like Ctrl-C: cancel, close sockets, exit.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
+    return await run(config, on_listening=lambda url: print(f"crowdtrain-backbone: listening on {url}", flush=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, configure logging, run until stopped; returns the exit code."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    logging.getLogger(WS_LOGGER_NAME).setLevel(logging.WARNING)
+    try:
+        return asyncio.run(_main(args))
+    except ConfigError as exc:
+        print(f"crowdtrain-backbone: {exc}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        return 0
+    except OSError as exc:
+        print(f"crowdtrain-backbone: cannot listen: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The aggregator's frozen configuration: CLI flags, then CROWDTRAIN_BACKBONE_* variables, then defaults."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "CROWDTRAIN_BACKBONE_"
+
+DEFAULT_SITE = "http://127.0.0.1:8000"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8100
+DEFAULT_CHECKPOINT_DIR = "var/checkpoints"
+# Pending gradient slices are kept as fp32 until their step commits; this caps
+# what a burst of uploads (or a hostile agent) can make the process hold.
+DEFAULT_MAX_PENDING_BYTES = 2 << 30
+
+
+class ConfigError(ValueError):
+    """A flag or environment variable the aggregator cannot start with; the message names it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackboneConfig:
+    """Everything the aggregator reads from its command line and environment, read once at start.
+
+    ``public_host`` is the host agents use to reach this process; it goes into
+    the upload and params URLs the site hands out, so it must be reachable
+    from volunteers' machines when ``host`` is a wildcard address.
+    """
+
+    site: str
+    token: str
+    name: str
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    checkpoint_dir: Path = Path(DEFAULT_CHECKPOINT_DIR)
+    public_host: str = DEFAULT_HOST
+    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+
+    @property
+    def backbone_ws_url(self) -> str:
+        """The site's ``/ws/backbone/`` endpoint, with the scheme switched from http(s) to ws(s)."""
+        scheme = "wss" if self.site.startswith("https://") else "ws"
+        return f"{scheme}://{self.site.split('://', 1)[1].rstrip('/')}/ws/backbone/"
+
+
+def _source(name: str, flag: str, flags: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[str | None, str]:
+    """The raw value and where it came from (for error messages), flags first."""
+    value = flags.get(name)
+    if value is not None:
+        return str(value), f"--{flag}"
+    env_name = ENV_PREFIX + name.upper()
+    if env_name in environ:
+        return environ[env_name], env_name
+    return None, ""
+
+
+def _parse_site(raw: str, where: str) -> str:
+    parts = urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"{where}={raw!r} is not a site URL; give the site's base URL, e.g. {DEFAULT_SITE}")
+    return raw.rstrip("/")
+
+
+def _parse_port(raw: str, where: str) -> int:
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{where}={raw!r} is not a TCP port; use an integer 0-65535 (0 picks a free port)")
+    return port
+
+
+def _parse_bytes(raw: str, where: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(f"{where}={raw!r} must be a positive number of bytes, e.g. {DEFAULT_MAX_PENDING_BYTES}")
+    return value
+
+
+def _parse_path(raw: str, where: str) -> Path:
+    if not raw.strip():
+        raise ConfigError(f"{where}={raw!r} must name a folder, e.g. {DEFAULT_CHECKPOINT_DIR}")
+    return Path(raw)
+
+
+def _parse_text(raw: str, where: str) -> str:
+    if not raw.strip() or any(c.isspace() for c in raw):
+        raise ConfigError(f"{where}={raw!r} must be a non-empty string without spaces")
+    return raw
+
+
+def load_config(flags: Mapping[str, Any], environ: Mapping[str, str]) -> BackboneConfig:
+    """Build the config from parsed CLI flags (None = not given), then the environment, then defaults.
+
+    Args:
+        flags: argparse values keyed by field name (``site``, ``token``, ``checkpoint_dir``, ...).
+        environ: usually ``os.environ``; passed in so tests need not patch the process.
+
+    Returns:
+        The frozen config.
+
+    Raises:
+        ConfigError: naming the flag or variable, its value, and what would be accepted.
+    """
+
+    def get(name: str, parse: Callable[[str, str], Any], default: Any) -> Any:
+        raw, where = _source(name, name.replace("_", "-"), flags, environ)
+        return default if raw is None else parse(raw, where)
+
+    token = get("token", _parse_text, None)
+    if token is None:
+        raise ConfigError(
+            f"no backbone token: pass --token or set {ENV_PREFIX}TOKEN to the token the site's admin issued "
+            "for aggregators"
+        )
+    host = get("host", _parse_text, DEFAULT_HOST)
+    # A wildcard bind address is no address an agent can dial: advertise the hostname instead.
+    default_public = socket.getfqdn() if host in ("0.0.0.0", "::") else host
+    return BackboneConfig(
+        site=get("site", _parse_site, DEFAULT_SITE),
+        token=token,
+        name=get("name", _parse_text, f"agg-{socket.gethostname()}"),
+        host=host,
+        port=get("port", _parse_port, DEFAULT_PORT),
+        checkpoint_dir=get("checkpoint_dir", _parse_path, Path(DEFAULT_CHECKPOINT_DIR)),
+        public_host=get("public_host", _parse_text, default_public),
+        max_pending_bytes=get("max_pending_bytes", _parse_bytes, DEFAULT_MAX_PENDING_BYTES),
+    )

@@ -1,0 +1,92 @@
+"""Plain HTTP on the aggregator's port: parameter slices by version, and a health check."""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import logging
+import re
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any
+
+from websockets.asyncio.server import ServerConnection
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from .node import AggregatorNode
+
+logger = logging.getLogger(__name__)
+
+UPLOAD_PATH = "/upload"
+PARAMS_PREFIX = "/params/"
+# GET /params/<campaign_id>/<slice_index>/<version>; the site builds agents' URLs
+# as f"{params_url}{campaign_id}/{slice_index}/" + version, so keep this layout.
+_PARAMS = re.compile(r"^/params/(\d{1,18})/(\d{1,9})/(\d{1,18})/?$")
+# A version never changes once published, so any cache may keep it forever.
+IMMUTABLE = "public, max-age=31536000, immutable"
+
+
+def _response(status: HTTPStatus, body: bytes, content_type: str, extra: list[tuple[str, str]] | None = None) -> Response:
+    headers = Headers(
+        [
+            ("Date", email.utils.formatdate(usegmt=True)),
+            # websockets closes the TCP connection after any non-upgrade response.
+            ("Connection", "close"),
+            ("Content-Length", str(len(body))),
+            ("Content-Type", content_type),
+            *(extra or []),
+        ]
+    )
+    return Response(status.value, status.phrase, headers, body)
+
+
+def json_response(status: HTTPStatus, payload: dict[str, Any]) -> Response:
+    """A small JSON answer; errors are ``{"error": "..."}`` (short, lower-case, one fact)."""
+    return _response(status, json.dumps(payload).encode(), "application/json")
+
+
+def params_response(node: AggregatorNode, request: Request, campaign_id: int, slice_index: int, version: int) -> Response:
+    """The fp32 bytes of one slice at one version, or why not.
+
+    404: the slice is not held here, or the version is not published yet.
+    410: the version was published but is no longer kept (out of the window, or rolled back past).
+    """
+    state = node.get_slice(campaign_id, slice_index)
+    if state is None:
+        return json_response(HTTPStatus.NOT_FOUND, {"error": "slice not held"})
+    snapshot = state.snapshot(version)
+    if snapshot is None:
+        if version > state.version:
+            return json_response(HTTPStatus.NOT_FOUND, {"error": "version not published yet"})
+        return json_response(HTTPStatus.GONE, {"error": "version dropped"})
+    extra = [("ETag", snapshot.etag), ("Cache-Control", IMMUTABLE), ("X-Crowdtrain-Version", str(version))]
+    if request.headers.get("If-None-Match") == snapshot.etag:
+        return _response(HTTPStatus.NOT_MODIFIED, b"", "application/octet-stream", extra)
+    return _response(HTTPStatus.OK, snapshot.body, "application/octet-stream", extra)
+
+
+def make_process_request(node: AggregatorNode) -> Callable[[ServerConnection, Request], Response | None]:
+    """The ``process_request`` hook of ``websockets.serve``: answers HTTP paths, lets ``/upload`` upgrade.
+
+    Args:
+        node: the aggregator state to serve from.
+
+    Returns:
+        A function returning a Response for plain HTTP paths, or None to go on
+        with the WebSocket handshake.
+    """
+
+    def process_request(connection: ServerConnection, request: Request) -> Response | None:
+        path = request.path.split("?", 1)[0]
+        if path == UPLOAD_PATH:
+            return None
+        if path == "/healthz":
+            return json_response(HTTPStatus.OK, node.health())
+        match = _PARAMS.match(path)
+        if match:
+            campaign_id, slice_index, version = (int(g) for g in match.groups())
+            return params_response(node, request, campaign_id, slice_index, version)
+        return json_response(HTTPStatus.NOT_FOUND, {"error": "not found"})
+
+    return process_request

@@ -1,0 +1,112 @@
+"""Wires the aggregator together: one port for uploads and HTTP, one link to the site."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from crowdtrain_agent.protocol import MAX_WS_MESSAGE_BYTES
+from websockets.asyncio.server import Server, serve
+
+from .config import BackboneConfig
+from .http_routes import PARAMS_PREFIX, UPLOAD_PATH, make_process_request
+from .node import AggregatorNode
+from .site_link import SiteLink
+from .uploads import UploadHandler
+
+logger = logging.getLogger(__name__)
+
+# websockets logs every plain HTTP answer ("connection rejected (200 OK)") at
+# INFO; __main__ turns this logger down so params GETs do not flood the log.
+WS_LOGGER_NAME = "crowdtrain_backbone.websockets"
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+class BackboneServer:
+    """A running aggregator: the listening socket, its state, and the site link.
+
+    Tests use it directly (``await server.start()`` ... ``await server.stop()``);
+    the CLI goes through ``run``.
+    """
+
+    def __init__(self, config: BackboneConfig, *, initial_backoff_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
+        self.config = config
+        self.node = AggregatorNode(config)
+        self.port = 0
+        self._backoff = (initial_backoff_s, max_backoff_s)
+        self._server: Server | None = None
+        self._link_task: asyncio.Task[None] | None = None
+        self.link: SiteLink | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT`` this process listens on (the real port, also when 0 was asked)."""
+        return f"http://{_url_host(self.config.host)}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind the port, then start talking to the site (so the URLs we announce already work)."""
+        self._server = await serve(
+            UploadHandler(self.node),
+            self.config.host,
+            self.config.port,
+            process_request=make_process_request(self.node),
+            max_size=MAX_WS_MESSAGE_BYTES,
+            compression=None,  # gradients do not compress; deflate would only burn CPU
+            logger=logging.getLogger(WS_LOGGER_NAME),
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        public = f"{_url_host(self.config.public_host)}:{self.port}"
+        self.link = SiteLink(
+            self.config,
+            self.node,
+            upload_url=f"ws://{public}{UPLOAD_PATH}",
+            params_url=f"http://{public}{PARAMS_PREFIX}",
+            initial_backoff_s=self._backoff[0],
+            max_backoff_s=self._backoff[1],
+        )
+        self._link_task = asyncio.create_task(self.link.run())
+        logger.info("aggregator %s listening on %s, site %s", self.config.name, self.url, self.config.site)
+
+    async def wait(self) -> None:
+        """Until the site link gives up (non-retryable close) or the task is cancelled."""
+        if self._link_task is not None:
+            await self._link_task
+
+    async def stop(self) -> None:
+        """Close the site link and the listening socket; pending uploads are lost (they are not durable)."""
+        if self._link_task is not None:
+            self._link_task.cancel()
+            try:
+                await self._link_task
+            except asyncio.CancelledError:
+                pass
+            self._link_task = None
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+
+async def run(config: BackboneConfig, on_listening: Callable[[str], None] | None = None) -> int:
+    """Run the aggregator until cancelled or refused by the site.
+
+    Args:
+        config: the frozen config.
+        on_listening: called once with ``http://HOST:PORT`` after the port is bound.
+
+    Returns:
+        The process exit code: 1 when the site refused this aggregator for good.
+    """
+    server = BackboneServer(config)
+    await server.start()
+    if on_listening is not None:
+        on_listening(server.url)
+    try:
+        await server.wait()
+        return 1
+    finally:
+        await server.stop()

@@ -1,0 +1,203 @@
+"""The aggregator's connection to the site (``/ws/backbone/``): hello, heartbeats, orders in, replies out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from http import HTTPStatus
+
+from crowdtrain_agent.protocol import (
+    HEARTBEAT_INTERVAL_S,
+    MAX_WS_MESSAGE_BYTES,
+    BackboneHello,
+    BackboneWelcome,
+    ErrorMessage,
+    Heartbeat,
+    ProtocolError,
+    Rollback,
+    SliceAssignment,
+    SliceUnassign,
+    StepCommit,
+    decode_message,
+    encode_message,
+    should_reconnect,
+)
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+
+from .config import BackboneConfig
+from .node import AggregatorNode, Reply, SiteOrder
+
+logger = logging.getLogger(__name__)
+
+SITE_TO_BACKBONE = (BackboneWelcome, SliceAssignment, StepCommit, Rollback, SliceUnassign, Heartbeat, ErrorMessage)
+WELCOME_TIMEOUT_S = 10.0
+
+
+class SiteLink:
+    """Keeps one connection to the site alive and runs its orders, per campaign, in the order sent.
+
+    Orders of one campaign run one after another (a commit must not overtake
+    the assignment before it); different campaigns proceed side by side. The
+    queues outlive connections, so a step in progress finishes across a
+    reconnect; its reply is lost then, and the site's re-sent commit gets the
+    same answer again (commits are idempotent).
+    """
+
+    def __init__(
+        self,
+        config: BackboneConfig,
+        node: AggregatorNode,
+        *,
+        upload_url: str,
+        params_url: str,
+        initial_backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+    ) -> None:
+        self.config = config
+        self.node = node
+        self.upload_url = upload_url
+        self.params_url = params_url
+        self.initial_backoff_s = initial_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._ws: ClientConnection | None = None
+        self._queues: dict[int, asyncio.Queue[SiteOrder]] = {}
+        self._workers: dict[int, asyncio.Task[None]] = {}
+        self.connected = asyncio.Event()
+
+    async def run(self) -> None:
+        """Connect, serve, reconnect with backoff; return only when the site refuses us for good."""
+        url = self.config.backbone_ws_url
+        failures = 0
+        try:
+            while True:
+                try:
+                    ws = await connect(
+                        url,
+                        additional_headers={"Authorization": f"Bearer {self.config.token}"},
+                        max_size=MAX_WS_MESSAGE_BYTES,
+                        open_timeout=WELCOME_TIMEOUT_S,
+                    )
+                except InvalidStatus as exc:
+                    status = exc.response.status_code
+                    if status in (HTTPStatus.UNAUTHORIZED, HTTPStatus.FORBIDDEN):
+                        logger.warning(
+                            "the site at %s refused the backbone token (HTTP %s); giving up. Check --token / "
+                            "CROWDTRAIN_BACKBONE_TOKEN against the token the site's admin issued", url, status,
+                        )  # fmt: skip
+                        return
+                    reason = f"HTTP {status}"
+                except (OSError, TimeoutError, InvalidHandshake) as exc:
+                    reason = f"{type(exc).__name__}: {exc}"
+                else:
+                    welcomed = await self._serve(ws, failures)
+                    code = ws.close_code
+                    if not should_reconnect(code):
+                        logger.warning(
+                            "the site closed the backbone connection with code %s (%s); giving up. A restart with "
+                            "a valid token and a current crowdtrain-agent package is needed", code, ws.close_reason,
+                        )  # fmt: skip
+                        return
+                    if welcomed:
+                        failures = 0
+                    reason = f"closed with code {code}"
+                failures += 1
+                delay = min(self.max_backoff_s, self.initial_backoff_s * 2 ** (failures - 1))
+                delay *= random.uniform(0.5, 1.0)  # jitter: aggregators restarted together spread out
+                logger.debug("site connection to %s failed (%s), try %s; next try in %.1f s", url, reason, failures, delay)
+                await asyncio.sleep(delay)
+        finally:
+            for task in self._workers.values():
+                task.cancel()
+
+    async def _serve(self, ws: ClientConnection, failures: int) -> bool:
+        """Say hello, wait for the welcome, then take orders until the connection closes.
+
+        Returns:
+            Whether the site welcomed us (a connection that never got that far counts as a failed try).
+        """
+        try:
+            try:
+                await ws.send(encode_message(BackboneHello(
+                    name=self.config.name, upload_url=self.upload_url, params_url=self.params_url,
+                )))  # fmt: skip
+                raw = await asyncio.wait_for(ws.recv(), WELCOME_TIMEOUT_S)
+                welcome = decode_message(raw, allowed=(BackboneWelcome,))
+                ticket_key = bytes.fromhex(welcome.ticket_key)
+            except (ProtocolError, ValueError, TimeoutError) as exc:
+                logger.warning("the site's answer to our hello is not a welcome (%s); retrying", exc)
+                return False
+            except ConnectionClosed:
+                return False
+            self.node.ticket_key = ticket_key
+            self.node.aggregator_id = welcome.aggregator_id
+            if failures:
+                logger.info("reconnected to the site after %s tries (aggregator %s)", failures, welcome.aggregator_id)
+            else:
+                logger.info("connected to the site as aggregator %s (%s)", welcome.aggregator_id, self.config.name)
+            self._ws = ws
+            self.connected.set()
+            interval = welcome.heartbeat_s if welcome.heartbeat_s > 0 else HEARTBEAT_INTERVAL_S
+            heartbeats = asyncio.create_task(self._heartbeat(ws, interval))
+            try:
+                async for raw in ws:
+                    self._dispatch(raw)
+            except ConnectionClosed:
+                pass
+            finally:
+                heartbeats.cancel()
+                self._ws = None
+                self.connected.clear()
+            return True
+        finally:
+            # A plain close (1000) also when cancelled: the site must not read a stop as a crash.
+            await ws.close()
+
+    async def _heartbeat(self, ws: ClientConnection, interval: float) -> None:
+        beat = encode_message(Heartbeat())
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                await ws.send(beat)
+        except ConnectionClosed:
+            return
+
+    def _dispatch(self, raw: str | bytes) -> None:
+        try:
+            message = decode_message(raw, allowed=SITE_TO_BACKBONE)
+        except ProtocolError as exc:
+            logger.warning("ignoring a bad message from the site: %s", exc)
+            return
+        if isinstance(message, (Heartbeat, BackboneWelcome)):
+            return
+        if isinstance(message, ErrorMessage):
+            logger.warning("the site reports an error (%s): %s", message.code, message.detail)
+            return
+        campaign_id = message.campaign_id
+        if campaign_id not in self._queues:
+            self._queues[campaign_id] = asyncio.Queue()
+            self._workers[campaign_id] = asyncio.create_task(self._work(self._queues[campaign_id]))
+        self._queues[campaign_id].put_nowait(message)
+
+    async def _work(self, queue: asyncio.Queue[SiteOrder]) -> None:
+        while True:
+            order = await queue.get()
+            try:
+                replies = await self.node.handle(order)
+            except Exception:
+                logger.exception("failed to carry out %s for campaign %s", order.kind, order.campaign_id)
+                continue
+            for reply in replies:
+                await self.send(reply)
+
+    async def send(self, reply: Reply) -> None:
+        """Send a reply if connected; a lost reply is recovered by the site's re-sent order."""
+        ws = self._ws
+        if ws is None:
+            logger.debug("not connected; dropping %s", reply)
+            return
+        try:
+            await ws.send(encode_message(reply))
+        except ConnectionClosed:
+            logger.debug("connection closed; dropping %s", reply)

@@ -1,0 +1,377 @@
+"""One slice of a campaign's parameters: its optimizer, pending gradient uploads and published versions.
+
+Terms: a *pending upload* is one lease's gradient for this slice, summed over
+the lease's samples, held until the site commits a step that names the lease
+(or until no commit can use it any more). A *snapshot* is the fp32 bytes of
+the slice at one version, served to agents over HTTP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from crowdtrain_agent.codec import encode_fp32
+from crowdtrain_agent.models import get_model
+from crowdtrain_agent.protocol import OptimizerSpec, SliceAssignment
+from crowdtrain_agent.protocol.schema import to_dict
+
+logger = logging.getLogger(__name__)
+
+# Lease ids already committed or dropped, remembered to reject replays. Bounded:
+# a lease old enough to fall out is also far outside the version window.
+MAX_REMEMBERED_LEASES = 1 << 16
+
+
+class UploadRefused(Exception):
+    """An upload this slice will not take; ``code`` goes to the agent in UploadRejected."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+
+
+class StepRefused(Exception):
+    """A commit this slice cannot apply; nothing changed. Becomes a StepFailed for the site."""
+
+    def __init__(self, detail: str, missing: Sequence[int] = ()) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.missing = list(missing)
+
+
+@dataclass(frozen=True)
+class PendingUpload:
+    """One lease's gradient for this slice, summed over its ``num_samples`` samples."""
+
+    lease_id: int
+    base_version: int
+    num_samples: int
+    grad: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.grad.numel() * self.grad.element_size()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The published bytes of one version; immutable, so the ETag is a content hash."""
+
+    version: int
+    body: bytes
+    etag: str
+
+
+class MemoryBudget:
+    """Bytes of pending gradients the whole process may hold, shared by every slice."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def try_reserve(self, nbytes: int) -> bool:
+        """Take ``nbytes`` if they fit; the caller must ``release`` them when the upload goes away."""
+        if self.used + nbytes > self.limit:
+            return False
+        self.used += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.used = max(0, self.used - nbytes)
+
+
+class AggregationRule(ABC):
+    """How the pending uploads named by one commit become the step's gradient."""
+
+    name: str = ""
+
+    @abstractmethod
+    def combine(self, uploads: Sequence[PendingUpload], num_samples: int) -> torch.Tensor:
+        """Return the per-sample gradient for the step.
+
+        Args:
+            uploads: the committed uploads, already in ascending lease-id order;
+                rules must keep that order so replicas agree bit for bit.
+            num_samples: the step's sample count (sum of the uploads' counts).
+        """
+
+
+class MeanRule(AggregationRule):
+    """Sum of the lease gradients divided by the sample count: the big-batch mean-loss gradient."""
+
+    name = "mean"
+
+    def combine(self, uploads: Sequence[PendingUpload], num_samples: int) -> torch.Tensor:
+        total = torch.zeros_like(uploads[0].grad)
+        for upload in uploads:  # fixed order: fp32 addition is not associative
+            total.add_(upload.grad)
+        return total.div_(float(num_samples))
+
+
+def build_optimizer(spec: OptimizerSpec, param: torch.nn.Parameter) -> torch.optim.Optimizer:
+    """The optimizer for one flat slice; both choices are elementwise, so slices compose to the full model.
+
+    ``foreach=False`` keeps the single-tensor code path on every machine, so an
+    aggregator holding the whole vector and N aggregators holding slices of it
+    run the same arithmetic.
+    """
+    if spec.name == "adamw":
+        return torch.optim.AdamW(
+            [param], lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps,
+            weight_decay=spec.weight_decay, foreach=False,
+        )  # fmt: skip
+    return torch.optim.SGD(
+        [param], lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay, foreach=False
+    )
+
+
+def initial_params(assignment: SliceAssignment) -> torch.Tensor:
+    """Elements ``start:end`` of the seeded model's flat parameter vector (the same on every aggregator).
+
+    Raises:
+        ValueError: if the model does not have ``param_count`` parameters or the range does not fit.
+    """
+    model = get_model(assignment.model.architecture).build(assignment.model.config, seed=assignment.seed)
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    if flat.numel() != assignment.param_count:
+        raise ValueError(
+            f"campaign {assignment.campaign_id}: model {assignment.model.architecture} has {flat.numel()} "
+            f"parameters but the assignment says {assignment.param_count}; the site and this aggregator run "
+            "different model registries, upgrade crowdtrain-agent on the aggregator"
+        )
+    return flat[assignment.start : assignment.end].clone()
+
+
+def make_snapshot(campaign_id: int, slice_index: int, version: int, params: torch.Tensor) -> Snapshot:
+    """Encode the params once per version; every HTTP GET then serves the same bytes."""
+    body = encode_fp32(params)
+    digest = hashlib.sha256(body).hexdigest()[:20]
+    return Snapshot(version, body, f'"c{campaign_id}-s{slice_index}-v{version}-{digest}"')
+
+
+class SliceState:
+    """Params, optimizer, pending uploads and recent snapshots of one slice.
+
+    Threading: ``apply_step_`` and ``checkpoint_dict`` run in a worker thread
+    (``asyncio.to_thread``); every other method runs on the event loop. The
+    caller runs at most one of the thread methods at a time per slice.
+    """
+
+    def __init__(
+        self,
+        assignment: SliceAssignment,
+        params: torch.Tensor,
+        version: int,
+        budget: MemoryBudget,
+        optimizer_state: dict[str, Any] | None = None,
+        rule: AggregationRule | None = None,
+    ) -> None:
+        self.assignment = assignment
+        self.budget = budget
+        self.rule = rule or MeanRule()
+        self.pending: dict[int, PendingUpload] = {}
+        self.receiving: set[int] = set()  # leases whose chunks are still arriving
+        self.finished: OrderedDict[int, str] = OrderedDict()  # lease id -> "committed" | "dropped"
+        self.snapshots: OrderedDict[int, Snapshot] = OrderedDict()
+        self.install_(params, version, optimizer_state)
+
+    # ------------------------------------------------------------ identity
+
+    @property
+    def campaign_id(self) -> int:
+        return self.assignment.campaign_id
+
+    @property
+    def slice_index(self) -> int:
+        return self.assignment.slice_index
+
+    @property
+    def numel(self) -> int:
+        return self.assignment.end - self.assignment.start
+
+    @property
+    def retained_versions(self) -> int:
+        """Agents may train on any version in the staleness window, plus one in flight."""
+        return self.assignment.staleness + 2
+
+    # ------------------------------------------------------------ state
+
+    def install_(self, params: torch.Tensor, version: int, optimizer_state: dict[str, Any] | None = None) -> None:
+        """Replace params and optimizer (fresh init, checkpoint load, rollback) and publish ``version``.
+
+        Snapshots above ``version`` are dropped: after a rollback they belong to
+        a timeline that no longer exists.
+        """
+        if params.shape != (self.numel,):
+            raise ValueError(f"params of shape {tuple(params.shape)} do not fit a slice of {self.numel} elements")
+        self.param = torch.nn.Parameter(params.to(torch.float32).clone())
+        self.optimizer = build_optimizer(self.assignment.optimizer, self.param)
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
+            # The checkpoint carries the old hyperparameters; the assignment's are current.
+            fresh = build_optimizer(self.assignment.optimizer, self.param).param_groups[0]
+            for group in self.optimizer.param_groups:
+                group.update({k: v for k, v in fresh.items() if k != "params"})
+        self.version = version
+        for v in [v for v in self.snapshots if v >= version]:
+            del self.snapshots[v]
+        self._publish(make_snapshot(self.campaign_id, self.slice_index, version, self.param.detach()))
+
+    def _publish(self, snapshot: Snapshot) -> None:
+        self.snapshots[snapshot.version] = snapshot
+        while len(self.snapshots) > self.retained_versions:
+            self.snapshots.popitem(last=False)
+
+    def snapshot(self, version: int) -> Snapshot | None:
+        return self.snapshots.get(version)
+
+    def checkpoint_dict(self) -> dict[str, Any]:
+        """A plain dict of the current state for ``torch.save``; loadable with ``weights_only=True``."""
+        return {
+            "config": to_dict(self.assignment),
+            "version": self.version,
+            "params": self.param.detach().clone(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    # ------------------------------------------------------------ uploads
+
+    def check_upload(self, lease_id: int, base_version: int) -> None:
+        """Refuse replays and versions outside the window ``[version - staleness, version]``.
+
+        Raises:
+            UploadRefused: with code "replayed upload", "stale version" or "future version".
+        """
+        if lease_id in self.pending or lease_id in self.receiving or lease_id in self.finished:
+            state = self.finished.get(lease_id, "pending")
+            raise UploadRefused(
+                "replayed upload",
+                f"lease {lease_id} already uploaded slice {self.slice_index} ({state}); each lease uploads once",
+            )
+        low = self.version - self.assignment.staleness
+        if base_version < low:
+            raise UploadRefused(
+                "stale version",
+                f"lease {lease_id} trained on version {base_version}, but slice {self.slice_index} is at "
+                f"version {self.version} and accepts {low}..{self.version}; ask the site for a new lease",
+            )
+        if base_version > self.version:
+            raise UploadRefused(
+                "future version",
+                f"lease {lease_id} trained on version {base_version}, but slice {self.slice_index} is only at "
+                f"version {self.version}; retry after the site publishes it",
+            )
+
+    def begin_upload(self, lease_id: int, base_version: int) -> None:
+        """Check and mark a lease as receiving, so a concurrent duplicate on another connection is refused."""
+        self.check_upload(lease_id, base_version)
+        self.receiving.add(lease_id)
+
+    def abort_upload(self, lease_id: int) -> None:
+        self.receiving.discard(lease_id)
+
+    def add_pending(self, upload: PendingUpload) -> None:
+        """Keep a fully received, validated upload until a commit names it.
+
+        The version window is checked again: a step may have been applied
+        while the chunks were arriving. The upload's bytes must already be
+        reserved in the budget; from here on this slice releases them.
+
+        Raises:
+            UploadRefused: if the upload became stale meanwhile (the caller releases the bytes).
+        """
+        self.receiving.discard(upload.lease_id)
+        self.check_upload(upload.lease_id, upload.base_version)
+        self.pending[upload.lease_id] = upload
+
+    def _forget(self, lease_id: int, outcome: str) -> None:
+        upload = self.pending.pop(lease_id, None)
+        if upload is not None:
+            self.budget.release(upload.nbytes)
+        self.finished[lease_id] = outcome
+        self.finished.move_to_end(lease_id)
+        while len(self.finished) > MAX_REMEMBERED_LEASES:
+            self.finished.popitem(last=False)
+
+    def drop_stale_(self) -> list[int]:
+        """Drop pending uploads no commit can use any more (base version below the window)."""
+        low = self.version - self.assignment.staleness
+        stale = sorted(lid for lid, up in self.pending.items() if up.base_version < low)
+        for lease_id in stale:
+            self._forget(lease_id, "dropped")
+        if stale:
+            logger.debug("campaign %s slice %s dropped stale leases %s", self.campaign_id, self.slice_index, stale)
+        return stale
+
+    def drop_newer_(self, version: int) -> list[int]:
+        """Drop pending uploads trained on versions above ``version`` (a rollback discards them)."""
+        newer = sorted(lid for lid, up in self.pending.items() if up.base_version > version)
+        for lease_id in newer:
+            self._forget(lease_id, "dropped")
+        return newer
+
+    def release_all(self) -> None:
+        """Give back the budget of every pending upload (the slice is being unassigned)."""
+        for upload in self.pending.values():
+            self.budget.release(upload.nbytes)
+        self.pending.clear()
+
+    # ------------------------------------------------------------ steps
+
+    def collect(self, lease_ids: Sequence[int], num_samples: int) -> list[PendingUpload]:
+        """The pending uploads a commit names, in ascending lease-id order.
+
+        Raises:
+            StepRefused: if any lease is missing or the sample counts disagree; nothing changes.
+        """
+        ordered = sorted(set(lease_ids))
+        if len(ordered) != len(lease_ids):
+            raise StepRefused(f"commit names a lease twice: {sorted(lease_ids)}")
+        if not ordered:
+            raise StepRefused("commit names no leases; a step needs at least one")
+        missing = [lid for lid in ordered if lid not in self.pending]
+        if missing:
+            raise StepRefused(
+                f"slice {self.slice_index} holds no upload for leases {missing} at version {self.version}",
+                missing,
+            )
+        uploads = [self.pending[lid] for lid in ordered]
+        held = sum(u.num_samples for u in uploads)
+        if held != num_samples or num_samples <= 0:
+            raise StepRefused(
+                f"commit says {num_samples} samples but the named uploads carry {held}; "
+                "the site and the tickets disagree on lease sizes"
+            )
+        return uploads
+
+    def apply_step_(self, uploads: Sequence[PendingUpload], num_samples: int) -> Snapshot:
+        """Run in a thread: combine the uploads, take one optimizer step, encode the new params.
+
+        Returns:
+            The snapshot of version ``self.version + 1``; ``finish_step`` publishes it.
+        """
+        grad = self.rule.combine(uploads, num_samples)
+        self.param.grad = grad
+        self.optimizer.step()
+        self.param.grad = None
+        return make_snapshot(self.campaign_id, self.slice_index, self.version + 1, self.param.detach())
+
+    def finish_step(self, snapshot: Snapshot, lease_ids: Sequence[int]) -> list[int]:
+        """On the loop, after ``apply_step_``: advance the version, publish, forget used and stale uploads.
+
+        Returns:
+            Lease ids dropped as stale.
+        """
+        self.version = snapshot.version
+        self._publish(snapshot)
+        for lease_id in lease_ids:
+            self._forget(lease_id, "committed")
+        return self.drop_stale_()

@@ -1,0 +1,277 @@
+"""The data channel: agents stream gradient slices here, one ``upload`` message plus binary chunks each.
+
+Exchange, per upload, on a ``/upload`` WebSocket that may carry many uploads:
+
+1. text ``UploadBegin`` {ticket, slice_index, codec, num_elements, num_chunks};
+2. ``num_chunks`` binary frames made by ``protocol.split_payload`` (every
+   chunk ``CHUNK_PAYLOAD_BYTES`` long except the last), in order;
+3. one text reply: ``UploadReceipt`` or ``UploadRejected``.
+
+A rejected upload leaves the connection usable: the binary frames still on
+their way for it are discarded until the next text message. Only a broken
+chunk header, a binary frame with no upload announced, or too many rejections
+in a row close the socket (with a ``protocol.CloseCode``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import torch
+from crowdtrain_agent.codec import CODECS, Codec, get_codec
+from crowdtrain_agent.protocol import (
+    CHUNK_PAYLOAD_BYTES,
+    CloseCode,
+    ProtocolError,
+    Ticket,
+    UploadBegin,
+    UploadReceipt,
+    UploadRejected,
+    decode_chunk,
+    decode_message,
+    encode_message,
+    sign_receipt,
+    verify_ticket,
+)
+from crowdtrain_agent.protocol.messages import AGENT_TO_AGGREGATOR
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from .node import AggregatorNode
+from .slices import PendingUpload, SliceState, UploadRefused
+
+logger = logging.getLogger(__name__)
+
+# Rejections in a row after which a connection is more likely hostile than unlucky.
+MAX_REJECTIONS_IN_A_ROW = 100
+# Decoding and checking a slice this big would stall the event loop noticeably.
+THREAD_DECODE_BYTES = 1 << 20
+
+
+class Rejected(Exception):
+    """An upload refused with ``code``; ``discard`` says whether its remaining chunks are still coming."""
+
+    def __init__(self, code: str, detail: str, *, lease_id: int | None = None, slice_index: int | None = None,
+                 discard: bool = True) -> None:  # fmt: skip
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+        self.lease_id = lease_id
+        self.slice_index = slice_index
+        self.discard = discard
+
+
+def _message_error_code(text: str | bytes, exc: ProtocolError) -> str:
+    """A short code for a text frame that did not decode, so agents can branch on it."""
+    if exc.close_code == CloseCode.TOO_LARGE:
+        return "too large"
+    try:
+        data = json.loads(text)
+    except (ValueError, UnicodeDecodeError):
+        return "malformed json"
+    if not isinstance(data, dict):
+        return "malformed message"
+    if data.get("kind") != UploadBegin.__dataclass_fields__["kind"].default:
+        return "unknown message"
+    codec = data.get("codec")
+    if codec is not None and (not isinstance(codec, str) or codec not in CODECS):
+        return "unknown codec"
+    return "malformed message"
+
+
+def decode_gradient(codec: Codec, data: bytearray, num_elements: int, ticket: Ticket, max_grad_norm: float) -> torch.Tensor:
+    """Decode one slice and check it is finite and within the per-sample norm bound.
+
+    Args:
+        codec: the codec the agent announced.
+        data: the reassembled payload.
+        num_elements: slice length.
+        ticket: the verified ticket (its ``num_samples`` weighs the norm bound).
+        max_grad_norm: bound on ||g|| / num_samples; 0 disables it. Checked per
+            slice, which is a necessary condition for the whole gradient's bound.
+
+    Raises:
+        Rejected: "not finite" or "norm bound".
+    """
+    grad = codec.decode(data, num_elements)
+    if not bool(torch.isfinite(grad).all()):
+        bad = int((~torch.isfinite(grad)).sum())
+        raise Rejected("not finite", f"lease {ticket.lease_id}: {bad} gradient values are NaN or infinite; "
+                       "lower the learning rate or use fp32 if fp16 overflows", lease_id=ticket.lease_id)  # fmt: skip
+    if max_grad_norm > 0:
+        # float64: squares of large fp32 values would overflow to inf.
+        per_sample = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) / ticket.num_samples
+        if per_sample > max_grad_norm:
+            raise Rejected(
+                "norm bound",
+                f"lease {ticket.lease_id}: gradient norm per sample {per_sample:.4g} is over the campaign's "
+                f"bound {max_grad_norm:.4g}; the gradient is likely corrupt",
+                lease_id=ticket.lease_id,
+            )
+    return grad
+
+
+class UploadSession:
+    """One agent connection on ``/upload``; handles its uploads one after another."""
+
+    def __init__(self, node: AggregatorNode, ws: ServerConnection) -> None:
+        self.node = node
+        self.ws = ws
+        self._next_text: str | None = None  # a text frame that arrived where a chunk was due
+
+    async def run(self) -> None:
+        """Serve uploads until the agent hangs up or breaks the framing."""
+        discarding = False
+        rejections = 0
+        while True:
+            if self._next_text is not None:
+                raw: str | bytes = self._next_text
+                self._next_text = None
+            else:
+                try:
+                    raw = await self.ws.recv()
+                except ConnectionClosed:
+                    return
+            if isinstance(raw, bytes):
+                if discarding:
+                    continue  # the rest of a rejected upload
+                await self._close(CloseCode.BAD_MESSAGE, "binary frame with no upload announced")
+                return
+            discarding = False
+            try:
+                reply = await self._upload(raw)
+            except Rejected as rej:
+                rejections += 1
+                discarding = rej.discard
+                logger.debug("upload rejected (%s): %s", rej.code, rej.detail)
+                reply = UploadRejected(lease_id=rej.lease_id, slice_index=rej.slice_index, code=rej.code,
+                                       detail=rej.detail)  # fmt: skip
+            except ProtocolError as exc:
+                # The chunk framing itself is broken: nothing after it can be trusted.
+                logger.info("closing upload connection from %s: %s", self.ws.remote_address, exc)
+                await self._close(exc.close_code, str(exc))
+                return
+            else:
+                rejections = 0
+            try:
+                await self.ws.send(encode_message(reply))
+            except ConnectionClosed:
+                return
+            if rejections >= MAX_REJECTIONS_IN_A_ROW:
+                await self._close(CloseCode.TOO_MANY_ERRORS, f"{rejections} rejected uploads in a row")
+                return
+
+    async def _close(self, code: int, reason: str) -> None:
+        await self.ws.close(code, reason.encode()[:120].decode(errors="ignore"))
+
+    async def _upload(self, text: str) -> UploadReceipt:
+        """Validate the header, receive the chunks, check the gradient, keep it pending.
+
+        Raises:
+            Rejected: anything wrong with this upload alone.
+            ProtocolError: a broken chunk header (fatal for the connection).
+        """
+        # 1. the header and its ticket
+        try:
+            begin = decode_message(text, allowed=AGENT_TO_AGGREGATOR)
+        except ProtocolError as exc:
+            raise Rejected(_message_error_code(text, exc), str(exc)) from None
+        if self.node.ticket_key is None:
+            raise Rejected("busy", "aggregator is not connected to the site yet; retry in a few seconds",
+                           slice_index=begin.slice_index)  # fmt: skip
+        try:
+            ticket = verify_ticket(begin.ticket, self.node.ticket_key)
+        except ProtocolError as exc:
+            raise Rejected("bad ticket", str(exc), slice_index=begin.slice_index) from None
+        lease, index = ticket.lease_id, begin.slice_index
+        if ticket.num_samples <= 0:
+            raise Rejected("bad ticket", f"ticket for lease {lease} has {ticket.num_samples} samples",
+                           lease_id=lease, slice_index=index)  # fmt: skip
+        state = self.node.get_slice(ticket.campaign_id, index)
+        if state is None:
+            raise Rejected("slice not held", f"this aggregator holds no slice {index} of campaign "
+                           f"{ticket.campaign_id}; check the lease's slice routes", lease_id=lease, slice_index=index)  # fmt: skip
+        codec = get_codec(begin.codec)
+        if begin.num_elements != state.numel:
+            raise Rejected("wrong shape", f"slice {index} has {state.numel} elements, upload announces "
+                           f"{begin.num_elements}; the agent may run an older model definition, upgrade "
+                           "crowdtrain-agent", lease_id=lease, slice_index=index)  # fmt: skip
+        nbytes = state.numel * codec.bytes_per_element
+        expected_chunks = max(1, -(-nbytes // CHUNK_PAYLOAD_BYTES))
+        if begin.num_chunks != expected_chunks:
+            raise Rejected("wrong chunk count", f"{nbytes} payload bytes make {expected_chunks} chunks of "
+                           f"{CHUNK_PAYLOAD_BYTES} bytes, upload announces {begin.num_chunks}; cut the payload "
+                           "with protocol.split_payload", lease_id=lease, slice_index=index)  # fmt: skip
+        try:
+            state.begin_upload(lease, ticket.base_version)
+        except UploadRefused as exc:
+            raise Rejected(exc.code, exc.detail, lease_id=lease, slice_index=index) from None
+        held_bytes = state.numel * 4  # kept as fp32 whatever the wire codec
+        if not self.node.budget.try_reserve(held_bytes):
+            state.abort_upload(lease)
+            raise Rejected("busy", f"aggregator holds {self.node.budget.used} pending bytes (limit "
+                           f"{self.node.budget.limit}); retry after the next step", lease_id=lease, slice_index=index)  # fmt: skip
+        # 2. the chunks, then 3. the gradient checks; give back the reservation on any failure
+        try:
+            data = await self._receive(state, ticket, begin, nbytes)
+            max_norm = state.assignment.max_grad_norm
+            if nbytes >= THREAD_DECODE_BYTES:
+                grad = await asyncio.to_thread(decode_gradient, codec, data, state.numel, ticket, max_norm)
+            else:
+                grad = decode_gradient(codec, data, state.numel, ticket, max_norm)
+            if self.node.get_slice(ticket.campaign_id, index) is not state:
+                raise Rejected("slice not held", f"slice {index} of campaign {ticket.campaign_id} was unassigned "
+                               "during the upload", lease_id=lease, slice_index=index, discard=False)  # fmt: skip
+            try:
+                state.add_pending(PendingUpload(lease, ticket.base_version, ticket.num_samples, grad))
+            except UploadRefused as exc:
+                raise Rejected(exc.code, exc.detail, lease_id=lease, slice_index=index, discard=False) from None
+        except BaseException as exc:
+            state.abort_upload(lease)
+            self.node.budget.release(held_bytes)
+            if isinstance(exc, Rejected):
+                exc.slice_index = index
+                exc.lease_id = lease
+            raise
+        logger.debug("campaign %s slice %s: lease %s pending (%s samples)", ticket.campaign_id, index, lease,
+                     ticket.num_samples)  # fmt: skip
+        token = sign_receipt(self.node.ticket_key, campaign_id=ticket.campaign_id, lease_id=lease, slice_index=index,
+                             num_samples=ticket.num_samples)  # fmt: skip
+        return UploadReceipt(lease_id=lease, slice_index=index, token=token)
+
+    async def _receive(self, state: SliceState, ticket: Ticket, begin: UploadBegin, nbytes: int) -> bytearray:
+        data = bytearray(nbytes)
+        offset = 0
+        for i in range(begin.num_chunks):
+            try:
+                raw = await self.ws.recv()
+            except ConnectionClosed:
+                raise Rejected("incomplete upload", "connection closed mid-upload", discard=False) from None
+            if isinstance(raw, str):
+                self._next_text = raw  # the agent gave up on this upload and started the next one
+                raise Rejected("incomplete upload", f"lease {ticket.lease_id}: expected chunk {i} of "
+                               f"{begin.num_chunks}, got a text message", discard=False)  # fmt: skip
+            header, payload = decode_chunk(raw)  # ProtocolError: broken framing, closes the socket
+            if header.chunk_index != i or header.num_chunks != begin.num_chunks:
+                raise Rejected("wrong chunk count", f"lease {ticket.lease_id}: expected chunk {i} of "
+                               f"{begin.num_chunks}, got chunk {header.chunk_index} of {header.num_chunks}; send "
+                               "chunks in order")  # fmt: skip
+            want = min(CHUNK_PAYLOAD_BYTES, nbytes - offset)
+            if header.payload_len != want:
+                raise Rejected("wrong chunk size", f"lease {ticket.lease_id}: chunk {i} carries "
+                               f"{header.payload_len} bytes, expected {want}")  # fmt: skip
+            data[offset : offset + want] = payload
+            offset += want
+        return data
+
+
+class UploadHandler:
+    """The connection handler ``websockets.serve`` calls for every ``/upload`` connection."""
+
+    def __init__(self, node: AggregatorNode) -> None:
+        self.node = node
+
+    async def __call__(self, ws: ServerConnection) -> None:
+        await UploadSession(self.node, ws).run()

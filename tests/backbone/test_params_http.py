@@ -1,0 +1,96 @@
+"""GET /params/<campaign>/<slice>/<version> and /healthz on the aggregator's port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import torch
+from crowdtrain_agent.codec import decode_fp32
+from crowdtrain_agent.protocol import SliceReady
+from crowdtrain_backbone.server import BackboneServer
+
+from .conftest import SLICE0, Agent, FakeSite, take_step
+
+NUMEL = SLICE0[1] - SLICE0[0]
+
+
+async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    def fetch() -> tuple[int, dict[str, str], bytes]:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as resp:
+                return resp.status, dict(resp.headers), resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, dict(exc.headers), exc.read()
+
+    return await asyncio.to_thread(fetch)
+
+
+async def test_it_serves_the_params_of_a_version_as_fp32_bytes(
+    site: FakeSite, held: SliceReady, backbone: BackboneServer, agent: Agent
+) -> None:
+    await take_step(site, agent, version=0, lease_id=1)
+
+    status, headers, body = await _get(f"http://127.0.0.1:{backbone.port}/params/1/0/1")
+
+    assert status == 200
+    assert torch.equal(decode_fp32(body, NUMEL), backbone.node.get_slice(1, 0).param.detach())
+    assert headers["Content-Type"] == "application/octet-stream"
+    assert headers["Cache-Control"] == "public, max-age=31536000, immutable"
+    assert headers["X-Crowdtrain-Version"] == "1"
+    assert headers["ETag"].startswith('"') and len(body) == NUMEL * 4
+
+
+async def test_the_params_url_announced_to_the_site_works(
+    site: FakeSite, held: SliceReady, backbone: BackboneServer
+) -> None:
+    assert site.hello is not None
+    assert site.hello.upload_url == f"ws://127.0.0.1:{backbone.port}/upload"
+
+    status, _, body = await _get(f"{site.hello.params_url}1/0/0")
+
+    assert status == 200 and len(body) == NUMEL * 4
+
+
+async def test_it_answers_not_modified_for_a_matching_etag(held: SliceReady, backbone: BackboneServer) -> None:
+    _, headers, _ = await _get(f"http://127.0.0.1:{backbone.port}/params/1/0/0")
+
+    status, again, body = await _get(f"http://127.0.0.1:{backbone.port}/params/1/0/0", {"If-None-Match": headers["ETag"]})
+
+    assert status == 304 and body == b"" and again["ETag"] == headers["ETag"]
+
+
+async def test_it_answers_404_for_an_unknown_version_or_slice(held: SliceReady, backbone: BackboneServer) -> None:
+    ahead = await _get(f"http://127.0.0.1:{backbone.port}/params/1/0/7")
+    other = await _get(f"http://127.0.0.1:{backbone.port}/params/9/0/0")
+    junk = await _get(f"http://127.0.0.1:{backbone.port}/params/1/zero/0")
+
+    assert ahead[0] == 404 and json.loads(ahead[2]) == {"error": "version not published yet"}
+    assert other[0] == 404 and json.loads(other[2]) == {"error": "slice not held"}
+    assert junk[0] == 404 and json.loads(junk[2]) == {"error": "not found"}
+
+
+async def test_it_answers_410_for_a_version_it_no_longer_keeps(
+    site: FakeSite, held: SliceReady, backbone: BackboneServer, agent: Agent
+) -> None:
+    for version in range(3):  # staleness 1 keeps 3 versions: 1, 2, 3
+        await take_step(site, agent, version=version, lease_id=version + 1)
+
+    gone = await _get(f"http://127.0.0.1:{backbone.port}/params/1/0/0")
+    kept = await _get(f"http://127.0.0.1:{backbone.port}/params/1/0/1")
+
+    assert gone[0] == 410 and json.loads(gone[2]) == {"error": "version dropped"}
+    assert kept[0] == 200
+
+
+async def test_healthz_shows_name_slices_and_versions(held: SliceReady, backbone: BackboneServer) -> None:
+    status, headers, body = await _get(f"http://127.0.0.1:{backbone.port}/healthz")
+
+    health = json.loads(body)
+    assert status == 200 and headers["Content-Type"] == "application/json"
+    assert health["name"] == "agg-test" and health["aggregator_id"] == 7
+    assert health["slices"][0] | {"pending_leases": []} == {
+        "campaign_id": 1, "slice_index": 0, "start": 0, "end": 40, "version": 0, "versions": [0], "pending_leases": [],
+    }  # fmt: skip

@@ -1,0 +1,17 @@
+"""Shared fixtures: storage in a temporary folder for every test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.test import override_settings
+
+
+@pytest.fixture(autouse=True)
+def media_root(tmp_path: Path) -> Iterator[Path]:
+    """Shards written by a test land in its own folder (FileSystemStorage follows MEDIA_ROOT changes)."""
+    root = tmp_path / "media"
+    with override_settings(MEDIA_ROOT=str(root)):
+        yield root

@@ -1,0 +1,80 @@
+"""Fixtures for multi-process runs: a Swarm in the test's own folder, seeding and reading back through manage.py.
+
+Why subprocesses for the database: the site runs in a daphne child on an
+SQLite file in the test's ``tmp_path``. pytest-django owns this process's
+database settings (a test database, transactions rolled back), so instead of
+pointing the ORM here at the child's file, the tests seed it with
+``manage.py seed_run`` and read it back with ``manage.py dump_run`` under the
+same ``CROWDTRAIN_VAR_DIR``, and watch progress over HTTP like a browser.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crowdtrain.launcher import Site, Swarm, get_json
+
+
+@dataclass
+class Run:
+    """One seeded local run: the swarm, the site once started, and what seed_run printed."""
+
+    swarm: Swarm
+    seed: dict[str, Any]
+    site: Site | None = None
+
+    @property
+    def campaign_id(self) -> int:
+        return int(self.seed["campaigns"][0])
+
+    def start(self, *, agents_threads: int = 1) -> Site:
+        """Site, then every aggregator of the spec, then every agent (one torch thread each)."""
+        self.site = self.swarm.start_site()
+        self.swarm.start_aggregators(self.site, self.seed["aggregators"])
+        for name, token in self.seed["agents"].items():
+            self.swarm.start_agent(self.site, token=token, name=name, threads=agents_threads, campaign_id=self.campaign_id)
+        return self.site
+
+    def progress(self) -> dict[str, Any]:
+        assert self.site is not None, "start() the run first"
+        return get_json(f"{self.site.url}/api/campaigns/{self.campaign_id}/progress")
+
+    def wait_for_version(self, version: int, timeout_s: float) -> dict[str, Any]:
+        """Poll until ``version`` is published by every aggregator; fail with the logs if a process dies."""
+        deadline = time.monotonic() + timeout_s
+        progress: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            self.swarm.check()
+            progress = self.progress()
+            if progress["version"] >= version:
+                return progress
+            time.sleep(0.25)
+        logs = "\n".join(f"--- {c.name}\n{c.log_tail(8)}" for c in self.swarm.children)
+        pytest.fail(f"version {version} not reached in {timeout_s:.0f} s; last progress {progress}\n{logs}")
+
+    def dump(self) -> dict[str, Any]:
+        return json.loads(self.swarm.manage("dump_run", "--campaign", str(self.campaign_id)))
+
+
+@pytest.fixture
+def seeded_run(tmp_path: Path) -> Iterator[Any]:
+    """A factory: ``seeded_run(spec, site_env)`` migrates and seeds a fresh var folder; everything stops at teardown."""
+    swarms: list[Swarm] = []
+
+    def make(spec: dict[str, Any], site_env: dict[str, str] | None = None) -> Run:
+        swarm = Swarm(tmp_path / "run", env={"CROWDTRAIN_VAR_DIR": str(tmp_path / "run" / "var"), **(site_env or {})})
+        swarms.append(swarm)
+        spec_path = tmp_path / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        return Run(swarm, json.loads(swarm.manage("seed_run", "--migrate", "--spec", str(spec_path))))
+
+    yield make
+    for swarm in swarms:
+        swarm.stop(grace_s=5.0)

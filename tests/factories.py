@@ -1,0 +1,83 @@
+"""Model factories for web tests: small datasets and campaigns that are ready to lease."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AbstractBaseUser
+from django.utils import timezone
+
+from crowdtrain.accounts.models import Device
+from crowdtrain.accounts.tokens import hash_token
+from crowdtrain.campaigns.models import Campaign, Dataset
+from crowdtrain.campaigns.setup import create_campaign
+from crowdtrain.campaigns.sharding import create_text_dataset
+from crowdtrain.scheduler.models import Aggregator, Lease, SliceAssignment
+from crowdtrain_agent.protocol import LeaseDone, Receipt, sign_receipt
+
+TINY_GPT = {"n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 8}
+
+
+def make_user(username: str = "volunteer") -> AbstractBaseUser:
+    return get_user_model().objects.get_or_create(username=username)[0]
+
+
+def make_device(username: str = "volunteer", name: str = "laptop") -> tuple[Device, str]:
+    device, token = Device.issue(make_user(username), name)
+    device.last_seen_at = timezone.now()
+    device.save(update_fields=["last_seen_at"])
+    return device, token
+
+
+def make_text_dataset(num_samples: int = 100, sample_len: int = 9, samples_per_shard: int = 30) -> Dataset:
+    text = bytes((i * 7 + 3) % 251 for i in range(num_samples * sample_len))
+    return create_text_dataset(f"text-{num_samples}", text, sample_len, shard_bytes=samples_per_shard * sample_len)
+
+
+def make_aggregator(name: str = "agg-1") -> Aggregator:
+    return Aggregator.objects.create(
+        name=name, token_hash=hash_token(f"token-{name}"), upload_url=f"ws://127.0.0.1:1/{name}/upload",
+        params_url=f"http://127.0.0.1:1/{name}/params/", connected=True, last_seen_at=timezone.now(),
+    )
+
+
+def make_campaign(dataset: Dataset | None = None, *, slices: int = 1, **fields: Any) -> Campaign:
+    """A running campaign whose slices are assigned to live, ready aggregators."""
+    dataset = dataset or make_text_dataset()
+    options: dict[str, Any] = {"target_batch_size": 32, "microbatch_size": 4, "staleness": 0, "num_aggregators": slices}
+    options.update(fields)
+    campaign = create_campaign(
+        name="test campaign", owner=make_user("organizer"), dataset=dataset, architecture="gpt",
+        model_config=TINY_GPT, **options,
+    )
+    campaign.state = Campaign.State.RUNNING
+    campaign.save(update_fields=["state"])
+    bounds = [campaign.param_count * i // slices for i in range(slices + 1)]
+    for index in range(slices):
+        SliceAssignment.objects.create(
+            campaign=campaign, aggregator=make_aggregator(f"agg-{campaign.pk}-{index}"), index=index,
+            start=bounds[index], end=bounds[index + 1], ready=True,
+        )
+    return campaign
+
+
+def receipts_for(lease: Lease | int) -> list[Receipt]:
+    lease = lease if isinstance(lease, Lease) else Lease.objects.get(pk=lease)
+    return [
+        Receipt(
+            slice_index=index,
+            token=sign_receipt(settings.CROWDTRAIN_TICKET_KEY, campaign_id=lease.campaign_id, lease_id=lease.pk,
+                               slice_index=index, num_samples=lease.num_samples),
+        )
+        for index in lease.campaign.slices.values_list("index", flat=True)
+    ]  # fmt: skip
+
+
+def done_for(lease_id: int, loss: float = 1.0) -> LeaseDone:
+    lease = Lease.objects.get(pk=lease_id)
+    return LeaseDone(
+        lease_id=lease.pk, receipts=receipts_for(lease), num_samples=lease.num_samples,
+        loss_sum=loss * lease.num_samples, compute_s=0.1,
+    )

@@ -1,0 +1,193 @@
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.test import override_settings
+from django.utils import timezone
+
+from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler.models import Lease
+from crowdtrain_agent.protocol import Lease as LeaseMessage, LeaseDone, NoLease, Receipt, verify_ticket
+from tests.factories import done_for, make_campaign, make_device, receipts_for
+
+pytestmark = pytest.mark.django_db
+
+
+def test_it_leases_whole_microbatches_with_a_verifiable_ticket() -> None:
+    campaign = make_campaign()
+    device, _ = make_device()
+
+    lease = leasing.request_lease(device.pk, None, None)
+
+    assert isinstance(lease, LeaseMessage)
+    assert lease.num_samples == 2 * campaign.microbatch_size
+    assert sum(r.count for r in lease.ranges) == lease.num_samples
+    ticket = verify_ticket(lease.ticket, leasing.settings.CROWDTRAIN_TICKET_KEY)
+    assert (ticket.lease_id, ticket.device_id, ticket.num_samples) == (lease.lease_id, device.pk, lease.num_samples)
+
+
+def test_lease_size_follows_the_measured_speed_up_to_the_room_left_in_the_step() -> None:
+    make_campaign(target_batch_size=400, microbatch_size=4)
+    device, _ = make_device()
+
+    with override_settings(CROWDTRAIN_LEASE_TARGET_S=10.0):
+        slow = leasing.request_lease(device.pk, None, samples_per_s=1.0)
+        fast = leasing.request_lease(device.pk, None, samples_per_s=1000.0)
+
+    assert slow.num_samples == 8  # 10 s at 1 sample/s, rounded down to microbatches
+    assert fast.num_samples == 400 - 8  # capped by what the step still needs
+
+
+def test_it_commits_the_step_when_the_global_batch_is_full() -> None:
+    campaign = make_campaign(target_batch_size=16, microbatch_size=4)
+    device, _ = make_device()
+    first = leasing.request_lease(device.pk, None, 8.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S)
+    second = leasing.request_lease(device.pk, None, 8.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S)
+
+    one = leasing.report_done(device.pk, done_for(first.lease_id))
+    two = leasing.report_done(device.pk, done_for(second.lease_id))
+
+    assert one.ack.accepted and not one.commits
+    assert two.ack.accepted and len(two.commits) == 1
+    commit = two.commits[0].message
+    assert (commit.step, commit.lease_ids, commit.num_samples) == (0, [first.lease_id, second.lease_id], 16)
+    campaign.refresh_from_db()
+    assert campaign.committed_steps == 1
+
+
+def test_it_says_the_step_is_full_while_waiting_for_its_commit_when_synchronous() -> None:
+    make_campaign(target_batch_size=8, microbatch_size=4, staleness=0)
+    device, _ = make_device()
+    leasing.request_lease(device.pk, None, None)
+
+    refusal = leasing.request_lease(device.pk, None, None)
+
+    assert isinstance(refusal, NoLease)
+    assert refusal.reason == "step_full"
+    assert refusal.retry_after_s > 0
+
+
+def test_with_staleness_one_it_leases_ahead_for_the_next_step() -> None:
+    make_campaign(target_batch_size=8, microbatch_size=4, staleness=1)
+    device, _ = make_device()
+    leasing.request_lease(device.pk, None, None)
+
+    ahead = leasing.request_lease(device.pk, None, None)
+    beyond = leasing.request_lease(device.pk, None, None)
+
+    assert isinstance(ahead, LeaseMessage) and ahead.base_version == 0
+    assert isinstance(beyond, NoLease) and beyond.reason == "step_full"
+
+
+def test_it_rejects_a_done_report_for_another_devices_lease() -> None:
+    make_campaign()
+    owner, _ = make_device("owner")
+    stranger, _ = make_device("stranger")
+    lease = leasing.request_lease(owner.pk, None, None)
+
+    outcome = leasing.report_done(stranger.pk, done_for(lease.lease_id))
+
+    assert not outcome.ack.accepted
+    assert outcome.ack.reason == "unknown lease"
+    assert Lease.objects.get(pk=lease.lease_id).state == Lease.State.ACTIVE
+
+
+def test_it_rejects_a_replayed_done_report() -> None:
+    make_campaign(target_batch_size=32)
+    device, _ = make_device()
+    lease = leasing.request_lease(device.pk, None, None)
+    leasing.report_done(device.pk, done_for(lease.lease_id))
+
+    replay = leasing.report_done(device.pk, done_for(lease.lease_id))
+
+    assert not replay.ack.accepted
+    assert replay.ack.reason == "lease already reported"
+
+
+def test_it_rejects_a_report_without_a_valid_receipt_and_requeues_the_samples() -> None:
+    campaign = make_campaign(slices=2)
+    device, _ = make_device()
+    lease = leasing.request_lease(device.pk, None, None)
+    forged = LeaseDone(
+        lease_id=lease.lease_id, receipts=[receipts_for(lease.lease_id)[0], Receipt(slice_index=1, token="forged")],
+        num_samples=lease.num_samples, loss_sum=1.0, compute_s=0.1,
+    )
+
+    outcome = leasing.report_done(device.pk, forged)
+
+    assert not outcome.ack.accepted
+    assert "receipt for slice 1" in outcome.ack.reason
+    assert sum(r.count for r in campaign.returned_ranges.all()) == lease.num_samples
+
+
+def test_it_expires_a_late_report_and_gives_the_samples_to_the_next_lease() -> None:
+    make_campaign()
+    device, _ = make_device()
+    lease = leasing.request_lease(device.pk, None, None)
+    Lease.objects.filter(pk=lease.lease_id).update(deadline=timezone.now() - timedelta(seconds=1))
+
+    outcome = leasing.report_done(device.pk, done_for(lease.lease_id))
+    again = leasing.request_lease(device.pk, None, None)
+
+    assert outcome.ack.reason == "lease expired"
+    assert again.ranges == lease.ranges
+
+
+def test_it_expires_leases_of_an_agent_that_went_silent() -> None:
+    campaign = make_campaign()
+    silent, _ = make_device("silent")
+    lease = leasing.request_lease(silent.pk, None, None)
+    silent.last_seen_at = timezone.now() - timedelta(seconds=60)
+    silent.save(update_fields=["last_seen_at"])
+
+    expired = leasing.expire_overdue(campaign)
+
+    assert expired == 1
+    assert Lease.objects.get(pk=lease.lease_id).reason == "agent went silent"
+
+
+def test_it_rejects_a_report_computed_on_a_version_outside_the_window() -> None:
+    campaign = make_campaign(staleness=0)
+    device, _ = make_device()
+    lease = leasing.request_lease(device.pk, None, None)
+    campaign.committed_steps = 1  # another step closed meanwhile
+    campaign.save(update_fields=["committed_steps"])
+
+    outcome = leasing.report_done(device.pk, done_for(lease.lease_id))
+
+    assert not outcome.ack.accepted
+    assert outcome.ack.reason.startswith("stale version")
+
+
+def test_a_released_lease_is_redone_by_the_next_one() -> None:
+    make_campaign()
+    device, _ = make_device()
+    lease = leasing.request_lease(device.pk, None, None)
+
+    released = leasing.release_lease(device.pk, lease.lease_id)
+    again = leasing.request_lease(device.pk, None, None)
+
+    assert released
+    assert again.ranges == lease.ranges
+
+
+def test_it_explains_why_there_is_no_work() -> None:
+    device, _ = make_device()
+
+    nothing = leasing.request_lease(device.pk, None, None)
+
+    assert isinstance(nothing, NoLease)
+    assert nothing.reason == "no_campaign"
+
+
+def test_it_pauses_leasing_while_an_aggregator_is_missing() -> None:
+    campaign = make_campaign()
+    campaign.slices.update(ready=False)
+    device, _ = make_device()
+
+    refusal = leasing.request_lease(device.pk, campaign.pk, None)
+
+    assert isinstance(refusal, NoLease)
+    assert refusal.reason == "campaign_paused"
+    assert "aggregators" in refusal.detail
