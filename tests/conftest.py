@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 from django.test import override_settings
+from hypothesis import settings as hypothesis_settings
+
+# Timing varies a lot on 2 shared cores (first calls import and warm up torch): no deadlines.
+hypothesis_settings.register_profile("crowdtrain", deadline=None)
+hypothesis_settings.load_profile("crowdtrain")
 
 
 @pytest.fixture(autouse=True)

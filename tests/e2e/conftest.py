@@ -10,7 +10,9 @@ same ``CROWDTRAIN_VAR_DIR``, and watch progress over HTTP like a browser.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +21,10 @@ from typing import Any
 
 import pytest
 
-from crowdtrain.launcher import Site, Swarm, get_json
+from crowdtrain.launcher import LaunchError, Site, Swarm, get_json
+
+# What an agent logs while the campaign waits for its aggregators (it has connected and asked).
+WAITING_AGENT = re.compile(r"no lease from the site")
 
 
 @dataclass
@@ -34,12 +39,25 @@ class Run:
     def campaign_id(self) -> int:
         return int(self.seed["campaigns"][0])
 
-    def start(self, *, agents_threads: int = 1) -> Site:
-        """Site, then every aggregator of the spec, then every agent (one torch thread each)."""
+    def start(self, *, agents_first: bool = False) -> Site:
+        """Site, then every aggregator of the spec, then every agent (one torch thread each).
+
+        With ``agents_first`` the agents start before the aggregators and are
+        left to connect, so they all ask for work from the first step on
+        (fast agents otherwise finish a short run before a slow one is up).
+        """
         self.site = self.swarm.start_site()
-        self.swarm.start_aggregators(self.site, self.seed["aggregators"])
-        for name, token in self.seed["agents"].items():
-            self.swarm.start_agent(self.site, token=token, name=name, threads=agents_threads, campaign_id=self.campaign_id)
+        if not agents_first:
+            self.swarm.start_aggregators(self.site, self.seed["aggregators"])
+        agents = [
+            self.swarm.start_agent(self.site, token=token, name=name, threads=1, campaign_id=self.campaign_id)
+            for name, token in self.seed["agents"].items()
+        ]  # fmt: skip
+        if agents_first:
+            for agent in agents:  # best effort: the line is the agent's "no lease yet" log
+                with contextlib.suppress(LaunchError):
+                    agent.wait_for_line(WAITING_AGENT, timeout_s=30)
+            self.swarm.start_aggregators(self.site, self.seed["aggregators"])
         return self.site
 
     def progress(self) -> dict[str, Any]:

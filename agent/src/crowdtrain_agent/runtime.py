@@ -268,8 +268,19 @@ class Agent:
             speed = self._speed.get(campaign if campaign is not None else self._last_campaign or -1)
             request = LeaseRequest(campaign_id=campaign, samples_per_s=speed)
             self.status.set_status("asking for work")
+            call = asyncio.create_task(self._control.call(request, "lease", timeout=30.0, retries=3))
+            stopping = asyncio.create_task(self._stopping.wait())
             try:
-                reply = await self._control.call(request, "lease", timeout=30.0, retries=3)
+                # Ctrl-C must not wait for a site that is down; a lease answered late is released by the channel.
+                await asyncio.wait({call, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopping.cancel()
+                if not call.done():
+                    call.cancel()
+            if not call.done() or call.cancelled():
+                return None
+            try:
+                reply = call.result()
             except (ConnectionLost, TimeoutError) as exc:
                 logger.debug("lease request failed (%r); asking again", exc)
                 continue

@@ -1,0 +1,55 @@
+"""The whole agent against a fake site and two fake aggregators: two leases, end to end."""
+
+from __future__ import annotations
+
+import torch
+
+from crowdtrain_agent.config import AgentConfig
+from crowdtrain_agent.protocol import LeaseDone, LeaseRequest, Receipt, sign_receipt
+from crowdtrain_agent.runtime import Agent
+
+from .conftest import FAST_BACKOFF
+from .fakes import TICKET_KEY, World
+
+LEASE_1 = [(0, 10), (20, 6)]
+LEASE_2 = [(10, 7)]
+
+
+async def test_it_uploads_each_leases_gradient_and_reports_the_receipts(world: World, config: AgentConfig) -> None:
+    world.site.replies = [world.lease(1, LEASE_1, microbatch=4), world.lease(2, LEASE_2, microbatch=3)]
+    agent = Agent(config, backoff=FAST_BACKOFF, benchmark_s=0.01)
+
+    code = await agent.run()
+
+    assert code == 0
+    for lease_id, ranges in ((1, LEASE_1), (2, LEASE_2)):
+        uploaded = torch.cat([world.aggregators[0].uploads[(lease_id, 0)], world.aggregators[1].uploads[(lease_id, 1)]])
+        torch.testing.assert_close(uploaded, world.expected_gradient(ranges))
+    done = world.site.of_kind(LeaseDone)
+    assert [d.lease_id for d in done] == [1, 2]
+    assert done[0].num_samples == 16 and done[1].num_samples == 7
+    assert done[0].receipts == [
+        Receipt(slice_index=i, token=sign_receipt(TICKET_KEY, campaign_id=7, lease_id=1, slice_index=i, num_samples=16))
+        for i in (0, 1)
+    ]
+
+
+async def test_a_second_lease_at_the_same_version_downloads_nothing(world: World, config: AgentConfig) -> None:
+    world.site.replies = [world.lease(1, LEASE_1), world.lease(2, LEASE_2)]
+
+    await Agent(config, backoff=FAST_BACKOFF, benchmark_s=0.01).run()
+
+    assert [len(agg.param_requests) for agg in world.aggregators] == [1, 1]
+    assert world.site.shard_requests == [world.sha]
+    assert [agg.connections for agg in world.aggregators] == [1, 1]  # one data connection per aggregator, reused
+
+
+async def test_it_asks_for_the_next_lease_before_the_upload_is_reported(world: World, config: AgentConfig) -> None:
+    world.site.replies = [world.lease(1, LEASE_1), world.lease(2, LEASE_2)]
+
+    await Agent(config, backoff=FAST_BACKOFF, benchmark_s=0.01).run()
+
+    kinds = [type(m).__name__ for m in world.site.received]
+    assert kinds.index("LeaseRequest", 1) < kinds.index("LeaseDone")
+    requests = world.site.of_kind(LeaseRequest)
+    assert requests[0].samples_per_s is None and requests[1].samples_per_s is not None

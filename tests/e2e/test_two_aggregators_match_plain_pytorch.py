@@ -1,0 +1,114 @@
+"""Two aggregators, two agents, fp32, staleness 0: the platform's parameters equal a plain PyTorch rerun.
+
+The rerun takes, for each committed step, exactly the sample ranges the site
+recorded, reads them from the shard files in storage, takes the mean loss over
+the step's samples and one AdamW step with the campaign's hyperparameters.
+Only fp32 summation order differs (microbatches, leases, slices), so the
+parameters agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from crowdtrain_agent.data import read_samples
+from crowdtrain_agent.models import get_model
+from crowdtrain_agent.protocol import DataSpec
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
+
+STEPS = 5
+MODEL = {"in_dim": 32, "hidden": [64, 64], "classes": 4}
+OPTIMIZER = {"name": "adamw", "lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.01}
+# Leases of one microbatch, and idle agents asking again at once: each step of 96 samples is
+# made of six leases, and both agents compete for them.
+SITE_ENV = {"CROWDTRAIN_LEASE_TARGET_S": "0.1", "CROWDTRAIN_MAX_LEASE_SAMPLES": "16", "CROWDTRAIN_RETRY_AFTER_S": "0.1"}
+
+
+def write_dataset(path: Path) -> None:
+    """x ~ N(0, 1), label = argmax of a fixed random projection: learnable, deterministic."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4096, MODEL["in_dim"])).astype(np.float32)
+    y = (x @ rng.standard_normal((MODEL["in_dim"], MODEL["classes"]))).argmax(axis=1).astype(np.int64)
+    np.savez(path, x=x, y=y)
+
+
+def spec(npz: Path) -> dict[str, Any]:
+    return {
+        "campaigns": [{
+            "name": "two-slice MLP", "architecture": "mlp", "model_config": MODEL, "optimizer": OPTIMIZER,
+            "dataset": {"kind": "npz", "path": str(npz), "name": "projection", "shard_bytes": 64 << 10},
+            "target_batch_size": 96, "microbatch_size": 16, "codec": "fp32", "staleness": 0,
+            "num_aggregators": 2, "max_steps": STEPS, "seed": 42,
+        }],
+        "aggregators": ["agg-1", "agg-2"],
+        "agents": ["agent-1", "agent-2"],
+    }  # fmt: skip
+
+
+def rerun_in_pytorch(dump: dict[str, Any]) -> tuple[torch.Tensor, list[float]]:
+    """The committed steps replayed on one model: final flat parameters and each step's loss."""
+    entry = get_model(dump["architecture"])
+    model = entry.build(dump["model_config"], seed=dump["seed"])
+    opt = dump["optimizer"]
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=opt["lr"], betas=(opt["beta1"], opt["beta2"]), eps=opt["eps"],
+        weight_decay=opt["weight_decay"], foreach=False,
+    )  # fmt: skip
+    data = DataSpec(kind=dump["dataset"]["kind"], sample_len=dump["dataset"]["sample_len"])
+    shards = Path(dump["media_root"]) / "shards"
+    losses = []
+    for step in dump["steps"][:STEPS]:
+        batches = [
+            read_samples(data, (shards / sha[:2] / sha).read_bytes(), start, count)
+            for sha, start, count in step["ranges"]
+        ]  # fmt: skip
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        assert len(x) == step["num_samples"]
+        optimizer.zero_grad()
+        loss = entry.loss_sum(model, x, y) / len(x)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach(), losses
+
+
+def platform_params(dump: dict[str, Any], version: int) -> torch.Tensor:
+    """Every slice of ``version`` from the aggregator that holds it, raw little-endian fp32, in slice order."""
+    parts = []
+    for s in sorted(dump["slices"], key=lambda s: s["index"]):
+        url = f"{s['params_url']}{dump['id']}/{s['index']}/{version}"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = response.read()
+        assert len(body) == 4 * (s["end"] - s["start"]), f"slice {s['index']} has {len(body)} bytes"
+        parts.append(torch.from_numpy(np.frombuffer(body, dtype="<f4").astype(np.float32)))
+    return torch.cat(parts)
+
+
+def test_two_aggregators_reach_the_parameters_of_plain_pytorch(seeded_run: Any, tmp_path: Path) -> None:
+    npz = tmp_path / "projection.npz"
+    write_dataset(npz)
+    run = seeded_run(spec(npz), SITE_ENV)
+
+    run.start(agents_first=True)
+    run.wait_for_version(STEPS, timeout_s=90)
+    dump = run.dump()
+    platform = platform_params(dump, STEPS)
+    reference, reference_losses = rerun_in_pytorch(dump)
+
+    assert len(dump["slices"]) == 2 and dump["slices"][0]["params_url"] != dump["slices"][1]["params_url"]
+    # Staleness 0: every lease of step s trained on version s, which the rerun assumes.
+    assert all(lease["base_version"] == step["index"] for step in dump["steps"] for lease in step["leases"])
+    assert all(len(step["leases"]) >= 2 for step in dump["steps"]), "expected several leases per step"
+    assert len({lease["device"] for step in dump["steps"] for lease in step["leases"]}) == 2, "both agents contribute"
+    site_losses = [step["loss_sum"] / step["num_samples"] for step in dump["steps"][:STEPS]]
+    np.testing.assert_allclose(site_losses, reference_losses, rtol=1e-5)
+    error = float(torch.linalg.vector_norm(platform - reference) / torch.linalg.vector_norm(reference))
+    assert error <= 1e-5, f"relative error {error:.3g} between the platform's and plain PyTorch's parameters"
+    assert reference_losses[-1] < reference_losses[0]

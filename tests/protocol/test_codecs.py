@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from hypothesis.extra.numpy import arrays
+
+from crowdtrain_agent.codec import decode_fp16, decode_fp32, encode_fp16, encode_fp32, get_codec
+from crowdtrain_agent.protocol import ProtocolError
+
+FINITE = arrays(np.float32, st.integers(0, 300), elements=st.floats(-1e4, 1e4, width=32))
+
+
+@given(values=FINITE)
+def test_fp32_round_trip_is_exact(values: np.ndarray) -> None:
+    flat = torch.from_numpy(values)
+
+    decoded = decode_fp32(encode_fp32(flat), flat.numel())
+
+    assert torch.equal(decoded, flat)
+
+
+@given(values=FINITE)
+def test_fp16_round_trip_keeps_three_significant_digits(values: np.ndarray) -> None:
+    flat = torch.from_numpy(values)
+
+    decoded = decode_fp16(encode_fp16(flat), flat.numel())
+
+    assert decoded.dtype == torch.float32
+    torch.testing.assert_close(decoded, flat, rtol=1e-3, atol=1e-4)
+
+
+def test_encoded_bytes_are_little_endian() -> None:
+    assert encode_fp32(torch.tensor([1.0])) == b"\x00\x00\x80\x3f"
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16"])
+def test_it_rejects_a_payload_of_the_wrong_length(name: str) -> None:
+    codec = get_codec(name)
+
+    with pytest.raises(ProtocolError, match="does not hold 10 elements"):
+        codec.decode(codec.encode(torch.zeros(9)), 10)
+
+
+def test_it_names_the_known_codecs_for_an_unknown_one() -> None:
+    with pytest.raises(ProtocolError, match="unknown codec 'int3'; known codecs: fp32, fp16"):
+        get_codec("int3")

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from channels.testing import WebsocketCommunicator
+
+from crowdtrain.asgi import application
+from crowdtrain_agent.protocol import PROTOCOL_VERSION, AgentHello, DeviceInfo, decode_message, encode_message
+
+Connect = Callable[..., Any]
+
+
+async def send(communicator: WebsocketCommunicator, message: Any) -> None:
+    await communicator.send_to(text_data=encode_message(message))
+
+
+async def receive(communicator: WebsocketCommunicator, timeout: float = 5) -> Any:
+    return decode_message(await communicator.receive_from(timeout=timeout))
+
+
+HELLO = AgentHello(
+    protocol_version=PROTOCOL_VERSION, agent_version="test",
+    device=DeviceInfo(kind="cpu", name="test cpu", threads=1, flops_per_s=1e9),
+)  # fmt: skip
+
+
+@pytest.fixture
+async def connect() -> AsyncIterator[Connect]:
+    """Open sockets through the real ASGI application; all are closed after the test."""
+    opened: list[WebsocketCommunicator] = []
+
+    async def _connect(path: str, token: str | None) -> tuple[WebsocketCommunicator, bool, int | None]:
+        headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        communicator = WebsocketCommunicator(application, path, headers=headers)
+        connected, code = await communicator.connect()
+        opened.append(communicator)
+        return communicator, connected, code
+
+    yield _connect
+    for communicator in opened:
+        await communicator.disconnect()

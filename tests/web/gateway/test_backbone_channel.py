@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from crowdtrain.accounts.tokens import hash_token
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.scheduler.models import Aggregator
+from crowdtrain_agent.protocol import (
+    BackboneHello,
+    BackboneWelcome,
+    CloseCode,
+    DoneAck,
+    LeaseRequest,
+    SliceAssignment,
+    SliceReady,
+    StepApplied,
+    StepCommit,
+    VersionPublished,
+)
+from tests.factories import TINY_GPT, done_for, make_device, make_text_dataset, make_user
+from crowdtrain.campaigns.setup import create_campaign
+
+from .conftest import HELLO, Connect, receive, send
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _running_campaign() -> Campaign:
+    campaign = create_campaign(
+        name="c", owner=make_user("organizer"), dataset=make_text_dataset(), architecture="gpt",
+        model_config=TINY_GPT, target_batch_size=8, microbatch_size=4, staleness=0,
+    )
+    campaign.state = Campaign.State.RUNNING
+    campaign.save()
+    return campaign
+
+
+def _aggregator(name: str) -> str:
+    Aggregator.objects.create(name=name, token_hash=hash_token(f"secret-{name}"))
+    return f"secret-{name}"
+
+
+async def test_it_closes_a_backbone_connection_with_a_bad_token(connect: Connect) -> None:
+    communicator, _, _ = await connect("/ws/backbone/", "ctb_wrong")
+
+    output = await communicator.receive_output(timeout=5)
+
+    assert output == {"type": "websocket.close", "code": CloseCode.UNAUTHORIZED}
+
+
+async def test_a_step_goes_from_agent_report_to_aggregator_commit_to_version_push(connect: Connect) -> None:
+    campaign = await sync_to_async(_running_campaign)()
+    token = await sync_to_async(_aggregator)("agg-1")
+    aggregator, _, _ = await connect("/ws/backbone/", token)
+    await send(aggregator, BackboneHello(name="agg-1", upload_url="ws://127.0.0.1:9/upload", params_url="http://127.0.0.1:9/params/"))
+    welcome = await receive(aggregator)
+    assignment = await receive(aggregator)
+    await send(aggregator, SliceReady(campaign_id=campaign.pk, slice_index=0, version=0))
+    _, agent_token = await sync_to_async(make_device)()
+    agent, _, _ = await connect("/ws/agent/", agent_token)
+    await send(agent, HELLO)
+    await receive(agent)
+
+    await send(agent, LeaseRequest())
+    lease = await receive(agent)
+    await send(agent, await sync_to_async(done_for)(lease.lease_id))
+    ack = await receive(agent)
+    commit = await receive(aggregator)
+    await send(aggregator, StepApplied(campaign_id=campaign.pk, slice_index=0, step=0, version=1))
+    pushed = await receive(agent)
+
+    assert isinstance(welcome, BackboneWelcome) and len(bytes.fromhex(welcome.ticket_key)) == 32
+    assert isinstance(assignment, SliceAssignment)
+    assert (assignment.start, assignment.end, assignment.version) == (0, campaign.param_count, 0)
+    assert isinstance(ack, DoneAck) and ack.accepted
+    assert isinstance(commit, StepCommit)
+    assert (commit.step, commit.lease_ids, commit.num_samples) == (0, [lease.lease_id], 8)
+    assert isinstance(pushed, VersionPublished) and pushed.version == 1
+    assert pushed.loss == pytest.approx(1.0)
+
+
+async def test_two_aggregators_split_the_parameters_between_them(connect: Connect) -> None:
+    campaign = await sync_to_async(_running_campaign)()
+    campaign.num_aggregators = 2
+    await sync_to_async(campaign.save)()
+    assignments = []
+
+    for name in ("agg-a", "agg-b"):
+        token = await sync_to_async(_aggregator)(name)
+        communicator, _, _ = await connect("/ws/backbone/", token)
+        await send(communicator, BackboneHello(name=name, upload_url=f"ws://{name}/upload", params_url=f"http://{name}/params/"))
+        await receive(communicator)
+        if name == "agg-b":  # the campaign is assigned once both are live
+            assignments.append(await receive(communicator))
+            assignments.append(await receive(first))
+        first = communicator
+
+    spans = sorted((a.start, a.end) for a in assignments)
+    assert spans[0][0] == 0 and spans[0][1] == spans[1][0] and spans[1][1] == campaign.param_count
+
+
+async def test_an_aggregator_that_lost_its_state_rolls_the_campaign_back(connect: Connect) -> None:
+    campaign = await sync_to_async(_running_campaign)()
+    token = await sync_to_async(_aggregator)("agg-1")
+    aggregator, _, _ = await connect("/ws/backbone/", token)
+    await send(aggregator, BackboneHello(name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"))
+    await receive(aggregator)
+    await receive(aggregator)
+    await sync_to_async(Campaign.objects.filter(pk=campaign.pk).update)(version=3, committed_steps=3)
+
+    await send(aggregator, SliceReady(campaign_id=campaign.pk, slice_index=0, version=0))
+    for _ in range(50):  # the consumer handles it asynchronously; nothing is sent back with one slice
+        await asyncio.sleep(0.05)
+        await sync_to_async(campaign.refresh_from_db)()
+        if campaign.version == 0:
+            break
+
+    assert (campaign.version, campaign.committed_steps) == (0, 0)
