@@ -216,7 +216,8 @@ class Swarm:
     # ------------------------------------------------------------------ start
 
     def start(self, name: str, argv: Sequence[str], *, role: str = "other", env: Mapping[str, str] | None = None,
-              cpus: Sequence[int] | None = None, threads: int | None = None, expected_exit: bool = False) -> Child:  # fmt: skip
+              cpus: Sequence[int] | None = None, threads: int | None = None,
+              expected_exit: bool = False) -> Child:  # fmt: skip
         """Start one child with its output going to ``logs/<name>.log``."""
         log_path = self.logs / f"{name}.log"
         command = pinned(argv, cpus)

@@ -1,8 +1,6 @@
-"""Crowdtrain backbone aggregator: holds parameter slices, takes gradient uploads, steps when the site commits."""
+"""Crowdtrain backbone aggregator: holds parameter slices, takes gradient uploads, steps when the site commits.
 
-from __future__ import annotations
-
-from .config import BackboneConfig, ConfigError, load_config
-from .server import BackboneServer, run
-
-__all__ = ["BackboneConfig", "BackboneServer", "ConfigError", "load_config", "run"]
+Entry points: ``python -m crowdtrain_backbone`` (see ``__main__``), ``server.run`` and
+``server.BackboneServer`` for launchers and tests. Importing the package loads nothing
+heavy, so a bad config fails before torch is imported.
+"""

@@ -21,8 +21,7 @@ import os
 import signal
 import sys
 
-from .config import ENV_PREFIX, ConfigError, load_config
-from .server import WS_LOGGER_NAME, run
+from .config import ENV_PREFIX, WS_LOGGER_NAME, BackboneConfig, ConfigError, load_config
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _main(args: argparse.Namespace) -> int:
-    config = load_config(vars(args), os.environ)
+async def _main(config: BackboneConfig) -> int:
+    from .server import run  # torch loads here, after the config is known to be good
+
     main_task = asyncio.current_task()
     if main_task is not None:
         # SIGTERM (docker stop, kubectl) ends like Ctrl-C: cancel, close sockets, exit.
@@ -61,10 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger(WS_LOGGER_NAME).setLevel(logging.WARNING)
     try:
-        return asyncio.run(_main(args))
+        config = load_config({k: v for k, v in vars(args).items() if k != "log_level"}, os.environ)
     except ConfigError as exc:
         print(f"crowdtrain-backbone: {exc}", file=sys.stderr)
         return 2
+    try:
+        return asyncio.run(_main(config))
     except (KeyboardInterrupt, asyncio.CancelledError):
         return 0
     except OSError as exc:

@@ -21,6 +21,9 @@ DEFAULT_CHECKPOINT_DIR = "var/checkpoints"
 # Pending gradient slices are kept as fp32 until their step commits; this caps
 # what a burst of uploads (or a hostile agent) can make the process hold.
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
+# websockets logs every plain HTTP answer ("connection rejected (200 OK)") at
+# INFO through this logger; __main__ turns it down so params GETs do not flood the log.
+WS_LOGGER_NAME = "crowdtrain_backbone.websockets"
 
 
 class ConfigError(ValueError):

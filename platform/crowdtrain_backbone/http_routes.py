@@ -27,7 +27,9 @@ _PARAMS = re.compile(r"^/params/(\d{1,18})/(\d{1,9})/(\d{1,18})/?$")
 IMMUTABLE = "public, max-age=31536000, immutable"
 
 
-def _response(status: HTTPStatus, body: bytes, content_type: str, extra: list[tuple[str, str]] | None = None) -> Response:
+def _response(
+    status: HTTPStatus, body: bytes, content_type: str, extra: list[tuple[str, str]] | None = None
+) -> Response:
     headers = Headers(
         [
             ("Date", email.utils.formatdate(usegmt=True)),
@@ -46,7 +48,9 @@ def json_response(status: HTTPStatus, payload: dict[str, Any]) -> Response:
     return _response(status, json.dumps(payload).encode(), "application/json")
 
 
-def params_response(node: AggregatorNode, request: Request, campaign_id: int, slice_index: int, version: int) -> Response:
+def params_response(
+    node: AggregatorNode, request: Request, campaign_id: int, slice_index: int, version: int
+) -> Response:
     """The fp32 bytes of one slice at one version, or why not.
 
     404: the slice is not held here, or the version is not published yet.

@@ -35,7 +35,9 @@ def _same_layout(a: SliceAssignment, b: SliceAssignment) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in _LAYOUT_FIELDS)
 
 
-def restore(assignment: SliceAssignment, root: Path, version: int) -> tuple[torch.Tensor, int, dict[str, Any] | None]:
+def restore(
+    assignment: SliceAssignment, root: Path, version: int
+) -> tuple[torch.Tensor, int, dict[str, Any] | None]:
     """Find the state to hold for ``version``: its checkpoint, else the newest one below, else the seeded init.
 
     Blocking (disk and model construction): call it through ``asyncio.to_thread``.
@@ -50,18 +52,29 @@ def restore(assignment: SliceAssignment, root: Path, version: int) -> tuple[torc
         except CheckpointError as exc:
             logger.warning("skipping checkpoint: %s", exc)
             continue
-        saved = state["config"]
-        if not isinstance(saved, dict) or any(saved.get(f) != getattr(assignment, f) for f in ("start", "end", "param_count")):
+        saved, params = state["config"], state["params"]
+        layout = ("start", "end", "param_count")
+        if (
+            not isinstance(saved, dict)
+            or any(saved.get(f) != getattr(assignment, f) for f in layout)
+            or not isinstance(params, torch.Tensor)
+            or params.shape != (assignment.end - assignment.start,)
+        ):
             logger.warning(
                 "skipping checkpoint v%s of campaign %s slice %s: it was written for a different slice layout",
                 v, cid, idx,
             )  # fmt: skip
             continue
+        optimizer_state = state["optimizer"]
+        if (saved.get("optimizer") or {}).get("name") != assignment.optimizer.name:
+            # Moments of another optimizer mean nothing to this one: keep the params, restart its state.
+            logger.warning("campaign %s slice %s: the optimizer changed since v%s; its state starts fresh", cid, idx, v)
+            optimizer_state = None
         if v != version:
             logger.warning(
                 "campaign %s slice %s: no checkpoint of version %s, resuming from version %s", cid, idx, version, v
             )
-        return state["params"], v, state["optimizer"]
+        return params, v, optimizer_state
     if version > 0:
         logger.warning(
             "campaign %s slice %s: no checkpoint at or below version %s in %s; starting from the seeded init "
@@ -234,7 +247,9 @@ class AggregatorNode:
                 state.drop_newer_(order.version)  # already there; memory is as good as the checkpoint
             else:
                 await self._reload(state, order.version)
-            replies.append(SliceReady(campaign_id=state.campaign_id, slice_index=state.slice_index, version=state.version))
+            replies.append(
+                SliceReady(campaign_id=state.campaign_id, slice_index=state.slice_index, version=state.version)
+            )
         if not replies:
             logger.warning("rollback for campaign %s, which holds no slice here", order.campaign_id)
         return replies

@@ -9,17 +9,13 @@ from collections.abc import Callable
 from crowdtrain_agent.protocol import MAX_WS_MESSAGE_BYTES
 from websockets.asyncio.server import Server, serve
 
-from .config import BackboneConfig
+from .config import WS_LOGGER_NAME, BackboneConfig
 from .http_routes import PARAMS_PREFIX, UPLOAD_PATH, make_process_request
 from .node import AggregatorNode
 from .site_link import SiteLink
 from .uploads import UploadHandler
 
 logger = logging.getLogger(__name__)
-
-# websockets logs every plain HTTP answer ("connection rejected (200 OK)") at
-# INFO; __main__ turns this logger down so params GETs do not flood the log.
-WS_LOGGER_NAME = "crowdtrain_backbone.websockets"
 
 
 def _url_host(host: str) -> str:

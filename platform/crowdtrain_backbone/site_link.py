@@ -105,7 +105,9 @@ class SiteLink:
                 failures += 1
                 delay = min(self.max_backoff_s, self.initial_backoff_s * 2 ** (failures - 1))
                 delay *= random.uniform(0.5, 1.0)  # jitter: aggregators restarted together spread out
-                logger.debug("site connection to %s failed (%s), try %s; next try in %.1f s", url, reason, failures, delay)
+                logger.debug(
+                    "site connection to %s failed (%s), try %s; next try in %.1f s", url, reason, failures, delay
+                )
                 await asyncio.sleep(delay)
         finally:
             for task in self._workers.values():
@@ -122,7 +124,8 @@ class SiteLink:
                 await ws.send(encode_message(BackboneHello(
                     name=self.config.name, upload_url=self.upload_url, params_url=self.params_url,
                 )))  # fmt: skip
-                raw = await asyncio.wait_for(ws.recv(), WELCOME_TIMEOUT_S)
+                async with asyncio.timeout(WELCOME_TIMEOUT_S):
+                    raw = await ws.recv()
                 welcome = decode_message(raw, allowed=(BackboneWelcome,))
                 ticket_key = bytes.fromhex(welcome.ticket_key)
             except (ProtocolError, ValueError, TimeoutError) as exc:

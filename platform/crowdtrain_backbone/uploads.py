@@ -40,7 +40,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from .node import AggregatorNode
-from .slices import PendingUpload, SliceState, UploadRefused
+from .slices import PendingUpload, UploadRefused
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,9 @@ def _message_error_code(text: str | bytes, exc: ProtocolError) -> str:
     return "malformed message"
 
 
-def decode_gradient(codec: Codec, data: bytearray, num_elements: int, ticket: Ticket, max_grad_norm: float) -> torch.Tensor:
+def decode_gradient(
+    codec: Codec, data: bytearray, num_elements: int, ticket: Ticket, max_grad_norm: float
+) -> torch.Tensor:
     """Decode one slice and check it is finite and within the per-sample norm bound.
 
     Args:
@@ -178,72 +180,83 @@ class UploadSession:
             begin = decode_message(text, allowed=AGENT_TO_AGGREGATOR)
         except ProtocolError as exc:
             raise Rejected(_message_error_code(text, exc), str(exc)) from None
-        if self.node.ticket_key is None:
+        index = begin.slice_index
+        key = self.node.ticket_key
+        if key is None:
             raise Rejected("busy", "aggregator is not connected to the site yet; retry in a few seconds",
-                           slice_index=begin.slice_index)  # fmt: skip
+                           slice_index=index)  # fmt: skip
         try:
-            ticket = verify_ticket(begin.ticket, self.node.ticket_key)
+            ticket = verify_ticket(begin.ticket, key)
         except ProtocolError as exc:
-            raise Rejected("bad ticket", str(exc), slice_index=begin.slice_index) from None
-        lease, index = ticket.lease_id, begin.slice_index
+            raise Rejected("bad ticket", str(exc), slice_index=index) from None
+        lease = ticket.lease_id
+
+        def reject(code: str, detail: str, *, discard: bool = True) -> Rejected:
+            return Rejected(code, detail, lease_id=lease, slice_index=index, discard=discard)
+
         if ticket.num_samples <= 0:
-            raise Rejected("bad ticket", f"ticket for lease {lease} has {ticket.num_samples} samples",
-                           lease_id=lease, slice_index=index)  # fmt: skip
+            raise reject("bad ticket", f"ticket for lease {lease} has {ticket.num_samples} samples")
         state = self.node.get_slice(ticket.campaign_id, index)
         if state is None:
-            raise Rejected("slice not held", f"this aggregator holds no slice {index} of campaign "
-                           f"{ticket.campaign_id}; check the lease's slice routes", lease_id=lease, slice_index=index)  # fmt: skip
+            raise reject("slice not held", f"this aggregator holds no slice {index} of campaign "
+                         f"{ticket.campaign_id}; check the lease's slice routes")  # fmt: skip
         codec = get_codec(begin.codec)
         if begin.num_elements != state.numel:
-            raise Rejected("wrong shape", f"slice {index} has {state.numel} elements, upload announces "
-                           f"{begin.num_elements}; the agent may run an older model definition, upgrade "
-                           "crowdtrain-agent", lease_id=lease, slice_index=index)  # fmt: skip
+            raise reject("wrong shape", f"slice {index} has {state.numel} elements, upload announces "
+                         f"{begin.num_elements}; the agent may run an older model definition, upgrade "
+                         "crowdtrain-agent")  # fmt: skip
         nbytes = state.numel * codec.bytes_per_element
         expected_chunks = max(1, -(-nbytes // CHUNK_PAYLOAD_BYTES))
         if begin.num_chunks != expected_chunks:
-            raise Rejected("wrong chunk count", f"{nbytes} payload bytes make {expected_chunks} chunks of "
-                           f"{CHUNK_PAYLOAD_BYTES} bytes, upload announces {begin.num_chunks}; cut the payload "
-                           "with protocol.split_payload", lease_id=lease, slice_index=index)  # fmt: skip
+            raise reject("wrong chunk count", f"{nbytes} payload bytes make {expected_chunks} chunks of "
+                         f"{CHUNK_PAYLOAD_BYTES} bytes, upload announces {begin.num_chunks}; cut the payload "
+                         "with protocol.split_payload")  # fmt: skip
         try:
             state.begin_upload(lease, ticket.base_version)
         except UploadRefused as exc:
-            raise Rejected(exc.code, exc.detail, lease_id=lease, slice_index=index) from None
+            raise reject(exc.code, exc.detail) from None
         held_bytes = state.numel * 4  # kept as fp32 whatever the wire codec
         if not self.node.budget.try_reserve(held_bytes):
             state.abort_upload(lease)
-            raise Rejected("busy", f"aggregator holds {self.node.budget.used} pending bytes (limit "
-                           f"{self.node.budget.limit}); retry after the next step", lease_id=lease, slice_index=index)  # fmt: skip
-        # 2. the chunks, then 3. the gradient checks; give back the reservation on any failure
+            raise reject("busy", f"aggregator holds {self.node.budget.used} pending bytes (limit "
+                         f"{self.node.budget.limit}); retry after the next step")  # fmt: skip
+
+        # 2. the chunks, 3. the gradient checks; any failure gives the reservation back
         try:
-            data = await self._receive(state, ticket, begin, nbytes)
+            try:
+                data = await self._receive(ticket, begin, nbytes)
+            except Rejected as exc:
+                raise reject(exc.code, exc.detail, discard=exc.discard) from None
             max_norm = state.assignment.max_grad_norm
             if nbytes >= THREAD_DECODE_BYTES:
                 grad = await asyncio.to_thread(decode_gradient, codec, data, state.numel, ticket, max_norm)
             else:
                 grad = decode_gradient(codec, data, state.numel, ticket, max_norm)
             if self.node.get_slice(ticket.campaign_id, index) is not state:
-                raise Rejected("slice not held", f"slice {index} of campaign {ticket.campaign_id} was unassigned "
-                               "during the upload", lease_id=lease, slice_index=index, discard=False)  # fmt: skip
+                raise reject("slice not held", f"slice {index} of campaign {ticket.campaign_id} was unassigned "
+                             "during the upload", discard=False)  # fmt: skip
             try:
                 state.add_pending(PendingUpload(lease, ticket.base_version, ticket.num_samples, grad))
             except UploadRefused as exc:
-                raise Rejected(exc.code, exc.detail, lease_id=lease, slice_index=index, discard=False) from None
+                raise reject(exc.code, exc.detail, discard=False) from None
         except BaseException as exc:
             state.abort_upload(lease)
             self.node.budget.release(held_bytes)
             if isinstance(exc, Rejected):
-                exc.slice_index = index
-                exc.lease_id = lease
+                exc.lease_id, exc.slice_index = lease, index
             raise
+
         logger.debug("campaign %s slice %s: lease %s pending (%s samples)", ticket.campaign_id, index, lease,
                      ticket.num_samples)  # fmt: skip
-        token = sign_receipt(self.node.ticket_key, campaign_id=ticket.campaign_id, lease_id=lease, slice_index=index,
+        token = sign_receipt(key, campaign_id=ticket.campaign_id, lease_id=lease, slice_index=index,
                              num_samples=ticket.num_samples)  # fmt: skip
         return UploadReceipt(lease_id=lease, slice_index=index, token=token)
 
-    async def _receive(self, state: SliceState, ticket: Ticket, begin: UploadBegin, nbytes: int) -> bytearray:
+    async def _receive(self, ticket: Ticket, begin: UploadBegin, nbytes: int) -> bytearray:
+        """Reassemble the announced chunks, each ``CHUNK_PAYLOAD_BYTES`` long but the last, in order."""
         data = bytearray(nbytes)
         offset = 0
+        lease = ticket.lease_id
         for i in range(begin.num_chunks):
             try:
                 raw = await self.ws.recv()
@@ -251,17 +264,19 @@ class UploadSession:
                 raise Rejected("incomplete upload", "connection closed mid-upload", discard=False) from None
             if isinstance(raw, str):
                 self._next_text = raw  # the agent gave up on this upload and started the next one
-                raise Rejected("incomplete upload", f"lease {ticket.lease_id}: expected chunk {i} of "
-                               f"{begin.num_chunks}, got a text message", discard=False)  # fmt: skip
+                raise Rejected("incomplete upload", f"lease {lease}: expected chunk {i} of {begin.num_chunks}, "
+                               "got a text message", discard=False)  # fmt: skip
             header, payload = decode_chunk(raw)  # ProtocolError: broken framing, closes the socket
             if header.chunk_index != i or header.num_chunks != begin.num_chunks:
-                raise Rejected("wrong chunk count", f"lease {ticket.lease_id}: expected chunk {i} of "
-                               f"{begin.num_chunks}, got chunk {header.chunk_index} of {header.num_chunks}; send "
-                               "chunks in order")  # fmt: skip
+                raise Rejected(
+                    "wrong chunk count",
+                    f"lease {lease}: expected chunk {i} of {begin.num_chunks}, got chunk {header.chunk_index} "
+                    f"of {header.num_chunks}; send chunks in order",
+                )
             want = min(CHUNK_PAYLOAD_BYTES, nbytes - offset)
             if header.payload_len != want:
-                raise Rejected("wrong chunk size", f"lease {ticket.lease_id}: chunk {i} carries "
-                               f"{header.payload_len} bytes, expected {want}")  # fmt: skip
+                raise Rejected("wrong chunk size", f"lease {lease}: chunk {i} carries {header.payload_len} "
+                               f"bytes, expected {want}")  # fmt: skip
             data[offset : offset + want] = payload
             offset += want
         return data

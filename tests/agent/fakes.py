@@ -25,6 +25,7 @@ from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
     AgentHello,
+    CodecName,
     DataSpec,
     DoneAck,
     Heartbeat,
@@ -57,7 +58,9 @@ MLP_CONFIG = {"in_dim": 6, "hidden": [8], "classes": 3}
 
 
 def _binary(status: int, body: bytes) -> Response:
-    headers = Headers([("Content-Type", "application/octet-stream"), ("Content-Length", str(len(body))), ("Connection", "close")])
+    headers = Headers(
+        [("Content-Type", "application/octet-stream"), ("Content-Length", str(len(body))), ("Connection", "close")]
+    )
     return Response(status, HTTPStatus(status).phrase, headers, body)
 
 
@@ -102,7 +105,8 @@ class FakeSite:
 
     async def push_version(self, campaign_id: int, version: int) -> None:
         if self.current is not None:
-            await self.current.send(encode_message(VersionPublished(campaign_id=campaign_id, version=version, loss=1.5)))
+            pushed = VersionPublished(campaign_id=campaign_id, version=version, loss=1.5)
+            await self.current.send(encode_message(pushed))
 
     async def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         if request.path.startswith("/ws/"):
@@ -126,7 +130,9 @@ class FakeSite:
         if self.close_code is not None:
             await ws.close(self.close_code, "go away")
             return
-        welcome = Welcome(device_id=1, device_name="laptop", volunteer="ada", heartbeat_s=self.heartbeat_s, gone_after_s=10)
+        welcome = Welcome(
+            device_id=1, device_name="laptop", volunteer="ada", heartbeat_s=self.heartbeat_s, gone_after_s=10
+        )
         await ws.send(encode_message(welcome))
         self.current = ws
         async for raw in ws:
@@ -200,15 +206,19 @@ class FakeAggregator:
             chunks = [await ws.recv() for _ in range(begin.num_chunks)]
             payload = b"".join(bytes(decode_chunk(chunk)[1]) for chunk in chunks)
             if self.reject_code is not None:
-                rejected = UploadRejected(lease_id=ticket.lease_id, slice_index=begin.slice_index, code=self.reject_code, detail="test")
+                rejected = UploadRejected(
+                    lease_id=ticket.lease_id, slice_index=begin.slice_index, code=self.reject_code, detail="test"
+                )
                 await ws.send(encode_message(rejected))
                 continue
-            self.uploads[(ticket.lease_id, begin.slice_index)] = get_codec(begin.codec).decode(payload, begin.num_elements)
+            grad = get_codec(begin.codec).decode(payload, begin.num_elements)
+            self.uploads[(ticket.lease_id, begin.slice_index)] = grad
             token = sign_receipt(
                 TICKET_KEY, campaign_id=ticket.campaign_id, lease_id=ticket.lease_id,
                 slice_index=begin.slice_index, num_samples=ticket.num_samples,
             )  # fmt: skip
-            await ws.send(encode_message(UploadReceipt(lease_id=ticket.lease_id, slice_index=begin.slice_index, token=token)))
+            receipt = UploadReceipt(lease_id=ticket.lease_id, slice_index=begin.slice_index, token=token)
+            await ws.send(encode_message(receipt))
 
 
 @dataclass
@@ -231,13 +241,18 @@ class World:
             for i, ((lo, hi), agg) in enumerate(zip(bounds, self.aggregators))
         ]
 
-    def lease(self, lease_id: int, ranges: list[tuple[int, int]], *, version: int = 0, microbatch: int = 4) -> Lease:
+    def lease(
+        self, lease_id: int, ranges: list[tuple[int, int]], *, version: int = 0, microbatch: int = 4, codec: CodecName = "fp32"
+    ) -> Lease:
         sample_ranges = [SampleRange(shard=self.sha, start=s, count=c) for s, c in ranges]
         num = sum(c for _, c in ranges)
-        ticket = Ticket(lease_id=lease_id, campaign_id=7, device_id=1, base_version=version, num_samples=num, expires_at=time.time() + 600)
+        ticket = Ticket(
+            lease_id=lease_id, campaign_id=7, device_id=1, base_version=version, num_samples=num,
+            expires_at=time.time() + 600,
+        )  # fmt: skip
         return Lease(
             lease_id=lease_id, campaign_id=7, base_version=version, ranges=sample_ranges, num_samples=num,
-            microbatch_size=microbatch, deadline_s=60.0, ticket=sign_ticket(ticket, TICKET_KEY), codec="fp32",
+            microbatch_size=microbatch, deadline_s=60.0, ticket=sign_ticket(ticket, TICKET_KEY), codec=codec,
             model=ModelSpec(architecture="mlp", config=MLP_CONFIG), data=DataSpec(kind="tensors"),
             param_count=self.params.numel(), slices=self.routes(),
         )  # fmt: skip

@@ -53,3 +53,13 @@ async def test_it_asks_for_the_next_lease_before_the_upload_is_reported(world: W
     assert kinds.index("LeaseRequest", 1) < kinds.index("LeaseDone")
     requests = world.site.of_kind(LeaseRequest)
     assert requests[0].samples_per_s is None and requests[1].samples_per_s is not None
+
+
+async def test_fp16_leases_upload_half_precision_gradients(world: World, config: AgentConfig) -> None:
+    world.site.replies = [world.lease(1, LEASE_1, codec="fp16"), world.lease(2, LEASE_2, codec="fp16")]
+
+    await Agent(config, backoff=FAST_BACKOFF, benchmark_s=0.01).run()
+
+    uploaded = torch.cat([world.aggregators[0].uploads[(1, 0)], world.aggregators[1].uploads[(1, 1)]])
+    expected = world.expected_gradient(LEASE_1)
+    torch.testing.assert_close(uploaded, expected.half().float())

@@ -43,6 +43,7 @@ def test_it_trains_until_max_steps_with_falling_loss_counting_each_sample_once(s
     dump = run.dump()
 
     losses = progress["losses"]
+    print("DEBUG", losses, dump["lease_states"])
     assert progress["state"] == "finished"
     assert len(losses) == STEPS
     assert sum(losses[-2:]) / 2 < losses[0] - 0.3, f"loss did not fall: {losses}"

@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
             f"{default_config_path()}."
         ),
     )
-    run.add_argument("--server", metavar="URL", help=f"the site's address (default: saved login, else {DEFAULT_SERVER})")
+    run.add_argument(
+        "--server", metavar="URL", help=f"the site's address (default: the saved login, else {DEFAULT_SERVER})"
+    )
     run.add_argument("--token", metavar="TOKEN", help="this device's API token (default: the saved login)")
     run.add_argument(
         "--device",
@@ -70,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--threads", metavar="N", help="CPU threads for PyTorch (torch.set_num_threads)")
     run.add_argument("--campaign", metavar="ID", dest="campaign_id", help="work only for this campaign id")
-    run.add_argument("--cache-dir", metavar="DIR", help="where verified data shards are kept (default: the user cache folder)")
+    run.add_argument(
+        "--cache-dir", metavar="DIR", help="where verified data shards are kept (default: the user cache folder)"
+    )
     run.add_argument("--max-leases", metavar="N", help="stop after N leases (benchmarks, tests)")
     run.add_argument(
         "--no-progress",

@@ -45,8 +45,10 @@ class AgentConfig:
         scheme, rest = self.server.split("://", 1)
         return f"{'wss' if scheme == 'https' else 'ws'}://{rest}/ws/agent/"
 
-    def shard_url(self, sha256: str) -> str:
-        return f"{self.server}/api/shards/{sha256}"
+    @property
+    def shards_url(self) -> str:
+        """URL prefix of the site's shard endpoint; ``/<sha256>`` is appended."""
+        return f"{self.server}/api/shards"
 
 
 def default_config_path() -> Path:
@@ -65,7 +67,9 @@ def read_config_file(path: Path) -> dict[str, str]:
     except FileNotFoundError:
         return {}
     except OSError as exc:
-        raise ConfigError(f"cannot read the agent config file {path}: {exc}; fix its permissions or delete it") from None
+        raise ConfigError(
+            f"cannot read the agent config file {path}: {exc}; fix its permissions or delete it"
+        ) from None
     try:
         data = json.loads(text)
     except ValueError:

@@ -64,6 +64,7 @@ class Backoff:
     max_tries: int = 30  # about 25 minutes of retrying with the defaults
 
     def delay(self, attempt: int) -> float:
+        """Seconds to wait before connection attempt number ``attempt`` (1-based)."""
         raw = min(self.max_s, self.base_s * self.factor ** max(0, attempt - 1))
         return raw * (1.0 + self.jitter * (2.0 * random.random() - 1.0))
 
@@ -132,6 +133,7 @@ class ControlChannel:
         self._ready = asyncio.Event()  # set while connected and welcomed, or once fatal
         self._closing = False
         self._waiters: dict[str, asyncio.Future[Any]] = {}
+        self._background: set[asyncio.Task[None]] = set()
         self.fatal: AgentStopped | None = None
         self.welcome: Welcome | None = None
         self.connections = 0
@@ -152,7 +154,8 @@ class ControlChannel:
             ConnectionLost: if the connection dropped more than ``retries`` times.
             TimeoutError: if no reply came within ``timeout``.
         """
-        for attempt in range(retries + 1):
+        attempt = 0
+        while True:
             ws = await self._connected()
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             self._waiters[slot] = future
@@ -163,13 +166,13 @@ class ControlChannel:
                     raise ConnectionLost("control connection closed while sending") from None
                 return await asyncio.wait_for(future, timeout)
             except ConnectionLost:
-                if attempt == retries:
+                attempt += 1
+                if attempt > retries:
                     raise
                 logger.debug("connection lost waiting for %s; sending again after reconnect", slot)
             finally:
                 if self._waiters.get(slot) is future:
                     del self._waiters[slot]
-        raise AssertionError("unreachable")  # the loop returns or raises
 
     async def send(self, message: Any) -> None:
         """Send without waiting for a reply; dropped silently if disconnected."""
@@ -256,7 +259,8 @@ class ControlChannel:
                 self._ws = None
                 self._ready.clear()
                 self._fail_waiters(ConnectionLost("control connection lost"))
-                self._on_state("disconnected from the site")
+                if not self._closing:
+                    self._on_state("disconnected from the site")
         code = ws.close_code
         logger.debug("control connection closed with code %s", code)
         return None if code in (None, 1006) else code
@@ -283,7 +287,9 @@ class ControlChannel:
             elif isinstance(message, Lease):
                 # Nobody waits any more (timed out, stopping): give it back instead of letting it expire.
                 logger.debug("unrequested lease %d; releasing it", message.lease_id)
-                asyncio.get_running_loop().create_task(self.send(LeaseRelease(lease_id=message.lease_id)))
+                task = asyncio.get_running_loop().create_task(self.send(LeaseRelease(lease_id=message.lease_id)))
+                self._background.add(task)  # the loop keeps only weak references to tasks
+                task.add_done_callback(self._background.discard)
             else:
                 logger.debug("dropping a reply nobody waits for: %s", message)
             return

@@ -32,11 +32,19 @@ class FetchError(RuntimeError):
     """A download that failed in a way a retry right now will not fix."""
 
 
+class HttpStatusError(FetchError):
+    """The server answered with a non-2xx status (``code``)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def http_get(url: str, *, token: str | None = None, timeout: float = HTTP_TIMEOUT_S) -> bytes:
     """GET ``url`` and return the body.
 
     Raises:
-        urllib.error.HTTPError: for a non-2xx answer (callers look at ``.code``).
+        HttpStatusError: for a non-2xx answer (callers look at ``.code``).
         FetchError: if the server cannot be reached.
     """
     request = urllib.request.Request(url, headers={"User-Agent": "crowdtrain-agent"})
@@ -45,8 +53,9 @@ def http_get(url: str, *, token: str | None = None, timeout: float = HTTP_TIMEOU
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.read()
-    except urllib.error.HTTPError:
-        raise
+    except urllib.error.HTTPError as exc:
+        exc.close()  # an HTTPError holds the socket open until it is garbage-collected
+        raise HttpStatusError(f"HTTP {exc.code} from {url}", exc.code) from None
     except (urllib.error.URLError, OSError) as exc:
         raise FetchError(f"cannot download {url}: {getattr(exc, 'reason', exc)}") from None
 
@@ -74,6 +83,7 @@ class ShardCache:
         self.downloads = 0
 
     def path_for(self, sha256: str) -> Path:
+        """Where the verified copy of shard ``sha256`` lives on disk."""
         return self.root / sha256[:2] / sha256
 
     def get(self, sha256: str) -> bytes:
@@ -113,7 +123,7 @@ class ShardCache:
         url = f"{self._url.rstrip('/')}/{sha256}"
         try:
             data = http_get(url, token=self._token)
-        except urllib.error.HTTPError as exc:
+        except HttpStatusError as exc:
             raise FetchError(f"shard {sha256[:12]}: the site answered HTTP {exc.code} for {url}") from None
         actual = sha256_hex(data)
         if actual != sha256:
@@ -134,7 +144,9 @@ class ShardCache:
                 fh.write(data)
             os.replace(tmp, path)
         except OSError as exc:
-            logger.warning("cannot cache shard %s in %s (%s); it will be downloaded again next time", sha256[:12], path.parent, exc)
+            logger.warning(
+                "cannot cache shard %s in %s (%s); it will be downloaded again next time", sha256[:12], path.parent, exc
+            )
 
 
 def fetch_slice(route: SliceRoute, version: int, *, retry_for_s: float = 10.0) -> torch.Tensor:
@@ -147,15 +159,18 @@ def fetch_slice(route: SliceRoute, version: int, *, retry_for_s: float = 10.0) -
         FetchError: if the slice stays missing, has the wrong size, or cannot be downloaded.
     """
     url = f"{route.params_url}{version}"
+    # No token: parameters are public per campaign and cacheable, and the device token is the site's secret.
     deadline = time.monotonic() + retry_for_s
     delay = 0.05
     while True:
         try:
             data = http_get(url)
             break
-        except urllib.error.HTTPError as exc:
+        except HttpStatusError as exc:
             if exc.code != 404 or time.monotonic() + delay > deadline:
-                raise FetchError(f"parameters of version {version}, slice {route.index}: HTTP {exc.code} from {url}") from None
+                raise FetchError(
+                    f"parameters of version {version}, slice {route.index}: HTTP {exc.code} from {url}"
+                ) from None
             logger.debug("slice %d of version %d not published yet; retrying in %.2f s", route.index, version, delay)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)

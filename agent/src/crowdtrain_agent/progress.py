@@ -29,6 +29,7 @@ class AgentStatus:
     status_since: float = field(default_factory=time.monotonic)
 
     def set_status(self, text: str) -> None:
+        """Change the status line; the panel shows how long it has held, so waits are visible."""
         if text != self.status:
             self.status = text
             self.status_since = time.monotonic()

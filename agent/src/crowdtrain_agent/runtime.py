@@ -146,7 +146,7 @@ class Agent:
         info = await in_daemon_thread(describe_device, device, benchmark_s=self._benchmark_s)
         self.status.device = f"{info.kind}: {info.name}"
         self._models = ModelCache(device)
-        self._shards = ShardCache(self.config.cache_dir, f"{self.config.server}/api/shards", self.config.token)
+        self._shards = ShardCache(self.config.cache_dir, self.config.shards_url, self.config.token)
         self._control = ControlChannel(
             self.config.control_url,
             self.config.token,
@@ -186,6 +186,7 @@ class Agent:
             control.cancel()
             await asyncio.gather(control, work, *self._reports, return_exceptions=True)
             await self._uploader.close()
+            self.status.set_status("stopped")
 
     # ------------------------------------------------------------------ main loop
 
@@ -295,10 +296,11 @@ class Agent:
                 self.status.version = max(self.status.version or 0, reply.base_version)
                 return reply
             # no lease: say why, then ask again after retry_after_s or as soon as a version is published
-            why = f"{reply.reason.replace('_', ' ')}: {reply.detail}" if reply.detail else reply.reason.replace("_", " ")
+            reason = reply.reason.replace("_", " ")
+            why = f"{reason}: {reply.detail}" if reply.detail else reason
             self.status.set_status(f"waiting for work ({why})")
             if why != self._last_no_lease:
-                logger.info("no lease from the site (%s); asking again in %.0f s", why, reply.retry_after_s)
+                logger.info("no lease from the site (%s); asking again in %.1f s", why, reply.retry_after_s)
             else:
                 logger.debug("no lease from the site (%s)", why)
             self._last_no_lease = why
@@ -308,29 +310,26 @@ class Agent:
     async def _prepare(self, lease: Lease) -> tuple[CampaignModel, torch.Tensor, torch.Tensor]:
         """Model at the lease's base version plus the lease's samples, downloading only what is missing."""
         self.status.set_status(f"fetching data for lease {lease.lease_id}")
-        try:
-            cm = self._models.get(lease.campaign_id, lease.model)
-        except ModelConfigError as exc:
-            raise LeaseFailed(str(exc)) from None
-        if cm.param_count != lease.param_count:
-            raise LeaseFailed(
-                f"the site says {lease.model.architecture} has {lease.param_count} parameters, this agent builds "
-                f"{cm.param_count}; upgrade crowdtrain-agent (pip install -U crowdtrain-agent)"
-            )
-        need_params = not self._models.holds(lease.campaign_id, lease.model, lease.base_version)
 
-        def blocking() -> tuple[torch.Tensor, torch.Tensor]:
+        def blocking() -> tuple[CampaignModel, torch.Tensor, torch.Tensor]:
+            # Building a large model on the GPU takes seconds: that too stays off the event loop.
+            cm = self._models.get(lease.campaign_id, lease.model)
+            if cm.param_count != lease.param_count:
+                raise LeaseFailed(
+                    f"the site says {lease.model.architecture} has {lease.param_count} parameters, this agent "
+                    f"builds {cm.param_count}; upgrade crowdtrain-agent (pip install -U crowdtrain-agent)"
+                )
             shards = {r.shard: self._shards.get(r.shard) for r in lease.ranges}
-            if need_params:
+            if not self._models.holds(lease.campaign_id, lease.model, lease.base_version):
                 flat = fetch_params(lease.slices, lease.base_version, lease.param_count)
                 trainer.load_params_(cm, flat, lease.base_version)
-            return trainer.gather_samples(lease.data, lease.ranges, shards)
+            x, y = trainer.gather_samples(lease.data, lease.ranges, shards)
+            return cm, x, y
 
         try:
-            x, y = await in_daemon_thread(blocking)
-        except (FetchError, ProtocolError, ValueError, OSError) as exc:
+            return await in_daemon_thread(blocking)
+        except (FetchError, ProtocolError, ModelConfigError, ValueError, OSError) as exc:
             raise LeaseFailed(str(exc)) from None
-        return cm, x, y
 
     def _note_speed(self, lease: Lease, result: GradientResult) -> None:
         speed = result.num_samples / max(result.compute_s, 1e-6)
@@ -348,7 +347,8 @@ class Agent:
         try:
             # send: each slice to the aggregator that owns it, all aggregators at once
             codec = get_codec(lease.codec)
-            receipts = await asyncio.gather(*(self._send_slice(lease, route, result.grad, codec) for route in lease.slices))
+            sends = [self._send_slice(lease, route, result.grad, codec) for route in lease.slices]
+            receipts = await asyncio.gather(*sends)
             # report: the receipts prove that the aggregators hold this lease's gradient
             done = LeaseDone(
                 lease_id=lease.lease_id,
@@ -364,7 +364,9 @@ class Agent:
             await self._release(lease)
             return
         except (ConnectionLost, TimeoutError) as exc:
-            logger.warning("lease %d: the site did not confirm the done report (%r); it will expire", lease.lease_id, exc)
+            logger.warning(
+                "lease %d: the site did not confirm the done report (%r); it will expire", lease.lease_id, exc
+            )
             self._held.pop(lease.lease_id, None)
             return
         self._held.pop(lease.lease_id, None)
@@ -398,8 +400,10 @@ class Agent:
     async def _release(self, lease: Lease, timeout: float = 5.0) -> None:
         """Give a lease back so its samples go to another agent at once instead of at its deadline."""
         self._held.pop(lease.lease_id, None)
+        call = self._control.call(LeaseRelease(lease_id=lease.lease_id), f"release:{lease.lease_id}", timeout=timeout)
         try:
-            await self._control.call(LeaseRelease(lease_id=lease.lease_id), f"release:{lease.lease_id}", timeout=timeout)
+            # Bounded as a whole: while the site is unreachable, letting the lease expire is fine.
+            await asyncio.wait_for(call, timeout)
             logger.info("gave lease %d back to the site", lease.lease_id)
         except (ConnectionLost, TimeoutError, AgentStopped) as exc:
             logger.debug("release of lease %d not confirmed (%r); it will expire", lease.lease_id, exc)

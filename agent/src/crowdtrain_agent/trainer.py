@@ -80,7 +80,9 @@ def load_params_(cm: CampaignModel, flat: torch.Tensor, version: int) -> None:
     cm.version = version
 
 
-def gather_samples(spec: DataSpec, ranges: Sequence[SampleRange], shards: dict[str, bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_samples(
+    spec: DataSpec, ranges: Sequence[SampleRange], shards: dict[str, bytes]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets of every range of a lease, concatenated in lease order.
 
     Raises:

@@ -80,7 +80,9 @@ class Uploader:
                 except (OSError, TimeoutError, InvalidHandshake) as exc:
                     self._connections.pop(url, None)
                     if attempt == 2:
-                        raise UploadError(f"cannot upload slice {begin.slice_index} to {url}: {exc}", code="unreachable") from None
+                        raise UploadError(
+                            f"cannot upload slice {begin.slice_index} to {url}: {exc}", code="unreachable"
+                        ) from None
                     await asyncio.sleep(0.5)
                     continue
                 return self._check_reply(url, begin, raw)
@@ -90,7 +92,9 @@ class Uploader:
         try:
             reply = decode_message(raw, allowed=AGGREGATOR_TO_AGENT)
         except ProtocolError as exc:
-            raise UploadError(f"aggregator {url} answered slice {begin.slice_index} with a bad message: {exc}") from None
+            raise UploadError(
+                f"aggregator {url} answered slice {begin.slice_index} with a bad message: {exc}"
+            ) from None
         if isinstance(reply, UploadReceipt):
             if reply.slice_index != begin.slice_index:
                 raise UploadError(
@@ -98,8 +102,12 @@ class Uploader:
                 )
             return reply
         if isinstance(reply, UploadRejected):
-            raise UploadError(f"aggregator {url} rejected slice {begin.slice_index}: {reply.code} ({reply.detail})", code=reply.code)
-        raise UploadError(f"aggregator {url} refused slice {begin.slice_index}: {reply.code} ({reply.detail})", code=reply.code)
+            verb = "rejected"
+        else:  # ErrorMessage: the aggregator could not even parse what we sent
+            verb = "refused"
+        raise UploadError(
+            f"aggregator {url} {verb} slice {begin.slice_index}: {reply.code} ({reply.detail})", code=reply.code
+        )
 
     async def _connection(self, url: str) -> ClientConnection:
         ws = self._connections.get(url)

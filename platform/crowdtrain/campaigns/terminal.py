@@ -68,7 +68,8 @@ class ProgressView:
             "agents", f"{self.agents_running} running, {p.get('active_leases', 0)} leases out, "
             f"{p.get('contributors', 0)} volunteers credited",
         )  # fmt: skip
-        grid.add_row("state", f"{p.get('state', '?')}   elapsed {int(self.elapsed_s) // 60}:{int(self.elapsed_s) % 60:02d}")
+        minutes, seconds = divmod(int(self.elapsed_s), 60)
+        grid.add_row("state", f"{p.get('state', '?')}   elapsed {minutes}:{seconds:02d}")
         grid.add_row("site", Text(f"{self.site_url}/", style="underline"))
         parts: list[RenderableType] = [grid]
         if self.note:

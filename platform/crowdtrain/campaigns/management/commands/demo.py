@@ -10,6 +10,7 @@ in ``var/demo/logs/``. The folder stays after the run for a look at the logs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -105,33 +106,33 @@ class Command(BaseCommand):
                options: dict[str, Any]) -> None:  # fmt: skip
         """Redraw the panel until done (with --exit-when-done) or Ctrl-C; keeps the last progress in self."""
         steps, started = options["steps"], time.monotonic()
-        progress: dict[str, Any] = {}
-        last_change, last_key = time.monotonic(), None
-        view = ProgressView(site.url, progress, steps, swarm.alive("agent"), 0.0, "starting agents ...")
-        with Live(view.render(), console=console, refresh_per_second=4) as live:
-            while True:
-                swarm.check()
-                try:
-                    progress = self.progress = get_json(f"{site.url}/api/campaigns/{campaign_id}/progress")
-                except (urllib.error.URLError, OSError, ValueError):
-                    pass  # a busy site answers late; a dead one is caught by swarm.check()
-                key = (progress.get("samples"), progress.get("version"))
-                if key != last_key:
-                    last_key, last_change = key, time.monotonic()
-                idle = time.monotonic() - last_change
-                done = steps is not None and (progress.get("state") == "finished" or progress.get("version", 0) >= steps)
-                if idle > options["stall_s"] and not done:
-                    raise CommandError(
-                        f"no progress for {idle:.0f} s (step {progress.get('version', 0)}); "
-                        f"look at the logs in {swarm.logs}"
+        last_change, last_key = started, None
+        view = ProgressView(site.url, {}, steps, swarm.alive("agent"), 0.0, "starting agents ...")
+        try:
+            with Live(view.render(), console=console, refresh_per_second=4) as live:
+                while True:
+                    swarm.check()  # a dead process ends the demo with its log's last lines
+                    with contextlib.suppress(urllib.error.URLError, OSError, ValueError):  # busy site: next time
+                        self.progress = get_json(f"{site.url}/api/campaigns/{campaign_id}/progress")
+                    key = (self.progress.get("samples"), self.progress.get("version"))
+                    if key != last_key:
+                        last_key, last_change = key, time.monotonic()
+                    done = steps is not None and (
+                        self.progress.get("state") == "finished" or self.progress.get("version", 0) >= steps
                     )
-                note = "Ctrl-C stops everything"
-                if done:
-                    note = "training finished" + ("; stopping" if options["exit_when_done"] else "; Ctrl-C stops the site")
-                live.update(ProgressView(site.url, progress, steps, swarm.alive("agent"),
-                                         time.monotonic() - started, note).render())  # fmt: skip
-                if done and options["exit_when_done"]:
-                    break
-                time.sleep(POLL_S)
-        if not console.is_terminal:
-            console.line()  # rich ends the last frame with a newline only on a terminal
+                    if not done and time.monotonic() - last_change > options["stall_s"]:
+                        raise CommandError(
+                            f"no progress for {options['stall_s']:.0f} s (step {self.progress.get('version', 0)}); "
+                            f"look at the logs in {swarm.logs}"
+                        )
+                    note = "Ctrl-C stops everything"
+                    if done:
+                        note = "training finished; " + ("stopping" if options["exit_when_done"] else "Ctrl-C stops")
+                    agents, elapsed = swarm.alive("agent"), time.monotonic() - started
+                    live.update(ProgressView(site.url, self.progress, steps, agents, elapsed, note).render())
+                    if done and options["exit_when_done"]:
+                        return
+                    time.sleep(POLL_S)
+        finally:
+            if not console.is_terminal:
+                console.line()  # rich ends its last frame with a newline only on a terminal

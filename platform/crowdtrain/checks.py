@@ -1,0 +1,32 @@
+"""Production rules as Django system checks: `manage.py check --deploy` names what to fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import Error, Warning, register
+
+DEV_SECRET_PREFIX = "insecure-dev-key"
+
+
+@register(deploy=True)
+def check_production_settings(app_configs: Any = None, **kwargs: Any) -> list[Error | Warning]:
+    problems: list[Error | Warning] = []
+    if settings.SECRET_KEY.startswith(DEV_SECRET_PREFIX):
+        problems.append(Error(
+            "CROWDTRAIN_SECRET_KEY is the development default; tickets and sessions could be forged.",
+            hint="Set CROWDTRAIN_SECRET_KEY to a long random string (python -c 'import secrets; print(secrets.token_urlsafe(50))').",
+            id="crowdtrain.E001",
+        ))  # fmt: skip
+    if settings.DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+        problems.append(Warning(
+            "The database is SQLite; it serializes every write and suits one machine only.",
+            hint="Set DATABASE_URL to a PostgreSQL database.", id="crowdtrain.W001",
+        ))  # fmt: skip
+    if not settings.REDIS_URL:
+        problems.append(Error(
+            "REDIS_URL is not set: the channel layer is in-memory, so only one site process can serve WebSockets.",
+            hint="Set REDIS_URL (e.g. redis://127.0.0.1:6379/0).", id="crowdtrain.E002",
+        ))  # fmt: skip
+    return problems

@@ -1,0 +1,36 @@
+"""Parameters of a version are assembled from every aggregator's slice."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+import torch
+
+from crowdtrain_agent.fetch import FetchError, fetch_params
+
+from .fakes import World
+
+
+async def test_params_are_assembled_from_two_slices(world: World) -> None:
+    flat = await asyncio.to_thread(fetch_params, world.routes(), 0, world.params.numel())
+
+    torch.testing.assert_close(flat, world.params)
+
+
+async def test_a_version_about_to_be_published_is_retried(world: World) -> None:
+    world.aggregators[1].missing_first = 2
+
+    flat = await asyncio.to_thread(fetch_params, world.routes(), 0, world.params.numel())
+
+    torch.testing.assert_close(flat, world.params)
+    assert len(world.aggregators[1].param_requests) == 3
+
+
+async def test_slices_with_a_gap_are_refused(world: World) -> None:
+    first, second = world.routes()
+    gappy = [first, replace(second, start=second.start + 1)]
+
+    with pytest.raises(FetchError, match="do not tile"):
+        await asyncio.to_thread(fetch_params, gappy, 0, world.params.numel())

@@ -1,0 +1,47 @@
+"""The aggregator's config: flags beat environment beat defaults, and bad values stop startup clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from crowdtrain_backbone.config import DEFAULT_MAX_PENDING_BYTES, ConfigError, load_config
+
+
+def test_flags_beat_environment_beat_defaults() -> None:
+    environ = {"CROWDTRAIN_BACKBONE_TOKEN": "env-token", "CROWDTRAIN_BACKBONE_PORT": "9001",
+               "CROWDTRAIN_BACKBONE_NAME": "agg-env"}  # fmt: skip
+
+    config = load_config({"port": "0", "checkpoint_dir": "ck", "site": None}, environ)
+
+    assert config.port == 0 and config.token == "env-token" and config.name == "agg-env"
+    assert config.checkpoint_dir == Path("ck") and config.site == "http://127.0.0.1:8000"
+    assert config.max_pending_bytes == DEFAULT_MAX_PENDING_BYTES
+    assert config.public_host == "127.0.0.1"
+    assert config.backbone_ws_url == "ws://127.0.0.1:8000/ws/backbone/"
+
+
+def test_an_https_site_is_reached_over_wss() -> None:
+    config = load_config({"token": "t", "site": "https://crowdtrain.example.org/"}, {})
+
+    assert config.backbone_ws_url == "wss://crowdtrain.example.org/ws/backbone/"
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ", "message"),
+    [
+        ({}, {}, "CROWDTRAIN_BACKBONE_TOKEN"),
+        ({"token": "t"}, {"CROWDTRAIN_BACKBONE_PORT": "http"}, "CROWDTRAIN_BACKBONE_PORT='http' is not a TCP port"),
+        ({"token": "t", "port": "70000"}, {}, "--port='70000'"),
+        ({"token": "t"}, {"CROWDTRAIN_BACKBONE_SITE": "localhost:8000"}, "is not a site URL"),
+        ({"token": "t"}, {"CROWDTRAIN_BACKBONE_MAX_PENDING_BYTES": "-1"}, "must be a positive number of bytes"),
+        ({"token": "t", "name": "two words"}, {}, "--name='two words'"),
+    ],
+)
+def test_a_bad_value_names_the_variable_the_value_and_what_is_accepted(
+    flags: dict[str, str], environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(flags, environ)
+
+    assert message in str(error.value)

@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+from django.test import override_settings
+
+from crowdtrain.checks import check_production_settings
+
+
+def test_it_flags_the_development_secret_key_and_the_missing_redis() -> None:
+    ids = {problem.id for problem in check_production_settings()}
+
+    assert {"crowdtrain.E001", "crowdtrain.E002"} <= ids
+
+
+def test_a_production_configuration_passes() -> None:
+    postgres = {"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "crowdtrain"}}
+
+    with override_settings(SECRET_KEY="x" * 50, REDIS_URL="redis://127.0.0.1:6379/0", DATABASES=postgres):
+        problems = check_production_settings()
+
+    assert problems == []
