@@ -146,7 +146,12 @@ class AggregatorNode:
         key = (assignment.campaign_id, assignment.slice_index)
         current = self.slices.get(key)
         if current is not None and _same_layout(current.assignment, assignment):
-            current.assignment = assignment  # staleness, norm bound, checkpoint_every may change
+            previous, current.assignment = current.assignment, assignment  # staleness, norm bound... may change
+            if previous.optimizer != assignment.optimizer:
+                # New hyperparameters apply from the next step; moments survive unless the optimizer kind changed.
+                same_kind = previous.optimizer.name == assignment.optimizer.name
+                kept = current.optimizer.state_dict() if same_kind else None
+                current.install_(current.param.detach(), current.version, kept)
             if current.version == assignment.version:
                 logger.info("campaign %s slice %s re-assigned at version %s", *key, current.version)
                 return SliceReady(campaign_id=key[0], slice_index=key[1], version=current.version)

@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 MAX_REJECTIONS_IN_A_ROW = 100
 # Decoding and checking a slice this big would stall the event loop noticeably.
 THREAD_DECODE_BYTES = 1 << 20
+# A stalled upload holds its share of the pending-memory budget; give it back after this.
+CHUNK_TIMEOUT_S = 60.0
 
 
 class Rejected(Exception):
@@ -259,9 +261,13 @@ class UploadSession:
         lease = ticket.lease_id
         for i in range(begin.num_chunks):
             try:
-                raw = await self.ws.recv()
+                async with asyncio.timeout(CHUNK_TIMEOUT_S):
+                    raw = await self.ws.recv()
             except ConnectionClosed:
                 raise Rejected("incomplete upload", "connection closed mid-upload", discard=False) from None
+            except TimeoutError:
+                raise Rejected("incomplete upload", f"lease {lease}: no chunk {i} within {CHUNK_TIMEOUT_S:.0f} s; "
+                               "upload the slice again") from None  # fmt: skip
             if isinstance(raw, str):
                 self._next_text = raw  # the agent gave up on this upload and started the next one
                 raise Rejected("incomplete upload", f"lease {lease}: expected chunk {i} of {begin.num_chunks}, "

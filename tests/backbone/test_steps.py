@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import pytest
 import torch
 from crowdtrain_agent.protocol import OptimizerSpec, SliceReady, SliceUnassign, StepApplied, StepCommit, StepFailed
 from crowdtrain_backbone.server import BackboneServer
-from crowdtrain_backbone.slices import initial_params
+from crowdtrain_backbone.slices import PendingUpload, SliceState, Snapshot, initial_params
 
 from .conftest import SLICE0, Agent, FakeSite, assignment, gradient, take_step, ticket
 
@@ -114,3 +118,40 @@ async def test_unassign_drops_the_campaign_and_its_pending_memory(
 
     assert reassigned.campaign_id == 3
     assert backbone.node.get_slice(1, 0) is None and backbone.node.budget.used == 0
+
+
+async def test_a_reassignment_with_a_new_learning_rate_keeps_the_params_and_uses_the_new_rate(
+    site: FakeSite, backbone: BackboneServer, agent: Agent
+) -> None:
+    await site.assign(assignment(optimizer=OptimizerSpec(name="sgd", lr=0.5)))
+    before = backbone.node.get_slice(1, 0).param.detach().clone()
+
+    ready = await site.assign(assignment(optimizer=OptimizerSpec(name="sgd", lr=0.25)))
+    await agent.good_upload(lease_id=1, num_samples=1)
+    await site.commit(0, [1], 1)
+
+    assert ready.version == 0
+    torch.testing.assert_close(backbone.node.get_slice(1, 0).param.detach(), before - 0.25 * gradient(NUMEL, 1))
+
+
+async def test_uploads_keep_flowing_while_a_step_runs(
+    site: FakeSite, held: SliceReady, backbone: BackboneServer, agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow_step = SliceState.apply_step_
+
+    def apply_slowly(self: SliceState, uploads: list[PendingUpload], num_samples: int) -> Snapshot:
+        time.sleep(0.5)  # a big model's optimizer step, in the worker thread
+        return slow_step(self, uploads, num_samples)
+
+    monkeypatch.setattr(SliceState, "apply_step_", apply_slowly)
+    await agent.good_upload(lease_id=1)
+    await site.send(StepCommit(campaign_id=1, step=0, lease_ids=[1], num_samples=4))
+    await asyncio.sleep(0.05)
+
+    started = time.monotonic()
+    await agent.good_upload(lease_id=2)
+    uploaded_after = time.monotonic() - started
+    applied = await site.expect(StepApplied)
+
+    assert uploaded_after < 0.3
+    assert applied.version == 1 and set(backbone.node.get_slice(1, 0).pending) == {2}

@@ -1,12 +1,4 @@
-"""The control channel to the site: hello, heartbeats, request/reply calls, pushes, reconnects.
-
-One reader task owns the socket's incoming side. Replies go to the waiter
-that asked for them (keyed by reply slot: ``lease``, ``done:<id>``,
-``release:<id>``); pushes (new versions, errors) go to a callback. When the
-connection drops, waiters fail with ConnectionLost and the channel
-reconnects with exponential backoff plus jitter, unless the close code says
-no retry can help (bad token, revoked device, old agent).
-"""
+"""The control channel to the site: hello, heartbeats, request/reply calls, pushes, reconnects."""
 
 from __future__ import annotations
 
@@ -103,6 +95,13 @@ def _reply_slot(message: Any) -> str | None:
 
 class ControlChannel:
     """A self-healing connection to the site's ``/ws/agent/`` endpoint.
+
+    One reader task owns the socket's incoming side. Replies go to the waiter
+    that asked for them (keyed by reply slot: ``lease``, ``done:<id>``,
+    ``release:<id>``); pushes (new versions, errors) go to ``on_push``. When
+    the connection drops, waiters fail with ConnectionLost and the channel
+    reconnects with exponential backoff plus jitter, unless the close code
+    says no retry can help (bad token, revoked device, old agent).
 
     Args:
         url: ws:// or wss:// URL of the control endpoint.

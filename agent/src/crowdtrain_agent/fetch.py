@@ -1,8 +1,4 @@
-"""Downloads a lease needs: data shards (verified, cached on disk) and parameter slices of one version.
-
-Everything here is blocking (stdlib urllib) and meant to run in a worker
-thread, never on the event loop.
-"""
+"""Blocking downloads a lease needs (shards, verified and cached on disk; parameter slices); run in a thread."""
 
 from __future__ import annotations
 
