@@ -96,11 +96,11 @@ def campaign_spec(npz: Path, steps: int, agents: int) -> dict[str, Any]:
 
 
 def run_phase(run_dir: Path, npz: Path, *, agent_cpus: Sequence[Sequence[int] | None],
-              server_cpus: Sequence[int] | None, steps: int, warmup: int,
-              ingest_uploads: int) -> PhaseResult:  # fmt: skip
+              server_cpus: Sequence[int] | None, steps: int, warmup: int, ingest_uploads: int,
+              site_env: dict[str, str]) -> PhaseResult:  # fmt: skip
     """One fresh site + aggregator, then the agents; steady rate, first-step latency, and optionally ingest."""
     key = secrets.token_bytes(32)
-    env = {"CROWDTRAIN_VAR_DIR": str(run_dir / "var"), "CROWDTRAIN_TICKET_KEY": key.hex()}
+    env = {"CROWDTRAIN_VAR_DIR": str(run_dir / "var"), "CROWDTRAIN_TICKET_KEY": key.hex(), **site_env}
     with Swarm(run_dir, env=env) as swarm:
         spec_path = run_dir / "spec.json"
         spec_path.write_text(json.dumps(campaign_spec(npz, steps, len(agent_cpus))))
@@ -156,7 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the steady rate (default 5)")
     parser.add_argument("--baseline-seconds", type=float, default=8.0, help="plain PyTorch timing (default 8)")
     parser.add_argument("--ingest-uploads", type=int, default=40, help="timed ~5 MB uploads (default 40)")
+    parser.add_argument("--site-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="extra site setting, e.g. CROWDTRAIN_RETRY_AFTER_S=0.1 (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
+    site_env = dict(item.split("=", 1) for item in args.site_env if "=" in item)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if (os.cpu_count() or 1) < 2:
         print("bench: this benchmark pins processes to cores 0 and 1 and needs at least 2 CPUs", file=sys.stderr)
@@ -174,9 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     before = baselines()
     one = run_phase(root / "one-agent", npz, agent_cpus=[[0]], server_cpus=[1], steps=args.steps,
-                    warmup=args.warmup, ingest_uploads=0)  # fmt: skip
+                    warmup=args.warmup, ingest_uploads=0, site_env=site_env)  # fmt: skip
     two = run_phase(root / "two-agents", npz, agent_cpus=[None, None], server_cpus=None, steps=args.steps,
-                    warmup=args.warmup, ingest_uploads=args.ingest_uploads)  # fmt: skip
+                    warmup=args.warmup, ingest_uploads=args.ingest_uploads, site_env=site_env)  # fmt: skip
     after = baselines()
     # The best of two baseline runs, before and after: other load on the machine only lowers a
     # baseline, and a lowered baseline would flatter the platform.

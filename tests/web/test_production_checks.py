@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 from django.test import override_settings
 
 from crowdtrain.checks import check_production_settings
@@ -11,6 +12,7 @@ def test_it_flags_the_development_secret_key_and_the_missing_redis() -> None:
     assert {"crowdtrain.E001", "crowdtrain.E002"} <= ids
 
 
+@pytest.mark.filterwarnings("ignore:Overriding setting DATABASES")
 def test_a_production_configuration_passes() -> None:
     postgres = {"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "crowdtrain"}}
 
