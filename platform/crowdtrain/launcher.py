@@ -61,18 +61,26 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _die_with_parent() -> None:
-    """Run in the child before exec: new process group, and SIGTERM if the parent dies.
-
-    The new group keeps a terminal's Ctrl-C away from the children (the
-    parent stops them in order). PDEATHSIG survives ``exec`` (also through
-    ``taskset``), so a killed test run leaves no daphne behind on Linux.
-    """
-    os.setsid()
+def _load_prctl() -> Any:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: rely on the orderly stop
-        pass
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: children rely on the orderly stop alone
+        return None
+
+
+# Looked up once here, not in the child: between fork and exec only async-signal-safe work is wise.
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent() -> None:
+    """Run in the child before exec: SIGTERM it if the parent dies.
+
+    PDEATHSIG survives ``exec`` (also through ``taskset``) and fires when the thread that
+    started the child ends, so start children from the main thread. A killed test
+    run or a demo killed with SIGKILL leaves no daphne behind on Linux.
+    """
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 # Variables that would point a local run at shared services (CI exports a PostgreSQL DATABASE_URL):
@@ -227,7 +235,8 @@ class Swarm:
             popen = subprocess.Popen(
                 command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=child_env({**self.env, **(env or {})}, threads=threads, isolated=self.isolated),
-                preexec_fn=_die_with_parent,
+                # Own session: a terminal's Ctrl-C reaches only us, and we stop the children in order.
+                start_new_session=True, preexec_fn=_die_with_parent,
             )  # fmt: skip
         child = Child(name, role, popen, log_path, time.monotonic(), expected_exit)
         self.children.append(child)

@@ -35,7 +35,7 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -137,7 +137,8 @@ def run_phase(run_dir: Path, npz: Path, *, agent_cpus: Sequence[Sequence[int] | 
     return PhaseResult(rate, first_step_s, ingest)
 
 
-def _wait(ready: Any, timeout_s: float, what: str, swarm: Swarm, poll_s: float = 0.25) -> None:
+def _wait(ready: Callable[[], Any], timeout_s: float, what: str, swarm: Swarm, poll_s: float = 0.25) -> None:
+    """Poll ``ready()`` until truthy; a child that dies meanwhile raises at once (Swarm.check)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         swarm.check()
