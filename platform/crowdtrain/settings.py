@@ -118,7 +118,7 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "loggers": {
-        "crowdtrain": {"handlers": ["console"], "level": env_str("CROWDTRAIN_LOG_LEVEL", "INFO")},
+        "crowdtrain": {"handlers": ["console"], "level": env_str("CROWDTRAIN_LOG_LEVEL", "INFO"), "propagate": False},
     },
 }
 
@@ -127,7 +127,7 @@ LOGGING = {
 # A lease should take about this long on the device it goes to.
 CROWDTRAIN_LEASE_TARGET_S = env_float("CROWDTRAIN_LEASE_TARGET_S", 15.0, minimum=0.1)
 # Never give a lease less time than this, whatever the device's speed.
-CROWDTRAIN_LEASE_MIN_DEADLINE_S = env_float("CROWDTRAIN_LEASE_MIN_DEADLINE_S", 60.0, minimum=1.0)
+CROWDTRAIN_LEASE_MIN_DEADLINE_S = env_float("CROWDTRAIN_LEASE_MIN_DEADLINE_S", 30.0, minimum=1.0)
 CROWDTRAIN_MAX_LEASE_SAMPLES = env_int("CROWDTRAIN_MAX_LEASE_SAMPLES", 65536, minimum=1)
 # How often idle agents ask again when no lease can be given.
 CROWDTRAIN_RETRY_AFTER_S = env_float("CROWDTRAIN_RETRY_AFTER_S", 2.0, minimum=0.05)

@@ -11,7 +11,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count
+from django.db.models import Count, F
 from django.utils import timezone
 
 from crowdtrain.campaigns.models import Campaign, Step
@@ -63,13 +63,22 @@ def live_aggregators() -> list[Aggregator]:
 def assign_waiting_campaigns() -> Outbox:
     """Give every running campaign without a full set of slices its aggregators, if enough are live."""
     outbox: Outbox = []
+    # Called on every aggregator heartbeat: a cheap unlocked look first.
+    waiting = list(
+        Campaign.objects.filter(state=Campaign.State.RUNNING)
+        .annotate(held=Count("slices"))
+        .exclude(held=F("num_aggregators"))
+        .values_list("id", flat=True)
+    )
+    if not waiting:
+        return outbox
     with transaction.atomic():
-        for campaign in Campaign.objects.select_for_update().filter(state=Campaign.State.RUNNING):
+        for campaign in Campaign.objects.select_for_update().filter(pk__in=waiting, state=Campaign.State.RUNNING):
             if campaign.slices.count() == campaign.num_aggregators:
                 continue
             live = live_aggregators()
             if len(live) < campaign.num_aggregators:
-                logger.info("campaign %s waits for %s aggregators, %s live", campaign.pk, campaign.num_aggregators, len(live))
+                logger.debug("campaign %s waits for %s aggregators, %s live", campaign.pk, campaign.num_aggregators, len(live))
                 continue
             campaign.slices.all().delete()
             bounds = slice_bounds(campaign.param_count, campaign.num_aggregators)

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q, Sum
+from django.db.models import F, Q, QuerySet, Sum
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
@@ -127,28 +127,32 @@ def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) 
     if waiting:
         return _no_lease("campaign_paused", f"campaign {campaign.pk}: {waiting}")
     target = campaign.target_batch_size
-    accepted_open = _sum(campaign.leases.filter(state=Lease.State.ACCEPTED, step__isnull=True))
-    outstanding = _sum(campaign.leases.filter(state=Lease.State.ACTIVE))
-    filled = accepted_open + outstanding
-    # The step these samples would land in, if every lease out there is reported.
-    landing_step = campaign.open_step + filled // target
-    if campaign.max_steps is not None and landing_step >= campaign.max_steps:
+    # Samples reserved per step: active leases plus accepted ones waiting for their step to fill.
+    reserved = dict(
+        campaign.leases.filter(Q(state=Lease.State.ACTIVE) | Q(state=Lease.State.ACCEPTED, step__isnull=True))
+        .values_list("target_step")
+        .annotate(n=Sum("num_samples"))
+    )
+    step = campaign.open_step
+    while reserved.get(step, 0) >= target:
+        step += 1
+    if campaign.max_steps is not None and step >= campaign.max_steps:
         return _no_lease("step_full", f"campaign {campaign.pk}: the last of its {campaign.max_steps} steps is in flight")
-    if landing_step > campaign.version + campaign.staleness:
-        if landing_step > campaign.open_step:
+    if step > campaign.version + campaign.staleness:
+        if step > campaign.open_step:
             return _no_lease(
                 "step_full", f"step {campaign.open_step} has all {target} samples in flight; waiting for its commit"
             )
         return _no_lease("waiting_for_version", f"version {campaign.open_step} is being applied by the aggregators")
     size, speed = _lease_size(campaign, device, samples_per_s)
-    size = min(size, target - filled % target, settings.CROWDTRAIN_MAX_LEASE_SAMPLES)
+    size = min(size, target - reserved.get(step, 0), settings.CROWDTRAIN_MAX_LEASE_SAMPLES)
     ranges = take_samples(campaign, size)
     campaign.save(update_fields=["cursor", "epoch"])
     seconds = max(settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S, 3 * size / speed if speed else 0.0)
     deadline = timezone.now() + timedelta(seconds=seconds)
     lease = Lease.objects.create(
-        campaign=campaign, device=device, base_version=campaign.version, ranges=ranges, num_samples=size,
-        deadline=deadline,
+        campaign=campaign, device=device, base_version=campaign.version, target_step=step, ranges=ranges,
+        num_samples=size, deadline=deadline,
     )
     ticket = Ticket(
         lease_id=lease.pk, campaign_id=campaign.pk, device_id=device.pk, base_version=campaign.version,
@@ -220,9 +224,13 @@ def _receipts_valid(lease: Lease, done: LeaseDone) -> str | None:
     return None
 
 
+def _waiting_in_open_step(campaign: Campaign) -> QuerySet[Lease]:
+    return campaign.leases.filter(state=Lease.State.ACCEPTED, step__isnull=True, target_step=campaign.open_step)
+
+
 def commit_open_step(campaign: Campaign) -> Commit:
-    """Close the open step over every accepted lease waiting in it, in lease-id order."""
-    leases = list(campaign.leases.filter(state=Lease.State.ACCEPTED, step__isnull=True).order_by("id"))
+    """Close the open step over the accepted leases reserved in it, in lease-id order."""
+    leases = list(_waiting_in_open_step(campaign).order_by("id"))
     step = Step.objects.create(
         campaign=campaign, index=campaign.open_step, num_samples=sum(l.num_samples for l in leases),
         loss_sum=math.fsum(l.loss_sum or 0.0 for l in leases),
@@ -258,16 +266,16 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
         problem = _receipts_valid(lease, done)
         if problem:
             return _reject(lease, problem)
-        if lease.base_version + campaign.staleness < campaign.open_step:
+        if lease.target_step < campaign.open_step or lease.base_version + campaign.staleness < lease.target_step:
             return _reject(lease, f"stale version: computed on {lease.base_version}, step {campaign.open_step} is open")
         lease.state = Lease.State.ACCEPTED
         lease.loss_sum = done.loss_sum
         lease.compute_s = done.compute_s
         lease.finished_at = timezone.now()
         lease.save(update_fields=["state", "loss_sum", "compute_s", "finished_at"])
-        outcome = DoneOutcome(DoneAck(lease_id=lease.pk, accepted=True, step=campaign.open_step))
-        accepted_open = _sum(campaign.leases.filter(state=Lease.State.ACCEPTED, step__isnull=True))
-        if accepted_open >= campaign.target_batch_size:
+        outcome = DoneOutcome(DoneAck(lease_id=lease.pk, accepted=True, step=lease.target_step))
+        # A lease reported ahead of its step may complete several steps at once when the last one comes in.
+        while _sum(_waiting_in_open_step(campaign)) >= campaign.target_batch_size:
             outcome.commits.append(commit_open_step(campaign))
         return outcome
 

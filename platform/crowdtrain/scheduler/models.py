@@ -10,9 +10,11 @@ from crowdtrain.campaigns.models import Campaign, Step
 class Lease(models.Model):
     """One assignment of sample ranges to one agent, with a deadline.
 
-    ``ranges`` is a list of ``[epoch, shard_index, start, count]``. A lease is
-    *active* until its agent reports it; *accepted* leases wait in the open
-    step (``step`` null) until the step commits, then point at their Step.
+    ``ranges`` is a list of ``[epoch, shard_index, start, count]``. A lease
+    reserves its samples in ``target_step`` when it is issued, so a fast agent
+    never pushes a slower one's work out of the staleness window. It is
+    *active* until its agent reports it; *accepted* leases wait (``step``
+    null) until their step is full, then point at the committed Step.
     """
 
     class State(models.TextChoices):
@@ -25,6 +27,7 @@ class Lease(models.Model):
     campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="leases")
     device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="leases")
     base_version = models.PositiveIntegerField()
+    target_step = models.PositiveIntegerField(default=0, help_text="the step this lease's samples are reserved in")
     ranges = models.JSONField()
     num_samples = models.PositiveIntegerField()
     state = models.CharField(max_length=16, choices=State.choices, default=State.ACTIVE, db_index=True)

@@ -13,6 +13,7 @@ from crowdtrain_agent.protocol import (
     BackboneWelcome,
     CloseCode,
     DoneAck,
+    Heartbeat,
     LeaseRequest,
     SliceAssignment,
     SliceReady,
@@ -119,3 +120,16 @@ async def test_an_aggregator_that_lost_its_state_rolls_the_campaign_back(connect
             break
 
     assert (campaign.version, campaign.committed_steps) == (0, 0)
+
+
+async def test_a_campaign_started_after_its_aggregator_joined_gets_its_slice_on_the_next_heartbeat(connect: Connect) -> None:
+    token = await sync_to_async(_aggregator)("agg-1")
+    aggregator, _, _ = await connect("/ws/backbone/", token)
+    await send(aggregator, BackboneHello(name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"))
+    await receive(aggregator)
+    campaign = await sync_to_async(_running_campaign)()
+
+    await send(aggregator, Heartbeat())
+    assignment = await receive(aggregator)
+
+    assert isinstance(assignment, SliceAssignment) and assignment.campaign_id == campaign.pk

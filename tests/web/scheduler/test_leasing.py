@@ -191,3 +191,32 @@ def test_it_pauses_leasing_while_an_aggregator_is_missing() -> None:
     assert isinstance(refusal, NoLease)
     assert refusal.reason == "campaign_paused"
     assert "aggregators" in refusal.detail
+
+
+def test_a_lease_overtaken_by_later_ones_still_counts_in_the_step_it_reserved() -> None:
+    make_campaign(target_batch_size=8, microbatch_size=4, staleness=1)
+    device, _ = make_device()
+    speed = 4.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S
+    first, second, third, fourth = (leasing.request_lease(device.pk, None, speed) for _ in range(4))
+
+    early = [leasing.report_done(device.pk, done_for(lease.lease_id)) for lease in (third, fourth, second)]
+    last = leasing.report_done(device.pk, done_for(first.lease_id))
+
+    assert [o.ack.step for o in early] == [1, 1, 0]
+    assert all(o.ack.accepted and not o.commits for o in early)
+    assert [c.message.step for c in last.commits] == [0, 1]
+    assert last.commits[0].message.lease_ids == [first.lease_id, second.lease_id]
+    assert last.commits[1].message.lease_ids == [third.lease_id, fourth.lease_id]
+
+
+def test_samples_of_an_expired_lease_refill_the_step_they_were_reserved_in() -> None:
+    make_campaign(target_batch_size=8, microbatch_size=4, staleness=1)
+    device, _ = make_device()
+    speed = 4.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S
+    lost, kept = leasing.request_lease(device.pk, None, speed), leasing.request_lease(device.pk, None, speed)
+    Lease.objects.filter(pk=lost.lease_id).update(deadline=timezone.now() - timedelta(seconds=1))
+
+    refill = leasing.request_lease(device.pk, None, speed)
+
+    assert Lease.objects.get(pk=refill.lease_id).target_step == 0
+    assert refill.ranges == lost.ranges
