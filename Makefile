@@ -27,8 +27,12 @@ serve: $(STAMP)
 	$(BIN)/python manage.py migrate --noinput
 	$(BIN)/python manage.py serve --port $(PORT)
 
+# Twice over: everything on the embedded defaults (SQLite, in-memory channel
+# layer), then what touches the database and the channel layer on PostgreSQL
+# and Redis (tests/services.py finds them or starts private ones).
 test: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider $(ARGS)
+	$(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider tests/web tests/e2e $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.w1 $(ARGS)

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -82,12 +85,38 @@ class Run:
 
 
 @pytest.fixture
-def seeded_run(tmp_path: Path) -> Iterator[Any]:
+def service_env() -> Iterator[dict[str, str]]:
+    """Where the test run has PostgreSQL and Redis (``make test``'s second pass), the children use them too.
+
+    Each run gets a database of its own, dropped afterwards; with the
+    embedded defaults this is empty and the children use SQLite in their var folder.
+    """
+    url = os.environ.get("DATABASE_URL", "")
+    if not url.startswith(("postgres://", "postgresql://")):
+        yield {}
+        return
+    import psycopg
+
+    name = f"crowdtrain_e2e_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    parts = urlsplit(url)
+    env = {"DATABASE_URL": urlunsplit(parts._replace(path=f"/{name}"))}
+    if os.environ.get("REDIS_URL"):
+        env["REDIS_URL"] = os.environ["REDIS_URL"]
+    yield env
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def seeded_run(tmp_path: Path, service_env: dict[str, str]) -> Iterator[Any]:
     """A factory: ``seeded_run(spec, site_env)`` migrates and seeds a fresh var folder; everything stops at teardown."""
     swarms: list[Swarm] = []
 
     def make(spec: dict[str, Any], site_env: dict[str, str] | None = None) -> Run:
-        swarm = Swarm(tmp_path / "run", env={"CROWDTRAIN_VAR_DIR": str(tmp_path / "run" / "var"), **(site_env or {})})
+        env = {"CROWDTRAIN_VAR_DIR": str(tmp_path / "run" / "var"), **service_env, **(site_env or {})}
+        swarm = Swarm(tmp_path / "run", env=env)
         swarms.append(swarm)
         spec_path = tmp_path / "spec.json"
         spec_path.write_text(json.dumps(spec))
