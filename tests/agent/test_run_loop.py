@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from crowdtrain_agent.config import AgentConfig
@@ -44,15 +46,17 @@ async def test_a_second_lease_at_the_same_version_downloads_nothing(world: World
     assert [agg.connections for agg in world.aggregators] == [1, 1]  # one data connection per aggregator, reused
 
 
-async def test_it_asks_for_the_next_lease_before_the_upload_is_reported(world: World, config: AgentConfig) -> None:
-    world.site.replies = [world.lease(1, LEASE_1), world.lease(2, LEASE_2)]
+async def test_it_asks_for_the_next_lease_while_the_current_one_computes(world: World, config: AgentConfig) -> None:
+    world.site.replies = [world.lease(1, LEASE_1), world.lease(2, LEASE_2), world.lease(3, LEASE_1)]
+    config = replace(config, max_leases=3)
 
     await Agent(config, backoff=FAST_BACKOFF, benchmark_s=0.01).run()
 
     kinds = [type(m).__name__ for m in world.site.received]
     assert kinds.index("LeaseRequest", 1) < kinds.index("LeaseDone")
     requests = world.site.of_kind(LeaseRequest)
-    assert requests[0].samples_per_s is None and requests[1].samples_per_s is not None
+    # The second request goes out as the first lease starts computing; the third knows the measured speed.
+    assert requests[0].samples_per_s is None and requests[2].samples_per_s is not None
 
 
 async def test_fp16_leases_upload_half_precision_gradients(world: World, config: AgentConfig) -> None:

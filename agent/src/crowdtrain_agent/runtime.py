@@ -6,7 +6,9 @@ import asyncio
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -74,6 +76,17 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T
 
     threading.Thread(target=target, name=f"crowdtrain-{getattr(fn, '__name__', 'work')}", daemon=True).start()
     return await future
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A lease ready to compute: ``flat`` holds its base version's parameters unless the model already does."""
+
+    lease: Lease
+    cm: CampaignModel
+    flat: torch.Tensor | None
+    x: torch.Tensor
+    y: torch.Tensor
 
 
 class LeaseFailed(RuntimeError):
@@ -191,49 +204,46 @@ class Agent:
     # ------------------------------------------------------------------ main loop
 
     async def _work(self) -> int:
-        """Work leases one after another; the upload of one overlaps the compute of the next."""
-        lease: Lease | None = None
+        """Work leases one after another, as a pipeline.
+
+        While lease N computes, lease N+1 is requested and its shards and
+        parameters download, and lease N-1 uploads and is reported: the
+        compute thread only waits when the site has nothing to give.
+        """
+        following = asyncio.create_task(self._next_work()) if self._may_take_more() else None
         report: asyncio.Task[None] | None = None
-        following: asyncio.Task[Lease | None] | None = None
+        compute_end: float | None = None  # when the last compute finished: the gap to the next is overhead
         try:
-            while True:
-                # fetch work: a lease from the site (waiting while it has none)
-                if lease is None:
-                    if not self._may_take_more():
-                        break
-                    lease = await self._next_lease()
-                    if lease is None:
-                        break
+            while following is not None:
+                # fetch work: the lease requested (and downloaded) while the last one computed
+                work = await following
+                following = None
+                if work is None:
+                    break  # stopping while we waited for work
+                lease = work.lease
                 if self._stopping.is_set():
                     # Ctrl-C came before this lease started: the site can give it to someone else now.
                     await self._release(lease)
                     break
+                if work.flat is not None:  # between computes, so the running one never sees new weights
+                    await in_daemon_thread(trainer.load_params_, work.cm, work.flat, lease.base_version)
 
-                # fetch what it lacks: shards, and the base version's parameters
-                try:
-                    cm, x, y = await self._prepare(lease)
-                except LeaseFailed as exc:
-                    logger.warning("lease %d cannot be worked on: %s; giving it back", lease.lease_id, exc)
-                    await self._release(lease)
-                    lease = None
-                    await self._pause(LEASE_ERROR_PAUSE_S)
-                    continue
-                if self._stopping.is_set():
-                    await self._release(lease)
-                    break
+                # ask for the next lease now: its request and downloads overlap this compute
+                following = asyncio.create_task(self._next_work()) if self._may_take_more() else None
 
                 # forward/backward in a worker thread; the event loop keeps heartbeats and uploads going
                 self.status.set_status(f"computing lease {lease.lease_id} ({lease.num_samples} samples)")
+                compute_start = time.perf_counter()
+                if compute_end is not None:
+                    logger.debug("lease %d: %.1f ms idle between computes", lease.lease_id, 1e3 * (compute_start - compute_end))
                 try:
                     result = await in_daemon_thread(
-                        trainer.compute_gradient, cm, x, y, lease.microbatch_size, cancel=self._abort
+                        trainer.compute_gradient, work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort
                     )
                 except ComputeCancelled:
                     break
+                compute_end = time.perf_counter()
                 self._note_speed(lease, result)
-
-                # ask for the next lease now, so compute resumes while this one uploads
-                following = asyncio.create_task(self._next_lease()) if self._may_take_more() else None
 
                 # send + report in the background; at most one lease uploads while the next computes
                 if report is not None:
@@ -241,13 +251,6 @@ class Agent:
                 report = asyncio.create_task(self._send_and_report(lease, result))
                 self._reports.add(report)
                 report.add_done_callback(self._reports.discard)
-                if following is None:
-                    lease = None
-                    continue
-                lease = await following
-                following = None
-                if lease is None:
-                    break  # stopping while we waited for work
             if report is not None:
                 self.status.set_status("uploading the last lease")
                 await report
@@ -256,6 +259,19 @@ class Agent:
                 following.cancel()
         self.status.set_status("stopped")
         return EXIT_OK
+
+    async def _next_work(self) -> Prepared | None:
+        """The next lease with everything it needs downloaded; None if the agent is stopping."""
+        while True:
+            lease = await self._next_lease()
+            if lease is None:
+                return None
+            try:
+                return await self._fetch(lease)
+            except LeaseFailed as exc:
+                logger.warning("lease %d cannot be worked on: %s; giving it back", lease.lease_id, exc)
+                await self._release(lease)
+                await self._pause(LEASE_ERROR_PAUSE_S)
 
     def _may_take_more(self) -> bool:
         limit = self.config.max_leases
@@ -299,19 +315,23 @@ class Agent:
             reason = reply.reason.replace("_", " ")
             why = f"{reason}: {reply.detail}" if reply.detail else reason
             self.status.set_status(f"waiting for work ({why})")
-            if why != self._last_no_lease:
+            # Once per reason at INFO: a pipelined agent hears "waiting for version" every step.
+            if reply.reason != self._last_no_lease:
                 logger.info("no lease from the site (%s); asking again in %.1f s", why, reply.retry_after_s)
             else:
                 logger.debug("no lease from the site (%s)", why)
-            self._last_no_lease = why
+            self._last_no_lease = reply.reason
             await _wait_any((self._version_pushed, self._stopping), timeout=reply.retry_after_s)
         return None
 
-    async def _prepare(self, lease: Lease) -> tuple[CampaignModel, torch.Tensor, torch.Tensor]:
-        """Model at the lease's base version plus the lease's samples, downloading only what is missing."""
-        self.status.set_status(f"fetching data for lease {lease.lease_id}")
+    async def _fetch(self, lease: Lease) -> Prepared:
+        """Download what a lease lacks (shards, its base version's parameters) without touching the model.
 
-        def blocking() -> tuple[CampaignModel, torch.Tensor, torch.Tensor]:
+        It runs while another lease computes on the same model, so new
+        parameters are returned here and loaded only between computes.
+        """
+
+        def blocking() -> Prepared:
             # Building a large model on the GPU takes seconds: that too stays off the event loop.
             cm = self._models.get(lease.campaign_id, lease.model)
             if cm.param_count != lease.param_count:
@@ -320,11 +340,11 @@ class Agent:
                     f"builds {cm.param_count}; upgrade crowdtrain-agent (pip install -U crowdtrain-agent)"
                 )
             shards = {r.shard: self._shards.get(r.shard) for r in lease.ranges}
+            flat = None
             if not self._models.holds(lease.campaign_id, lease.model, lease.base_version):
                 flat = fetch_params(lease.slices, lease.base_version, lease.param_count)
-                trainer.load_params_(cm, flat, lease.base_version)
             x, y = trainer.gather_samples(lease.data, lease.ranges, shards)
-            return cm, x, y
+            return Prepared(lease=lease, cm=cm, flat=flat, x=x, y=y)
 
         try:
             return await in_daemon_thread(blocking)
