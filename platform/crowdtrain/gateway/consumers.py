@@ -138,9 +138,11 @@ class AgentConsumer(_ProtocolConsumer):
         answer = await database_sync_to_async(leasing.request_lease)(
             self.device.pk, request.campaign_id, request.samples_per_s
         )
-        if isinstance(answer, Lease) and answer.campaign_id not in self.campaigns:
-            self.campaigns.add(answer.campaign_id)
-            await self.channel_layer.group_add(campaign_agents_group(answer.campaign_id), self.channel_name)
+        # Agents waiting for a campaign hear its version pushes, so they ask again the moment a step opens.
+        campaign_id = answer.campaign_id if isinstance(answer, Lease) else request.campaign_id
+        if campaign_id is not None and campaign_id not in self.campaigns:
+            self.campaigns.add(campaign_id)
+            await self.channel_layer.group_add(campaign_agents_group(campaign_id), self.channel_name)
         await self.send_message(answer)
 
     async def on_done(self, done: LeaseDone) -> None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from .models import Aggregator, Lease, ReturnedRange, SliceAssignment
+from .models import Aggregator, Lease, Participation, ReturnedRange, SliceAssignment
 
 
 @admin.register(Lease)
@@ -25,3 +25,8 @@ class AggregatorAdmin(admin.ModelAdmin):
 @admin.register(SliceAssignment)
 class SliceAssignmentAdmin(admin.ModelAdmin):
     list_display = ["campaign", "index", "aggregator", "start", "end", "ready", "version"]
+
+
+@admin.register(Participation)
+class ParticipationAdmin(admin.ModelAdmin):
+    list_display = ["campaign", "device", "last_request_at"]

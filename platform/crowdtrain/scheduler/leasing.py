@@ -35,7 +35,7 @@ from crowdtrain_agent.protocol import (
     verify_receipt,
 )
 
-from .models import Lease, SliceAssignment
+from .models import Lease, Participation, SliceAssignment
 from .sampling import return_samples, take_samples
 
 logger = logging.getLogger(__name__)
@@ -106,8 +106,25 @@ def _slices_ready(campaign: Campaign) -> tuple[list[SliceAssignment], str | None
     return slices, None
 
 
-def _lease_size(campaign: Campaign, device: Device, samples_per_s: float | None) -> tuple[int, float | None]:
-    """Samples for ~LEASE_TARGET_S of work on this device, and its speed estimate."""
+def _working_devices(campaign: Campaign, device: Device) -> int:
+    """Devices that asked this campaign for work lately, the asking one included (and recorded)."""
+    now = timezone.now()
+    Participation.objects.update_or_create(campaign=campaign, device=device, defaults={"last_request_at": now})
+    recent = now - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
+    return campaign.participations.filter(last_request_at__gte=recent, device__last_seen_at__gte=recent).count() or 1
+
+
+def _lease_size(campaign: Campaign, device: Device, samples_per_s: float | None) -> tuple[int, int, float | None]:
+    """Samples for ~LEASE_TARGET_S of work on this device, its share of a step, and its speed estimate.
+
+    A device's share is an equal part of a step among the devices asking the
+    campaign for work: when a whole step is only seconds of work, one fast
+    device taking it all would leave the others idle (staleness bounds how
+    many steps can be in flight at once).
+    """
+    micro = campaign.microbatch_size
+    share = -(-campaign.target_batch_size // _working_devices(campaign, device))
+    share = max(micro, -(-share // micro) * micro)
     speed = samples_per_s
     if not speed:
         flops = float(device.hardware.get("flops_per_s") or 0.0)
@@ -115,10 +132,9 @@ def _lease_size(campaign: Campaign, device: Device, samples_per_s: float | None)
         # The matmul benchmark overstates real training speed; halve it.
         speed = 0.5 * flops / per_sample if flops > 0 else None
     if not speed:
-        return 2 * campaign.microbatch_size, None
+        return min(share, 2 * micro), share, None
     want = speed * settings.CROWDTRAIN_LEASE_TARGET_S
-    micro = campaign.microbatch_size
-    return max(micro, int(want // micro) * micro), speed
+    return min(share, max(micro, int(want // micro) * micro)), share, speed
 
 
 def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) -> LeaseMessage | NoLease:
@@ -133,8 +149,16 @@ def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) 
         .values_list("target_step")
         .annotate(n=Sum("num_samples"))
     )
+    size, share, speed = _lease_size(campaign, device, samples_per_s)
+    # The first step with room, skipping steps where this device already holds its share:
+    # a device that asks more often (say, while computing) must not crowd out an idle one.
+    mine = dict(
+        campaign.leases.filter(state=Lease.State.ACTIVE, device=device)
+        .values_list("target_step")
+        .annotate(n=Sum("num_samples"))
+    )
     step = campaign.open_step
-    while reserved.get(step, 0) >= target:
+    while reserved.get(step, 0) >= target or mine.get(step, 0) >= share:
         step += 1
     if campaign.max_steps is not None and step >= campaign.max_steps:
         return _no_lease("step_full", f"campaign {campaign.pk}: the last of its {campaign.max_steps} steps is in flight")
@@ -144,8 +168,7 @@ def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) 
                 "step_full", f"step {campaign.open_step} has all {target} samples in flight; waiting for its commit"
             )
         return _no_lease("waiting_for_version", f"version {campaign.open_step} is being applied by the aggregators")
-    size, speed = _lease_size(campaign, device, samples_per_s)
-    size = min(size, target - reserved.get(step, 0), settings.CROWDTRAIN_MAX_LEASE_SAMPLES)
+    size = min(size, share - mine.get(step, 0), target - reserved.get(step, 0), settings.CROWDTRAIN_MAX_LEASE_SAMPLES)
     ranges = take_samples(campaign, size)
     campaign.save(update_fields=["cursor", "epoch"])
     seconds = max(settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S, 3 * size / speed if speed else 0.0)

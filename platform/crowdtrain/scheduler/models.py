@@ -47,6 +47,18 @@ class Lease(models.Model):
         return f"lease {self.pk} ({self.state})"
 
 
+class Participation(models.Model):
+    """A device asking a campaign for work; leases are sized to share each step among those asking."""
+
+    campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="participations")
+    device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="participations")
+    last_request_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["campaign", "device"], name="unique_participation")]
+        indexes = [models.Index(fields=["campaign", "last_request_at"])]
+
+
 class ReturnedRange(models.Model):
     """Samples from an expired, released or rejected lease, served again before the cursor moves."""
 

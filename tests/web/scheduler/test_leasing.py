@@ -3,6 +3,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.db.models import Sum
 from django.test import override_settings
 from django.utils import timezone
 
@@ -220,3 +221,45 @@ def test_samples_of_an_expired_lease_refill_the_step_they_were_reserved_in() -> 
 
     assert Lease.objects.get(pk=refill.lease_id).target_step == 0
     assert refill.ranges == lost.ranges
+
+
+def test_devices_asking_a_campaign_for_work_share_each_step() -> None:
+    make_campaign(target_batch_size=64, microbatch_size=4, staleness=1)
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    fast = 1000.0  # a whole step is a fraction of a second for either
+
+    alone = leasing.request_lease(alice.pk, None, fast)
+    shared = [leasing.request_lease(device.pk, None, fast) for device in (bob, alice)]
+
+    assert alone.num_samples == 64  # alone, the whole step
+    assert [lease.num_samples for lease in shared] == [32, 32]  # two asking: half a step each
+
+
+def test_a_device_that_went_silent_no_longer_takes_a_share() -> None:
+    make_campaign(target_batch_size=64, microbatch_size=4, staleness=1)
+    alice, _ = make_device("alice")
+    gone, _ = make_device("gone")
+    leasing.request_lease(gone.pk, None, 1000.0)
+    gone.last_seen_at = timezone.now() - timedelta(minutes=1)
+    gone.save(update_fields=["last_seen_at"])
+
+    lease = leasing.request_lease(alice.pk, None, 1000.0)
+
+    assert lease.num_samples == 64
+
+
+def test_a_device_asking_ahead_takes_no_more_than_its_share_of_a_step() -> None:
+    make_campaign(target_batch_size=64, microbatch_size=4, staleness=1)
+    slow, _ = make_device("slow")
+    busy, _ = make_device("busy")
+    leasing.request_lease(slow.pk, None, 0.4)  # a few samples at a time
+
+    first = leasing.request_lease(busy.pk, None, 1000.0)
+    ahead = leasing.request_lease(busy.pk, None, 1000.0)
+    beyond = leasing.request_lease(busy.pk, None, 1000.0)
+
+    steps = [Lease.objects.get(pk=lease.lease_id).target_step for lease in (first, ahead)]
+    assert (first.num_samples, steps) == (32, [0, 1])  # half of step 0, then half of step 1
+    assert isinstance(beyond, NoLease)  # step 2 waits for version 1
+    assert Lease.objects.filter(target_step=0).aggregate(n=Sum("num_samples"))["n"] < 64  # room kept for slow
