@@ -77,9 +77,14 @@ _SQLITE_OPTIONS = {
     "transaction_mode": "IMMEDIATE",
     "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
 }
+# Persistent connections: Channels runs every database call of a consumer in
+# one worker thread, and opening a connection per message costs more than the
+# scheduler's queries themselves. Health checks replace connections that died.
 DATABASES = {
     "default": dj_database_url.parse(
-        env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'crowdtrain.sqlite3'}"), conn_max_age=0
+        env_str("DATABASE_URL", f"sqlite:///{VAR_DIR / 'crowdtrain.sqlite3'}"),
+        conn_max_age=env_int("CROWDTRAIN_DB_CONN_MAX_AGE", 600, minimum=0),
+        conn_health_checks=True,
     )
 }
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import bisect
+import functools
+from dataclasses import dataclass
+
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
@@ -48,6 +52,33 @@ class Shard(models.Model):
 
 def shard_storage_name(sha256: str) -> str:
     return f"shards/{sha256[:2]}/{sha256}"
+
+
+@dataclass(frozen=True)
+class ShardTable:
+    """A dataset's shards in sample order: what the scheduler looks up on every lease."""
+
+    first_samples: tuple[int, ...]
+    sizes: tuple[int, ...]
+    sha256s: tuple[str, ...]
+
+    def locate(self, sample: int) -> int:
+        """Index of the shard holding global sample ``sample``."""
+        return bisect.bisect_right(self.first_samples, sample) - 1
+
+
+def shard_table(dataset: Dataset) -> ShardTable:
+    """Cached per process: a dataset's shards never change once it is created."""
+    # The creation time is in the key because ids can come back (rolled-back test transactions).
+    return _shard_table(dataset.pk, dataset.created_at.isoformat())
+
+
+@functools.lru_cache(maxsize=256)
+def _shard_table(dataset_id: int, created_at: str) -> ShardTable:
+    rows = list(
+        Shard.objects.filter(dataset_id=dataset_id).order_by("index").values_list("first_sample", "num_samples", "sha256")
+    )
+    return ShardTable(tuple(r[0] for r in rows), tuple(r[1] for r in rows), tuple(r[2] for r in rows))
 
 
 def default_optimizer() -> dict:

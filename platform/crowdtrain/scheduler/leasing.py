@@ -18,7 +18,7 @@ from django.db.models import F, Q, QuerySet, Sum
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.campaigns.models import Campaign, Shard, Step
+from crowdtrain.campaigns.models import Campaign, Step, shard_table
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import (
     DataSpec,
@@ -109,7 +109,8 @@ def _slices_ready(campaign: Campaign) -> tuple[list[SliceAssignment], str | None
 def _working_devices(campaign: Campaign, device: Device) -> int:
     """Devices that asked this campaign for work lately, the asking one included (and recorded)."""
     now = timezone.now()
-    Participation.objects.update_or_create(campaign=campaign, device=device, defaults={"last_request_at": now})
+    if not Participation.objects.filter(campaign=campaign, device=device).update(last_request_at=now):
+        Participation.objects.create(campaign=campaign, device=device, last_request_at=now)
     recent = now - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
     return campaign.participations.filter(last_request_at__gte=recent, device__last_seen_at__gte=recent).count() or 1
 
@@ -181,7 +182,7 @@ def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) 
         lease_id=lease.pk, campaign_id=campaign.pk, device_id=device.pk, base_version=campaign.version,
         num_samples=size, expires_at=deadline.timestamp() + TICKET_GRACE_S,
     )
-    shards = dict(campaign.dataset.shards.values_list("index", "sha256"))
+    shards = shard_table(campaign.dataset).sha256s
     return LeaseMessage(
         lease_id=lease.pk,
         campaign_id=campaign.pk,
@@ -332,5 +333,5 @@ def touch_device(device_id: int) -> None:
 
 def step_ranges(step: Step) -> list[tuple[str, int, int]]:
     """The (shard sha256, start, count) ranges that made a committed step, in lease-id order."""
-    shards = dict(Shard.objects.filter(dataset_id=step.campaign.dataset_id).values_list("index", "sha256"))
+    shards = shard_table(step.campaign.dataset).sha256s
     return [(shards[s], start, count) for lease in step.leases.order_by("id") for _, s, start, count in lease.ranges]

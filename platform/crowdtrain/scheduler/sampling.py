@@ -7,9 +7,7 @@ A range is ``[epoch, shard_index, start, count]``.
 
 from __future__ import annotations
 
-from django.db.models import QuerySet
-
-from crowdtrain.campaigns.models import Campaign, Shard
+from crowdtrain.campaigns.models import Campaign, shard_table
 
 from .models import ReturnedRange
 
@@ -36,17 +34,17 @@ def take_samples(campaign: Campaign, count: int) -> list[Range]:
             returned.save(update_fields=["start", "count"])
         count -= take
     total = campaign.dataset.num_samples
-    shards: QuerySet[Shard] = campaign.dataset.shards.order_by("first_sample")
+    table = shard_table(campaign.dataset)
+    if not table.sizes:  # an empty dataset cannot be started; guard against an endless loop anyway
+        raise ValueError(f"campaign {campaign.pk}: dataset {campaign.dataset_id} has no shards")
     while count > 0:
         if campaign.cursor >= total:
             campaign.epoch += 1
             campaign.cursor = 0
-        shard = shards.filter(first_sample__lte=campaign.cursor).last()
-        if shard is None:  # an empty dataset cannot be started; guard against an endless loop anyway
-            raise ValueError(f"campaign {campaign.pk}: dataset {campaign.dataset_id} has no shards")
-        offset = campaign.cursor - shard.first_sample
-        take = min(count, shard.num_samples - offset)
-        ranges.append([campaign.epoch, shard.index, offset, take])
+        index = table.locate(campaign.cursor)
+        offset = campaign.cursor - table.first_samples[index]
+        take = min(count, table.sizes[index] - offset)
+        ranges.append([campaign.epoch, index, offset, take])
         campaign.cursor += take
         count -= take
     return merge_ranges(ranges)
