@@ -8,8 +8,8 @@ the slice at one version, served to agents over HTTP.
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import secrets
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -151,10 +151,14 @@ def initial_params(assignment: SliceAssignment) -> torch.Tensor:
 
 
 def make_snapshot(campaign_id: int, slice_index: int, version: int, params: torch.Tensor) -> Snapshot:
-    """Encode the params once per version; every HTTP GET then serves the same bytes."""
+    """Encode the params once per version; every HTTP GET then serves the same bytes.
+
+    The ETag carries a random nonce rather than a hash of the bytes (hashing
+    megabytes per step is on the critical path): the same version republished
+    after a rollback or a restart gets a new tag, which is all caches need.
+    """
     body = encode_fp32(params)
-    digest = hashlib.sha256(body).hexdigest()[:20]
-    return Snapshot(version, body, f'"c{campaign_id}-s{slice_index}-v{version}-{digest}"')
+    return Snapshot(version, body, f'"c{campaign_id}-s{slice_index}-v{version}-{secrets.token_hex(8)}"')
 
 
 class SliceState:

@@ -7,7 +7,8 @@ import pytest
 from crowdtrain_agent.protocol import ProtocolError, Ticket, sign_receipt, sign_ticket, verify_receipt, verify_ticket
 
 KEY = b"k" * 32
-TICKET = Ticket(lease_id=7, campaign_id=1, device_id=3, base_version=2, num_samples=64, expires_at=time.time() + 60)
+# Expires in a day: the module is imported at collection, long before the test runs.
+TICKET = Ticket(lease_id=7, campaign_id=1, device_id=3, base_version=2, num_samples=64, expires_at=time.time() + 86400)
 
 
 def test_a_signed_ticket_verifies_to_its_contents() -> None:

@@ -134,7 +134,6 @@ class AgentConsumer(_ProtocolConsumer):
         await database_sync_to_async(leasing.touch_device)(self.device.pk)
 
     async def on_lease_request(self, request: LeaseRequest) -> None:
-        await database_sync_to_async(leasing.touch_device)(self.device.pk)
         answer = await database_sync_to_async(leasing.request_lease)(
             self.device.pk, request.campaign_id, request.samples_per_s
         )

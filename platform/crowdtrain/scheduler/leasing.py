@@ -145,19 +145,20 @@ def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) 
         return _no_lease("campaign_paused", f"campaign {campaign.pk}: {waiting}")
     target = campaign.target_batch_size
     # Samples reserved per step: active leases plus accepted ones waiting for their step to fill.
-    reserved = dict(
+    reserved: dict[int, int] = {}
+    mine: dict[int, int] = {}  # this device's active leases per step
+    rows = (
         campaign.leases.filter(Q(state=Lease.State.ACTIVE) | Q(state=Lease.State.ACCEPTED, step__isnull=True))
-        .values_list("target_step")
+        .values_list("target_step", "device_id", "state")
         .annotate(n=Sum("num_samples"))
     )
+    for step, holder, state, n in rows:
+        reserved[step] = reserved.get(step, 0) + n
+        if holder == device.pk and state == Lease.State.ACTIVE:
+            mine[step] = mine.get(step, 0) + n
     size, share, speed = _lease_size(campaign, device, samples_per_s)
     # The first step with room, skipping steps where this device already holds its share:
     # a device that asks more often (say, while computing) must not crowd out an idle one.
-    mine = dict(
-        campaign.leases.filter(state=Lease.State.ACTIVE, device=device)
-        .values_list("target_step")
-        .annotate(n=Sum("num_samples"))
-    )
     step = campaign.open_step
     while reserved.get(step, 0) >= target or mine.get(step, 0) >= share:
         step += 1
@@ -209,7 +210,8 @@ def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) 
 def request_lease(device_id: int, campaign_id: int | None, samples_per_s: float | None) -> LeaseMessage | NoLease:
     """Give this device work from a running campaign, or say why not and when to ask again."""
     with transaction.atomic():
-        device = Device.objects.select_for_update().get(pk=device_id)
+        Device.objects.filter(pk=device_id).update(last_seen_at=timezone.now())
+        device = Device.objects.get(pk=device_id)
         candidates = Campaign.objects.filter(state=Campaign.State.RUNNING).order_by("id")
         if campaign_id is not None:
             candidates = candidates.filter(pk=campaign_id)
