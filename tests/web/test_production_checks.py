@@ -3,11 +3,12 @@ from __future__ import annotations
 import pytest
 from django.test import override_settings
 
-from crowdtrain.checks import check_production_settings
+from crowdtrain.checks import DEV_SECRET_PREFIX, check_production_settings
 
 
 def test_it_flags_the_development_secret_key_and_the_missing_redis() -> None:
-    ids = {problem.id for problem in check_production_settings()}
+    with override_settings(SECRET_KEY=f"{DEV_SECRET_PREFIX}-0123456789", REDIS_URL=""):
+        ids = {problem.id for problem in check_production_settings()}
 
     assert {"crowdtrain.E001", "crowdtrain.E002"} <= ids
 
