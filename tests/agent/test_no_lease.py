@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -48,3 +49,23 @@ async def test_a_published_version_ends_the_wait_early(world: World, config: Age
     assert code == 0
     assert agent.status.version == 1
     assert [d.lease_id for d in world.site.of_kind(LeaseDone)] == [1]
+
+
+async def test_after_a_lease_that_names_the_next_version_it_waits_for_that_push_before_asking(
+    world: World, config: AgentConfig
+) -> None:
+    hinted = dataclasses.replace(world.lease(1, [(0, 4)]), next_lease_at_version=1)
+    world.site.replies = [hinted, world.lease(2, [(4, 4)])]
+    agent = Agent(AgentConfig(**{**config.__dict__, "max_leases": 2}), backoff=FAST_BACKOFF, benchmark_s=0.01)
+    run = asyncio.create_task(agent.run())
+    while not world.site.of_kind(LeaseDone):
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    asked_before_push = len(world.site.of_kind(LeaseRequest))
+
+    await world.site.push_version(7, 1)
+    code = await asyncio.wait_for(run, 10)
+
+    assert code == 0
+    assert asked_before_push == 1  # lease 1 computed and reported; no request until version 1
+    assert [d.lease_id for d in world.site.of_kind(LeaseDone)] == [1, 2]

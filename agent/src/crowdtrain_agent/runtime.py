@@ -44,6 +44,7 @@ T = TypeVar("T")
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130  # second Ctrl-C: the shell convention for "killed by SIGINT"
 LEASE_ERROR_PAUSE_S = 2.0  # after a lease that could not be prepared, before asking for another
+HINT_WAIT_S = 5.0  # the longest to wait for the version a lease's hint names before asking anyway
 
 
 async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -122,6 +123,8 @@ class Agent:
         self._stop_now = asyncio.Event()  # second Ctrl-C: give everything back and exit
         self._abort = threading.Event()  # tells the compute thread to give up between microbatches
         self._version_pushed = asyncio.Event()
+        self._newest: dict[int, int] = {}  # newest parameter version seen per campaign
+        self._ask_at: tuple[int, int] | None = None  # (campaign, version) the site said the next lease needs
         self._held: dict[int, Lease] = {}  # leases taken and not yet reported or released
         self._speed: dict[int, float] = {}  # samples/s per campaign, smoothed
         self._last_campaign: int | None = None
@@ -279,6 +282,7 @@ class Agent:
 
     async def _next_lease(self) -> Lease | None:
         """Ask the site for a lease until it gives one; None if the agent is stopping."""
+        await self._wait_for_hinted_version()
         while not self._stopping.is_set():
             self._version_pushed.clear()  # before asking, so a push during the request still wakes us
             campaign = self.config.campaign_id
@@ -303,6 +307,9 @@ class Agent:
                 continue
             if isinstance(reply, Lease):
                 self._held[reply.lease_id] = reply
+                self._note_version(reply.campaign_id, reply.base_version)
+                hint = reply.next_lease_at_version
+                self._ask_at = None if hint is None else (reply.campaign_id, hint)
                 self.leases_taken += 1
                 self._last_no_lease = None
                 if self._stopping.is_set():
@@ -435,8 +442,26 @@ class Agent:
     async def _pause(self, seconds: float) -> None:
         await _wait_any((self._stopping,), timeout=seconds)
 
+    def _note_version(self, campaign_id: int, version: int) -> None:
+        self._newest[campaign_id] = max(version, self._newest.get(campaign_id, 0))
+
+    async def _wait_for_hinted_version(self) -> None:
+        """Hold the next request until the version the site said it needs (bounded by HINT_WAIT_S)."""
+        if self._ask_at is None:
+            return
+        campaign_id, version = self._ask_at
+        self._ask_at = None
+        deadline = time.monotonic() + HINT_WAIT_S
+        while self._newest.get(campaign_id, 0) < version and not self._stopping.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._version_pushed.clear()
+            await _wait_any((self._version_pushed, self._stopping), timeout=remaining)
+
     def _on_push(self, message: Any) -> None:
         if isinstance(message, VersionPublished):
+            self._note_version(message.campaign_id, message.version)
             wanted = self.config.campaign_id
             if wanted is not None and message.campaign_id != wanted:
                 return

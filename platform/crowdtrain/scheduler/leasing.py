@@ -138,6 +138,17 @@ def _lease_size(campaign: Campaign, device: Device, samples_per_s: float | None)
     return min(share, max(micro, int(want // micro) * micro)), share, speed
 
 
+def _first_open_step(open_step: int, reserved: dict[int, int], mine: dict[int, int], target: int, share: int) -> int:
+    """The first step with room, skipping steps where this device already holds its share.
+
+    A device that asks more often (say, while computing) must not crowd out an idle one.
+    """
+    step = open_step
+    while reserved.get(step, 0) >= target or mine.get(step, 0) >= share:
+        step += 1
+    return step
+
+
 def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) -> LeaseMessage | NoLease:
     expire_overdue(campaign)
     slices, waiting = _slices_ready(campaign)
@@ -157,11 +168,7 @@ def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) 
         if holder == device.pk and state == Lease.State.ACTIVE:
             mine[step] = mine.get(step, 0) + n
     size, share, speed = _lease_size(campaign, device, samples_per_s)
-    # The first step with room, skipping steps where this device already holds its share:
-    # a device that asks more often (say, while computing) must not crowd out an idle one.
-    step = campaign.open_step
-    while reserved.get(step, 0) >= target or mine.get(step, 0) >= share:
-        step += 1
+    step = _first_open_step(campaign.open_step, reserved, mine, target, share)
     if campaign.max_steps is not None and step >= campaign.max_steps:
         return _no_lease("step_full", f"campaign {campaign.pk}: the last of its {campaign.max_steps} steps is in flight")
     if step > campaign.version + campaign.staleness:
@@ -171,6 +178,13 @@ def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) 
             )
         return _no_lease("waiting_for_version", f"version {campaign.open_step} is being applied by the aggregators")
     size = min(size, share - mine.get(step, 0), target - reserved.get(step, 0), settings.CROWDTRAIN_MAX_LEASE_SAMPLES)
+    # Where would this device's next lease go? If that step needs a newer version, say so: the
+    # agent waits for it instead of asking (and hearing no) while it computes this lease.
+    reserved[step] = reserved.get(step, 0) + size
+    mine[step] = mine.get(step, 0) + size
+    following = _first_open_step(campaign.open_step, reserved, mine, target, share)
+    needed = following - campaign.staleness
+    next_at = needed if needed > campaign.version else None
     ranges = take_samples(campaign, size)
     campaign.save(update_fields=["cursor", "epoch"])
     seconds = max(settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S, 3 * size / speed if speed else 0.0)
@@ -197,6 +211,7 @@ def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) 
         model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
         data=DataSpec(kind=campaign.dataset.kind, sample_len=campaign.dataset.sample_len),
         param_count=campaign.param_count,
+        next_lease_at_version=next_at,
         slices=[
             SliceRoute(
                 index=s.index, start=s.start, end=s.end, upload_url=s.aggregator.upload_url,
@@ -210,25 +225,25 @@ def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) 
 def request_lease(device_id: int, campaign_id: int | None, samples_per_s: float | None) -> LeaseMessage | NoLease:
     """Give this device work from a running campaign, or say why not and when to ask again."""
     with transaction.atomic():
-        Device.objects.filter(pk=device_id).update(last_seen_at=timezone.now())
-        device = Device.objects.get(pk=device_id)
-        candidates = Campaign.objects.filter(state=Campaign.State.RUNNING).order_by("id")
+        device = Device.objects.get(pk=device_id)  # heartbeats keep last_seen_at fresh
         if campaign_id is not None:
-            candidates = candidates.filter(pk=campaign_id)
+            campaign = Campaign.objects.select_for_update().select_related("dataset").filter(pk=campaign_id).first()
+            if campaign is not None and campaign.state == Campaign.State.RUNNING:
+                return _try_lease(campaign, device, samples_per_s)
+            if campaign is not None and campaign.state == Campaign.State.FINISHED:
+                return _no_lease("campaign_finished", f"campaign {campaign_id} has finished", 60.0)
+            if campaign is not None:
+                return _no_lease("campaign_paused", f"campaign {campaign_id} is {campaign.state}", 10.0)
+            return _no_lease("no_campaign", f"there is no campaign {campaign_id}", 10.0)
         refusals: list[NoLease] = []
-        for candidate_id in candidates.values_list("id", flat=True):
+        running = Campaign.objects.filter(state=Campaign.State.RUNNING).order_by("id").values_list("id", flat=True)
+        for candidate_id in running:
             outcome = _try_lease(_locked(candidate_id), device, samples_per_s)
             if isinstance(outcome, LeaseMessage):
                 return outcome
             refusals.append(outcome)
         if refusals:
             return min(refusals, key=lambda r: r.retry_after_s)
-    if campaign_id is not None:
-        state = Campaign.objects.filter(pk=campaign_id).values_list("state", flat=True).first()
-        if state == Campaign.State.FINISHED:
-            return _no_lease("campaign_finished", f"campaign {campaign_id} has finished", 60.0)
-        if state is not None:
-            return _no_lease("campaign_paused", f"campaign {campaign_id} is {state}", 10.0)
     return _no_lease("no_campaign", "no running campaign accepts volunteers right now", 10.0)
 
 

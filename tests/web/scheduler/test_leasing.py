@@ -263,3 +263,16 @@ def test_a_device_asking_ahead_takes_no_more_than_its_share_of_a_step() -> None:
     assert (first.num_samples, steps) == (32, [0, 1])  # half of step 0, then half of step 1
     assert isinstance(beyond, NoLease)  # step 2 waits for version 1
     assert Lease.objects.filter(target_step=0).aggregate(n=Sum("num_samples"))["n"] < 64  # room kept for slow
+
+
+def test_a_lease_says_which_version_the_devices_next_lease_needs() -> None:
+    make_campaign(target_batch_size=64, microbatch_size=4, staleness=1)
+    device, _ = make_device()
+
+    first = leasing.request_lease(device.pk, None, 1000.0)  # all of step 0: its next lease can go in step 1 now
+    second = leasing.request_lease(device.pk, None, 1000.0)  # all of step 1: step 2 needs version 1
+    small = leasing.request_lease(make_device("slow")[0].pk, None, 0.4)
+
+    assert first.next_lease_at_version is None
+    assert second.next_lease_at_version == 1
+    assert isinstance(small, NoLease) or small.next_lease_at_version is None

@@ -155,6 +155,9 @@ class Lease:
     data: DataSpec
     param_count: int
     slices: list[SliceRoute]
+    # Asking for another lease of this campaign before this version is published would only get
+    # a no_lease: this device holds its share of every step it may work on until then.
+    next_lease_at_version: int | None = None
 
 
 NoLeaseReason = Literal[
