@@ -13,6 +13,11 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "crowdtrain.settings")
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402  (needs Django set up first)
+from django.conf import settings  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+
+if settings.DEBUG:  # the embedded default serves the admin's CSS itself; production puts a web server in front
+    django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
 from crowdtrain.gateway.routing import websocket_urlpatterns  # noqa: E402
 
