@@ -152,7 +152,9 @@ class AggregatorNode:
                 same_kind = previous.optimizer.name == assignment.optimizer.name
                 kept = current.optimizer.state_dict() if same_kind else None
                 current.install_(current.param.detach(), current.version, kept)
-            if current.version == assignment.version:
+            if current.version >= assignment.version:
+                # Ahead is normal: the site's version is the slowest slice's. Reloading would throw
+                # away applied steps whose uploads are gone; say where we are and let the site decide.
                 logger.info("campaign %s slice %s re-assigned at version %s", *key, current.version)
                 return SliceReady(campaign_id=key[0], slice_index=key[1], version=current.version)
             await self._reload(current, assignment.version)

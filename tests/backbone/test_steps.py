@@ -155,3 +155,17 @@ async def test_uploads_keep_flowing_while_a_step_runs(
 
     assert uploaded_after < 0.3
     assert applied.version == 1 and set(backbone.node.get_slice(1, 0).pending) == {2}
+
+
+async def test_a_reassignment_behind_the_slice_keeps_the_steps_it_applied(
+    site: FakeSite, held: SliceReady, backbone: BackboneServer, agent: Agent
+) -> None:
+    await agent.good_upload(lease_id=1, num_samples=4)
+    await site.commit(0, [1], 4)
+    applied = backbone.node.get_slice(1, 0).param.detach().clone()
+
+    # The site's version is its slowest slice's, so after a reconnect it may re-assign at 0.
+    ready = await site.assign(assignment(version=0))
+
+    assert ready.version == 1
+    assert torch.equal(backbone.node.get_slice(1, 0).param.detach(), applied)

@@ -113,7 +113,9 @@ class Campaign(models.Model):
     num_aggregators = models.PositiveSmallIntegerField(default=1)
     checkpoint_every = models.PositiveIntegerField(default=10)
     max_steps = models.PositiveIntegerField(null=True, blank=True)
-    max_grad_norm = models.FloatField(default=0.0, help_text="per-sample gradient norm bound; 0 disables")
+    # A stranger's finite but huge gradient (say 3e38 everywhere) would still wreck the weights:
+    # uploads whose norm per sample is over this are refused. 0 disables the check.
+    max_grad_norm = models.FloatField(default=1e4, help_text="per-sample gradient norm bound; 0 disables")
     param_count = models.BigIntegerField(default=0, editable=False)
     state = models.CharField(max_length=16, choices=State.choices, default=State.DRAFT)
     committed_steps = models.PositiveIntegerField(default=0)

@@ -216,7 +216,8 @@ class BackboneConsumer(_ProtocolConsumer):
             await send_to_group(campaign_agents_group(published.campaign_id), published)
 
     async def on_step_failed(self, failed: StepFailed) -> None:
-        logger.error(
+        logger.warning(
             "aggregator %s could not apply step %s of campaign %s: %s (missing leases %s)",
             self.aggregator.name, failed.step, failed.campaign_id, failed.detail, failed.missing_lease_ids,
         )
+        await send_outbox(await database_sync_to_async(backbone.step_failed)(self.aggregator.pk, failed))

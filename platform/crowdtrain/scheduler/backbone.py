@@ -24,6 +24,7 @@ from crowdtrain_agent.protocol import (
     SliceReady,
     StepApplied,
     StepCommit,
+    StepFailed,
     VersionPublished,
 )
 from crowdtrain_agent.protocol.schema import from_dict
@@ -73,7 +74,7 @@ def assign_waiting_campaigns() -> Outbox:
     if not waiting:
         return outbox
     with transaction.atomic():
-        for campaign in Campaign.objects.select_for_update().filter(pk__in=waiting, state=Campaign.State.RUNNING):
+        for campaign in Campaign.objects.select_for_update(of=("self",)).filter(pk__in=waiting, state=Campaign.State.RUNNING):
             if campaign.slices.count() == campaign.num_aggregators:
                 continue
             live = live_aggregators()
@@ -136,7 +137,7 @@ def _rollback(campaign: Campaign, version: int) -> None:
     for lease in campaign.leases.filter(state__in=[Lease.State.ACCEPTED, Lease.State.ACTIVE], step__isnull=True):
         retire_lease(lease, Lease.State.REJECTED, f"rolled back to version {version}")
     campaign.committed_steps = version
-    campaign.version = version
+    campaign.version = min(campaign.version, version)
     campaign.save(update_fields=["committed_steps", "version"])
     logger.warning("campaign %s rolled back to version %s after an aggregator lost its state", campaign.pk, version)
 
@@ -145,7 +146,7 @@ def slice_ready(aggregator_id: int, ready: SliceReady) -> Outbox:
     """An aggregator holds a slice at some version: resume it, replay commits, or roll everyone back."""
     outbox: Outbox = []
     with transaction.atomic():
-        campaign = Campaign.objects.select_for_update().filter(pk=ready.campaign_id).first()
+        campaign = Campaign.objects.select_for_update(of=("self",)).filter(pk=ready.campaign_id).first()
         s = SliceAssignment.objects.filter(campaign_id=ready.campaign_id, index=ready.slice_index, aggregator_id=aggregator_id).first()
         if campaign is None or s is None:
             logger.warning("aggregator %s reported a slice it does not own: %s", aggregator_id, ready)
@@ -164,10 +165,34 @@ def slice_ready(aggregator_id: int, ready: SliceReady) -> Outbox:
     return outbox
 
 
+def step_failed(aggregator_id: int, failed: StepFailed) -> Outbox:
+    """A slice could not apply a commit: replay what it missed, or redo the steps whose gradients it lost."""
+    outbox: Outbox = []
+    with transaction.atomic():
+        campaign = Campaign.objects.select_for_update(of=("self",)).filter(pk=failed.campaign_id).first()
+        s = SliceAssignment.objects.filter(
+            campaign_id=failed.campaign_id, index=failed.slice_index, aggregator_id=aggregator_id
+        ).first()
+        if campaign is None or s is None:
+            return outbox
+        if failed.missing_lease_ids:
+            # Its pending uploads are gone (a restart from a checkpoint): every step from the one it
+            # is at is redone from the samples up; slices already past it go back too.
+            _rollback(campaign, failed.step)
+            for other in campaign.slices.exclude(pk=s.pk).filter(version__gt=failed.step):
+                other.ready = False
+                other.save(update_fields=["ready"])
+                outbox.append((other.aggregator_id, Rollback(campaign_id=campaign.pk, version=failed.step)))
+        elif failed.step > s.version:
+            # A commit overtook an earlier one (or one was lost): send everything from where it is.
+            outbox += [(aggregator_id, c) for c in _commits_since(campaign, s.version)]
+    return outbox
+
+
 def step_applied(aggregator_id: int, applied: StepApplied) -> VersionPublished | None:
     """Record one slice's progress; when every slice has a version, publish it to agents."""
     with transaction.atomic():
-        campaign = Campaign.objects.select_for_update().filter(pk=applied.campaign_id).first()
+        campaign = Campaign.objects.select_for_update(of=("self",)).filter(pk=applied.campaign_id).first()
         s = SliceAssignment.objects.filter(campaign_id=applied.campaign_id, index=applied.slice_index, aggregator_id=aggregator_id).first()
         if campaign is None or s is None:
             return None

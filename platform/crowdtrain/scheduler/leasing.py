@@ -41,6 +41,9 @@ from .sampling import return_samples, take_samples
 logger = logging.getLogger(__name__)
 
 TICKET_GRACE_S = 30.0
+# A sample's mean loss above this is garbage, not training (ln 256 is 5.5); bounding it keeps a
+# stranger's report from overflowing a step's loss sum.
+MAX_LOSS_PER_SAMPLE = 1e6
 
 
 @dataclass
@@ -58,7 +61,8 @@ class DoneOutcome:
 
 
 def _locked(campaign_id: int) -> Campaign:
-    return Campaign.objects.select_for_update().select_related("dataset").get(pk=campaign_id)
+    # of=("self",): lock the campaign row only, not the dataset joined in (campaigns share datasets).
+    return Campaign.objects.select_for_update(of=("self",)).select_related("dataset").get(pk=campaign_id)
 
 
 def _sum(queryset: object) -> int:
@@ -227,7 +231,9 @@ def request_lease(device_id: int, campaign_id: int | None, samples_per_s: float 
     with transaction.atomic():
         device = Device.objects.get(pk=device_id)  # heartbeats keep last_seen_at fresh
         if campaign_id is not None:
-            campaign = Campaign.objects.select_for_update().select_related("dataset").filter(pk=campaign_id).first()
+            campaign = (
+                Campaign.objects.select_for_update(of=("self",)).select_related("dataset").filter(pk=campaign_id).first()
+            )
             if campaign is not None and campaign.state == Campaign.State.RUNNING:
                 return _try_lease(campaign, device, samples_per_s)
             if campaign is not None and campaign.state == Campaign.State.FINISHED:
@@ -277,8 +283,11 @@ def commit_open_step(campaign: Campaign) -> Commit:
         loss_sum=math.fsum(l.loss_sum or 0.0 for l in leases),
     )
     Lease.objects.filter(pk__in=[l.pk for l in leases]).update(step=step)
+    credit: dict[int, int] = {}
     for lease in leases:  # credit only work that made it into a committed step
-        Device.objects.filter(pk=lease.device_id).update(samples_accepted=F("samples_accepted") + lease.num_samples)
+        credit[lease.device_id] = credit.get(lease.device_id, 0) + lease.num_samples
+    for device_id in sorted(credit):  # in id order, so two commits never wait on each other's rows
+        Device.objects.filter(pk=device_id).update(samples_accepted=F("samples_accepted") + credit[device_id])
     campaign.committed_steps += 1
     campaign.save(update_fields=["committed_steps"])
     logger.info("campaign %s: step %s committed (%s samples, %s leases)", campaign.pk, step.index, step.num_samples, len(leases))
@@ -304,6 +313,8 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
             return DoneOutcome(DoneAck(lease_id=lease.pk, accepted=False, reason="lease expired"))
         if done.num_samples != lease.num_samples:
             return _reject(lease, f"lease has {lease.num_samples} samples, report says {done.num_samples}")
+        if not 0.0 <= done.loss_sum <= MAX_LOSS_PER_SAMPLE * done.num_samples:
+            return _reject(lease, f"loss {done.loss_sum!r} is outside 0..{MAX_LOSS_PER_SAMPLE:g} per sample")
         problem = _receipts_valid(lease, done)
         if problem:
             return _reject(lease, problem)

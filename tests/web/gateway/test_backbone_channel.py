@@ -76,6 +76,7 @@ async def test_a_step_goes_from_agent_report_to_aggregator_commit_to_version_pus
     assert isinstance(welcome, BackboneWelcome) and len(bytes.fromhex(welcome.ticket_key)) == 32
     assert isinstance(assignment, SliceAssignment)
     assert (assignment.start, assignment.end, assignment.version) == (0, campaign.param_count, 0)
+    assert assignment.max_grad_norm > 0  # absurd gradients are refused unless the organizer opts out
     assert isinstance(ack, DoneAck) and ack.accepted
     assert isinstance(commit, StepCommit)
     assert (commit.step, commit.lease_ids, commit.num_samples) == (0, [lease.lease_id], 8)

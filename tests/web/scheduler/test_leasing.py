@@ -276,3 +276,17 @@ def test_a_lease_says_which_version_the_devices_next_lease_needs() -> None:
     assert first.next_lease_at_version is None
     assert second.next_lease_at_version == 1
     assert isinstance(small, NoLease) or small.next_lease_at_version is None
+
+
+@pytest.mark.parametrize("loss", [-1.0, 1e308])
+def test_it_rejects_a_report_with_an_impossible_loss(loss: float) -> None:
+    campaign = make_campaign()
+    device, _ = make_device()
+    lease = leasing.request_lease(device.pk, None, None)
+    report = done_for(lease.lease_id)
+
+    outcome = leasing.report_done(device.pk, LeaseDone(**{**report.__dict__, "loss_sum": loss}))
+
+    assert not outcome.ack.accepted
+    assert "is outside 0..1e+06 per sample" in outcome.ack.reason
+    assert sum(r.count for r in campaign.returned_ranges.all()) == lease.num_samples

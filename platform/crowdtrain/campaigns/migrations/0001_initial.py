@@ -45,7 +45,7 @@ class Migration(migrations.Migration):
                 ('num_aggregators', models.PositiveSmallIntegerField(default=1)),
                 ('checkpoint_every', models.PositiveIntegerField(default=10)),
                 ('max_steps', models.PositiveIntegerField(blank=True, null=True)),
-                ('max_grad_norm', models.FloatField(default=0.0, help_text='per-sample gradient norm bound; 0 disables')),
+                ('max_grad_norm', models.FloatField(default=10000.0, help_text='per-sample gradient norm bound; 0 disables')),
                 ('param_count', models.BigIntegerField(default=0, editable=False)),
                 ('state', models.CharField(choices=[('draft', 'Draft'), ('running', 'Running'), ('paused', 'Paused'), ('finished', 'Finished')], default='draft', max_length=16)),
                 ('committed_steps', models.PositiveIntegerField(default=0)),

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import pytest
+
+from crowdtrain.scheduler import backbone, leasing
+from crowdtrain.scheduler.models import Lease
+from crowdtrain_agent.protocol import StepCommit, StepFailed
+from tests.factories import done_for, make_campaign, make_device
+
+pytestmark = pytest.mark.django_db
+
+
+def _commit_steps(campaign, device, steps: int) -> list[int]:  # type: ignore[no-untyped-def]
+    lease_ids = []
+    for _ in range(steps):
+        lease = leasing.request_lease(device.pk, None, 1000.0)
+        leasing.report_done(device.pk, done_for(lease.lease_id))
+        lease_ids.append(lease.lease_id)
+    campaign.refresh_from_db()
+    return lease_ids
+
+
+def test_a_slice_that_lost_its_uploads_makes_the_site_redo_those_steps() -> None:
+    campaign = make_campaign(target_batch_size=8, microbatch_size=4, staleness=1, slices=2)
+    device, _ = make_device()
+    lost = _commit_steps(campaign, device, 1)
+    first, second = campaign.slices.order_by("index")
+    second.version = 1
+    second.save()
+
+    outbox = backbone.step_failed(first.aggregator_id, StepFailed(
+        campaign_id=campaign.pk, slice_index=0, step=0, missing_lease_ids=lost, detail="restarted",
+    ))  # fmt: skip
+
+    campaign.refresh_from_db()
+    assert (campaign.committed_steps, campaign.version) == (0, 0)
+    assert Lease.objects.get(pk=lost[0]).state == Lease.State.REJECTED
+    assert sum(r.count for r in campaign.returned_ranges.all()) == 8
+    assert [(agg, type(m).__name__, m.version) for agg, m in outbox] == [(second.aggregator_id, "Rollback", 0)]
+
+
+def test_a_commit_that_arrived_too_early_is_sent_again_with_the_ones_before_it() -> None:
+    campaign = make_campaign(target_batch_size=8, microbatch_size=4, staleness=1)
+    device, _ = make_device()
+    _commit_steps(campaign, device, 2)
+    s = campaign.slices.get()
+
+    outbox = backbone.step_failed(s.aggregator_id, StepFailed(
+        campaign_id=campaign.pk, slice_index=0, step=1, detail="slice 0 is at version 0",
+    ))  # fmt: skip
+
+    assert [m.step for _, m in outbox if isinstance(m, StepCommit)] == [0, 1]
