@@ -7,6 +7,7 @@ import logging
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -283,11 +284,14 @@ class Agent:
     async def _next_lease(self) -> Lease | None:
         """Ask the site for a lease until it gives one; None if the agent is stopping."""
         await self._wait_for_hinted_version()
+        # One id per answer wanted: a request resent after a dropped connection keeps it, so the
+        # site hands back the lease it may already have issued instead of reserving a second one.
+        request_id = uuid.uuid4().hex
         while not self._stopping.is_set():
             self._version_pushed.clear()  # before asking, so a push during the request still wakes us
             campaign = self.config.campaign_id
             speed = self._speed.get(campaign if campaign is not None else self._last_campaign or -1)
-            request = LeaseRequest(campaign_id=campaign, samples_per_s=speed)
+            request = LeaseRequest(campaign_id=campaign, samples_per_s=speed, request_id=request_id)
             self.status.set_status("asking for work")
             call = asyncio.create_task(self._control.call(request, "lease", timeout=30.0, retries=3))
             stopping = asyncio.create_task(self._stopping.wait())
@@ -318,6 +322,7 @@ class Agent:
                 self.status.campaign_id, self.status.lease_id = reply.campaign_id, reply.lease_id
                 self.status.version = max(self.status.version or 0, reply.base_version)
                 return reply
+            request_id = uuid.uuid4().hex  # answered: the next request is a new one
             # no lease: say why, then ask again after retry_after_s or as soon as a version is published
             reason = reply.reason.replace("_", " ")
             why = f"{reason}: {reply.detail}" if reply.detail else reason

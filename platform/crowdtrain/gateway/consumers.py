@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 # A peer that keeps sending bad messages is cut off; a few mistakes are answered and forgiven.
 MAX_ERRORS = 20
+MAX_REQUEST_ID = 64  # the column that stores it
 
 _ERROR_CODES = {CloseCode.TOO_LARGE: "too large", CloseCode.BAD_TICKET: "bad ticket"}
 
@@ -134,8 +135,10 @@ class AgentConsumer(_ProtocolConsumer):
         await database_sync_to_async(leasing.touch_device)(self.device.pk)
 
     async def on_lease_request(self, request: LeaseRequest) -> None:
+        if len(request.request_id) > MAX_REQUEST_ID:
+            raise ProtocolError(f"request_id of {len(request.request_id)} characters; at most {MAX_REQUEST_ID}")
         answer = await database_sync_to_async(leasing.request_lease)(
-            self.device.pk, request.campaign_id, request.samples_per_s
+            self.device.pk, request.campaign_id, request.samples_per_s, request.request_id
         )
         # Agents waiting for a campaign hear its version pushes, so they ask again the moment a step opens.
         campaign_id = answer.campaign_id if isinstance(answer, Lease) else request.campaign_id

@@ -153,7 +153,9 @@ def _first_open_step(open_step: int, reserved: dict[int, int], mine: dict[int, i
     return step
 
 
-def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) -> LeaseMessage | NoLease:
+def _try_lease(
+    campaign: Campaign, device: Device, samples_per_s: float | None, request_id: str = ""
+) -> LeaseMessage | NoLease:
     expire_overdue(campaign)
     slices, waiting = _slices_ready(campaign)
     if waiting:
@@ -195,19 +197,27 @@ def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) 
     deadline = timezone.now() + timedelta(seconds=seconds)
     lease = Lease.objects.create(
         campaign=campaign, device=device, base_version=campaign.version, target_step=step, ranges=ranges,
-        num_samples=size, deadline=deadline,
+        num_samples=size, deadline=deadline, request_id=request_id,
     )
+    return lease_message(lease, campaign, slices, next_at)
+
+
+def lease_message(
+    lease: Lease, campaign: Campaign, slices: list[SliceAssignment], next_at: int | None = None
+) -> LeaseMessage:
+    """The wire form of a lease, with a freshly signed ticket (also used to answer a repeated request)."""
+    seconds = max(0.0, (lease.deadline - timezone.now()).total_seconds())
     ticket = Ticket(
-        lease_id=lease.pk, campaign_id=campaign.pk, device_id=device.pk, base_version=campaign.version,
-        num_samples=size, expires_at=deadline.timestamp() + TICKET_GRACE_S,
+        lease_id=lease.pk, campaign_id=campaign.pk, device_id=lease.device_id, base_version=lease.base_version,
+        num_samples=lease.num_samples, expires_at=lease.deadline.timestamp() + TICKET_GRACE_S,
     )
     shards = shard_table(campaign.dataset).sha256s
     return LeaseMessage(
         lease_id=lease.pk,
         campaign_id=campaign.pk,
-        base_version=campaign.version,
-        ranges=[SampleRange(shard=shards[s], start=start, count=count) for _, s, start, count in ranges],
-        num_samples=size,
+        base_version=lease.base_version,
+        ranges=[SampleRange(shard=shards[s], start=start, count=count) for _, s, start, count in lease.ranges],
+        num_samples=lease.num_samples,
         microbatch_size=campaign.microbatch_size,
         deadline_s=seconds,
         ticket=sign_ticket(ticket, settings.CROWDTRAIN_TICKET_KEY),
@@ -226,16 +236,28 @@ def _try_lease(campaign: Campaign, device: Device, samples_per_s: float | None) 
     )
 
 
-def request_lease(device_id: int, campaign_id: int | None, samples_per_s: float | None) -> LeaseMessage | NoLease:
-    """Give this device work from a running campaign, or say why not and when to ask again."""
+def request_lease(
+    device_id: int, campaign_id: int | None, samples_per_s: float | None, request_id: str = ""
+) -> LeaseMessage | NoLease:
+    """Give this device work from a running campaign, or say why not and when to ask again.
+
+    A request repeated with the same ``request_id`` (the agent resends after a
+    dropped connection) gets the lease the first one was given, not a second.
+    """
     with transaction.atomic():
         device = Device.objects.get(pk=device_id)  # heartbeats keep last_seen_at fresh
+        if request_id:
+            earlier = Lease.objects.filter(device=device, request_id=request_id, state=Lease.State.ACTIVE).first()
+            if earlier is not None:
+                campaign = _locked(earlier.campaign_id)
+                slices = list(campaign.slices.select_related("aggregator").order_by("index"))
+                return lease_message(earlier, campaign, slices)
         if campaign_id is not None:
             campaign = (
                 Campaign.objects.select_for_update(of=("self",)).select_related("dataset").filter(pk=campaign_id).first()
             )
             if campaign is not None and campaign.state == Campaign.State.RUNNING:
-                return _try_lease(campaign, device, samples_per_s)
+                return _try_lease(campaign, device, samples_per_s, request_id)
             if campaign is not None and campaign.state == Campaign.State.FINISHED:
                 return _no_lease("campaign_finished", f"campaign {campaign_id} has finished", 60.0)
             if campaign is not None:
@@ -244,7 +266,7 @@ def request_lease(device_id: int, campaign_id: int | None, samples_per_s: float 
         refusals: list[NoLease] = []
         running = Campaign.objects.filter(state=Campaign.State.RUNNING).order_by("id").values_list("id", flat=True)
         for candidate_id in running:
-            outcome = _try_lease(_locked(candidate_id), device, samples_per_s)
+            outcome = _try_lease(_locked(candidate_id), device, samples_per_s, request_id)
             if isinstance(outcome, LeaseMessage):
                 return outcome
             refusals.append(outcome)

@@ -38,6 +38,7 @@ class Lease(models.Model):
     loss_sum = models.FloatField(null=True, blank=True)
     compute_s = models.FloatField(null=True, blank=True)
     reason = models.CharField(max_length=200, blank=True)
+    request_id = models.CharField(max_length=64, blank=True, help_text="the agent's id for the request that got it")
 
     class Meta:
         ordering = ["id"]

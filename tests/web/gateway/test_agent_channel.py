@@ -163,3 +163,16 @@ async def test_one_agents_bad_messages_do_not_disturb_another(connect: Connect) 
     assert isinstance(lease, Lease)
     closed = [out for out in [await bad.receive_output(timeout=5) for _ in range(22)] if out["type"] == "websocket.close"]
     assert closed == [{"type": "websocket.close", "code": CloseCode.TOO_MANY_ERRORS}]
+
+
+async def test_it_refuses_a_request_id_longer_than_it_can_store(connect: Connect) -> None:
+    _, token = await sync_to_async(make_device)()
+    communicator, _, _ = await connect("/ws/agent/", token)
+    await send(communicator, HELLO)
+    await receive(communicator)
+
+    await send(communicator, LeaseRequest(request_id="x" * 65))
+    reply = await receive(communicator)
+
+    assert isinstance(reply, ErrorMessage)
+    assert "request_id of 65 characters; at most 64" in reply.detail

@@ -290,3 +290,17 @@ def test_it_rejects_a_report_with_an_impossible_loss(loss: float) -> None:
     assert not outcome.ack.accepted
     assert "is outside 0..1e+06 per sample" in outcome.ack.reason
     assert sum(r.count for r in campaign.returned_ranges.all()) == lease.num_samples
+
+
+def test_a_resent_request_gets_the_same_lease_back() -> None:
+    make_campaign(target_batch_size=64, microbatch_size=4)
+    device, _ = make_device()
+
+    first = leasing.request_lease(device.pk, None, 1.0, request_id="r-1")
+    again = leasing.request_lease(device.pk, None, 1.0, request_id="r-1")
+    other = leasing.request_lease(device.pk, None, 1.0, request_id="r-2")
+
+    assert again.lease_id == first.lease_id and again.ranges == first.ranges
+    assert verify_ticket(again.ticket, leasing.settings.CROWDTRAIN_TICKET_KEY).lease_id == first.lease_id
+    assert other.lease_id != first.lease_id
+    assert Lease.objects.count() == 2

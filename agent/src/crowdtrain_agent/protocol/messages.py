@@ -135,6 +135,7 @@ class LeaseRequest:
     kind: Literal["lease_request"] = "lease_request"
     campaign_id: int | None = None  # None: any running campaign
     samples_per_s: float | None = None  # measured on that campaign's model; None until known
+    request_id: str = ""  # the same for a resent request, so the site answers with the same lease (max 64)
 
 
 @dataclass(frozen=True, kw_only=True)
