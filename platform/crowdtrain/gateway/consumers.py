@@ -207,8 +207,10 @@ class BackboneConsumer(_ProtocolConsumer):
 
     async def on_heartbeat(self, _: Heartbeat) -> None:
         await database_sync_to_async(backbone.touch_aggregator)(self.aggregator.pk)
-        # Campaigns started after the aggregators joined get their slices here.
+        # Campaigns started after the aggregators joined get their slices here, and commits
+        # the channel layer lost are sent again.
         await send_outbox(await database_sync_to_async(backbone.assign_waiting_campaigns)())
+        await send_outbox(await database_sync_to_async(backbone.stalled_commits)(self.aggregator.pk))
 
     async def on_slice_ready(self, ready: SliceReady) -> None:
         await send_outbox(await database_sync_to_async(backbone.slice_ready)(self.aggregator.pk, ready))

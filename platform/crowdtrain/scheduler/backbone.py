@@ -165,6 +165,24 @@ def slice_ready(aggregator_id: int, ready: SliceReady) -> Outbox:
     return outbox
 
 
+def stalled_commits(aggregator_id: int) -> Outbox:
+    """Commits this aggregator should have applied long ago: a message the channel layer lost.
+
+    Called on its heartbeats. Duplicates are harmless (an aggregator acknowledges a
+    step it already applied), so resending after GONE_AFTER_S is safe.
+    """
+    stale = timezone.now() - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
+    outbox: Outbox = []
+    held = SliceAssignment.objects.filter(aggregator_id=aggregator_id, ready=True, campaign__state=Campaign.State.RUNNING)
+    for s in held.select_related("campaign"):
+        overdue = s.campaign.steps.filter(index__gte=s.version, committed_at__lt=stale).exists()
+        if overdue:
+            logger.warning("campaign %s: slice %s is stuck at version %s; sending its commits again",
+                           s.campaign_id, s.index, s.version)  # fmt: skip
+            outbox += [(aggregator_id, c) for c in _commits_since(s.campaign, s.version)]
+    return outbox
+
+
 def step_failed(aggregator_id: int, failed: StepFailed) -> Outbox:
     """A slice could not apply a commit: replay what it missed, or redo the steps whose gradients it lost."""
     outbox: Outbox = []

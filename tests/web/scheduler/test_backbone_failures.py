@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
+from django.utils import timezone
 
 from crowdtrain.scheduler import backbone, leasing
 from crowdtrain.scheduler.models import Lease
@@ -50,3 +53,17 @@ def test_a_commit_that_arrived_too_early_is_sent_again_with_the_ones_before_it()
     ))  # fmt: skip
 
     assert [m.step for _, m in outbox if isinstance(m, StepCommit)] == [0, 1]
+
+
+def test_commits_an_aggregator_never_applied_are_sent_again_once_overdue() -> None:
+    campaign = make_campaign(target_batch_size=8, microbatch_size=4, staleness=1)
+    device, _ = make_device()
+    _commit_steps(campaign, device, 1)
+    s = campaign.slices.get()
+
+    fresh = backbone.stalled_commits(s.aggregator_id)
+    campaign.steps.update(committed_at=timezone.now() - timedelta(minutes=1))
+    overdue = backbone.stalled_commits(s.aggregator_id)
+
+    assert fresh == []
+    assert [(agg, m.step) for agg, m in overdue] == [(s.aggregator_id, 0)]
