@@ -49,6 +49,19 @@ def env_bool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name} must be true or false (1/0, yes/no), got {raw!r}")
 
 
+def env_hex_bytes(name: str, default: bytes) -> bytes:
+    raw = os.getenv(name)
+    if raw is None:
+        return default
+    try:
+        value = bytes.fromhex(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be hexadecimal (e.g. from `openssl rand -hex 32`), got {raw!r}") from None
+    if len(value) < 16:
+        raise ImproperlyConfigured(f"{name} must hold at least 16 bytes (32 hex digits), got {len(value)}")
+    return value
+
+
 def env_list(name: str, default: list[str]) -> list[str]:
     raw = os.getenv(name)
     if raw is None:

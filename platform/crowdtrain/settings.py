@@ -13,7 +13,7 @@ from pathlib import Path
 
 import dj_database_url
 
-from .env import env_bool, env_float, env_int, env_list, env_str
+from .env import env_bool, env_float, env_hex_bytes, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parents[2]
 VAR_DIR = Path(env_str("CROWDTRAIN_VAR_DIR", str(BASE_DIR / "var")))
@@ -149,6 +149,6 @@ CROWDTRAIN_HEARTBEAT_S = env_float("CROWDTRAIN_HEARTBEAT_S", 2.0, minimum=0.1)
 
 # Tickets and receipts are HMAC-signed with a key the site shares only with
 # its aggregators (sent to each one after it authenticates).
-CROWDTRAIN_TICKET_KEY = bytes.fromhex(
-    env_str("CROWDTRAIN_TICKET_KEY", hmac.new(SECRET_KEY.encode(), b"crowdtrain-ticket-key", hashlib.sha256).hexdigest())
+CROWDTRAIN_TICKET_KEY = env_hex_bytes(
+    "CROWDTRAIN_TICKET_KEY", hmac.new(SECRET_KEY.encode(), b"crowdtrain-ticket-key", hashlib.sha256).digest()
 )

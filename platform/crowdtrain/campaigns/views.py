@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from django.core.files.storage import default_storage
-from django.db.models import Count, Q
+from django.db.models import Count
 from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
@@ -97,5 +97,5 @@ def index(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 def healthz(request: HttpRequest) -> JsonResponse:
-    running = Campaign.objects.filter(Q(state=Campaign.State.RUNNING)).count()
+    running = Campaign.objects.filter(state=Campaign.State.RUNNING).count()
     return JsonResponse({"ok": True, "running_campaigns": running})

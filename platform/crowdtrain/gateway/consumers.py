@@ -9,6 +9,7 @@ from typing import Any
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
+from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.tokens import bearer_token, hash_token
@@ -163,8 +164,6 @@ class AgentConsumer(_ProtocolConsumer):
 
 
 def _record_hello(device_id: int, hardware: dict[str, Any]) -> None:
-    from django.utils import timezone
-
     Device.objects.filter(pk=device_id).update(hardware=hardware, last_seen_at=timezone.now())
 
 

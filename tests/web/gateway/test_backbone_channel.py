@@ -88,17 +88,16 @@ async def test_two_aggregators_split_the_parameters_between_them(connect: Connec
     campaign = await sync_to_async(_running_campaign)()
     campaign.num_aggregators = 2
     await sync_to_async(campaign.save)()
-    assignments = []
+    sockets = []
 
     for name in ("agg-a", "agg-b"):
         token = await sync_to_async(_aggregator)(name)
         communicator, _, _ = await connect("/ws/backbone/", token)
         await send(communicator, BackboneHello(name=name, upload_url=f"ws://{name}/upload", params_url=f"http://{name}/params/"))
         await receive(communicator)
-        if name == "agg-b":  # the campaign is assigned once both are live
-            assignments.append(await receive(communicator))
-            assignments.append(await receive(first))
-        first = communicator
+        sockets.append(communicator)
+    # The campaign is assigned once both are live: each gets its slice then.
+    assignments = [await receive(communicator) for communicator in sockets]
 
     spans = sorted((a.start, a.end) for a in assignments)
     assert spans[0][0] == 0 and spans[0][1] == spans[1][0] and spans[1][1] == campaign.param_count

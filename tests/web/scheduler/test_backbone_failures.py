@@ -5,6 +5,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from crowdtrain.accounts.models import Device
+from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler import backbone, leasing
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import StepCommit, StepFailed
@@ -13,7 +15,7 @@ from tests.factories import done_for, make_campaign, make_device
 pytestmark = pytest.mark.django_db
 
 
-def _commit_steps(campaign, device, steps: int) -> list[int]:  # type: ignore[no-untyped-def]
+def _commit_steps(campaign: Campaign, device: Device, steps: int) -> list[int]:
     lease_ids = []
     for _ in range(steps):
         lease = leasing.request_lease(device.pk, None, 1000.0)

@@ -214,7 +214,8 @@ def test_samples_of_an_expired_lease_refill_the_step_they_were_reserved_in() -> 
     make_campaign(target_batch_size=8, microbatch_size=4, staleness=1)
     device, _ = make_device()
     speed = 4.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S
-    lost, kept = leasing.request_lease(device.pk, None, speed), leasing.request_lease(device.pk, None, speed)
+    lost = leasing.request_lease(device.pk, None, speed)
+    leasing.request_lease(device.pk, None, speed)  # the rest of step 0 stays reserved
     Lease.objects.filter(pk=lost.lease_id).update(deadline=timezone.now() - timedelta(seconds=1))
 
     refill = leasing.request_lease(device.pk, None, speed)
