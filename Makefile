@@ -7,10 +7,18 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 8000
 ARGS   ?=
+# Browser tests drive Debian's Chromium; Playwright's own browser download is not reachable here.
+CHROMIUM := /usr/bin/chromium
+# Their own pytest process (a sync Playwright page breaks later async tests), on PostgreSQL and
+# Redis like the second pass; failure screenshots go next to the tests' own, in test-artifacts/browser.
+BROWSER_PASS := $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider tests/browser \
+	--output test-artifacts/browser --screenshot only-on-failure
 
-.PHONY: demo serve test bench venv clean
+.PHONY: demo serve test test-browser bench venv chromium clean
 
 venv: $(STAMP)
+
+chromium: $(CHROMIUM)
 
 # torch goes in first and alone, pinned: pip then takes the CPU wheel from this
 # machine's disk instead of pulling a multi-GB CUDA build for a looser range.
@@ -27,12 +35,31 @@ serve: $(STAMP)
 	$(BIN)/python manage.py migrate --noinput
 	$(BIN)/python manage.py serve --port $(PORT)
 
-# Twice over: everything on the embedded defaults (SQLite, in-memory channel
+# A file target: nothing runs once Chromium is there. CI runs as root; elsewhere sudo, if any.
+# A fresh machine may have empty package lists, so one failed install is retried after an update.
+$(CHROMIUM):
+	@if [ "$$(id -u)" -eq 0 ]; then sudo=; \
+	elif command -v sudo >/dev/null 2>&1; then sudo=sudo; \
+	else echo "browser tests need Chromium at $@: as root, run apt-get install -y --no-install-recommends chromium" >&2; \
+	     exit 1; fi; \
+	command -v apt-get >/dev/null 2>&1 \
+	  || { echo "browser tests need Debian's Chromium at $@, and apt-get is missing" >&2; exit 1; }; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	$$sudo apt-get install -y --no-install-recommends chromium \
+	  || { $$sudo apt-get update && $$sudo apt-get install -y --no-install-recommends chromium; }
+	@test -x $@ || { echo "apt-get installed chromium but $@ is missing" >&2; exit 1; }
+
+# Three passes: everything on the embedded defaults (SQLite, in-memory channel
 # layer), then what touches the database and the channel layer on PostgreSQL
-# and Redis (tests/services.py finds them or starts private ones).
-test: $(STAMP)
+# and Redis (tests/services.py finds them or starts private ones), then the
+# browser tests, which the first pass skips (tests/conftest.py).
+test: $(STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest -p no:cacheprovider $(ARGS)
 	$(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider tests/web tests/e2e $(ARGS)
+	$(BROWSER_PASS) $(ARGS)
+
+test-browser: $(STAMP) $(CHROMIUM)
+	$(BROWSER_PASS) $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.w1 $(ARGS)

@@ -9,6 +9,10 @@ import pytest
 from django.test import override_settings
 from hypothesis import settings as hypothesis_settings
 
+# Browser tests run only when named (`pytest tests/browser`, make test's third pass): a sync
+# Playwright page leaves an event loop behind that breaks every later async test in the process.
+collect_ignore = ["browser"]
+
 # Timing varies a lot on 2 shared cores (first calls import and warm up torch): no deadlines.
 hypothesis_settings.register_profile("crowdtrain", deadline=None)
 hypothesis_settings.load_profile("crowdtrain")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from allauth.account.models import EmailAddress
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
@@ -81,3 +82,11 @@ def done_for(lease_id: int, loss: float = 1.0) -> LeaseDone:
         lease_id=lease.pk, receipts=receipts_for(lease), num_samples=lease.num_samples,
         loss_sum=loss * lease.num_samples, compute_s=0.1,
     )
+
+
+def make_volunteer(name: str, *, password: str = "correct horse battery", verified: bool = True) -> AbstractBaseUser:
+    """A volunteer as sign-up leaves them: e-mail login, address verified unless told otherwise."""
+    email = f"{name}@example.org"
+    user = get_user_model().objects.create_user(username=name, email=email, password=password)
+    EmailAddress.objects.create(user=user, email=email, primary=True, verified=verified)
+    return user

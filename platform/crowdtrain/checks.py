@@ -29,4 +29,11 @@ def check_production_settings(app_configs: Any = None, **kwargs: Any) -> list[Er
             "REDIS_URL is not set: the channel layer is in-memory, so only one site process can serve WebSockets.",
             hint="Set REDIS_URL (e.g. redis://127.0.0.1:6379/0).", id="crowdtrain.E002",
         ))  # fmt: skip
+    if settings.EMAIL_BACKEND == "django.core.mail.backends.console.EmailBackend":
+        problems.append(Error(
+            "E-mail goes to the console: volunteers never receive their verification or password-reset mail, "
+            "so nobody can finish signing up.",
+            hint="Set CROWDTRAIN_EMAIL_URL (e.g. submission://user:password@mail.example.org) or EMAIL_HOST.",
+            id="crowdtrain.E003",
+        ))  # fmt: skip
     return problems

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import dj_email_url
 from django.core.exceptions import ImproperlyConfigured
 
 
@@ -67,3 +68,21 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None:
         return default
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def env_email_url(name: str) -> dict[str, object] | None:
+    """Django's EMAIL_* settings from a URL like ``smtp://user:pass@host:587/?tls=True``; None when unset."""
+    raw = os.getenv(name)
+    if not raw:
+        return None
+    try:
+        parsed = dj_email_url.parse(raw)
+    except ValueError:  # a port that is not a number
+        parsed = {}
+    if "EMAIL_BACKEND" not in parsed:  # the library skips unknown schemes silently
+        schemes = ", ".join(sorted(dj_email_url.SCHEMES))
+        raise ImproperlyConfigured(
+            f"{name} must be an e-mail URL with one of the schemes {schemes} "
+            f"(e.g. smtp://user:password@mail.example.org:587/?tls=True), got {raw!r}"
+        )
+    return parsed

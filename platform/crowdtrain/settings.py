@@ -13,7 +13,7 @@ from pathlib import Path
 
 import dj_database_url
 
-from .env import env_bool, env_float, env_hex_bytes, env_int, env_list, env_str
+from .env import env_bool, env_email_url, env_float, env_hex_bytes, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parents[2]
 VAR_DIR = Path(env_str("CROWDTRAIN_VAR_DIR", str(BASE_DIR / "var")))
@@ -23,6 +23,12 @@ SECRET_KEY = env_str("CROWDTRAIN_SECRET_KEY", "insecure-dev-key-change-me-in-pro
 ALLOWED_HOSTS = env_list("CROWDTRAIN_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CROWDTRAIN_CSRF_TRUSTED_ORIGINS", [])
 SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = not DEBUG
+# Explicit although they are Django's defaults: the session cookie is never readable
+# from JavaScript and is not sent on cross-site POSTs.
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = CSRF_COOKIE_SAMESITE = "Lax"
+# Off by default: a site reached over plain HTTP would lock itself out of browsers.
+SECURE_HSTS_SECONDS = env_int("CROWDTRAIN_HSTS_SECONDS", 0, minimum=0)
 
 INSTALLED_APPS = [
     "daphne",
@@ -33,6 +39,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "allauth",
+    "allauth.account",
     "crowdtrain.accounts",
     "crowdtrain.campaigns",
     "crowdtrain.scheduler",
@@ -47,6 +55,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "allauth.account.middleware.AccountMiddleware",
 ]
 
 ROOT_URLCONF = "crowdtrain.urls"
@@ -94,10 +103,15 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_str("REDIS_URL", "")
+# The cache holds allauth's rate-limit counters: with several site processes they
+# must share one Redis, or each process would count failed logins on its own.
 if REDIS_URL:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
+                          "KEY_PREFIX": "crowdtrain"}}
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 # Celery: with no broker configured, tasks run in-process (embedded default).
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "memory://")
@@ -112,6 +126,7 @@ CELERY_BEAT_SCHEDULE = {
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
+STATICFILES_DIRS = [BASE_DIR / "frontend" / "static"]
 MEDIA_ROOT = Path(env_str("CROWDTRAIN_MEDIA_ROOT", str(VAR_DIR / "media")))
 MEDIA_URL = "media/"
 STORAGES = {
@@ -152,3 +167,76 @@ CROWDTRAIN_HEARTBEAT_S = env_float("CROWDTRAIN_HEARTBEAT_S", 2.0, minimum=0.1)
 CROWDTRAIN_TICKET_KEY = env_hex_bytes(
     "CROWDTRAIN_TICKET_KEY", hmac.new(SECRET_KEY.encode(), b"crowdtrain-ticket-key", hashlib.sha256).digest()
 )
+
+# ------------------------------------------------ volunteers: accounts and e-mail
+
+AUTHENTICATION_BACKENDS = [
+    "django.contrib.auth.backends.ModelBackend",  # staff log in to the admin by username
+    "allauth.account.auth_backends.AuthenticationBackend",  # volunteers log in by e-mail
+]
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+LOGIN_URL = "account_login"
+LOGIN_REDIRECT_URL = "/"
+
+ACCOUNT_LOGIN_METHODS = {"email"}
+# No username to invent: allauth derives one from the address, and public pages
+# show Profile.public_name instead.
+ACCOUNT_SIGNUP_FIELDS = ["email*", "password1*", "password2*"]
+ACCOUNT_UNIQUE_EMAIL = True
+ACCOUNT_EMAIL_VERIFICATION = "mandatory"
+ACCOUNT_EMAIL_SUBJECT_PREFIX = "[Crowdtrain] "
+# Links in e-mails: a production site sits behind TLS.
+ACCOUNT_DEFAULT_HTTP_PROTOCOL = "http" if DEBUG else "https"
+# Merged into allauth's defaults; the counters live in CACHES.
+_LOGIN_FAILURES = env_int("CROWDTRAIN_LOGIN_FAILURES_LIMIT", 5, minimum=1)
+_LOGIN_FAILURES_WINDOW_S = env_int("CROWDTRAIN_LOGIN_FAILURES_WINDOW_S", 300, minimum=1)
+ACCOUNT_RATE_LIMITS = {
+    # Per address: guessing one volunteer's password; per IP: trying many addresses.
+    "login_failed": f"10/m/ip,{_LOGIN_FAILURES}/{_LOGIN_FAILURES_WINDOW_S}s/key",
+    "signup": f"{env_int('CROWDTRAIN_SIGNUPS_PER_HOUR_PER_IP', 20, minimum=1)}/h/ip",
+}
+# Behind a reverse proxy every request comes from the proxy's address: say how
+# many proxies to trust, or the per-IP limits above count all volunteers as one.
+ALLAUTH_TRUSTED_PROXY_COUNT = env_int("CROWDTRAIN_TRUSTED_PROXY_COUNT", 0, minimum=0)
+
+# E-mail: the console unless CROWDTRAIN_EMAIL_URL, or EMAIL_HOST and friends, name an SMTP server.
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "Crowdtrain <noreply@localhost>")
+SERVER_EMAIL = DEFAULT_FROM_EMAIL
+_EMAIL = env_email_url("CROWDTRAIN_EMAIL_URL")
+if _EMAIL is not None:
+    EMAIL_BACKEND = _EMAIL["EMAIL_BACKEND"]
+    EMAIL_HOST = _EMAIL["EMAIL_HOST"] or "localhost"
+    EMAIL_PORT = _EMAIL["EMAIL_PORT"] or 25
+    EMAIL_HOST_USER = _EMAIL["EMAIL_HOST_USER"] or ""
+    EMAIL_HOST_PASSWORD = _EMAIL["EMAIL_HOST_PASSWORD"] or ""
+    EMAIL_USE_TLS = _EMAIL["EMAIL_USE_TLS"]
+    EMAIL_USE_SSL = _EMAIL["EMAIL_USE_SSL"]
+    EMAIL_TIMEOUT = _EMAIL["EMAIL_TIMEOUT"]
+    EMAIL_FILE_PATH = _EMAIL["EMAIL_FILE_PATH"] or str(VAR_DIR / "mail")
+elif env_str("EMAIL_HOST", ""):
+    EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    EMAIL_HOST = env_str("EMAIL_HOST", "")
+    EMAIL_PORT = env_int("EMAIL_PORT", 587, minimum=1)
+    EMAIL_HOST_USER = env_str("EMAIL_HOST_USER", "")
+    EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD", "")
+    EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", True)
+    EMAIL_TIMEOUT = 30
+else:
+    EMAIL_BACKEND = "django.core.mail.backends.console.EmailBackend"
+
+# ------------------------------------------------ agents: device-code login (RFC 8628)
+
+# How long a code shown by `crowdtrain-agent login` stays usable, and how often the agent may poll.
+CROWDTRAIN_DEVICE_CODE_TTL_S = env_int("CROWDTRAIN_DEVICE_CODE_TTL_S", 600, minimum=30)
+CROWDTRAIN_DEVICE_CODE_INTERVAL_S = env_int("CROWDTRAIN_DEVICE_CODE_INTERVAL_S", 5, minimum=1)
+# Codes one client IP may ask for, and wrong user codes one account may type, per 10 minutes.
+CROWDTRAIN_DEVICE_CODES_PER_IP = env_int("CROWDTRAIN_DEVICE_CODES_PER_IP", 30, minimum=1)
+CROWDTRAIN_USER_CODE_FAILURES = env_int("CROWDTRAIN_USER_CODE_FAILURES", 20, minimum=1)
+# What the join page tells volunteers to `pip install`: a PyPI name, or a URL such as
+# git+https://example.org/crowdtrain.git#subdirectory=agent while the agent is not on PyPI.
+CROWDTRAIN_AGENT_PIP_SPEC = env_str("CROWDTRAIN_AGENT_PIP_SPEC", "crowdtrain-agent")

@@ -38,7 +38,7 @@ def isolated_user_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     """Never read or write the real user's saved login or cache."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
-    for name in ("SERVER", "TOKEN", "DEVICE", "THREADS", "CACHE_DIR", "CAMPAIGN"):
+    for name in ("SERVER", "TOKEN", "DEVICE", "THREADS", "CACHE_DIR", "CAMPAIGN", "CONFIG"):
         monkeypatch.delenv(f"CROWDTRAIN_AGENT_{name}", raising=False)
     yield
     root = logging.getLogger()

@@ -2,6 +2,12 @@
 
 Examples::
 
+    # log this machine in through the browser (once); the token is saved for later runs
+    crowdtrain-agent login --server https://crowdtrain.example.org
+    crowdtrain-agent login --server https://crowdtrain.example.org --name lab-gpu-3 --no-browser
+    crowdtrain-agent whoami
+    crowdtrain-agent logout
+
     # join whatever campaign the site schedules, on the best local device
     crowdtrain-agent run --server https://crowdtrain.example.org --token ct_dev_4f9a...
 
@@ -27,7 +33,18 @@ import threading
 from collections.abc import Sequence
 
 from . import __version__
-from .config import DEFAULT_SERVER, DEVICE_CHOICES, AgentConfig, ConfigError, default_config_path, load_config
+from .config import (
+    DEFAULT_SERVER,
+    DEVICE_CHOICES,
+    AgentConfig,
+    ConfigError,
+    default_config_path,
+    forget_token,
+    load_config,
+    login_server,
+    read_config_file,
+    write_config_file,
+)
 from .control import AgentStopped
 from .progress import AgentStatus, LiveProgress
 
@@ -83,6 +100,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="log plain lines instead of the live panel (automatic when stdout is not a terminal)",
     )
     run.add_argument("-v", "--verbose", action="count", default=0, help="more detail: -v debug lines from the agent")
+
+    login = commands.add_parser(
+        "login",
+        help="log this machine in through the browser and save its token",
+        description=(
+            "Show a short code, open the site's device page in the browser, and wait until you approve the code "
+            "there while logged in to your account. The new device token is saved for later runs "
+            f"(readable by you only) in {default_config_path()}, or the file CROWDTRAIN_AGENT_CONFIG names."
+        ),
+    )
+    login.add_argument(
+        "--server",
+        metavar="URL",
+        help=f"the site's address (default: CROWDTRAIN_AGENT_SERVER, else the saved login, else {DEFAULT_SERVER})",
+    )
+    login.add_argument("--name", help="the device name to propose (default: this machine's host name)")
+    login.add_argument(
+        "--no-browser", dest="browser", action="store_false", help="only print the address; open nothing"
+    )
+    login.add_argument("-v", "--verbose", action="count", default=0, help="more detail: -v debug lines")
+    whoami = commands.add_parser("whoami", help="show the account and device the saved token belongs to")
+    whoami.add_argument("-v", "--verbose", action="count", default=0, help="more detail: -v debug lines")
+    logout = commands.add_parser(
+        "logout", help="revoke this device's token on the site and delete it here"
+    )
+    logout.add_argument("-v", "--verbose", action="count", default=0, help="more detail: -v debug lines")
     return parser
 
 
@@ -115,6 +158,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``crowdtrain-agent`` command; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    account_commands = {"login": _login, "whoami": _whoami, "logout": _logout}
+    if args.command in account_commands:
+        configure_logging(args.verbose, live=False)
+        try:
+            return account_commands[args.command](args)
+        except ConfigError as exc:
+            print(f"crowdtrain-agent: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+        except KeyboardInterrupt:
+            print(f"crowdtrain-agent: {args.command} cancelled", file=sys.stderr)
+            return 130
     if args.command != "run":
         parser.print_help()
         return EXIT_CONFIG
@@ -126,6 +180,87 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"crowdtrain-agent: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     return _run(config, live=live)
+
+
+def _login(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from . import login
+
+    server = login_server(args.server)
+    name = " ".join((args.name or login.default_device_name()).split())[: login.MAX_NAME]
+    if not name or not name.isprintable():
+        raise ConfigError(f"--name must be printable text of 1 to {login.MAX_NAME} characters, got {args.name!r}")
+    path = default_config_path()
+    try:
+        issued = login.login(server, name=name, open_browser=args.browser, console=Console())
+    except login.LoginDenied as exc:
+        print(f"crowdtrain-agent: login denied: {exc}. Nothing was saved; run login again to retry.", file=sys.stderr)
+        return EXIT_STOPPED
+    except login.LoginExpired as exc:
+        print(
+            f"crowdtrain-agent: login expired: {exc}. Run `crowdtrain-agent login --server {server}` again "
+            "and approve the new code within its time.",
+            file=sys.stderr,
+        )
+        return EXIT_STOPPED
+    except login.LoginError as exc:
+        print(f"crowdtrain-agent: login failed: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
+    write_config_file(path, server=server, token=issued.token)
+    who = issued.identity
+    print(
+        f"Logged in to {server} as {who.user}; this machine is device {who.device_name!r} (#{who.device_id}).\n"
+        f"Saved the token in {path} (readable by you only). Start computing with: crowdtrain-agent run"
+    )
+    return 0
+
+
+def _whoami(args: argparse.Namespace) -> int:
+    from . import login
+
+    try:
+        config = load_config({})
+    except ConfigError as exc:
+        print(f"crowdtrain-agent: not logged in: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
+    try:
+        who = login.whoami(config.server, config.token)
+    except login.TokenRejected as exc:
+        print(
+            f"crowdtrain-agent: {exc}: the device was revoked, or the token belongs to another site. "
+            f"Log in again: crowdtrain-agent login --server {config.server}",
+            file=sys.stderr,
+        )
+        return EXIT_STOPPED
+    except login.LoginError as exc:
+        print(f"crowdtrain-agent: {exc}", file=sys.stderr)
+        return EXIT_STOPPED
+    print(f"user:   {who.user}\ndevice: {who.device_name} (#{who.device_id})\nserver: {who.server or config.server}")
+    return 0
+
+
+def _logout(args: argparse.Namespace) -> int:
+    from . import login
+
+    path = default_config_path()
+    saved = read_config_file(path)
+    token, server = saved.get("token"), saved.get("server") or DEFAULT_SERVER
+    if not token:
+        print(f"Not logged in: no saved token in {path}.")
+        return 0
+    try:
+        told = "revoked this device's token" if login.revoke(server, token) else "no longer knew this token"
+    except login.LoginError as exc:
+        told = ""
+        print(
+            f"crowdtrain-agent: {exc}. The site was not told: the token still works there until you revoke "
+            f"this device on {server}/devices/",
+            file=sys.stderr,
+        )
+    forget_token(path)
+    print(f"Logged out: {'the site ' + told + ', and ' if told else ''}the token was deleted from {path}.")
+    return 0
 
 
 def _run(config: AgentConfig, *, live: bool) -> int:

@@ -52,7 +52,14 @@ class AgentConfig:
 
 
 def default_config_path() -> Path:
-    """Where `crowdtrain-agent login` keeps the server address and token."""
+    """Where `crowdtrain-agent login` keeps the server address and token.
+
+    ``CROWDTRAIN_AGENT_CONFIG`` names another file (several logins on one
+    machine, tests); otherwise the user config folder of platformdirs.
+    """
+    override = os.environ.get(ENV_PREFIX + "CONFIG", "").strip()
+    if override:
+        return Path(override).expanduser()
     return Path(platformdirs.user_config_dir(APP_NAME)) / "config.json"
 
 
@@ -87,13 +94,54 @@ def write_config_file(path: Path, *, server: str, token: str) -> None:
     The file is created with mode 0600 before the token is written, so the
     token is never readable by other users, not even for an instant.
     """
+    _write_private(path, {"server": _check_server("server", server), "token": token})
+
+
+def forget_token(path: Path) -> bool:
+    """Delete the saved token, keeping the server address as the default for the next login.
+
+    Returns:
+        True if there was a token to delete.
+
+    Raises:
+        ConfigError: if the file exists but is damaged or unreadable.
+    """
+    saved = read_config_file(path)
+    if "token" not in saved:
+        return False
+    if saved.get("server"):
+        _write_private(path, {"server": saved["server"]})
+    else:
+        path.unlink()
+    return True
+
+
+def _write_private(path: Path, data: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         os.chmod(tmp, 0o600)  # O_CREAT's mode does not apply if the file already existed
-        json.dump({"server": _check_server("server", server), "token": token}, fh)
+        json.dump(data, fh)
     os.replace(tmp, path)
+
+
+def login_server(flag: str | None, env: Mapping[str, str] | None = None, config_path: Path | None = None) -> str:
+    """The site ``crowdtrain-agent login`` talks to.
+
+    The first of: --server, CROWDTRAIN_AGENT_SERVER, the saved login, the default.
+
+    Raises:
+        ConfigError: naming the flag or variable and the bad address.
+    """
+    env = os.environ if env is None else env
+    if flag:
+        return _check_server("--server", flag)
+    if env.get(ENV_PREFIX + "SERVER"):
+        return _check_server(ENV_PREFIX + "SERVER", env[ENV_PREFIX + "SERVER"])
+    path = default_config_path() if config_path is None else config_path
+    saved = read_config_file(path).get("server")
+    return _check_server(f"server in {path}", saved) if saved else DEFAULT_SERVER
 
 
 def load_config(
@@ -140,8 +188,8 @@ def load_config(
         token = saved["token"]
     if not token:
         raise ConfigError(
-            f"no API token for {server}: pass --token TOKEN or set {ENV_PREFIX}TOKEN "
-            "(copy a device token from your account page on the site)"
+            f"no API token for {server}: run `crowdtrain-agent login --server {server}` once, "
+            f"or pass --token TOKEN or set {ENV_PREFIX}TOKEN"
         )
 
     device_src = pick("device", "--device", "DEVICE")

@@ -164,7 +164,10 @@ class AgentConsumer(_ProtocolConsumer):
 
 
 def _record_hello(device_id: int, hardware: dict[str, Any]) -> None:
-    Device.objects.filter(pk=device_id).update(hardware=hardware, last_seen_at=timezone.now())
+    # Merged, not replaced: the host and OS the agent reported at login stay on the devices page.
+    saved = Device.objects.filter(pk=device_id).values_list("hardware", flat=True).first()
+    merged = {**(saved if isinstance(saved, dict) else {}), **hardware}
+    Device.objects.filter(pk=device_id).update(hardware=merged, last_seen_at=timezone.now())
 
 
 class BackboneConsumer(_ProtocolConsumer):

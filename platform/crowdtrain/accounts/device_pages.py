@@ -1,0 +1,137 @@
+"""Browser pages for devices: approving an agent's login code, and the volunteer's own devices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from . import device_grant, devices, throttle
+from .models import Device, DeviceAuthorization
+
+
+def _failures_key(request: HttpRequest) -> str:
+    return f"user-code-failures.{request.user.pk}"
+
+
+def _verify_form(request: HttpRequest, user_code: str = "", error: str = "", status: int = 200) -> HttpResponse:
+    return render(request, "devices/verify.html", {"user_code": user_code, "error": error}, status=status)
+
+
+def _confirm_page(request: HttpRequest, authorization: DeviceAuthorization, name: str, error: str = "") -> HttpResponse:
+    context = {
+        "authorization": authorization,
+        "user_code": device_grant.format_user_code(authorization.user_code),
+        "name": name,
+        "hardware": devices.hardware_summary(authorization.hardware),
+        "error": error,
+    }
+    return render(request, "devices/confirm.html", context, status=400 if error else 200)
+
+
+def _lookup(request: HttpRequest, raw: str) -> DeviceAuthorization | HttpResponse:
+    """The pending authorization for a typed code, or the form again saying what is wrong."""
+    # User codes are short; every wrong guess counts, so nobody can try codes until one fits.
+    if throttle.exceeded(_failures_key(request), settings.CROWDTRAIN_USER_CODE_FAILURES):
+        return _verify_form(
+            request, raw, "Too many codes that did not match. Wait ten minutes, then try again.", status=429
+        )
+    try:
+        return device_grant.find_pending(raw)
+    except device_grant.CodeProblem as exc:
+        throttle.hit(_failures_key(request), settings.CROWDTRAIN_USER_CODE_FAILURES)
+        return _verify_form(request, raw, str(exc), status=400)
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def verify(request: HttpRequest) -> HttpResponse:
+    """The verification URI: type the code the agent printed (prefilled from ?user_code=), then confirm."""
+    source = request.POST if request.method == "POST" else request.GET
+    raw = source.get("user_code", "").strip()
+    if not raw:
+        return _verify_form(request)
+    found = _lookup(request, raw)
+    if isinstance(found, HttpResponse):
+        return found
+    # Even a prefilled link only shows the confirmation: a code someone sent you must not approve itself.
+    return _confirm_page(request, found, found.requested_name)
+
+
+@login_required
+@require_POST
+def confirm(request: HttpRequest) -> HttpResponse:
+    decision = request.POST.get("decision")
+    if decision not in ("approve", "deny"):
+        return HttpResponseBadRequest("decision must be approve or deny")
+    found = _lookup(request, request.POST.get("user_code", ""))
+    if isinstance(found, HttpResponse):
+        return found
+    if decision == "deny":
+        decided = device_grant.deny(found)
+        name = found.requested_name
+    else:
+        try:
+            name = devices.clean_device_name(request.POST.get("name"))
+        except ValueError as exc:
+            return _confirm_page(request, found, request.POST.get("name", "")[:200], str(exc))
+        decided = device_grant.approve(found, request.user, name)
+    if not decided:  # decided or expired between the page and the click
+        return _verify_form(request, "", "That code was used or expired meanwhile. Run crowdtrain-agent login again.")
+    return render(request, "devices/decided.html", {"approved": decision == "approve", "name": name})
+
+
+@dataclass(frozen=True)
+class DeviceRow:
+    device: Device
+    online: bool
+    hardware: list[tuple[str, str]]
+
+
+@login_required
+@require_GET
+def device_list(request: HttpRequest) -> HttpResponse:
+    now = timezone.now()
+    rows = [
+        DeviceRow(device=d, online=devices.is_online(d, now), hardware=devices.hardware_summary(d.hardware))
+        for d in Device.objects.filter(owner=request.user).order_by("revoked_at", "-created_at")
+    ]  # fmt: skip
+    return render(request, "devices/list.html", {"rows": rows, "max_name": devices.MAX_NAME})
+
+
+def _own_device(request: HttpRequest, device_id: int) -> Device:
+    # Someone else's device is a 404, not a 403: its id says nothing about whether it exists.
+    return get_object_or_404(Device, pk=device_id, owner=request.user)
+
+
+@login_required
+@require_POST
+def rename(request: HttpRequest, device_id: int) -> HttpResponse:
+    device = _own_device(request, device_id)
+    try:
+        name = devices.clean_device_name(request.POST.get("name"))
+    except ValueError as exc:
+        messages.error(request, f"{device.name} was not renamed: {exc}.")
+        return redirect("devices")
+    Device.objects.filter(pk=device.pk).update(name=name)
+    messages.success(request, f"Renamed {device.name} to {name}.")
+    return redirect("devices")
+
+
+@login_required
+@require_POST
+def revoke(request: HttpRequest, device_id: int) -> HttpResponse:
+    device = _own_device(request, device_id)
+    if devices.revoke(device, "revoked by its owner on the devices page"):
+        messages.success(
+            request, f"Revoked {device.name}: its agent was disconnected and its token no longer works."
+        )
+    else:
+        messages.info(request, f"{device.name} was already revoked.")
+    return redirect("devices")

@@ -1,0 +1,101 @@
+"""What volunteers do with their devices: name them, read their hardware, revoke them."""
+
+from __future__ import annotations
+
+import logging
+import math
+from datetime import datetime, timedelta
+from typing import Any
+
+from asgiref.sync import async_to_sync
+from django.conf import settings
+from django.utils import timezone
+
+from crowdtrain.gateway.outbox import revoke_device
+
+from .models import Device
+
+logger = logging.getLogger(__name__)
+
+MAX_NAME = 100  # Device.name and DeviceAuthorization.requested_name
+
+
+def clean_device_name(raw: Any) -> str:
+    """A device name a person can read: whitespace collapsed, printable, 1 to 100 characters.
+
+    Raises:
+        ValueError: saying what is wrong with the name.
+    """
+    name = " ".join(str(raw or "").split())
+    if not name:
+        raise ValueError("the device name is empty; give it a name like 'desk-gpu'")
+    if len(name) > MAX_NAME:
+        raise ValueError(f"the device name has {len(name)} characters; use at most {MAX_NAME}")
+    if not name.isprintable():
+        raise ValueError("the device name holds control characters; use letters, digits and punctuation")
+    return name
+
+
+def is_online(device: Device, now: datetime | None = None) -> bool:
+    """Seen within the scheduler's gone-after window, which is when its leases would be freed."""
+    if device.is_revoked or device.last_seen_at is None:
+        return False
+    now = now or timezone.now()
+    return now - device.last_seen_at <= timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
+
+
+def revoke(device: Device, reason: str) -> bool:
+    """Revoke a device's token and close its agent's sockets (close code 4003).
+
+    Returns:
+        True if this call revoked it, False if it was revoked already.
+    """
+    revoked = bool(Device.objects.filter(pk=device.pk, revoked_at__isnull=True).update(revoked_at=timezone.now()))
+    # Sent even when it was revoked already: a socket opened just before the first revocation still goes.
+    async_to_sync(revoke_device)(device.pk, reason)
+    if revoked:
+        logger.info("device %s of %s revoked: %s", device.pk, device.owner_id, reason)
+    return revoked
+
+
+def _bytes(value: Any) -> str | None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+        return None
+    return f"{value / 2**30:.1f} GiB"
+
+
+def _flops(value: Any) -> str | None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        return None
+    for unit, scale in (("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value / 1e6:.1f} MFLOP/s"
+
+
+def hardware_summary(hardware: dict[str, Any]) -> list[tuple[str, str]]:
+    """Label/value rows for a page, from what the agent reported at login (host, OS) and in hello (device, speed).
+
+    Every value came from a volunteer's machine: templates escape it, and
+    nothing here trusts its type.
+    """
+    hardware = hardware if isinstance(hardware, dict) else {}
+    kind, name = hardware.get("kind"), hardware.get("name")  # hello
+    accelerator = hardware.get("accelerator")  # login
+    if kind and name:
+        compute = f"{name} ({kind})"
+    elif accelerator:
+        compute = str(accelerator)
+    else:
+        compute = None
+    rows = [
+        ("Compute", compute),
+        ("Memory", _bytes(hardware.get("memory_bytes")) or _bytes(hardware.get("accelerator_memory_bytes"))),
+        ("Benchmark", _flops(hardware.get("flops_per_s"))),
+        ("CPU threads", hardware.get("threads") or hardware.get("cpu_count")),
+        ("Operating system", hardware.get("os")),
+        ("Host name", hardware.get("hostname")),
+        ("PyTorch", hardware.get("torch_version")),
+        ("Agent", hardware.get("agent_version")),
+    ]
+    return [(label, str(value)) for label, value in rows if value not in (None, "")]

@@ -1,0 +1,70 @@
+"""The public "join this campaign" page: commands to install the agent, log it in and run it."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, render
+from django.views.decorators.http import require_GET
+
+from .models import Campaign
+
+
+@dataclass(frozen=True)
+class Platform:
+    key: str  # matched against the browser's platform to open the right section first
+    title: str
+    shell: str
+    steps: list[tuple[str, str]]  # (what it does, command)
+    from_source: str  # install from a checkout of the site's source, while the agent is not on PyPI
+
+
+def _powershell_quote(text: str) -> str:
+    # The same safe characters as shlex.quote; PowerShell escapes ' inside '...' by doubling it.
+    return text if re.fullmatch(r"[\w@%+=:,./-]+", text) else "'" + text.replace("'", "''") + "'"
+
+
+def _platforms(server: str, campaign_id: int, pip_spec: str) -> list[Platform]:
+    login = f"login --server {server}"
+    run = f"run --campaign {campaign_id}"
+    # A virtual environment keeps the agent's PyTorch apart from anything else on the machine,
+    # and calling its programs by path needs no activation (PowerShell's policy often forbids it).
+    posix = [
+        ("Make a private Python environment for the agent", "python3 -m venv ~/crowdtrain-agent"),
+        ("Install the agent", f"~/crowdtrain-agent/bin/pip install {shlex.quote(pip_spec)}"),
+        ("Log this machine in (opens your browser)", f"~/crowdtrain-agent/bin/crowdtrain-agent {login}"),
+        ("Start computing for this campaign", f"~/crowdtrain-agent/bin/crowdtrain-agent {run}"),
+    ]
+    scripts = r"& $HOME\crowdtrain-agent\Scripts"
+    windows = [
+        ("Make a private Python environment for the agent", r"py -m venv $HOME\crowdtrain-agent"),
+        ("Install the agent", rf"{scripts}\pip.exe install {_powershell_quote(pip_spec)}"),
+        ("Log this machine in (opens your browser)", rf"{scripts}\crowdtrain-agent.exe {login}"),
+        ("Start computing for this campaign", rf"{scripts}\crowdtrain-agent.exe {run}"),
+    ]
+    from_source_posix = "~/crowdtrain-agent/bin/pip install ./agent"
+    from_source_windows = rf"{scripts}\pip.exe install .\agent"
+    return [
+        Platform("linux", "Linux", "bash", posix, from_source_posix),
+        Platform("mac", "macOS", "Terminal (zsh or bash)", posix, from_source_posix),
+        Platform("win", "Windows", "PowerShell", windows, from_source_windows),
+    ]
+
+
+@require_GET
+def join(request: HttpRequest, campaign_id: int) -> HttpResponse:
+    # Drafts are not public yet; finished campaigns keep their page, which says so.
+    campaign = get_object_or_404(Campaign.objects.exclude(state=Campaign.State.DRAFT), pk=campaign_id)
+    server = request.build_absolute_uri("/").rstrip("/")
+    context = {
+        "campaign": campaign,
+        "server": server,
+        "platforms": _platforms(server, campaign.pk, settings.CROWDTRAIN_AGENT_PIP_SPEC),
+        "pip_spec": settings.CROWDTRAIN_AGENT_PIP_SPEC,
+        "finished": campaign.state == Campaign.State.FINISHED,
+    }
+    return render(request, "campaigns/join.html", context)

@@ -1,0 +1,201 @@
+"""My devices: only my own, with their hardware and state; rename and revoke, which disconnects the agent."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.test import Client
+from django.utils import timezone
+
+from crowdtrain.accounts.device_grant import GRANT_TYPE
+from crowdtrain.accounts.models import Device
+from crowdtrain.asgi import application
+from crowdtrain_agent.protocol import CloseCode, Welcome
+from tests.factories import make_volunteer
+from tests.web.gateway.conftest import HELLO, Connect, connect, receive, send  # noqa: F401  (connect: a fixture)
+
+H100 = {"kind": "cuda", "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85_520_809_984, "threads": 16,
+        "torch_version": "2.13.0", "flops_per_s": 5.1e14, "os": "Linux 6.8", "hostname": "lab-box"}  # fmt: skip
+
+
+@pytest.fixture
+def owner() -> AbstractBaseUser:
+    return make_volunteer("owner")
+
+
+@pytest.fixture
+def stranger() -> AbstractBaseUser:
+    return make_volunteer("stranger")
+
+
+def _as(user: AbstractBaseUser) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def _device(owner: AbstractBaseUser, name: str, *, seen_s_ago: float | None = 1.0, **fields: object) -> Device:
+    device, _ = Device.issue(owner, name)
+    if seen_s_ago is not None:
+        device.last_seen_at = timezone.now() - timedelta(seconds=seen_s_ago)
+    for field, value in fields.items():
+        setattr(device, field, value)
+    device.save()
+    return device
+
+
+def _device_through_login(approver: AbstractBaseUser) -> tuple[Device, str]:
+    """A device as `crowdtrain-agent login` makes it: code, approval in the browser, token."""
+    agent = Client()
+    pair = agent.post("/api/device/code", {"name": "lab-box"}).json()
+    _as(approver).post("/device/confirm", {"user_code": pair["user_code"], "decision": "approve", "name": "lab-box"})
+    token = agent.post("/api/device/token", {"grant_type": GRANT_TYPE, "device_code": pair["device_code"]})
+    body = token.json()
+    return Device.objects.get(pk=body["device_id"]), body["access_token"]
+
+
+@pytest.mark.django_db
+def test_the_page_lists_my_devices_with_hardware_speed_and_state(
+    owner: AbstractBaseUser, stranger: AbstractBaseUser
+) -> None:
+    online = _device(owner, "desk gpu", hardware=H100, samples_per_s=412.5, samples_accepted=123456)
+    _device(owner, "old laptop", seen_s_ago=settings.CROWDTRAIN_GONE_AFTER_S + 60)
+    _device(owner, "sold box", revoked_at=timezone.now())
+    _device(stranger, "someone else's rig")
+
+    page = _as(owner).get("/devices/")
+
+    html = page.content.decode()
+    assert page.status_code == 200
+    assert "desk gpu" in html and "old laptop" in html and "sold box" in html
+    assert "someone else" not in html
+    assert "NVIDIA H100 80GB HBM3 (cuda)" in html and "79.6 GiB" in html and "510.0 TFLOP/s" in html
+    assert "412.5 samples/s" in html and "123456" in html and "Linux 6.8" in html
+    section = html[html.index(f'id="device-{online.pk}"'):]
+    assert "online now" in section[:600]
+    assert html.count("online now") == 1 and html.count("badge-revoked") == 1
+
+
+@pytest.mark.django_db
+def test_a_device_approved_by_one_volunteer_is_invisible_and_untouchable_to_another(
+    owner: AbstractBaseUser, stranger: AbstractBaseUser
+) -> None:
+    device, _ = _device_through_login(owner)
+    browser = _as(stranger)
+
+    page = browser.get("/devices/")
+    rename = browser.post(f"/devices/{device.pk}/rename", {"name": "mine now"})
+    revoke = browser.post(f"/devices/{device.pk}/revoke")
+
+    assert device.owner == owner
+    assert "lab-box" not in page.content.decode()
+    assert rename.status_code == 404 and revoke.status_code == 404
+    device.refresh_from_db()
+    assert device.name == "lab-box" and not device.is_revoked
+
+
+@pytest.mark.django_db
+def test_renaming_checks_the_new_name(owner: AbstractBaseUser) -> None:
+    device = _device(owner, "desk gpu")
+    browser = _as(owner)
+
+    blank = browser.post(f"/devices/{device.pk}/rename", {"name": " "}, follow=True)
+    control = browser.post(f"/devices/{device.pk}/rename", {"name": "bad\x00name"}, follow=True)
+    unchanged = Device.objects.get(pk=device.pk).name
+    renamed = browser.post(f"/devices/{device.pk}/rename", {"name": "  big   rig "}, follow=True)
+
+    assert b"was not renamed: the device name is empty" in blank.content
+    assert b"was not renamed" in control.content
+    assert unchanged == "desk gpu"
+    assert b"Renamed desk gpu to big rig" in renamed.content
+    assert Device.objects.get(pk=device.pk).name == "big rig"
+
+
+@pytest.mark.django_db
+def test_renaming_and_revoking_need_post(owner: AbstractBaseUser) -> None:
+    device = _device(owner, "desk gpu")
+    browser = _as(owner)
+
+    assert browser.get(f"/devices/{device.pk}/revoke").status_code == 405
+    assert browser.get(f"/devices/{device.pk}/rename").status_code == 405
+    assert not Device.objects.get(pk=device.pk).is_revoked
+
+
+@pytest.mark.django_db
+def test_an_agent_token_cannot_open_web_pages_as_its_volunteer(owner: AbstractBaseUser) -> None:
+    device, token = _device_through_login(owner)
+    agent = Client(headers={"Authorization": f"Bearer {token}"})
+
+    page = agent.get("/devices/")
+    revoke = agent.post(f"/devices/{device.pk}/revoke")
+    verify = agent.get("/device")
+
+    for response in (page, revoke, verify):
+        assert response.status_code == 302 and "next=" in response["Location"]
+    assert not Device.objects.get(pk=device.pk).is_revoked
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_web_session_cannot_act_as_an_agent(owner: AbstractBaseUser) -> None:
+    browser = await sync_to_async(_as)(owner)
+    cookie = f"{settings.SESSION_COOKIE_NAME}={browser.cookies[settings.SESSION_COOKIE_NAME].value}"
+
+    socket = WebsocketCommunicator(application, "/ws/agent/", headers=[(b"cookie", cookie.encode())])
+    await socket.connect()
+    closed = await socket.receive_output(timeout=5)
+    me = await sync_to_async(browser.get)("/api/me")
+    logout = await sync_to_async(browser.post)("/api/device/revoke")
+
+    assert closed == {"type": "websocket.close", "code": CloseCode.UNAUTHORIZED}
+    assert me.status_code == 401 and logout.status_code == 401
+    await socket.disconnect()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_revoking_on_the_page_disconnects_the_running_agent_with_4003(
+    owner: AbstractBaseUser, connect: Connect  # noqa: F811
+) -> None:
+    device, token = await sync_to_async(_device_through_login)(owner)
+    socket, connected, _ = await connect("/ws/agent/", token)
+    await send(socket, HELLO)
+    welcome = await receive(socket)
+    browser = await sync_to_async(_as)(owner)
+
+    page = await sync_to_async(browser.post)(f"/devices/{device.pk}/revoke", follow=True)
+    closed = await socket.receive_output(timeout=5)
+    again, _, _ = await connect("/ws/agent/", token)
+    refused = await again.receive_output(timeout=5)
+    me = await sync_to_async(Client().get)("/api/me", headers={"Authorization": f"Bearer {token}"})
+
+    assert connected and isinstance(welcome, Welcome) and welcome.device_name == "lab-box"
+    assert b"its agent was disconnected" in page.content
+    assert closed == {"type": "websocket.close", "code": CloseCode.REVOKED}
+    assert refused == {"type": "websocket.close", "code": CloseCode.REVOKED}
+    assert me.status_code == 401
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_hello_keeps_the_host_and_os_reported_at_login(
+    owner: AbstractBaseUser, connect: Connect  # noqa: F811
+) -> None:
+    device, token = await sync_to_async(_device_through_login)(owner)
+    await sync_to_async(Device.objects.filter(pk=device.pk).update)(hardware={"os": "Linux 6.8", "hostname": "lab-box"})
+    socket, _, _ = await connect("/ws/agent/", token)
+
+    await send(socket, HELLO)
+    await receive(socket)
+
+    hardware = (await sync_to_async(Device.objects.get)(pk=device.pk)).hardware
+    assert hardware["os"] == "Linux 6.8" and hardware["name"] == "test cpu"
+
+
+@pytest.mark.django_db
+def test_anonymous_visitors_are_sent_to_log_in(client: Client) -> None:
+    response = client.get("/devices/")
+
+    assert response.status_code == 302 and "next=/devices/" in response["Location"]

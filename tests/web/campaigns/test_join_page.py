@@ -1,0 +1,45 @@
+"""The public join page: copy-paste commands for this site and campaign, for each operating system."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from crowdtrain.campaigns.models import Campaign
+from tests.factories import make_campaign
+
+pytestmark = pytest.mark.django_db
+
+
+def test_it_shows_install_login_and_run_commands_for_this_site_and_campaign(client: Client) -> None:
+    campaign = make_campaign()
+
+    page = client.get(f"/campaigns/{campaign.pk}/join")
+
+    html = page.content.decode()
+    assert page.status_code == 200
+    assert html.count(" login --server http://testserver") == 3  # Linux, macOS, Windows
+    assert html.count(f"run --campaign {campaign.pk}") == 3
+    assert html.count("pip install crowdtrain-agent<") == 2 and "pip.exe install crowdtrain-agent<" in html
+    assert "pip install ./agent" in html
+    assert html.count('data-copy="cmd-') == 12
+
+
+def test_it_is_public_but_only_for_published_campaigns(client: Client) -> None:
+    draft = make_campaign()
+    Campaign.objects.filter(pk=draft.pk).update(state=Campaign.State.DRAFT)
+
+    assert client.get(f"/campaigns/{draft.pk}/join").status_code == 404
+    assert client.get("/campaigns/999999/join").status_code == 404
+
+
+def test_an_install_url_from_the_settings_is_quoted_for_each_shell(client: Client, settings: Any) -> None:
+    settings.CROWDTRAIN_AGENT_PIP_SPEC = "crowdtrain-agent @ git+https://example.org/ct.git#subdirectory=agent"
+    campaign = make_campaign()
+
+    html = client.get(f"/campaigns/{campaign.pk}/join").content.decode()
+
+    assert "pip install &#x27;crowdtrain-agent @ git+https://example.org/ct.git#subdirectory=agent&#x27;" in html
+    assert "pip.exe install &#x27;crowdtrain-agent @ git+" in html
