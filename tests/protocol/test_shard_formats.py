@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from crowdtrain_agent.data import count_samples, make_tensor_shards, make_text_shards, read_samples
+from crowdtrain_agent.data import ShardReader, count_samples, make_tensor_shards, make_text_shards, read_samples
 from crowdtrain_agent.protocol import DataSpec, ProtocolError
 
 
@@ -44,3 +44,20 @@ def test_it_rejects_a_range_outside_the_shard() -> None:
 def test_it_rejects_bytes_that_are_not_a_tensor_shard() -> None:
     with pytest.raises(ProtocolError, match="not a valid safetensors file"):
         read_samples(DataSpec(kind="tensors"), b"\x00" * 20, 0, 1)
+
+
+@given(st.lists(st.tuples(st.integers(0, 11), st.integers(1, 12)), min_size=1, max_size=8))
+def test_a_decoded_shard_reads_every_range_like_the_arrays_it_was_made_from(ranges: list[tuple[int, int]]) -> None:
+    x = np.random.default_rng(0).standard_normal((12, 3)).astype(np.float32)
+    y = np.arange(12) % 5
+    (data, _), = make_tensor_shards(x, y, 12)
+    reader = ShardReader(DataSpec(kind="tensors"), data)
+
+    for start, count in ranges:
+        if start + count > 12:
+            with pytest.raises(ProtocolError, match="outside a shard of 12 samples"):
+                reader.read(start, count)
+            continue
+        xs, ys = reader.read(start, count)
+        torch.testing.assert_close(xs, torch.from_numpy(x[start : start + count]))
+        assert ys.dtype == torch.int64 and ys.tolist() == y[start : start + count].tolist()

@@ -1,7 +1,7 @@
 """Shard formats: how datasets are cut into content-addressed shards and read back as samples.
 
 One definition for both sides: the site's sharding task writes shards with
-the ``make_*`` functions, agents read them with ``read_samples``.
+the ``make_*`` functions, agents read them with ``ShardReader``.
 
 - text: raw bytes, ``sample_len`` bytes per sample. A byte-level language
   model reads inputs ``s[:-1]`` and targets ``s[1:]``.
@@ -56,6 +56,46 @@ def make_tensor_shards(x: np.ndarray, y: np.ndarray, samples_per_shard: int) -> 
         yield save_safetensors({"x": xs, "y": ys}), len(xs)
 
 
+class ShardReader:
+    """A shard checked and decoded once, read many times.
+
+    Agents read many leases from the same few shards; parsing a safetensors
+    file per lease cost more than the lease's data itself.
+
+    Raises:
+        ProtocolError: if the bytes are not a valid shard of ``spec``'s kind.
+    """
+
+    def __init__(self, spec: DataSpec, shard: bytes) -> None:
+        self.spec = spec
+        if spec.kind == "text":
+            if spec.sample_len < 2:
+                raise ProtocolError(f"text data needs sample_len >= 2, got {spec.sample_len}")
+            self.count = len(shard) // spec.sample_len
+            self._rows = np.frombuffer(shard, dtype=np.uint8, count=self.count * spec.sample_len)
+            return
+        arrays = _load_tensors(shard)
+        x = torch.from_numpy(arrays["x"])
+        self._x = x.float() if x.is_floating_point() else x
+        self._y = torch.from_numpy(arrays["y"]).long()
+        self.count = int(self._x.shape[0])
+
+    def read(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of samples ``start:start+count``.
+
+        Raises:
+            ProtocolError: if the range lies outside the shard.
+        """
+        if start < 0 or count <= 0 or start + count > self.count:
+            raise ProtocolError(f"sample range {start}+{count} lies outside a shard of {self.count} samples")
+        if self.spec.kind == "text":
+            width = self.spec.sample_len
+            rows = self._rows[start * width : (start + count) * width].reshape(count, width).astype(np.int64)
+            tokens = torch.from_numpy(rows)
+            return tokens[:, :-1], tokens[:, 1:]
+        return self._x[start : start + count], self._y[start : start + count]
+
+
 def count_samples(spec: DataSpec, shard: bytes) -> int:
     """How many samples a shard holds, checking its format.
 
@@ -66,8 +106,7 @@ def count_samples(spec: DataSpec, shard: bytes) -> int:
         if spec.sample_len < 2:
             raise ProtocolError(f"text data needs sample_len >= 2, got {spec.sample_len}")
         return len(shard) // spec.sample_len
-    arrays = _load_tensors(shard)
-    return int(arrays["x"].shape[0])
+    return ShardReader(spec, shard).count
 
 
 def _load_tensors(shard: bytes) -> dict[str, np.ndarray]:
@@ -81,21 +120,9 @@ def _load_tensors(shard: bytes) -> dict[str, np.ndarray]:
 
 
 def read_samples(spec: DataSpec, shard: bytes, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets of samples ``start:start+count`` of one shard.
+    """Inputs and targets of samples ``start:start+count`` of one shard (decodes it; see ShardReader).
 
     Raises:
-        ProtocolError: if the range lies outside the shard.
+        ProtocolError: if the shard is invalid or the range lies outside it.
     """
-    total = count_samples(spec, shard)
-    if start < 0 or count <= 0 or start + count > total:
-        raise ProtocolError(f"sample range {start}+{count} lies outside a shard of {total} samples")
-    if spec.kind == "text":
-        rows = np.frombuffer(shard, dtype=np.uint8, count=count * spec.sample_len, offset=start * spec.sample_len)
-        rows = torch.from_numpy(rows.reshape(count, spec.sample_len).astype(np.int64))
-        return rows[:, :-1], rows[:, 1:]
-    arrays = _load_tensors(shard)
-    x = torch.from_numpy(np.ascontiguousarray(arrays["x"][start : start + count]))
-    y = torch.from_numpy(np.ascontiguousarray(arrays["y"][start : start + count]))
-    if x.is_floating_point():
-        x = x.float()
-    return x, y.long()
+    return ShardReader(spec, shard).read(start, count)

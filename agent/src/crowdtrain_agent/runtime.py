@@ -18,12 +18,14 @@ from . import __version__, trainer
 from .codec import Codec, get_codec
 from .config import AgentConfig
 from .control import AgentStopped, Backoff, ConnectionLost, ControlChannel
+from .data import ShardReader
 from .device import describe_device, select_device
 from .fetch import FetchError, ShardCache, fetch_params
 from .models import ModelConfigError
 from .progress import AgentStatus
 from .protocol import (
     AgentHello,
+    DataSpec,
     Lease,
     LeaseDone,
     LeaseRelease,
@@ -46,6 +48,7 @@ EXIT_OK = 0
 EXIT_INTERRUPTED = 130  # second Ctrl-C: the shell convention for "killed by SIGINT"
 LEASE_ERROR_PAUSE_S = 2.0  # after a lease that could not be prepared, before asking for another
 HINT_WAIT_S = 5.0  # the longest to wait for the version a lease's hint names before asking anyway
+READER_CACHE_ITEMS = 8  # decoded shards kept in memory (a shard is a few MiB)
 
 
 async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -131,6 +134,7 @@ class Agent:
         self._last_campaign: int | None = None
         self._last_no_lease: str | None = None
         self._reports: set[asyncio.Task[None]] = set()
+        self._readers: dict[tuple[str, DataSpec], ShardReader] = {}
         self.leases_taken = 0
         self._control: ControlChannel
         self._uploader = Uploader()
@@ -351,17 +355,26 @@ class Agent:
                     f"the site says {lease.model.architecture} has {lease.param_count} parameters, this agent "
                     f"builds {cm.param_count}; upgrade crowdtrain-agent (pip install -U crowdtrain-agent)"
                 )
-            shards = {r.shard: self._shards.get(r.shard) for r in lease.ranges}
+            readers = {r.shard: self._reader(r.shard, lease.data) for r in lease.ranges}
             flat = None
             if not self._models.holds(lease.campaign_id, lease.model, lease.base_version):
                 flat = fetch_params(lease.slices, lease.base_version, lease.param_count)
-            x, y = trainer.gather_samples(lease.data, lease.ranges, shards)
+            x, y = trainer.gather_samples(lease.ranges, readers)
             return Prepared(lease=lease, cm=cm, flat=flat, x=x, y=y)
 
         try:
             return await in_daemon_thread(blocking)
         except (FetchError, ProtocolError, ModelConfigError, ValueError, OSError) as exc:
             raise LeaseFailed(str(exc)) from None
+
+    def _reader(self, sha256: str, spec: DataSpec) -> ShardReader:
+        """A decoded shard, kept for the next leases (they mostly read the same few shards)."""
+        key = (sha256, spec)
+        reader = self._readers.pop(key, None) or ShardReader(spec, self._shards.get(sha256))
+        self._readers[key] = reader  # most recently used last
+        while len(self._readers) > READER_CACHE_ITEMS:
+            self._readers.pop(next(iter(self._readers)))
+        return reader
 
     def _note_speed(self, lease: Lease, result: GradientResult) -> None:
         speed = result.num_samples / max(result.compute_s, 1e-6)

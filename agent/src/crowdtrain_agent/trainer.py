@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .data import read_samples
+from .data import ShardReader
 from .models import ModelEntry, get_model
-from .protocol import DataSpec, ModelSpec, SampleRange
+from .protocol import ModelSpec, SampleRange
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +80,15 @@ def load_params_(cm: CampaignModel, flat: torch.Tensor, version: int) -> None:
     cm.version = version
 
 
-def gather_samples(
-    spec: DataSpec, ranges: Sequence[SampleRange], shards: dict[str, bytes]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_samples(ranges: Sequence[SampleRange], readers: dict[str, ShardReader]) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets of every range of a lease, concatenated in lease order.
 
     Raises:
         ProtocolError: if a range lies outside its shard.
     """
-    parts = [read_samples(spec, shards[r.shard], r.start, r.count) for r in ranges]
+    parts = [readers[r.shard].read(r.start, r.count) for r in ranges]
+    if len(parts) == 1:
+        return parts[0]
     return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
 

@@ -110,51 +110,55 @@ def _slices_ready(campaign: Campaign) -> tuple[list[SliceAssignment], str | None
     return slices, None
 
 
-def _working_devices(campaign: Campaign, device: Device) -> int:
-    """Devices that asked this campaign for work lately, the asking one included (and recorded)."""
+def _others_idle(campaign: Campaign, device_id: int, holders: set[int]) -> bool:
+    """Record that this device asked; say whether another live device asking lately holds no lease."""
     now = timezone.now()
-    if not Participation.objects.filter(campaign=campaign, device=device).update(last_request_at=now):
-        Participation.objects.create(campaign=campaign, device=device, last_request_at=now)
+    if not Participation.objects.filter(campaign=campaign, device_id=device_id).update(last_request_at=now):
+        Participation.objects.create(campaign=campaign, device_id=device_id, last_request_at=now)
+    if device_id not in holders:
+        return False  # an idle device is served whatever the others do
     recent = now - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
-    return campaign.participations.filter(last_request_at__gte=recent, device__last_seen_at__gte=recent).count() or 1
+    return (
+        campaign.participations.filter(last_request_at__gte=recent, device__last_seen_at__gte=recent)
+        .exclude(device_id__in=holders)
+        .exists()
+    )
 
 
-def _lease_size(campaign: Campaign, device: Device, samples_per_s: float | None) -> tuple[int, int, float | None]:
-    """Samples for ~LEASE_TARGET_S of work on this device, its share of a step, and its speed estimate.
+def _lease_size(campaign: Campaign, device_id: int, samples_per_s: float | None) -> tuple[int, float | None]:
+    """Samples for ~LEASE_TARGET_S of work on this device, and its speed estimate.
 
-    A device's share is an equal part of a step among the devices asking the
-    campaign for work: when a whole step is only seconds of work, one fast
-    device taking it all would leave the others idle (staleness bounds how
-    many steps can be in flight at once).
+    A fast device gets a whole step, not a share of it: every lease costs the
+    site a request, a report and the aggregators an upload, so fewer, larger
+    leases per step are what keeps the overhead small next to compute. Devices
+    still work side by side: staleness lets several steps be in flight, and an
+    idle device is served before a busy one gets a lease ahead (see
+    ``_others_idle``).
     """
     micro = campaign.microbatch_size
-    share = -(-campaign.target_batch_size // _working_devices(campaign, device))
-    share = max(micro, -(-share // micro) * micro)
     speed = samples_per_s
     if not speed:
-        flops = float(device.hardware.get("flops_per_s") or 0.0)
+        hardware = Device.objects.filter(pk=device_id).values_list("hardware", flat=True).first() or {}
+        flops = float(hardware.get("flops_per_s") or 0.0)
         per_sample = get_model(campaign.architecture).flops_per_sample(campaign.model_config)
         # The matmul benchmark overstates real training speed; halve it.
         speed = 0.5 * flops / per_sample if flops > 0 else None
     if not speed:
-        return min(share, 2 * micro), share, None
+        return 2 * micro, None
     want = speed * settings.CROWDTRAIN_LEASE_TARGET_S
-    return min(share, max(micro, int(want // micro) * micro)), share, speed
+    return max(micro, int(want // micro) * micro), speed
 
 
-def _first_open_step(open_step: int, reserved: dict[int, int], mine: dict[int, int], target: int, share: int) -> int:
-    """The first step with room, skipping steps where this device already holds its share.
-
-    A device that asks more often (say, while computing) must not crowd out an idle one.
-    """
+def _first_open_step(open_step: int, reserved: dict[int, int], target: int) -> int:
+    """The first step whose global batch is not fully reserved yet."""
     step = open_step
-    while reserved.get(step, 0) >= target or mine.get(step, 0) >= share:
+    while reserved.get(step, 0) >= target:
         step += 1
     return step
 
 
 def _try_lease(
-    campaign: Campaign, device: Device, samples_per_s: float | None, request_id: str = ""
+    campaign: Campaign, device_id: int, samples_per_s: float | None, request_id: str = ""
 ) -> LeaseMessage | NoLease:
     expire_overdue(campaign)
     slices, waiting = _slices_ready(campaign)
@@ -163,7 +167,7 @@ def _try_lease(
     target = campaign.target_batch_size
     # Samples reserved per step: active leases plus accepted ones waiting for their step to fill.
     reserved: dict[int, int] = {}
-    mine: dict[int, int] = {}  # this device's active leases per step
+    holders: set[int] = set()  # devices holding an active lease
     rows = (
         campaign.leases.filter(Q(state=Lease.State.ACTIVE) | Q(state=Lease.State.ACCEPTED, step__isnull=True))
         .values_list("target_step", "device_id", "state")
@@ -171,10 +175,13 @@ def _try_lease(
     )
     for step, holder, state, n in rows:
         reserved[step] = reserved.get(step, 0) + n
-        if holder == device.pk and state == Lease.State.ACTIVE:
-            mine[step] = mine.get(step, 0) + n
-    size, share, speed = _lease_size(campaign, device, samples_per_s)
-    step = _first_open_step(campaign.open_step, reserved, mine, target, share)
+        if state == Lease.State.ACTIVE:
+            holders.add(holder)
+    if _others_idle(campaign, device_id, holders):
+        # This device asks ahead while another waits with nothing to do: the other goes first.
+        return _no_lease("step_full", f"campaign {campaign.pk}: idle volunteers are served before leases ahead")
+    size, speed = _lease_size(campaign, device_id, samples_per_s)
+    step = _first_open_step(campaign.open_step, reserved, target)
     if campaign.max_steps is not None and step >= campaign.max_steps:
         return _no_lease("step_full", f"campaign {campaign.pk}: the last of its {campaign.max_steps} steps is in flight")
     if step > campaign.version + campaign.staleness:
@@ -183,12 +190,11 @@ def _try_lease(
                 "step_full", f"step {campaign.open_step} has all {target} samples in flight; waiting for its commit"
             )
         return _no_lease("waiting_for_version", f"version {campaign.open_step} is being applied by the aggregators")
-    size = min(size, share - mine.get(step, 0), target - reserved.get(step, 0), settings.CROWDTRAIN_MAX_LEASE_SAMPLES)
+    size = min(size, target - reserved.get(step, 0), settings.CROWDTRAIN_MAX_LEASE_SAMPLES)
     # Where would this device's next lease go? If that step needs a newer version, say so: the
     # agent waits for it instead of asking (and hearing no) while it computes this lease.
     reserved[step] = reserved.get(step, 0) + size
-    mine[step] = mine.get(step, 0) + size
-    following = _first_open_step(campaign.open_step, reserved, mine, target, share)
+    following = _first_open_step(campaign.open_step, reserved, target)
     needed = following - campaign.staleness
     next_at = needed if needed > campaign.version else None
     ranges = take_samples(campaign, size)
@@ -196,7 +202,7 @@ def _try_lease(
     seconds = max(settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S, 3 * size / speed if speed else 0.0)
     deadline = timezone.now() + timedelta(seconds=seconds)
     lease = Lease.objects.create(
-        campaign=campaign, device=device, base_version=campaign.version, target_step=step, ranges=ranges,
+        campaign=campaign, device_id=device_id, base_version=campaign.version, target_step=step, ranges=ranges,
         num_samples=size, deadline=deadline, request_id=request_id,
     )
     return lease_message(lease, campaign, slices, next_at)
@@ -245,9 +251,8 @@ def request_lease(
     dropped connection) gets the lease the first one was given, not a second.
     """
     with transaction.atomic():
-        device = Device.objects.get(pk=device_id)  # heartbeats keep last_seen_at fresh
         if request_id:
-            earlier = Lease.objects.filter(device=device, request_id=request_id, state=Lease.State.ACTIVE).first()
+            earlier = Lease.objects.filter(device_id=device_id, request_id=request_id, state=Lease.State.ACTIVE).first()
             if earlier is not None:
                 campaign = _locked(earlier.campaign_id)
                 slices = list(campaign.slices.select_related("aggregator").order_by("index"))
@@ -257,7 +262,7 @@ def request_lease(
                 Campaign.objects.select_for_update(of=("self",)).select_related("dataset").filter(pk=campaign_id).first()
             )
             if campaign is not None and campaign.state == Campaign.State.RUNNING:
-                return _try_lease(campaign, device, samples_per_s, request_id)
+                return _try_lease(campaign, device_id, samples_per_s, request_id)
             if campaign is not None and campaign.state == Campaign.State.FINISHED:
                 return _no_lease("campaign_finished", f"campaign {campaign_id} has finished", 60.0)
             if campaign is not None:
@@ -266,7 +271,7 @@ def request_lease(
         refusals: list[NoLease] = []
         running = Campaign.objects.filter(state=Campaign.State.RUNNING).order_by("id").values_list("id", flat=True)
         for candidate_id in running:
-            outcome = _try_lease(_locked(candidate_id), device, samples_per_s, request_id)
+            outcome = _try_lease(_locked(candidate_id), device_id, samples_per_s, request_id)
             if isinstance(outcome, LeaseMessage):
                 return outcome
             refusals.append(outcome)
@@ -280,9 +285,9 @@ def _reject(lease: Lease, reason: str) -> DoneOutcome:
     return DoneOutcome(DoneAck(lease_id=lease.pk, accepted=False, reason=reason))
 
 
-def _receipts_valid(lease: Lease, done: LeaseDone) -> str | None:
+def _receipts_valid(lease: Lease, done: LeaseDone, slice_indexes: list[int]) -> str | None:
     tokens = {r.slice_index: r.token for r in done.receipts}
-    for index in lease.campaign.slices.values_list("index", flat=True):
+    for index in slice_indexes:
         token = tokens.get(index)
         valid = token is not None and verify_receipt(
             token, settings.CROWDTRAIN_TICKET_KEY, campaign_id=lease.campaign_id, lease_id=lease.pk,
@@ -293,13 +298,17 @@ def _receipts_valid(lease: Lease, done: LeaseDone) -> str | None:
     return None
 
 
-def _waiting_in_open_step(campaign: Campaign) -> QuerySet[Lease]:
-    return campaign.leases.filter(state=Lease.State.ACCEPTED, step__isnull=True, target_step=campaign.open_step)
+def _waiting_by_step(campaign: Campaign) -> dict[int, list[Lease]]:
+    """Accepted leases not yet in a committed step, per reserved step, each list in lease-id order."""
+    waiting: dict[int, list[Lease]] = {}
+    leases = campaign.leases.filter(state=Lease.State.ACCEPTED, step__isnull=True, target_step__gte=campaign.open_step)
+    for lease in leases.order_by("target_step", "id"):
+        waiting.setdefault(lease.target_step, []).append(lease)
+    return waiting
 
 
-def commit_open_step(campaign: Campaign) -> Commit:
-    """Close the open step over the accepted leases reserved in it, in lease-id order."""
-    leases = list(_waiting_in_open_step(campaign).order_by("id"))
+def commit_open_step(campaign: Campaign, leases: list[Lease], aggregator_ids: list[int]) -> Commit:
+    """Close the open step over ``leases``, the accepted leases reserved in it, in lease-id order."""
     step = Step.objects.create(
         campaign=campaign, index=campaign.open_step, num_samples=sum(l.num_samples for l in leases),
         loss_sum=math.fsum(l.loss_sum or 0.0 for l in leases),
@@ -316,17 +325,18 @@ def commit_open_step(campaign: Campaign) -> Commit:
     message = StepCommit(
         campaign_id=campaign.pk, step=step.index, lease_ids=[l.pk for l in leases], num_samples=step.num_samples
     )
-    return Commit(message, list(campaign.slices.values_list("aggregator_id", flat=True)))
+    return Commit(message, aggregator_ids)
 
 
 def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
     """Count a finished lease in the open step if it is still valid; commit the step when full."""
     with transaction.atomic():
-        lease = Lease.objects.filter(pk=done.lease_id, device_id=device_id).first()
-        if lease is None:  # another device's lease looks the same as no lease at all
+        owned = Lease.objects.filter(pk=done.lease_id, device_id=device_id).values_list("campaign_id", flat=True)
+        campaign_id = owned.first()
+        if campaign_id is None:  # another device's lease looks the same as no lease at all
             return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason="unknown lease"))
-        campaign = _locked(lease.campaign_id)
-        lease.refresh_from_db()
+        campaign = _locked(campaign_id)
+        lease = Lease.objects.get(pk=done.lease_id)  # read under the campaign's lock
         if lease.state != Lease.State.ACTIVE:
             already = "lease already reported" if lease.state == Lease.State.ACCEPTED else f"lease {lease.state}"
             return DoneOutcome(DoneAck(lease_id=lease.pk, accepted=False, reason=already))
@@ -337,7 +347,8 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
             return _reject(lease, f"lease has {lease.num_samples} samples, report says {done.num_samples}")
         if not 0.0 <= done.loss_sum <= MAX_LOSS_PER_SAMPLE * done.num_samples:
             return _reject(lease, f"loss {done.loss_sum!r} is outside 0..{MAX_LOSS_PER_SAMPLE:g} per sample")
-        problem = _receipts_valid(lease, done)
+        slices = list(campaign.slices.order_by("index").values_list("index", "aggregator_id"))
+        problem = _receipts_valid(lease, done, [index for index, _ in slices])
         if problem:
             return _reject(lease, problem)
         if lease.target_step < campaign.open_step or lease.base_version + campaign.staleness < lease.target_step:
@@ -349,8 +360,10 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
         lease.save(update_fields=["state", "loss_sum", "compute_s", "finished_at"])
         outcome = DoneOutcome(DoneAck(lease_id=lease.pk, accepted=True, step=lease.target_step))
         # A lease reported ahead of its step may complete several steps at once when the last one comes in.
-        while _sum(_waiting_in_open_step(campaign)) >= campaign.target_batch_size:
-            outcome.commits.append(commit_open_step(campaign))
+        waiting = _waiting_by_step(campaign)
+        aggregator_ids = [aggregator_id for _, aggregator_id in slices]
+        while sum(l.num_samples for l in waiting.get(campaign.open_step, [])) >= campaign.target_batch_size:
+            outcome.commits.append(commit_open_step(campaign, waiting.pop(campaign.open_step), aggregator_ids))
         return outcome
 
 

@@ -49,7 +49,7 @@ class Lease(models.Model):
 
 
 class Participation(models.Model):
-    """A device asking a campaign for work; leases are sized to share each step among those asking."""
+    """A device asking a campaign for work: idle ones are served before busy ones get leases ahead."""
 
     campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="participations")
     device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="participations")

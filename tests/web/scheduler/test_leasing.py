@@ -7,6 +7,7 @@ from django.db.models import Sum
 from django.test import override_settings
 from django.utils import timezone
 
+from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import Lease as LeaseMessage, LeaseDone, NoLease, Receipt, verify_ticket
@@ -224,46 +225,58 @@ def test_samples_of_an_expired_lease_refill_the_step_they_were_reserved_in() -> 
     assert refill.ranges == lost.ranges
 
 
-def test_devices_asking_a_campaign_for_work_share_each_step() -> None:
+def test_a_fast_device_gets_a_whole_step_even_with_others_around() -> None:
     make_campaign(target_batch_size=64, microbatch_size=4, staleness=1)
     alice, _ = make_device("alice")
     bob, _ = make_device("bob")
     fast = 1000.0  # a whole step is a fraction of a second for either
 
-    alone = leasing.request_lease(alice.pk, None, fast)
-    shared = [leasing.request_lease(device.pk, None, fast) for device in (bob, alice)]
+    first, second = (leasing.request_lease(device.pk, None, fast) for device in (alice, bob))
 
-    assert alone.num_samples == 64  # alone, the whole step
-    assert [lease.num_samples for lease in shared] == [32, 32]  # two asking: half a step each
+    # One lease per step: each lease costs a report and an upload, whatever its size.
+    assert (first.num_samples, second.num_samples) == (64, 64)
+    assert [Lease.objects.get(pk=lease.lease_id).target_step for lease in (first, second)] == [0, 1]
 
 
-def test_a_device_that_went_silent_no_longer_takes_a_share() -> None:
-    make_campaign(target_batch_size=64, microbatch_size=4, staleness=1)
+def _apply(campaign: Campaign, version: int) -> None:
+    Campaign.objects.filter(pk=campaign.pk).update(version=version)
+
+
+def test_an_idle_device_is_served_before_a_busy_one_leases_ahead() -> None:
+    campaign = make_campaign(target_batch_size=64, microbatch_size=4, staleness=1)
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    step0 = leasing.request_lease(alice.pk, None, 1000.0)
+    step1 = leasing.request_lease(alice.pk, None, 1000.0)  # nobody else asked: alice may lease ahead
+    waiting = leasing.request_lease(bob.pk, None, 1000.0)  # step 2 needs version 1
+    leasing.report_done(alice.pk, done_for(step0.lease_id))
+    _apply(campaign, 1)
+
+    ahead = leasing.request_lease(alice.pk, None, 1000.0)  # still computing step 1, bob has nothing
+    served = leasing.request_lease(bob.pk, None, 1000.0)
+
+    assert isinstance(step1, LeaseMessage) and isinstance(waiting, NoLease)
+    assert isinstance(ahead, NoLease) and "idle volunteers are served" in ahead.detail
+    assert isinstance(served, LeaseMessage)
+    assert Lease.objects.get(pk=served.lease_id).target_step == 2
+
+
+def test_a_device_that_went_silent_is_not_waited_for() -> None:
+    campaign = make_campaign(target_batch_size=64, microbatch_size=4, staleness=1)
     alice, _ = make_device("alice")
     gone, _ = make_device("gone")
-    leasing.request_lease(gone.pk, None, 1000.0)
+    step0 = leasing.request_lease(alice.pk, None, 1000.0)
+    leasing.request_lease(alice.pk, None, 1000.0)
+    leasing.request_lease(gone.pk, None, 1000.0)  # refused: step 2 needs version 1
+    leasing.report_done(alice.pk, done_for(step0.lease_id))
+    _apply(campaign, 1)
     gone.last_seen_at = timezone.now() - timedelta(minutes=1)
     gone.save(update_fields=["last_seen_at"])
 
-    lease = leasing.request_lease(alice.pk, None, 1000.0)
+    ahead = leasing.request_lease(alice.pk, None, 1000.0)
 
-    assert lease.num_samples == 64
-
-
-def test_a_device_asking_ahead_takes_no_more_than_its_share_of_a_step() -> None:
-    make_campaign(target_batch_size=64, microbatch_size=4, staleness=1)
-    slow, _ = make_device("slow")
-    busy, _ = make_device("busy")
-    leasing.request_lease(slow.pk, None, 0.4)  # a few samples at a time
-
-    first = leasing.request_lease(busy.pk, None, 1000.0)
-    ahead = leasing.request_lease(busy.pk, None, 1000.0)
-    beyond = leasing.request_lease(busy.pk, None, 1000.0)
-
-    steps = [Lease.objects.get(pk=lease.lease_id).target_step for lease in (first, ahead)]
-    assert (first.num_samples, steps) == (32, [0, 1])  # half of step 0, then half of step 1
-    assert isinstance(beyond, NoLease)  # step 2 waits for version 1
-    assert Lease.objects.filter(target_step=0).aggregate(n=Sum("num_samples"))["n"] < 64  # room kept for slow
+    assert isinstance(ahead, LeaseMessage)
+    assert Lease.objects.get(pk=ahead.lease_id).target_step == 2
 
 
 def test_a_lease_says_which_version_the_devices_next_lease_needs() -> None:
