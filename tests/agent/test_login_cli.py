@@ -109,7 +109,7 @@ def test_login_saves_a_private_token_that_works(
     user_code = f"{authorization.user_code[:4]}-{authorization.user_code[4:]}"
     assert user_code in out and f"{live_server.url}/device" in out
     assert opened == [f"{live_server.url}/device?user_code={user_code}"]
-    assert "Logged in to" in out and "as owner" in out and "'lab gpu 3'" in out
+    assert "Logged in to" in out and "as owner@example.org" in out and "'lab gpu 3'" in out
     assert stat.S_IMODE(config_file.stat().st_mode) == 0o600
     assert saved["server"] == live_server.url
     assert _me(live_server.url, saved["token"])["device_name"] == "lab gpu 3"
@@ -164,7 +164,7 @@ def test_polling_honours_slow_down_by_waiting_five_seconds_longer(
 
     assert waits == [1, 1, 6]
     assert DeviceAuthorization.objects.get().interval == 6
-    assert issued.identity.user == "owner" and issued.identity.device_name == "fast poller"
+    assert issued.identity.user == "owner@example.org" and issued.identity.device_name == "fast poller"
 
 
 def test_whoami_prints_the_account_device_and_site(

@@ -219,11 +219,11 @@ def test_a_newcomer_signs_up_founds_a_team_and_logs_her_agent_in(
         welcome = decode_message(ws.recv(timeout=10))
 
         assert isinstance(welcome, Welcome), welcome
-        assert (welcome.device_id, welcome.device_name, welcome.volunteer) == (device.pk, device_name, username)
+        assert (welcome.device_id, welcome.device_name, welcome.volunteer) == (device.pk, device_name, "grace@example.org")
         whoami = AgentCommand(["whoami"], config)
         agents.append(whoami)
         assert whoami.finish(AGENT_EXIT_S) == 0, whoami.describe()
-        assert f"user:   {username}" in whoami.stdout, whoami.describe()
+        assert "user:   grace@example.org" in whoami.stdout, whoami.describe()
         assert f"device: {device_name} (#{device.pk})" in whoami.stdout, whoami.describe()
 
         # While the agent is connected, "My devices" shows it online.

@@ -14,6 +14,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from . import device_grant, devices, throttle
 from .models import Device
+from .names import account_name
 from .tokens import bearer_token
 
 # Errors follow RFC 6749 §5.2: {"error": code, "error_description": text}. Nothing here
@@ -131,7 +132,7 @@ def device_token(request: HttpRequest) -> JsonResponse:
         "token_type": "Bearer",
         "device_id": device.pk,
         "device_name": device.name,
-        "user": device.owner.get_username(),
+        "user": account_name(device.owner),
     })  # fmt: skip
 
 
@@ -155,7 +156,7 @@ def me(request: HttpRequest) -> JsonResponse:
     return _ok({
         "device_id": device.pk,
         "device_name": device.name,
-        "user": device.owner.get_username(),
+        "user": account_name(device.owner),
         "server": request.build_absolute_uri("/").rstrip("/"),
     })  # fmt: skip
 

@@ -12,6 +12,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
+from crowdtrain.accounts.names import account_name
 from crowdtrain.accounts.tokens import bearer_token, hash_token
 from crowdtrain.scheduler import backbone, leasing
 from crowdtrain.scheduler.models import Aggregator
@@ -127,7 +128,7 @@ class AgentConsumer(_ProtocolConsumer):
         self.greeted = True
         await self.send_message(
             Welcome(
-                device_id=self.device.pk, device_name=self.device.name, volunteer=self.device.owner.get_username(),
+                device_id=self.device.pk, device_name=self.device.name, volunteer=account_name(self.device.owner),
                 heartbeat_s=settings.CROWDTRAIN_HEARTBEAT_S, gone_after_s=settings.CROWDTRAIN_GONE_AFTER_S,
             )
         )

@@ -82,7 +82,7 @@ def test_the_token_is_issued_once_to_the_approver_with_the_approved_name(
     device = Device.objects.get()
     assert pending.status_code == 400 and pending.json()["error"] == "authorization_pending"
     assert issued.status_code == 200 and issued["Cache-Control"] == "no-store"
-    assert body["token_type"] == "Bearer" and body["user"] == "owner"
+    assert body["token_type"] == "Bearer" and body["user"] == "owner@example.org"
     assert (body["device_id"], body["device_name"]) == (device.pk, "desk gpu")
     assert device.owner == owner and device.hardware == HARDWARE
     assert Device.authenticate(body["access_token"]) == device
@@ -299,7 +299,7 @@ def test_whoami_and_logout_work_with_the_device_token_only(client: Client, owner
     no_token = client.get("/api/me")
 
     assert me.json() == {
-        "device_id": device.pk, "device_name": "desk gpu", "user": "owner", "server": "http://testserver"
+        "device_id": device.pk, "device_name": "desk gpu", "user": "owner@example.org", "server": "http://testserver"
     }
     assert revoked.json() == {"revoked": True, "device_id": device.pk}
     assert me_after.status_code == 401 and me_after["WWW-Authenticate"].startswith("Bearer")
