@@ -52,10 +52,12 @@ $(CHROMIUM):
 # Three passes: everything on the embedded defaults (SQLite, in-memory channel
 # layer), then what touches the database and the channel layer on PostgreSQL
 # and Redis (tests/services.py finds them or starts private ones), then the
-# browser tests, which the first pass skips (tests/conftest.py).
+# browser tests, which the first pass skips (tests/conftest.py). In the second
+# pass the test process runs Celery tasks in-process (it has no worker), while
+# the sites the end-to-end tests start get a real Celery worker on Redis.
 test: $(STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest -p no:cacheprovider $(ARGS)
-	$(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider tests/web tests/e2e $(ARGS)
+	CELERY_TASK_ALWAYS_EAGER=true $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider tests/web tests/e2e $(ARGS)
 	$(BROWSER_PASS) $(ARGS)
 
 test-browser: $(STAMP) $(CHROMIUM)

@@ -13,6 +13,19 @@ from hypothesis import settings as hypothesis_settings
 # Playwright page leaves an event loop behind that breaks every later async test in the process.
 collect_ignore = ["browser"]
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """No persistent database connections in the test process.
+
+    Channels runs a consumer's queries in executor threads; with CONN_MAX_AGE
+    their connections outlive the test, and PostgreSQL then refuses to drop
+    the test database ("being accessed by other users"). The sites that
+    end-to-end tests start keep the production setting.
+    """
+    from django.conf import settings as django_settings
+
+    django_settings.DATABASES["default"]["CONN_MAX_AGE"] = 0
+
 # Timing varies a lot on 2 shared cores (first calls import and warm up torch): no deadlines.
 hypothesis_settings.register_profile("crowdtrain", deadline=None)
 hypothesis_settings.load_profile("crowdtrain")

@@ -13,6 +13,7 @@ from django.utils import timezone
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.tokens import hash_token
 from crowdtrain.campaigns.models import Campaign, Dataset
+from crowdtrain.campaigns.organizers import grant_role
 from crowdtrain.campaigns.setup import create_campaign
 from crowdtrain.campaigns.sharding import create_text_dataset
 from crowdtrain.scheduler.models import Aggregator, Lease, SliceAssignment
@@ -89,4 +90,18 @@ def make_volunteer(name: str, *, password: str = "correct horse battery", verifi
     email = f"{name}@example.org"
     user = get_user_model().objects.create_user(username=name, email=email, password=password)
     EmailAddress.objects.create(user=user, email=email, primary=True, verified=verified)
+    return user
+
+
+def make_organizer(name: str) -> AbstractBaseUser:
+    """A volunteer who holds the organizer role (the group migration 0003 creates)."""
+    user = make_volunteer(name)
+    grant_role(user)
+    return user
+
+
+def make_admin(name: str = "admin") -> AbstractBaseUser:
+    user = make_volunteer(name)
+    user.is_staff = True
+    user.save(update_fields=["is_staff"])
     return user

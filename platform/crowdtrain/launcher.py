@@ -43,6 +43,7 @@ PYTHONPATH = [REPO_ROOT / "platform", REPO_ROOT / "agent" / "src", REPO_ROOT]
 
 DAPHNE_LISTENING = re.compile(r"Listening on TCP address ([\d.]+):(\d+)")
 BACKBONE_LISTENING = re.compile(r"crowdtrain-backbone: listening on (http://\S+)")
+WORKER_READY = re.compile(r"celery@\S+ ready")
 
 # Stop order: lower first. Agents give leases back, aggregators drain, the site goes last.
 ORDER = {"agent": 0, "aggregator": 1, "site": 2, "other": 1}
@@ -266,8 +267,26 @@ class Swarm:
         """
         argv = [self.python, "-m", "daphne", "-b", host, "-p", str(port), "crowdtrain.asgi:application"]
         child = self.start("site", argv, role="site", env=env, cpus=cpus)
+        if self.needs_worker(env):
+            self.start_worker(env=env, cpus=cpus, timeout_s=timeout_s)
         match = child.wait_for_line(DAPHNE_LISTENING, timeout_s)
         return Site(f"http://{match.group(1)}:{match.group(2)}", child)
+
+    def needs_worker(self, env: Mapping[str, str] | None = None) -> bool:
+        """Whether the site's Celery tasks go to a broker (REDIS_URL set, not forced eager) instead of in-process."""
+        merged = child_env({**self.env, **(env or {})}, isolated=self.isolated)
+        eager = merged.get("CELERY_TASK_ALWAYS_EAGER", "").strip().lower() in ("1", "true", "yes", "on")
+        return bool(merged.get("REDIS_URL")) and not eager
+
+    def start_worker(self, *, env: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None,
+                     timeout_s: float = 60.0) -> Child:  # fmt: skip
+        """Start a Celery worker with beat for the site's broker (one process: these are short tasks)."""
+        argv = [self.python, "-m", "celery", "-A", "crowdtrain", "worker", "--beat", "--pool", "solo",
+                "--without-gossip", "--without-mingle", "--loglevel", "INFO",
+                "--schedule", str(self.run_dir / "celerybeat-schedule")]  # fmt: skip
+        child = self.start("worker", argv, role="site", env=env, cpus=cpus)
+        child.wait_for_line(WORKER_READY, timeout_s)
+        return child
 
     def start_aggregator(self, site: Site, *, token: str, name: str, cpus: Sequence[int] | None = None,
                          env: Mapping[str, str] | None = None, timeout_s: float = 60.0) -> str:  # fmt: skip

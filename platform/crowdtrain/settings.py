@@ -12,6 +12,7 @@ import hmac
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 from .env import env_bool, env_email_url, env_float, env_hex_bytes, env_int, env_list, env_str
 
@@ -103,10 +104,16 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_str("REDIS_URL", "")
+# A consumer waits for its next event in a blocking pop of up to 5 s (channels_redis's brpop_timeout);
+# redis-py 8 aborts any read after socket_timeout, 5 s by default, and the consumer then crashes and its
+# socket drops: aggregators and agents were cut off after every 5 idle seconds. Reads must outlast the pop.
+CHANNEL_LAYER_READ_TIMEOUT_S = 30.0
 # The cache holds allauth's rate-limit counters: with several site processes they
 # must share one Redis, or each process would count failed logins on its own.
 if REDIS_URL:
-    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}}
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {
+        "hosts": [{"address": REDIS_URL, "socket_timeout": CHANNEL_LAYER_READ_TIMEOUT_S}],
+    }}}  # fmt: skip
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
                           "KEY_PREFIX": "crowdtrain"}}
 else:
@@ -122,6 +129,7 @@ CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_BEAT_SCHEDULE = {
     "expire-leases": {"task": "crowdtrain.scheduler.tasks.expire_leases", "schedule": 5.0},
+    "discard-stale-uploads": {"task": "crowdtrain.campaigns.tasks.discard_stale_uploads", "schedule": 3600.0},
 }
 
 STATIC_URL = "static/"
@@ -129,10 +137,50 @@ STATIC_ROOT = VAR_DIR / "static"
 STATICFILES_DIRS = [BASE_DIR / "frontend" / "static"]
 MEDIA_ROOT = Path(env_str("CROWDTRAIN_MEDIA_ROOT", str(VAR_DIR / "media")))
 MEDIA_URL = "media/"
+# Shards, uploads, checkpoints and exports: the media folder, or any S3-compatible store
+# when CROWDTRAIN_S3_BUCKET is set. All code goes through default_storage, never a path.
+CROWDTRAIN_S3_BUCKET = env_str("CROWDTRAIN_S3_BUCKET", "")
+if CROWDTRAIN_S3_BUCKET:
+    _DEFAULT_STORAGE: dict = {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {
+            "bucket_name": CROWDTRAIN_S3_BUCKET,
+            # Unset values fall back to boto3's own chain (AWS_* variables, instance roles).
+            "endpoint_url": env_str("CROWDTRAIN_S3_ENDPOINT_URL", "") or None,
+            "access_key": env_str("CROWDTRAIN_S3_ACCESS_KEY_ID", "") or None,
+            "secret_key": env_str("CROWDTRAIN_S3_SECRET_ACCESS_KEY", "") or None,
+            "region_name": env_str("CROWDTRAIN_S3_REGION", "") or None,
+            # Shards are served through the site (ETag, Range, visibility), never by public URL.
+            "default_acl": None,
+            "querystring_auth": True,
+            "file_overwrite": True,
+        },
+    }
+else:
+    _DEFAULT_STORAGE = {"BACKEND": "django.core.files.storage.FileSystemStorage"}
 STORAGES = {
-    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "default": _DEFAULT_STORAGE,
     "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
 }
+
+# ----------------------------------------------------------- dataset uploads
+
+CROWDTRAIN_MAX_UPLOAD_BYTES = env_int("CROWDTRAIN_MAX_UPLOAD_BYTES", 8 << 30, minimum=1)
+# One PUT of a chunked upload; the body is read into memory, so keep it small.
+CROWDTRAIN_UPLOAD_CHUNK_BYTES = env_int("CROWDTRAIN_UPLOAD_CHUNK_BYTES", 8 << 20, minimum=1024)
+# The held-out validation split: this fraction of the samples (at least one), from the end.
+CROWDTRAIN_VALIDATION_FRACTION = env_float("CROWDTRAIN_VALIDATION_FRACTION", 0.05, minimum=0.0)
+if CROWDTRAIN_VALIDATION_FRACTION >= 0.5:
+    raise ImproperlyConfigured(
+        f"CROWDTRAIN_VALIDATION_FRACTION must be below 0.5, got {CROWDTRAIN_VALIDATION_FRACTION}; 0.05 holds out 5%"
+    )
+CROWDTRAIN_SHARD_BYTES = env_int("CROWDTRAIN_SHARD_BYTES", 4 << 20, minimum=1024)
+# Uploads still unfinished this long after they started are deleted, bytes and all.
+CROWDTRAIN_UPLOAD_EXPIRY_S = env_int("CROWDTRAIN_UPLOAD_EXPIRY_S", 7 * 86400, minimum=60)
+# The validation loss of a campaign averages over at most this many held-out samples.
+CROWDTRAIN_VALIDATION_SAMPLES = env_int("CROWDTRAIN_VALIDATION_SAMPLES", 1024, minimum=1)
+# Each validated version's weights are kept for export; older ones are deleted past this many per campaign.
+CROWDTRAIN_EXPORTS_KEPT = env_int("CROWDTRAIN_EXPORTS_KEPT", 10, minimum=1)
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

@@ -4,7 +4,10 @@ from django.contrib import admin
 from django.urls import include, path
 
 from crowdtrain.accounts import profile_views, team_views
+from crowdtrain.campaigns import dataset_views, uploads
+from crowdtrain.campaigns import export as campaign_export
 from crowdtrain.campaigns import join as campaign_join
+from crowdtrain.campaigns import organizer_views, role_views
 from crowdtrain.campaigns import views as campaign_views
 
 urlpatterns = [
@@ -14,6 +17,30 @@ urlpatterns = [
     path("api/campaigns/<int:campaign_id>/progress", campaign_views.progress, name="campaign-progress"),
     path("admin/", admin.site.urls),
     path("campaigns/<int:campaign_id>/join", campaign_join.join, name="campaign-join"),
+    # Organizers: their campaigns, the form, lifecycle buttons, invite links; the role and its requests.
+    path("campaigns/", organizer_views.campaign_list, name="campaign-list"),
+    path("campaigns/new", organizer_views.campaign_create, name="campaign-create"),
+    path("campaigns/<int:campaign_id>/", organizer_views.campaign_detail, name="campaign-detail"),
+    path("campaigns/<int:campaign_id>/edit", organizer_views.campaign_edit, name="campaign-edit"),
+    path("campaigns/<int:campaign_id>/lifecycle", organizer_views.campaign_lifecycle, name="campaign-lifecycle"),
+    path("campaigns/<int:campaign_id>/invite", organizer_views.campaign_rotate_invite, name="campaign-rotate-invite"),
+    path("campaigns/invite/<str:code>", organizer_views.campaign_invite, name="campaign-invite"),
+    # The trained model of a validated version: safetensors weights and the config load_exported reads.
+    path("campaigns/<int:campaign_id>/export", campaign_export.campaign_export, name="campaign-export"),
+    path("campaigns/<int:campaign_id>/export/config.json", campaign_export.campaign_export_config,
+         name="campaign-export-config"),
+    path("organizers/request", role_views.organizer_request, name="organizer-request"),
+    path("organizers/requests", role_views.organizer_requests, name="organizer-requests"),
+    path("organizers/requests/<int:request_id>/decide", role_views.organizer_decide, name="organizer-decide"),
+    # Organizers' datasets: a resumable chunked upload API, the uploader page, sharding progress.
+    path("datasets/", dataset_views.dataset_list, name="dataset-list"),
+    path("datasets/new", dataset_views.dataset_upload_page, name="dataset-upload"),
+    path("datasets/<int:dataset_id>/", dataset_views.dataset_detail, name="dataset-detail"),
+    path("datasets/<int:dataset_id>/status", dataset_views.dataset_status, name="dataset-status"),
+    path("datasets/uploads", uploads.upload_create, name="dataset-upload-create"),
+    path("datasets/uploads/<uuid:upload_id>", uploads.upload_status, name="dataset-upload-status"),
+    path("datasets/uploads/<uuid:upload_id>/chunk", uploads.upload_chunk, name="dataset-upload-chunk"),
+    path("datasets/uploads/<uuid:upload_id>/complete", uploads.upload_complete, name="dataset-upload-complete"),
     # Agents log in with a device code; volunteers approve it and manage their devices.
     path("", include("crowdtrain.accounts.device_urls")),
     # Volunteers: sign-up, e-mail verification, log-in and password reset are allauth's.

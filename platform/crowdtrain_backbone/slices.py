@@ -9,6 +9,7 @@ the slice at one version, served to agents over HTTP.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -21,6 +22,8 @@ from crowdtrain_agent.codec import encode_fp32
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import OptimizerSpec, SliceAssignment
 from crowdtrain_agent.protocol.schema import to_dict
+
+from .lamb import Lamb
 
 logger = logging.getLogger(__name__)
 
@@ -116,21 +119,65 @@ class MeanRule(AggregationRule):
         return total.div_(float(num_samples))
 
 
-def build_optimizer(spec: OptimizerSpec, param: torch.nn.Parameter) -> torch.optim.Optimizer:
-    """The optimizer for one flat slice; both choices are elementwise, so slices compose to the full model.
+def build_optimizer(
+    spec: OptimizerSpec, param: torch.nn.Parameter, segments: Sequence[int] | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer for one flat slice, built so that slices compose to the full model.
 
-    ``foreach=False`` keeps the single-tensor code path on every machine, so an
-    aggregator holding the whole vector and N aggregators holding slices of it
-    run the same arithmetic.
+    AdamW and SGD are elementwise. LAMB's trust ratio is per model tensor:
+    ``segments`` gives the element counts of the tensors the slice holds (see
+    ``slice_segments``). ``foreach=False`` keeps the single-tensor code path
+    on every machine, so an aggregator holding the whole vector and N
+    aggregators holding slices of it run the same arithmetic. The learning
+    rate set here is the base rate; ``SliceState.apply_step_`` sets each
+    step's scheduled rate.
+
+    Raises:
+        ValueError: if a LAMB slice comes without its tensor layout.
     """
     if spec.name == "adamw":
         return torch.optim.AdamW(
             [param], lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps,
             weight_decay=spec.weight_decay, foreach=False,
         )  # fmt: skip
+    if spec.name == "lamb":
+        if segments is None:
+            raise ValueError("a LAMB slice needs the sizes of the model tensors it holds (segments)")
+        return Lamb(
+            [param], lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps,
+            weight_decay=spec.weight_decay, segments=[list(segments)],
+        )  # fmt: skip
     return torch.optim.SGD(
         [param], lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay, foreach=False
     )
+
+
+def slice_segments(assignment: SliceAssignment) -> list[int]:
+    """Element counts of the model tensors that lie in elements ``start:end`` of the flat vector.
+
+    The aggregator derives the layout from the registry, as it derives the
+    initial parameters: the site and the aggregator share one registry (the
+    parameter count check in ``initial_params`` catches a mismatch), so the
+    assignment message needs no extra field.
+
+    Raises:
+        ValueError: if the slice starts or ends inside a tensor (LAMB needs whole tensors).
+    """
+    shapes = get_model(assignment.model.architecture).param_shapes(assignment.model.config)
+    sizes: list[int] = []
+    offset = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        if assignment.start <= offset and offset + numel <= assignment.end:
+            sizes.append(numel)
+        elif offset < assignment.end and assignment.start < offset + numel:
+            raise ValueError(
+                f"campaign {assignment.campaign_id} slice {assignment.slice_index} ({assignment.start}:"
+                f"{assignment.end}) cuts the tensor at {offset}:{offset + numel}; LAMB slices must hold whole "
+                "tensors, so the site has to cut slices at tensor boundaries (upgrade the site)"
+            )
+        offset += numel
+    return sizes
 
 
 def initial_params(assignment: SliceAssignment) -> torch.Tensor:
@@ -217,11 +264,13 @@ class SliceState:
         if params.shape != (self.numel,):
             raise ValueError(f"params of shape {tuple(params.shape)} do not fit a slice of {self.numel} elements")
         self.param = torch.nn.Parameter(params.to(torch.float32).clone())
-        self.optimizer = build_optimizer(self.assignment.optimizer, self.param)
+        spec = self.assignment.optimizer
+        segments = slice_segments(self.assignment) if spec.name == "lamb" else None
+        self.optimizer = build_optimizer(spec, self.param, segments)
         if optimizer_state is not None:
             self.optimizer.load_state_dict(optimizer_state)
             # The checkpoint carries the old hyperparameters; the assignment's are current.
-            fresh = build_optimizer(self.assignment.optimizer, self.param).param_groups[0]
+            fresh = build_optimizer(spec, self.param, segments).param_groups[0]
             for group in self.optimizer.param_groups:
                 group.update({k: v for k, v in fresh.items() if k != "params"})
         self.version = version
@@ -357,13 +406,18 @@ class SliceState:
         return uploads
 
     def apply_step_(self, uploads: Sequence[PendingUpload], num_samples: int) -> Snapshot:
-        """Run in a thread: combine the uploads, take one optimizer step, encode the new params.
+        """Run in a thread: combine the uploads, take one optimizer step at the scheduled rate, encode the new params.
 
         Returns:
             The snapshot of version ``self.version + 1``; ``finish_step`` publishes it.
         """
         grad = self.rule.combine(uploads, num_samples)
         self.param.grad = grad
+        # The schedule is a function of the step index, which is the version: after a restart
+        # from a checkpoint of version v the next step runs at the rate of step v again.
+        spec = self.assignment.optimizer
+        for group in self.optimizer.param_groups:
+            group["lr"] = spec.lr * spec.lr_multiplier(self.version)
         self.optimizer.step()
         self.param.grad = None
         return make_snapshot(self.campaign_id, self.slice_index, self.version + 1, self.param.detach())

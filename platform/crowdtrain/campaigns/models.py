@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import bisect
 import functools
+import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from django.conf import settings
 from django.db import models
@@ -16,22 +18,61 @@ class Dataset(models.Model):
         TEXT = "text", "text (byte-level)"
         TENSORS = "tensors", "tensors (x, y)"
 
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        SHARDING = "sharding"
+        READY = "ready"
+        FAILED = "failed"
+
+    class Format(models.TextChoices):
+        """The uploaded file's format; ``kind`` is what the shards hold."""
+
+        TEXT = "text", "plain text (.txt, byte-level)"
+        NPZ = "npz", ".npz with arrays x and y"
+        JSONL = "jsonl", "JSON lines with a text field"
+
     name = models.CharField(max_length=200)
+    # Null for datasets made in code (the demo, seed_run); uploads always have one.
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="datasets"
+    )
     kind = models.CharField(max_length=16, choices=Kind.choices)
     sample_len = models.PositiveIntegerField(default=0, help_text="bytes per sample of a text dataset")
     source_sha256 = models.CharField(max_length=64, blank=True, db_index=True)
-    num_samples = models.BigIntegerField(default=0)
+    source_format = models.CharField(max_length=16, choices=Format.choices, blank=True)
+    text_field = models.CharField(max_length=100, blank=True, help_text="the JSONL field holding the text")
+    validation_fraction = models.FloatField(default=0.0)
+    num_samples = models.BigIntegerField(default=0, help_text="training samples (the validation split not included)")
+    num_validation_samples = models.BigIntegerField(default=0)
     size_bytes = models.BigIntegerField(default=0)
+    # Datasets made in code are ready when saved; uploads go pending -> sharding -> ready | failed.
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY)
+    progress = models.FloatField(default=1.0, help_text="0..1 while sharding")
+    error = models.TextField(blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:
         return self.name
 
+    def train_shards(self) -> models.QuerySet[Shard]:
+        """The shards the scheduler leases, in sample order."""
+        return self.shards.filter(split=Shard.Split.TRAIN).order_by("index")
+
+    def validation_shards(self) -> models.QuerySet[Shard]:
+        """The held-out shards, in sample order; their ``first_sample`` counts from 0 within the split."""
+        return self.shards.filter(split=Shard.Split.VALIDATION).order_by("index")
+
 
 class Shard(models.Model):
     """Samples ``first_sample : first_sample + num_samples`` of a dataset, stored by sha256."""
 
+    class Split(models.TextChoices):
+        TRAIN = "train"
+        VALIDATION = "validation"
+
     dataset = models.ForeignKey(Dataset, on_delete=models.CASCADE, related_name="shards")
+    # Each split numbers its shards and samples from 0; the scheduler sees only "train".
+    split = models.CharField(max_length=16, choices=Split.choices, default=Split.TRAIN)
     index = models.PositiveIntegerField()
     sha256 = models.CharField(max_length=64, db_index=True)
     first_sample = models.BigIntegerField()
@@ -39,8 +80,8 @@ class Shard(models.Model):
     size_bytes = models.BigIntegerField()
 
     class Meta:
-        ordering = ["dataset", "index"]
-        constraints = [models.UniqueConstraint(fields=["dataset", "index"], name="unique_shard_index")]
+        ordering = ["dataset", "split", "index"]
+        constraints = [models.UniqueConstraint(fields=["dataset", "split", "index"], name="unique_shard_index_per_split")]
 
     def __str__(self) -> str:
         return f"{self.dataset} #{self.index} ({self.sha256[:12]})"
@@ -76,7 +117,9 @@ def shard_table(dataset: Dataset) -> ShardTable:
 @functools.lru_cache(maxsize=256)
 def _shard_table(dataset_id: int, created_at: str) -> ShardTable:
     rows = list(
-        Shard.objects.filter(dataset_id=dataset_id).order_by("index").values_list("first_sample", "num_samples", "sha256")
+        Shard.objects.filter(dataset_id=dataset_id, split=Shard.Split.TRAIN)
+        .order_by("index")
+        .values_list("first_sample", "num_samples", "sha256")
     )
     return ShardTable(tuple(r[0] for r in rows), tuple(r[1] for r in rows), tuple(r[2] for r in rows))
 
@@ -98,9 +141,19 @@ class Campaign(models.Model):
         RUNNING = "running"
         PAUSED = "paused"
         FINISHED = "finished"
+        ARCHIVED = "archived"  # finished and put away: hidden from default lists
+
+    class Visibility(models.TextChoices):
+        PUBLIC = "public", "public: any volunteer can join"
+        INVITE = "invite", "invite-only: volunteers with the invite link"
 
     name = models.CharField(max_length=200)
+    description = models.TextField(max_length=5000, blank=True)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="campaigns")
+    visibility = models.CharField(max_length=16, choices=Visibility.choices, default=Visibility.PUBLIC)
+    # Random like a team's invite code; blank until the campaign is first made invite-only.
+    invite_code = models.CharField(max_length=64, blank=True, db_index=True, editable=False)
+    invited = models.ManyToManyField(settings.AUTH_USER_MODEL, blank=True, related_name="invited_campaigns")
     dataset = models.ForeignKey(Dataset, on_delete=models.PROTECT, related_name="campaigns")
     architecture = models.CharField(max_length=64)
     model_config = models.JSONField(default=dict)
@@ -113,6 +166,9 @@ class Campaign(models.Model):
     num_aggregators = models.PositiveSmallIntegerField(default=1)
     checkpoint_every = models.PositiveIntegerField(default=10)
     max_steps = models.PositiveIntegerField(null=True, blank=True)
+    # Every this many applied steps (and at the finish) a Celery task computes the held-out loss.
+    validate_every = models.PositiveIntegerField(default=10, help_text="steps between validation losses; 0 disables")
+    target_val_loss = models.FloatField(null=True, blank=True, help_text="finish once the validation loss is at most this")
     # A stranger's finite but huge gradient (say 3e38 everywhere) would still wreck the weights:
     # uploads whose norm per sample is over this are refused. 0 disables the check.
     max_grad_norm = models.FloatField(default=1e4, help_text="per-sample gradient norm bound; 0 disables")
@@ -130,6 +186,37 @@ class Campaign(models.Model):
     @property
     def open_step(self) -> int:
         return self.committed_steps
+
+    def is_open_to(self, user: Any) -> bool:
+        """Whether ``user`` may work on this campaign: public, or invited, or its owner, or staff."""
+        if self.visibility == self.Visibility.PUBLIC:
+            return True
+        if not getattr(user, "is_authenticated", False):
+            return False
+        return user.is_staff or self.owner_id == user.pk or self.invited.filter(pk=user.pk).exists()
+
+
+class ValidationResult(models.Model):
+    """The mean loss of the parameters of ``version`` on the dataset's held-out split.
+
+    ``weights`` names the safetensors file (in default storage) of exactly those
+    parameters: the export of that version, so an exported model reproduces
+    the loss shown here.
+    """
+
+    campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="validation_results")
+    version = models.PositiveIntegerField()
+    loss = models.FloatField(null=True, blank=True, help_text="empty when the dataset has no held-out split")
+    num_samples = models.PositiveIntegerField()
+    weights = models.CharField(max_length=255, blank=True)
+    computed_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["campaign", "version"]
+        constraints = [models.UniqueConstraint(fields=["campaign", "version"], name="unique_validation_version")]
+
+    def __str__(self) -> str:
+        return f"{self.campaign} v{self.version}: {self.loss}"
 
 
 class Step(models.Model):
@@ -152,3 +239,82 @@ class Step(models.Model):
     @property
     def loss(self) -> float:
         return self.loss_sum / self.num_samples if self.num_samples else float("nan")
+
+
+class OrganizerRequest(models.Model):
+    """A volunteer asking to become an organizer; staff grant or refuse it."""
+
+    class Decision(models.TextChoices):
+        PENDING = "pending"
+        GRANTED = "granted"
+        REFUSED = "refused"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="organizer_requests")
+    reason = models.TextField(max_length=2000)
+    created = models.DateTimeField(default=timezone.now)
+    decision = models.CharField(max_length=16, choices=Decision.choices, default=Decision.PENDING)
+    decided_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    decided_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created"]
+        constraints = [
+            # One open request per volunteer: asking twice changes nothing.
+            models.UniqueConstraint(
+                fields=["user"], condition=models.Q(decision="pending"), name="one_pending_organizer_request"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} ({self.decision})"
+
+
+class Upload(models.Model):
+    """A dataset file arriving in chunks; each chunk is its own storage object, so S3 needs nothing special.
+
+    ``received`` is the authority on what has arrived: a chunk object without
+    a row (a crash between the two writes) is ignored and overwritten on resume.
+    """
+
+    class State(models.TextChoices):
+        RECEIVING = "receiving"
+        COMPLETE = "complete"  # all bytes in; the sharding task owns it now
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="uploads")
+    name = models.CharField(max_length=200, help_text="the dataset's name")
+    filename = models.CharField(max_length=255)
+    size = models.BigIntegerField(help_text="declared size in bytes")
+    sha256 = models.CharField(max_length=64, blank=True, help_text="declared sha256, checked when sharding")
+    format = models.CharField(max_length=16, choices=Dataset.Format.choices)
+    text_field = models.CharField(max_length=100, default="text")
+    sample_len = models.PositiveIntegerField(default=0)
+    received = models.BigIntegerField(default=0)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.RECEIVING)
+    dataset = models.ForeignKey(Dataset, null=True, blank=True, on_delete=models.SET_NULL, related_name="uploads")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.filename} ({self.received}/{self.size})"
+
+    @property
+    def storage_prefix(self) -> str:
+        return f"uploads/{self.pk}"
+
+
+class UploadChunk(models.Model):
+    """Bytes ``offset : offset + size`` of an upload, stored as one object named ``name``."""
+
+    upload = models.ForeignKey(Upload, on_delete=models.CASCADE, related_name="chunks")
+    offset = models.BigIntegerField()
+    size = models.PositiveIntegerField()
+    name = models.CharField(max_length=255)
+
+    class Meta:
+        ordering = ["upload", "offset"]
+        constraints = [models.UniqueConstraint(fields=["upload", "offset"], name="unique_upload_chunk_offset")]

@@ -14,6 +14,7 @@ from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.tokens import bearer_token
 
 from .models import Campaign, Shard, shard_storage_name
+from .permissions import can_download_shard
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
@@ -31,6 +32,9 @@ def shard(request: HttpRequest, sha256: str) -> HttpResponse:
         return _error("invalid or revoked device token", 401)
     if not _SHA256.match(sha256) or not Shard.objects.filter(sha256=sha256).exists():
         return _error("unknown shard", 404)
+    # Before the ETag check, so a 304 cannot tell a stranger that a private shard exists.
+    if not can_download_shard(device, sha256):
+        return _error("shard of an invite-only campaign you are not invited to", 403)
     etag = f'"{sha256}"'
     if request.headers.get("If-None-Match") == etag:
         return HttpResponse(status=304, headers={"ETag": etag})
@@ -81,6 +85,10 @@ def _progress(campaign: Campaign) -> dict:
         "contributors": contributors,
         "active_leases": campaign.leases.filter(state="active").count(),
         "losses": [s["loss_sum"] / s["num_samples"] for s in steps if s["num_samples"]],
+        # Held-out loss every validate_every steps: [{"version", "loss", "num_samples"}], oldest first.
+        "val_loss": list(
+            campaign.validation_results.filter(loss__isnull=False).order_by("version").values("version", "loss", "num_samples")
+        ),
     }
 
 
@@ -91,7 +99,12 @@ def progress(request: HttpRequest, campaign_id: int) -> JsonResponse:
 
 @require_GET
 def index(request: HttpRequest) -> HttpResponse:
-    campaigns = Campaign.objects.exclude(state=Campaign.State.DRAFT).order_by("-id")
+    # Invite-only campaigns are not advertised: their volunteers arrive through the invite link.
+    campaigns = (
+        Campaign.objects.exclude(state__in=[Campaign.State.DRAFT, Campaign.State.ARCHIVED])
+        .filter(visibility=Campaign.Visibility.PUBLIC)
+        .order_by("-id")
+    )
     return render(request, "campaigns/index.html", {"campaigns": [_progress(c) for c in campaigns]})
 
 

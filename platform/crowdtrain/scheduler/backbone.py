@@ -6,7 +6,11 @@ to send, plus any VersionPublished to push to agents.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
+import math
+from collections.abc import Sequence
 from datetime import timedelta
 
 from django.conf import settings
@@ -14,7 +18,9 @@ from django.db import transaction
 from django.db.models import Count, F
 from django.utils import timezone
 
+from crowdtrain.campaigns import validation
 from crowdtrain.campaigns.models import Campaign, Step
+from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import (
     BackboneHello,
     ModelSpec,
@@ -46,10 +52,47 @@ def _assign_message(s: SliceAssignment, campaign: Campaign) -> AssignMessage:
     )
 
 
-def slice_bounds(param_count: int, parts: int) -> list[tuple[int, int]]:
-    """Split ``param_count`` elements into ``parts`` contiguous, nearly equal slices."""
-    edges = [param_count * i // parts for i in range(parts + 1)]
+def slice_bounds(param_count: int, parts: int, tensor_sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """Split ``param_count`` elements into ``parts`` contiguous, nearly equal slices.
+
+    With ``tensor_sizes`` (the model's tensors in flat order), every cut falls
+    where one tensor ends and the next begins, at the boundary nearest the
+    even split: LAMB's trust ratio is per tensor, so a LAMB slice must hold
+    whole tensors.
+
+    Raises:
+        ValueError: if the model has fewer tensors than ``parts``, or the sizes do not add up.
+    """
+    if tensor_sizes is None:
+        edges = [param_count * i // parts for i in range(parts + 1)]
+        return list(zip(edges, edges[1:]))
+    if sum(tensor_sizes) != param_count:
+        raise ValueError(f"tensor sizes add up to {sum(tensor_sizes)}, not the campaign's {param_count} parameters")
+    if len(tensor_sizes) < parts:
+        raise ValueError(
+            f"the model has {len(tensor_sizes)} parameter tensors, too few for {parts} whole-tensor slices"
+        )
+    boundaries = [0, *itertools.accumulate(tensor_sizes)]
+    chosen = [0]
+    for i in range(1, parts):
+        ideal = param_count * i // parts
+        # Leave one boundary per slice still to cut, so no slice comes out empty.
+        low, high = chosen[-1] + 1, len(boundaries) - 1 - (parts - i)
+        j = min(max(bisect.bisect_left(boundaries, ideal), low), high)
+        if j > low and ideal - boundaries[j - 1] <= boundaries[j] - ideal:
+            j -= 1
+        chosen.append(j)
+    chosen.append(len(boundaries) - 1)
+    edges = [boundaries[j] for j in chosen]
     return list(zip(edges, edges[1:]))
+
+
+def tensor_sizes(campaign: Campaign) -> list[int] | None:
+    """The model's tensor sizes when the campaign's optimizer needs whole-tensor slices (LAMB), else None."""
+    if campaign.optimizer.get("name") != "lamb":
+        return None
+    shapes = get_model(campaign.architecture).param_shapes(campaign.model_config)
+    return [math.prod(shape) for shape in shapes]
 
 
 def live_aggregators() -> list[Aggregator]:
@@ -82,7 +125,11 @@ def assign_waiting_campaigns() -> Outbox:
                 logger.debug("campaign %s waits for %s aggregators, %s live", campaign.pk, campaign.num_aggregators, len(live))
                 continue
             campaign.slices.all().delete()
-            bounds = slice_bounds(campaign.param_count, campaign.num_aggregators)
+            try:
+                bounds = slice_bounds(campaign.param_count, campaign.num_aggregators, tensor_sizes(campaign))
+            except ValueError as exc:
+                logger.error("campaign %s cannot be split across its aggregators: %s", campaign.pk, exc)
+                continue
             for index, ((start, end), aggregator) in enumerate(zip(bounds, live)):
                 s = SliceAssignment.objects.create(
                     campaign=campaign, aggregator=aggregator, index=index, start=start, end=end, version=campaign.version
@@ -98,7 +145,9 @@ def aggregator_joined(aggregator_id: int, hello: BackboneHello) -> Outbox:
             upload_url=hello.upload_url, params_url=hello.params_url, connected=True, last_seen_at=timezone.now()
         )
         outbox: Outbox = []
-        held = SliceAssignment.objects.filter(aggregator_id=aggregator_id).exclude(campaign__state=Campaign.State.FINISHED)
+        held = SliceAssignment.objects.filter(aggregator_id=aggregator_id).exclude(
+            campaign__state__in=[Campaign.State.FINISHED, Campaign.State.ARCHIVED]
+        )
         for s in held.select_related("campaign"):
             s.ready = False
             s.save(update_fields=["ready"])
@@ -221,12 +270,19 @@ def step_applied(aggregator_id: int, applied: StepApplied) -> VersionPublished |
         newest = min(versions) if len(versions) == campaign.num_aggregators else campaign.version
         if newest <= campaign.version:
             return None
-        campaign.version = newest
+        previous, campaign.version = campaign.version, newest
         fields = ["version"]
-        if campaign.max_steps is not None and newest >= campaign.max_steps:
+        finished = campaign.max_steps is not None and newest >= campaign.max_steps
+        if finished:
             campaign.state = Campaign.State.FINISHED
             fields.append("state")
         campaign.save(update_fields=fields)
+        # Steps committed before a finish by hand are applied after it: the version they make is the
+        # model the campaign ends with, so it is validated and exported like a last step.
+        ended = finished or campaign.state == Campaign.State.FINISHED
+        if validation.due(campaign, previous, newest, ended):
+            # After the commit, and off this consumer: the task fetches params and runs the model.
+            validation.schedule_validation(campaign.pk, newest)
         Step.objects.filter(campaign=campaign, index__lt=newest, applied_at__isnull=True).update(applied_at=timezone.now())
         step = campaign.steps.filter(index=newest - 1).first()
         logger.info("campaign %s: version %s published", campaign.pk, newest)

@@ -263,7 +263,7 @@ def request_lease(
             )
             if campaign is not None and campaign.state == Campaign.State.RUNNING:
                 return _try_lease(campaign, device_id, samples_per_s, request_id)
-            if campaign is not None and campaign.state == Campaign.State.FINISHED:
+            if campaign is not None and campaign.state in (Campaign.State.FINISHED, Campaign.State.ARCHIVED):
                 return _no_lease("campaign_finished", f"campaign {campaign_id} has finished", 60.0)
             if campaign is not None:
                 return _no_lease("campaign_paused", f"campaign {campaign_id} is {campaign.state}", 10.0)

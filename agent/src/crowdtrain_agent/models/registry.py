@@ -81,6 +81,16 @@ class ModelEntry:
             model = self._build(self.validate(config))
         return sum(p.numel() for p in model.parameters())
 
+    def param_shapes(self, config: Mapping[str, Any]) -> list[tuple[int, ...]]:
+        """Shapes of the parameter tensors in flat-vector order (``model.parameters()``), without allocating them.
+
+        The flat vector that aggregators slice is these tensors laid end to end;
+        LAMB campaigns cut slices only where one tensor ends and the next begins.
+        """
+        with torch.device("meta"):
+            model = self._build(self.validate(config))
+        return [tuple(p.shape) for p in model.parameters()]
+
     def flops_per_sample(self, config: Mapping[str, Any]) -> int:
         """Forward plus backward cost of one sample (about three forwards)."""
         return 3 * self._flops_forward(self.validate(config))

@@ -12,6 +12,7 @@ Each message is a frozen dataclass whose ``kind`` field is its wire tag.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, Union
@@ -83,15 +84,55 @@ class SliceRoute:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSpec:
-    """The optimizer the aggregators apply to their slices; elementwise by design."""
+    """The optimizer the aggregators apply to their slices, and its learning-rate schedule.
 
-    name: Literal["adamw", "sgd"] = "adamw"
+    AdamW and SGD are elementwise, so slices compose to the full model. LAMB
+    scales each parameter tensor's update by a trust ratio of norms, so a
+    LAMB campaign's slices are cut at tensor boundaries. ``beta1``, ``beta2``
+    and ``eps`` serve AdamW and LAMB; ``momentum`` serves SGD.
+
+    The learning rate of step ``s`` is ``lr * lr_multiplier(s)``: a linear
+    warmup over ``warmup_steps``, then constant, or a cosine decay that
+    reaches ``lr * min_lr_ratio`` at ``total_steps`` and stays there.
+    """
+
+    name: Literal["adamw", "sgd", "lamb"] = "adamw"
     lr: float = 1e-3
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
     momentum: float = 0.0
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
+    total_steps: int | None = None  # the site fills it from the campaign's max_steps
+
+    def lr_multiplier(self, step: int) -> float:
+        """The factor on ``lr`` for step ``step`` (0-based; the step that makes version ``step + 1``).
+
+        Warmup gives step ``s < warmup_steps`` the factor ``(s + 1) / warmup_steps``,
+        so the first step already moves and step ``warmup_steps - 1`` runs at
+        full rate. The cosine then falls from 1 at ``warmup_steps`` to
+        ``min_lr_ratio`` at ``total_steps``. A step count is the parameter
+        version, so a slice restored from a checkpoint resumes the schedule
+        where it was.
+
+        Args:
+            step: the index of the step about to be applied.
+
+        Returns:
+            A factor in ``[0, 1]`` (``min_lr_ratio`` is assumed to be in ``[0, 1]``).
+        """
+        step = max(0, step)
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule == "constant" or self.total_steps is None:
+            return 1.0
+        span = self.total_steps - self.warmup_steps
+        progress = 1.0 if span <= 0 else min(1.0, (step - self.warmup_steps) / span)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return max(0.0, self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
 
 
 @dataclass(frozen=True, kw_only=True)

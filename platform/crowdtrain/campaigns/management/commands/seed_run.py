@@ -42,7 +42,8 @@ from crowdtrain.scheduler.models import Aggregator
 
 CAMPAIGN_FIELDS = {
     "name", "architecture", "model_config", "optimizer", "target_batch_size", "microbatch_size", "codec",
-    "staleness", "num_aggregators", "max_steps", "checkpoint_every", "seed", "max_grad_norm",
+    "staleness", "num_aggregators", "max_steps", "checkpoint_every", "seed", "max_grad_norm", "validate_every",
+    "target_val_loss",
 }  # fmt: skip
 
 
@@ -54,7 +55,10 @@ def _dataset(spec: dict[str, Any]) -> Dataset:
         return create_npz_dataset(spec.get("name", path.stem), path.read_bytes(), shard_bytes)
     if kind == "stdlib":
         corpus = stdlib_corpus(int(spec.get("bytes", 1 << 20)))
-        return create_text_dataset(spec.get("name", "python-stdlib"), corpus, int(spec["sample_len"]), shard_bytes)
+        return create_text_dataset(
+            spec.get("name", "python-stdlib"), corpus, int(spec["sample_len"]), shard_bytes,
+            validation_fraction=float(spec.get("validation_fraction", 0.0)),
+        )  # fmt: skip
     raise CommandError(f"dataset kind must be 'npz' or 'stdlib', got {kind!r}")
 
 

@@ -1,0 +1,130 @@
+"""A campaign's life: draft -> running <-> paused -> finished -> archived, and what each move does.
+
+Pausing only changes the state: the scheduler leases work from running
+campaigns alone, and leases already out are still counted when they come
+back, so the current ones drain. Starting makes the campaign wait for its
+aggregators; ``assign_waiting_campaigns`` (also run on every aggregator
+heartbeat) gives it slices as soon as enough are live.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from asgiref.sync import async_to_sync
+from django.db import transaction
+
+from crowdtrain.gateway.outbox import send_outbox
+from crowdtrain.scheduler.backbone import assign_waiting_campaigns
+
+from .models import Campaign, Dataset
+from .setup import CampaignConfigError, validate_campaign
+from .validation import schedule_validation
+
+logger = logging.getLogger(__name__)
+
+State = Campaign.State
+
+
+class LifecycleError(ValueError):
+    """A move the campaign cannot make from where it is; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Move:
+    label: str  # the button
+    sources: frozenset[str]
+    target: str
+    done: str  # the message after it succeeded
+
+
+MOVES: dict[str, Move] = {
+    "start": Move(
+        "Start", frozenset({State.DRAFT}), State.RUNNING, "started: it trains as soon as its aggregators are ready"
+    ),
+    "pause": Move(
+        "Pause", frozenset({State.RUNNING}), State.PAUSED, "paused: no new leases; leases already out still count"
+    ),
+    "resume": Move("Resume", frozenset({State.PAUSED}), State.RUNNING, "resumed"),
+    "finish": Move("Finish", frozenset({State.RUNNING, State.PAUSED}), State.FINISHED, "finished"),
+    "archive": Move("Archive", frozenset({State.DRAFT, State.FINISHED}), State.ARCHIVED, "archived"),
+}
+
+# What agents and aggregators built the model from: changing any of it after the start
+# would make new gradients disagree with the parameters and optimizer state already held.
+LOCKED_FIELDS = (
+    "dataset", "architecture", "model_config", "optimizer", "target_batch_size", "microbatch_size", "codec", "seed",
+    "staleness", "num_aggregators", "checkpoint_every", "max_grad_norm",
+)
+LOCK_REASON = (
+    "Locked since the campaign started: the aggregators hold parameters and optimizer state built from these "
+    "settings and the agents compute with them, so changing one would break the model. "
+    "Create a new campaign to train with other settings."
+)
+
+
+def config_locked(campaign: Campaign) -> bool:
+    return campaign.state != State.DRAFT
+
+
+def available_moves(campaign: Campaign) -> list[tuple[str, Move]]:
+    return [(name, move) for name, move in MOVES.items() if campaign.state in move.sources]
+
+
+def _check_trainable(campaign: Campaign) -> None:
+    # The form validated it, but the admin and code can save any JSON: check once more before agents see it.
+    try:
+        validate_campaign(
+            dataset=campaign.dataset, architecture=campaign.architecture, model_config=campaign.model_config,
+            optimizer=campaign.optimizer, target_batch_size=campaign.target_batch_size,
+            microbatch_size=campaign.microbatch_size, codec=campaign.codec, max_steps=campaign.max_steps,
+            num_aggregators=campaign.num_aggregators,
+        )
+    except CampaignConfigError as exc:
+        raise LifecycleError(f"the campaign cannot train as configured: {exc}; fix it in Edit") from None
+
+
+def apply_move(campaign_id: int, name: str, by: Any) -> Campaign:
+    """Move a campaign, under its row lock so two clicks cannot both succeed.
+
+    Raises:
+        LifecycleError: for an unknown move, or one the campaign's state does not allow.
+    """
+    move = MOVES.get(name)
+    if move is None:
+        raise LifecycleError(f"unknown action {name!r}; use one of {', '.join(MOVES)}")
+    with transaction.atomic():
+        campaign = Campaign.objects.select_for_update(of=("self",)).select_related("dataset").get(pk=campaign_id)
+        if campaign.state not in move.sources:
+            allowed = " or ".join(sorted(move.sources))
+            raise LifecycleError(
+                f"cannot {name} a {campaign.state} campaign; {move.label} works on {allowed} campaigns"
+            )
+        if move.target == State.RUNNING:
+            if campaign.dataset.status != Dataset.Status.READY:
+                raise LifecycleError(
+                    f"dataset “{campaign.dataset}” is not ready yet ({campaign.dataset.status}); "
+                    "start the campaign once it has been split into shards"
+                )
+            if campaign.state == State.DRAFT:
+                _check_trainable(campaign)
+            if campaign.max_steps is not None and campaign.committed_steps >= campaign.max_steps:
+                raise LifecycleError(
+                    f"the campaign already made its {campaign.max_steps} max steps; raise max steps before resuming"
+                )
+        campaign.state = move.target
+        campaign.save(update_fields=["state"])
+        if move.target == State.FINISHED and campaign.version > 0:
+            # A campaign finished by hand between validation rounds still gets its last version's
+            # loss, and with it an export of the weights it ended with (after this commits).
+            if not campaign.validation_results.filter(version=campaign.version).exists():
+                schedule_validation(campaign.pk, campaign.version)
+    logger.info("campaign %s: %s by user %s (now %s)", campaign.pk, name, getattr(by, "pk", None), campaign.state)
+    if move.target == State.RUNNING:
+        # Live aggregators get their slices now rather than at their next heartbeat.
+        outbox = assign_waiting_campaigns()
+        if outbox:
+            async_to_sync(send_outbox)(outbox)
+    return campaign

@@ -1,0 +1,155 @@
+"""Organizer pages: list, create, manage and edit campaigns, lifecycle buttons, invite links.
+
+Anonymous visitors are sent to log in; volunteers without the organizer role
+get 403 with a way to ask for it; an organizer who opens another's campaign
+gets 404, as if it did not exist. Staff see every campaign.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from crowdtrain.accounts.models import new_invite_code
+
+from .export import export_context
+from .forms import CampaignForm, OrganizerRequestForm
+from .lifecycle import LOCK_REASON, MOVES, LifecycleError, apply_move, available_moves, config_locked
+from .models import Campaign
+from .organizers import is_organizer, managed_campaigns, pending_request
+from .views import _progress
+
+View = Callable[..., HttpResponse]
+
+
+def organizer_required(view: View) -> View:
+    """Log-in first, then the organizer role; without it a 403 page offers to request the role."""
+
+    @wraps(view)
+    @login_required
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        if not is_organizer(request.user):
+            context = {"form": OrganizerRequestForm(), "pending": pending_request(request.user)}
+            return render(request, "campaigns/organizer_needed.html", context, status=403)
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def _managed(request: HttpRequest, campaign_id: int) -> Campaign:
+    # Another organizer's campaign is a 404, not a 403: its existence is not theirs to know.
+    return get_object_or_404(managed_campaigns(request.user), pk=campaign_id)
+
+
+@organizer_required
+@require_GET
+def campaign_list(request: HttpRequest) -> HttpResponse:
+    show_archived = request.GET.get("archived") == "1"
+    campaigns = managed_campaigns(request.user).order_by("-created_at", "-id")
+    if not show_archived:
+        campaigns = campaigns.exclude(state=Campaign.State.ARCHIVED)
+    return render(request, "campaigns/list.html", {"campaigns": campaigns, "show_archived": show_archived})
+
+
+@organizer_required
+@require_http_methods(["GET", "POST"])
+def campaign_create(request: HttpRequest) -> HttpResponse:
+    form = CampaignForm(request.POST or None, user=request.user)
+    if request.method == "POST" and form.is_valid():
+        campaign = form.save()
+        messages.success(request, f"Campaign “{campaign.name}” created as a draft. Start it when you are ready.")
+        return redirect("campaign-detail", campaign_id=campaign.pk)
+    return render(request, "campaigns/form.html", {"form": form, "campaign": None})
+
+
+@organizer_required
+@require_http_methods(["GET", "POST"])
+def campaign_edit(request: HttpRequest, campaign_id: int) -> HttpResponse:
+    campaign = _managed(request, campaign_id)
+    form = CampaignForm(request.POST or None, user=request.user, instance=campaign)
+    if request.method == "POST" and form.is_valid():
+        form.save()
+        messages.success(request, f"Campaign “{campaign.name}” saved.")
+        return redirect("campaign-detail", campaign_id=campaign.pk)
+    return render(request, "campaigns/form.html", {"form": form, "campaign": campaign})
+
+
+@organizer_required
+@require_GET
+def campaign_detail(request: HttpRequest, campaign_id: int) -> HttpResponse:
+    campaign = _managed(request, campaign_id)
+    slices = campaign.slices.count()
+    context = {
+        "campaign": campaign,
+        "progress": _progress(campaign),
+        "moves": available_moves(campaign),
+        "locked": config_locked(campaign),
+        "lock_reason": LOCK_REASON,
+        "waiting_for_aggregators": campaign.state == Campaign.State.RUNNING and slices < campaign.num_aggregators,
+        "slices": slices,
+        "invite_url": (
+            request.build_absolute_uri(reverse("campaign-invite", args=[campaign.invite_code]))
+            if campaign.visibility == Campaign.Visibility.INVITE and campaign.invite_code else None
+        ),
+        "invited_count": campaign.invited.count(),
+        "export": export_context(campaign),
+    }
+    return render(request, "campaigns/detail.html", context)
+
+
+@organizer_required
+@require_POST
+def campaign_lifecycle(request: HttpRequest, campaign_id: int) -> HttpResponse:
+    campaign = _managed(request, campaign_id)
+    action = request.POST.get("action", "")
+    try:
+        apply_move(campaign.pk, action, request.user)
+    except LifecycleError as exc:
+        messages.error(request, f"Nothing changed: {exc}.")
+    else:
+        messages.success(request, f"Campaign “{campaign.name}” {MOVES[action].done}.")
+    return redirect("campaign-detail", campaign_id=campaign.pk)
+
+
+@organizer_required
+@require_POST
+def campaign_rotate_invite(request: HttpRequest, campaign_id: int) -> HttpResponse:
+    campaign = _managed(request, campaign_id)
+    if campaign.visibility != Campaign.Visibility.INVITE:
+        messages.error(request, "This campaign is public: it has no invite link. Make it invite-only first.")
+    else:
+        campaign.invite_code = new_invite_code()
+        campaign.save(update_fields=["invite_code"])
+        messages.success(
+            request, "New invite link made. The old link no longer works; volunteers already invited stay."
+        )
+    return redirect("campaign-detail", campaign_id=campaign.pk)
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def campaign_invite(request: HttpRequest, code: str) -> HttpResponse:
+    # GET only shows the campaign; the button POSTs, so link previews cannot accept for anyone.
+    campaign = Campaign.objects.filter(
+        invite_code=code, visibility=Campaign.Visibility.INVITE
+    ).exclude(invite_code="").exclude(state=Campaign.State.ARCHIVED).first()
+    if not code or campaign is None:
+        return render(request, "campaigns/invite_invalid.html", status=404)
+    already = campaign.invited.filter(pk=request.user.pk).exists()
+    if request.method == "POST":
+        campaign.invited.add(request.user)
+        if campaign.state == Campaign.State.DRAFT:  # the join page opens when the campaign starts
+            messages.success(request, f"You are invited to “{campaign.name}”. It has not started yet; come back soon.")
+            return redirect("index")
+        messages.success(request, f"You are invited to “{campaign.name}”. Start an agent for it below.")
+        return redirect("campaign-join", campaign_id=campaign.pk)
+    return render(request, "campaigns/invite.html", {"campaign": campaign, "already": already})
+

@@ -1,0 +1,79 @@
+"""Asking for the organizer role, and the staff page that grants or refuses it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from .forms import OrganizerRequestForm
+from .models import OrganizerRequest
+from .organizers import RoleRequestError, decide, is_organizer, pending_request, request_role
+
+
+def staff_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    # Django's staff_member_required sends volunteers to the admin log-in; a 403 says it plainly.
+    @wraps(view)
+    @login_required
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        if not request.user.is_staff:
+            raise PermissionDenied("only admins decide organizer requests")
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def organizer_request(request: HttpRequest) -> HttpResponse:
+    if is_organizer(request.user):
+        messages.info(request, "You already have the organizer role.")
+        return redirect("campaign-list")
+    form = OrganizerRequestForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        try:
+            request_role(request.user, form.cleaned_data["reason"])
+        except RoleRequestError as exc:
+            form.add_error("reason", f"{str(exc)[0].upper()}{str(exc)[1:]}.")
+        else:
+            messages.success(request, "Request sent. An admin will grant or refuse it; this page shows the answer.")
+            return redirect("organizer-request")
+    decided = OrganizerRequest.objects.filter(user=request.user).exclude(decision=OrganizerRequest.Decision.PENDING)
+    context = {"form": form, "pending": pending_request(request.user), "last_decided": decided.first()}
+    return render(request, "campaigns/organizer_request.html", context)
+
+
+@staff_required
+@require_GET
+def organizer_requests(request: HttpRequest) -> HttpResponse:
+    pending = OrganizerRequest.objects.filter(decision=OrganizerRequest.Decision.PENDING).select_related("user")
+    recent = (
+        OrganizerRequest.objects.exclude(decision=OrganizerRequest.Decision.PENDING)
+        .select_related("user", "decided_by").order_by("-decided_at")[:20]
+    )
+    context = {"pending": pending.order_by("created"), "recent": recent}
+    return render(request, "campaigns/organizer_requests.html", context)
+
+
+@staff_required
+@require_POST
+def organizer_decide(request: HttpRequest, request_id: int) -> HttpResponse:
+    decision = request.POST.get("decision")
+    if decision not in {"grant", "refuse"}:
+        messages.error(request, f"Unknown decision {decision!r}: use Grant or Refuse.")
+        return redirect("organizer-requests")
+    try:
+        row = decide(request_id, request.user, grant=decision == "grant")
+    except RoleRequestError as exc:
+        messages.error(request, f"Nothing changed: {exc}.")
+    else:
+        who = row.user.email or row.user.get_username()
+        messages.success(request, f"{who} is now an organizer." if row.decision == "granted" else f"Refused {who}.")
+    return redirect("organizer-requests")

@@ -1,0 +1,373 @@
+"""Resumable chunked dataset uploads: a JSON API for the page's uploader, with chunks kept in storage.
+
+Every chunk is its own storage object (``uploads/<id>/<offset>-<random>``),
+so the local media folder and S3 work alike and the site never holds more
+than one chunk in memory. The sharding task reads the chunks back in order
+through ``open_upload`` as one seekable file.
+
+    POST /datasets/uploads                      {"filename", "size", "format", ...} -> 201 {"id", ...}
+    GET  /datasets/uploads/<id>                 -> {"received": N, ...}: the resume point
+    PUT  /datasets/uploads/<id>/chunk?offset=N  body: the bytes N .. N+len-1
+    POST /datasets/uploads/<id>/complete        -> 202, queues the sharding task
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import io
+import json
+import logging
+import re
+import secrets
+from typing import Any, BinaryIO
+from uuid import UUID
+
+from django.conf import settings
+from django.core.files.base import ContentFile
+from django.core.files.storage import default_storage
+from django.db import transaction
+from django.http import HttpRequest, JsonResponse
+from django.urls import reverse
+from django.views.decorators.http import require_http_methods
+
+from .models import Dataset, Upload, UploadChunk
+from .permissions import is_organizer, visible_uploads
+
+logger = logging.getLogger(__name__)
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+MAX_SAMPLE_LEN = 8193  # the registry's longest GPT context (block_size 8192) plus the shifted target
+
+
+class UploadError(ValueError):
+    """A request the upload API refuses; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.extra = extra
+
+
+def _error(exc: UploadError) -> JsonResponse:
+    return JsonResponse({"error": str(exc), **exc.extra}, status=exc.status)
+
+
+def _guard(request: HttpRequest) -> JsonResponse | None:
+    """JSON answers for a script, not a redirect to the log-in page."""
+    if not request.user.is_authenticated:
+        return JsonResponse({"error": "log in first"}, status=401)
+    if not is_organizer(request.user):
+        return JsonResponse({"error": "only organizers can upload datasets; ask for the role first"}, status=403)
+    return None
+
+
+def describe(upload: Upload) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "id": str(upload.pk),
+        "name": upload.name,
+        "filename": upload.filename,
+        "format": upload.format,
+        "size": upload.size,
+        "received": upload.received,
+        "state": upload.state,
+        "chunk_bytes": settings.CROWDTRAIN_UPLOAD_CHUNK_BYTES,
+        "dataset": upload.dataset_id,
+    }
+    if upload.dataset_id:
+        data["dataset_url"] = reverse("dataset-detail", args=[upload.dataset_id])
+        data["status_url"] = reverse("dataset-status", args=[upload.dataset_id])
+    return data
+
+
+# ---------------------------------------------------------------- creating an upload
+
+
+def _field(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:  # absent or null: an optional field takes its default
+        value = default
+    if value is None:
+        raise UploadError(f"{name} is required")
+    # bool is an int in Python; a size of true is still a mistake.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise UploadError(f"{name} must be {'an integer' if kind is int else 'a string'}, got {value!r}")
+    return value
+
+
+def create_upload(owner: Any, body: dict[str, Any]) -> Upload:
+    """A new upload from the page's JSON; checks everything that can be checked before any byte arrives.
+
+    Raises:
+        UploadError: naming the field that is wrong.
+    """
+    filename = _field(body, "filename", str).strip()
+    if not filename or len(filename) > 255:
+        raise UploadError("filename must hold 1 to 255 characters")
+    size = _field(body, "size", int)
+    if size <= 0:
+        raise UploadError("the file is empty; choose a file with data in it")
+    cap = settings.CROWDTRAIN_MAX_UPLOAD_BYTES
+    if size > cap:
+        raise UploadError(f"the file is {size} bytes, over the limit of {cap} bytes", status=413, limit=cap)
+    fmt = _field(body, "format", str)
+    if fmt not in Dataset.Format.values:
+        raise UploadError(f"unknown format {fmt!r}; expected one of {', '.join(Dataset.Format.values)}")
+    sha256 = _field(body, "sha256", str, "").strip().lower()
+    if sha256 and not _SHA256.match(sha256):
+        raise UploadError(f"sha256 must be 64 hexadecimal digits, got {sha256!r}")
+    name = _field(body, "name", str, "").strip() or filename.rsplit(".", 1)[0] or filename
+    if len(name) > 200:
+        raise UploadError("name must be at most 200 characters")
+    sample_len, text_field = 0, "text"
+    if fmt in (Dataset.Format.TEXT, Dataset.Format.JSONL):
+        sample_len = _field(body, "sample_len", int)
+        if not 2 <= sample_len <= MAX_SAMPLE_LEN:
+            raise UploadError(
+                f"sample_len must be between 2 and {MAX_SAMPLE_LEN} bytes (block_size + 1), got {sample_len}"
+            )
+    if fmt == Dataset.Format.JSONL:
+        text_field = _field(body, "text_field", str, "text").strip()
+        if not text_field or len(text_field) > 100:
+            raise UploadError("text_field must hold 1 to 100 characters")
+    return Upload.objects.create(
+        owner=owner, name=name, filename=filename, size=size, sha256=sha256, format=fmt, sample_len=sample_len,
+        text_field=text_field,
+    )  # fmt: skip
+
+
+@require_http_methods(["POST"])
+def upload_create(request: HttpRequest) -> JsonResponse:
+    if (refused := _guard(request)) is not None:
+        return refused
+    try:
+        body = json.loads(request.body or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return JsonResponse({"error": "the request body must be a JSON object"}, status=400)
+    if not isinstance(body, dict):
+        return JsonResponse({"error": "the request body must be a JSON object"}, status=400)
+    try:
+        upload = create_upload(request.user, body)
+    except UploadError as exc:
+        return _error(exc)
+    logger.info("upload %s started by %s: %s, %d bytes", upload.pk, request.user.pk, upload.filename, upload.size)
+    return JsonResponse(describe(upload), status=201)
+
+
+# ---------------------------------------------------------------- chunks
+
+
+def _own_upload(request: HttpRequest, upload_id: UUID) -> Upload:
+    upload = visible_uploads(request.user).filter(pk=upload_id).first()
+    if upload is None:  # someone else's upload is as unknown as a missing one
+        raise UploadError("unknown upload", status=404)
+    return upload
+
+
+def append_chunk(upload: Upload, offset: int, data: bytes) -> Upload:
+    """Store bytes ``offset .. offset+len(data)-1`` if ``offset`` is the resume point.
+
+    The chunk object is written first and the row second, under a check that
+    nobody moved the resume point meanwhile; a loser deletes its object.
+
+    Raises:
+        UploadError: 409 for a wrong offset (with ``expected_offset``), 413 past the declared size.
+    """
+    if upload.state != Upload.State.RECEIVING:
+        raise UploadError("the upload is already complete", status=409, expected_offset=upload.received)
+    if offset != upload.received:
+        raise UploadError(
+            f"offset {offset} is not the resume point {upload.received}", status=409, expected_offset=upload.received
+        )
+    if not data:
+        raise UploadError("the chunk is empty")
+    if offset + len(data) > upload.size:
+        raise UploadError(
+            f"the chunk ends at byte {offset + len(data)}, past the declared size of {upload.size} bytes", status=413
+        )
+    name = default_storage.save(f"{upload.storage_prefix}/{offset:015d}-{secrets.token_hex(4)}", ContentFile(data))
+    with transaction.atomic():
+        moved = Upload.objects.filter(pk=upload.pk, received=offset, state=Upload.State.RECEIVING).update(
+            received=offset + len(data)
+        )
+        if moved:
+            UploadChunk.objects.create(upload=upload, offset=offset, size=len(data), name=name)
+    upload.refresh_from_db()
+    if not moved:
+        default_storage.delete(name)
+        raise UploadError(
+            f"offset {offset} is not the resume point {upload.received}", status=409, expected_offset=upload.received
+        )
+    return upload
+
+
+@require_http_methods(["PUT"])
+def upload_chunk(request: HttpRequest, upload_id: UUID) -> JsonResponse:
+    if (refused := _guard(request)) is not None:
+        return refused
+    limit = settings.CROWDTRAIN_UPLOAD_CHUNK_BYTES
+    try:
+        upload = _own_upload(request, upload_id)
+        raw_offset = request.GET.get("offset", "")
+        if not raw_offset.isdigit():
+            raise UploadError(f"offset must be a byte position (a whole number), got {raw_offset!r}")
+        declared = request.META.get("CONTENT_LENGTH") or "0"
+        if declared.isdigit() and int(declared) > limit:
+            raise UploadError(f"a chunk may hold at most {limit} bytes, got {declared}", status=413, limit=limit)
+        # request.read, not request.body: body is capped by DATA_UPLOAD_MAX_MEMORY_SIZE (2.5 MB).
+        data = request.read(limit + 1)
+        if len(data) > limit:
+            raise UploadError(f"a chunk may hold at most {limit} bytes", status=413, limit=limit)
+        upload = append_chunk(upload, int(raw_offset), data)
+    except UploadError as exc:
+        return _error(exc)
+    return JsonResponse(describe(upload))
+
+
+@require_http_methods(["GET"])
+def upload_status(request: HttpRequest, upload_id: UUID) -> JsonResponse:
+    if (refused := _guard(request)) is not None:
+        return refused
+    try:
+        return JsonResponse(describe(_own_upload(request, upload_id)))
+    except UploadError as exc:
+        return _error(exc)
+
+
+# ---------------------------------------------------------------- completing
+
+
+def complete_upload(upload: Upload) -> Upload:
+    """Check every byte arrived, create the pending Dataset, and queue the sharding task; idempotent.
+
+    Raises:
+        UploadError: 409 if bytes are missing.
+    """
+    from .tasks import shard_upload  # tasks imports this module
+
+    with transaction.atomic():
+        upload = Upload.objects.select_for_update().get(pk=upload.pk)
+        if upload.state == Upload.State.COMPLETE:
+            return upload
+        if upload.received != upload.size:
+            raise UploadError(
+                f"received {upload.received} of {upload.size} bytes; send the rest first",
+                status=409, expected_offset=upload.received,
+            )  # fmt: skip
+        text = upload.format != Dataset.Format.NPZ
+        upload.dataset = Dataset.objects.create(
+            name=upload.name, owner=upload.owner, kind=Dataset.Kind.TEXT if text else Dataset.Kind.TENSORS,
+            source_format=upload.format, sample_len=upload.sample_len if text else 0,
+            text_field=upload.text_field if upload.format == Dataset.Format.JSONL else "",
+            validation_fraction=settings.CROWDTRAIN_VALIDATION_FRACTION, status=Dataset.Status.PENDING, progress=0.0,
+        )  # fmt: skip
+        upload.state = Upload.State.COMPLETE
+        upload.save(update_fields=["dataset", "state"])
+    # After the commit: a worker must find the rows. Eager Celery (the embedded default) runs it right here.
+    shard_upload.delay(str(upload.pk))
+    upload.refresh_from_db()
+    return upload
+
+
+@require_http_methods(["POST"])
+def upload_complete(request: HttpRequest, upload_id: UUID) -> JsonResponse:
+    if (refused := _guard(request)) is not None:
+        return refused
+    try:
+        upload = complete_upload(_own_upload(request, upload_id))
+    except UploadError as exc:
+        return _error(exc)
+    return JsonResponse(describe(upload), status=202)
+
+
+# ---------------------------------------------------------------- reading an upload back
+
+
+class UploadReader(io.RawIOBase):
+    """An upload's chunks as one seekable, read-only file (zipfile needs to seek for .npz)."""
+
+    def __init__(self, chunks: list[tuple[int, int, str]], size: int) -> None:
+        super().__init__()
+        self._offsets = [c[0] for c in chunks]
+        self._chunks = chunks
+        self._size = size
+        self._pos = 0
+        self._open: tuple[int, Any] | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        if base + pos < 0:
+            raise ValueError(f"negative seek position {base + pos}")
+        self._pos = base + pos
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        if self._pos >= self._size or not len(buffer):
+            return 0
+        index = bisect.bisect_right(self._offsets, self._pos) - 1
+        offset, size, name = self._chunks[index]
+        if self._open is None or self._open[0] != index:
+            self._close_chunk()
+            self._open = (index, default_storage.open(name, "rb"))
+        fh = self._open[1]
+        fh.seek(self._pos - offset)
+        data = fh.read(min(len(buffer), offset + size - self._pos))
+        if not data:
+            raise OSError(f"upload chunk {name} is shorter than its recorded {size} bytes")
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def _close_chunk(self) -> None:
+        if self._open is not None:
+            self._open[1].close()
+            self._open = None
+
+    def close(self) -> None:
+        self._close_chunk()
+        super().close()
+
+
+def open_upload(upload: Upload) -> BinaryIO:
+    """The received bytes as one buffered, seekable file.
+
+    Raises:
+        OSError: if the stored chunks do not join up (a row without its object).
+    """
+    chunks = list(upload.chunks.order_by("offset").values_list("offset", "size", "name"))
+    expected = 0
+    for offset, size, name in chunks:
+        if offset != expected:
+            raise OSError(f"upload {upload.pk}: chunk {name} starts at {offset}, expected {expected}")
+        expected += size
+    if expected != upload.received:
+        raise OSError(f"upload {upload.pk}: chunks hold {expected} bytes, but {upload.received} were received")
+    return io.BufferedReader(UploadReader(chunks, expected), buffer_size=1 << 20)  # type: ignore[return-value]
+
+
+def upload_sha256(upload: Upload, progress: Any = None) -> str:
+    digest = hashlib.sha256()
+    done = 0
+    with open_upload(upload) as fh:
+        while block := fh.read(1 << 20):
+            digest.update(block)
+            done += len(block)
+            if progress is not None:
+                progress(done / max(1, upload.size))
+    return digest.hexdigest()
+
+
+def discard_chunks(upload: Upload) -> None:
+    """Delete the received bytes; the Upload row stays as a record of where the dataset came from."""
+    for name in upload.chunks.values_list("name", flat=True):
+        default_storage.delete(name)
+    upload.chunks.all().delete()
