@@ -39,12 +39,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-dir", dest="checkpoint_dir", help="checkpoint folder (default var/checkpoints)")
     parser.add_argument("--public-host", dest="public_host", help="host agents use to reach this aggregator")
     parser.add_argument("--max-pending-bytes", dest="max_pending_bytes", help="cap on pending gradient bytes")
+    parser.add_argument("--torch-threads", dest="torch_threads", help="PyTorch intra-op threads (default 1)")
     parser.add_argument("--log-level", default=os.getenv(ENV_PREFIX + "LOG_LEVEL", "INFO"), help="default INFO")
     return parser
 
 
 async def _main(config: BackboneConfig) -> int:
-    from .server import run  # torch loads here, after the config is known to be good
+    import torch  # loads here, after the config is known to be good
+
+    from .server import run
+
+    torch.set_num_threads(config.torch_threads)
 
     main_task = asyncio.current_task()
     if main_task is not None:

@@ -17,7 +17,7 @@ def test_flags_beat_environment_beat_defaults() -> None:
     assert config.port == 0 and config.token == "env-token" and config.name == "agg-env"
     assert config.checkpoint_dir == Path("ck") and config.site == "http://127.0.0.1:8000"
     assert config.max_pending_bytes == DEFAULT_MAX_PENDING_BYTES
-    assert config.public_host == "127.0.0.1"
+    assert config.public_host == "127.0.0.1" and config.torch_threads == 1
     assert config.backbone_ws_url == "ws://127.0.0.1:8000/ws/backbone/"
 
 
@@ -36,6 +36,8 @@ def test_an_https_site_is_reached_over_wss() -> None:
         ({"token": "t"}, {"CROWDTRAIN_BACKBONE_SITE": "localhost:8000"}, "is not a site URL"),
         ({"token": "t"}, {"CROWDTRAIN_BACKBONE_MAX_PENDING_BYTES": "-1"}, "must be a positive number of bytes"),
         ({"token": "t", "name": "two words"}, {}, "--name='two words'"),
+        ({"token": "t"}, {"CROWDTRAIN_BACKBONE_TORCH_THREADS": "0"}, "must be a number of threads from 1 to 256"),
+        ({"token": "t", "torch_threads": "many"}, {}, "--torch-threads='many'"),
     ],
 )
 def test_a_bad_value_names_the_variable_the_value_and_what_is_accepted(

@@ -358,7 +358,10 @@ class Agent:
             readers = {r.shard: self._reader(r.shard, lease.data) for r in lease.ranges}
             flat = None
             if not self._models.holds(lease.campaign_id, lease.model, lease.base_version):
+                started = time.perf_counter()
                 flat = fetch_params(lease.slices, lease.base_version, lease.param_count)
+                logger.debug("lease %d: parameters of version %d in %.1f ms", lease.lease_id, lease.base_version,
+                             1e3 * (time.perf_counter() - started))  # fmt: skip
             x, y = trainer.gather_samples(lease.ranges, readers)
             return Prepared(lease=lease, cm=cm, flat=flat, x=x, y=y)
 
@@ -392,8 +395,10 @@ class Agent:
         try:
             # send: each slice to the aggregator that owns it, all aggregators at once
             codec = get_codec(lease.codec)
+            started = time.perf_counter()
             sends = [self._send_slice(lease, route, result.grad, codec) for route in lease.slices]
             receipts = await asyncio.gather(*sends)
+            logger.debug("lease %d: uploaded in %.1f ms", lease.lease_id, 1e3 * (time.perf_counter() - started))
             # report: the receipts prove that the aggregators hold this lease's gradient
             done = LeaseDone(
                 lease_id=lease.lease_id,

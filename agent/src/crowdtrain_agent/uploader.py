@@ -23,6 +23,7 @@ from .protocol import (
 logger = logging.getLogger(__name__)
 
 AGGREGATOR_TO_AGENT = (UploadReceipt, UploadRejected, ErrorMessage)
+UPLOAD_WRITE_LIMIT_BYTES = 8 << 20  # buffered before send() waits: a few MiB slice in one go
 
 
 class UploadError(RuntimeError):
@@ -112,8 +113,11 @@ class Uploader:
     async def _connection(self, url: str) -> ClientConnection:
         ws = self._connections.get(url)
         if ws is None:
-            # Replies are small; outgoing chunks are kept under the limit by split_payload.
-            ws = await connect(url, max_size=MAX_WS_MESSAGE_BYTES, open_timeout=10)
+            # Replies are small; outgoing chunks are kept under the limit by split_payload. A slice's
+            # chunks go to the kernel without waiting for the aggregator to drain each one (the default
+            # 32 KiB write limit meant a context switch per chunk), and gradients do not compress.
+            ws = await connect(url, max_size=MAX_WS_MESSAGE_BYTES, open_timeout=10, compression=None,
+                               write_limit=UPLOAD_WRITE_LIMIT_BYTES)  # fmt: skip
             self._connections[url] = ws
             self.connects += 1
         return ws
