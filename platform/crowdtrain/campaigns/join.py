@@ -7,11 +7,12 @@ import shlex
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
 from .models import Campaign
+from .views import can_watch
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ def _platforms(server: str, campaign_id: int, pip_spec: str) -> list[Platform]:
 def join(request: HttpRequest, campaign_id: int) -> HttpResponse:
     # Drafts are not public yet; finished campaigns keep their page, which says so.
     campaign = get_object_or_404(Campaign.objects.exclude(state=Campaign.State.DRAFT), pk=campaign_id)
+    if not can_watch(request.user, campaign):  # invite-only: only for its volunteers
+        raise Http404(f"no campaign {campaign_id}")
     server = request.build_absolute_uri("/").rstrip("/")
     context = {
         "campaign": campaign,

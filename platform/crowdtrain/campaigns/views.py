@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from django.core.files.storage import default_storage
 from django.db.models import Count
@@ -14,6 +15,7 @@ from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.tokens import bearer_token
 
 from .models import Campaign, Shard, shard_storage_name
+from .organizers import managed_campaigns
 from .permissions import can_download_shard
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -94,7 +96,17 @@ def _progress(campaign: Campaign) -> dict:
 
 @require_GET
 def progress(request: HttpRequest, campaign_id: int) -> JsonResponse:
-    return JsonResponse(_progress(get_object_or_404(Campaign, pk=campaign_id)))
+    campaign = get_object_or_404(Campaign, pk=campaign_id)
+    if not can_watch(request.user, campaign):  # the same answer as for no campaign: nothing leaks
+        return _error(f"no campaign {campaign_id}", 404)
+    return JsonResponse(_progress(campaign))
+
+
+def can_watch(user: Any, campaign: Campaign) -> bool:
+    """Drafts show only to whoever manages them; invite-only campaigns to their volunteers too."""
+    if getattr(user, "is_authenticated", False) and managed_campaigns(user).filter(pk=campaign.pk).exists():
+        return True
+    return campaign.state != Campaign.State.DRAFT and campaign.is_open_to(user)
 
 
 @require_GET

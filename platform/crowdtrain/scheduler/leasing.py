@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q, QuerySet, Sum
+from django.db.models import Exists, F, Q, QuerySet, Sum
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
@@ -242,6 +242,21 @@ def lease_message(
     )
 
 
+def _open_q(device_id: int) -> Q:
+    """Campaigns this device may work on: public ones, and invite-only ones its volunteer owns or was invited to."""
+    staff = Exists(Device.objects.filter(pk=device_id, owner__is_staff=True))
+    return (
+        Q(visibility=Campaign.Visibility.PUBLIC) | Q(owner__devices=device_id) | Q(invited__devices=device_id) | Q(staff)
+    )
+
+
+def _open_to(campaign: Campaign, device_id: int) -> bool:
+    # Public campaigns cost no query: the lease path stays as short as before for them.
+    if campaign.visibility == Campaign.Visibility.PUBLIC:
+        return True
+    return Campaign.objects.filter(pk=campaign.pk).filter(_open_q(device_id)).exists()
+
+
 def request_lease(
     device_id: int, campaign_id: int | None, samples_per_s: float | None, request_id: str = ""
 ) -> LeaseMessage | NoLease:
@@ -261,6 +276,11 @@ def request_lease(
             campaign = (
                 Campaign.objects.select_for_update(of=("self",)).select_related("dataset").filter(pk=campaign_id).first()
             )
+            if campaign is not None and not _open_to(campaign, device_id):
+                return _no_lease(
+                    "no_campaign", f"campaign {campaign_id} is invite-only; open its invite link while logged in "
+                    "as this device's volunteer to join it", 60.0,
+                )  # fmt: skip
             if campaign is not None and campaign.state == Campaign.State.RUNNING:
                 return _try_lease(campaign, device_id, samples_per_s, request_id)
             if campaign is not None and campaign.state in (Campaign.State.FINISHED, Campaign.State.ARCHIVED):
@@ -269,7 +289,10 @@ def request_lease(
                 return _no_lease("campaign_paused", f"campaign {campaign_id} is {campaign.state}", 10.0)
             return _no_lease("no_campaign", f"there is no campaign {campaign_id}", 10.0)
         refusals: list[NoLease] = []
-        running = Campaign.objects.filter(state=Campaign.State.RUNNING).order_by("id").values_list("id", flat=True)
+        running = (
+            Campaign.objects.filter(state=Campaign.State.RUNNING).filter(_open_q(device_id))
+            .distinct().order_by("id").values_list("id", flat=True)
+        )
         for candidate_id in running:
             outcome = _try_lease(_locked(candidate_id), device_id, samples_per_s, request_id)
             if isinstance(outcome, LeaseMessage):

@@ -180,3 +180,36 @@ def test_the_public_page_lists_public_campaigns_only(campaign: Campaign) -> None
     html = Client().get("/").content.decode()
 
     assert "Olga&#x27;s run" in html and "Secret run" not in html
+
+
+@pytest.mark.parametrize(
+    ("who", "visibility", "state", "visible"),
+    [
+        ("anonymous", "public", "running", True),
+        ("anonymous", "public", "draft", False),
+        ("volunteer", "invite", "running", False),
+        ("invited", "invite", "running", True),
+        ("other organizer", "invite", "paused", False),
+        ("owner", "invite", "draft", True),
+        ("admin", "invite", "draft", True),
+    ],
+)
+def test_progress_and_join_pages_show_only_what_a_persona_may_watch(
+    campaign: Campaign, owner: AbstractBaseUser, who: str, visibility: str, state: str, visible: bool
+) -> None:
+    Campaign.objects.filter(pk=campaign.pk).update(visibility=visibility, state=state)
+    if who == "owner":
+        user = owner
+    elif who == "invited":
+        user = make_volunteer("ivy")
+        campaign.invited.add(user)
+    else:
+        user = persona(who)
+    client = client_for(user)
+
+    progress = client.get(f"/api/campaigns/{campaign.pk}/progress")
+    join = client.get(f"/campaigns/{campaign.pk}/join")
+
+    assert progress.status_code == (200 if visible else 404)
+    if state != "draft":  # the join page is never shown for drafts, even to their owner
+        assert join.status_code == (200 if visible else 404)

@@ -318,3 +318,19 @@ def test_a_resent_request_gets_the_same_lease_back() -> None:
     assert verify_ticket(again.ticket, leasing.settings.CROWDTRAIN_TICKET_KEY).lease_id == first.lease_id
     assert other.lease_id != first.lease_id
     assert Lease.objects.count() == 2
+
+
+def test_an_invite_only_campaign_leases_only_to_devices_of_invited_volunteers() -> None:
+    campaign = make_campaign(visibility=Campaign.Visibility.INVITE)
+    stranger, _ = make_device("stranger")
+    guest, _ = make_device("guest")
+    campaign.invited.add(guest.owner)
+
+    anything = leasing.request_lease(stranger.pk, None, None)
+    this_one = leasing.request_lease(stranger.pk, campaign.pk, None)
+    invited = leasing.request_lease(guest.pk, None, None)
+
+    assert isinstance(anything, NoLease) and anything.reason == "no_campaign"
+    assert isinstance(this_one, NoLease) and "invite-only" in this_one.detail
+    assert isinstance(invited, LeaseMessage) and invited.campaign_id == campaign.pk
+    assert not Lease.objects.filter(device=stranger).exists()
