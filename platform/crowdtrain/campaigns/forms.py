@@ -158,11 +158,16 @@ class CampaignForm(forms.Form):
     num_aggregators = _int("Aggregators", "slices the parameters are split into", initial=1, min_value=1, max_value=64)
     staleness = _int("Staleness", "0 = fully synchronous", initial=1, min_value=0, max_value=4)
     checkpoint_every = _int("Checkpoint every", "steps between checkpoints", initial=10, min_value=1, max_value=1 << 20)
+    validate_every = _int(
+        "Validate every", "steps between held-out losses (and exportable versions); 0 = only at the finish",
+        initial=10, min_value=0, max_value=1 << 20, required=False,
+    )
 
     field_order = [
         "name", "description", "visibility", "dataset", "architecture", "optimizer", "lr", "beta1", "beta2", "eps",
         "weight_decay", "momentum", "warmup_steps", "schedule", "min_lr_ratio", "target_batch_size", "microbatch_size",
-        "codec", "max_steps", "target_val_loss", "seed", "num_aggregators", "staleness", "checkpoint_every",
+        "codec", "max_steps", "target_val_loss", "validate_every", "seed", "num_aggregators", "staleness",
+        "checkpoint_every",
     ]
 
     def __init__(self, *args: Any, user: Any, instance: Campaign | None = None, **kwargs: Any) -> None:
@@ -215,8 +220,8 @@ class CampaignForm(forms.Form):
         initial: dict[str, Any] = {
             name: getattr(campaign, name)
             for name in ("name", "description", "visibility", "architecture", "target_batch_size", "microbatch_size",
-                         "codec", "max_steps", "target_val_loss", "seed", "num_aggregators", "staleness",
-                         "checkpoint_every")
+                         "codec", "max_steps", "target_val_loss", "validate_every", "seed", "num_aggregators",
+                         "staleness", "checkpoint_every")
         }  # fmt: skip
         initial["dataset"] = campaign.dataset_id
         optimizer = dict(campaign.optimizer or {})
@@ -383,6 +388,8 @@ class CampaignForm(forms.Form):
             campaign = self.instance or Campaign(owner=self.user)
             for name in ("name", "description", "visibility", "max_steps", "target_val_loss"):
                 setattr(campaign, name, data[name])
+            if data.get("validate_every") is not None:  # left empty: the model's default
+                campaign.validate_every = data["validate_every"]
             if not self.locked:
                 campaign.dataset = data["dataset"]
                 campaign.architecture = data["architecture"]

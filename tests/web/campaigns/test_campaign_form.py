@@ -64,7 +64,8 @@ def test_an_organizer_creates_a_draft_campaign(organizer_client: Client, text_da
     response = organizer_client.post(
         "/campaigns/new",
         valid_post(
-            text_dataset, optimizer="lamb", schedule="cosine", warmup_steps=5, min_lr_ratio=0.1, target_val_loss=2.5
+            text_dataset, optimizer="lamb", schedule="cosine", warmup_steps=5, min_lr_ratio=0.1, target_val_loss=2.5,
+            validate_every=4,
         ),
     )
 
@@ -78,6 +79,7 @@ def test_an_organizer_creates_a_draft_campaign(organizer_client: Client, text_da
     assert campaign.optimizer["lr"] == pytest.approx(0.003)
     assert campaign.param_count > 0 and campaign.seed == 7
     assert campaign.max_steps == 20 and campaign.target_val_loss == pytest.approx(2.5)
+    assert campaign.validate_every == 4
 
 
 def test_an_invite_only_campaign_gets_an_invite_code(organizer_client: Client, text_dataset: Dataset) -> None:
