@@ -16,8 +16,9 @@ from typing import Any
 from asgiref.sync import async_to_sync
 from django.db import transaction
 
-from crowdtrain.gateway.outbox import send_outbox
+from crowdtrain.gateway.outbox import campaign_agents_group, send_outbox, send_to_group
 from crowdtrain.scheduler.backbone import assign_waiting_campaigns
+from crowdtrain_agent.protocol import VersionPublished
 
 from .models import Campaign, Dataset
 from .setup import CampaignConfigError, validate_campaign
@@ -127,4 +128,7 @@ def apply_move(campaign_id: int, name: str, by: Any) -> Campaign:
         outbox = assign_waiting_campaigns()
         if outbox:
             async_to_sync(send_outbox)(outbox)
+        # Agents told "paused, ask again in 10 s" wake on a version push: resuming takes effect now.
+        wake = VersionPublished(campaign_id=campaign.pk, version=campaign.version)
+        async_to_sync(send_to_group)(campaign_agents_group(campaign.pk), wake)
     return campaign

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
 from django.contrib.auth.models import AbstractBaseUser
 from django.test import Client
 
 from crowdtrain.campaigns import lifecycle
 from crowdtrain.campaigns.lifecycle import LifecycleError, apply_move
 from crowdtrain.campaigns.models import Campaign, ValidationResult
+from crowdtrain.gateway.outbox import campaign_agents_group
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.models import Aggregator, SliceAssignment
-from crowdtrain_agent.protocol import Lease as LeaseMessage, NoLease
+from crowdtrain_agent.protocol import Lease as LeaseMessage, NoLease, VersionPublished, decode_message
 from tests.factories import done_for, make_aggregator, make_campaign, make_device, make_organizer
 
 pytestmark = pytest.mark.django_db
@@ -103,6 +106,19 @@ def test_resuming_leases_again(owner_client: Client, owner: AbstractBaseUser) ->
     campaign.refresh_from_db()
     assert campaign.state == Campaign.State.RUNNING
     assert isinstance(leasing.request_lease(device.pk, campaign.pk, None), LeaseMessage)
+
+
+def test_resuming_wakes_the_agents_waiting_on_the_campaign(owner_client: Client, owner: AbstractBaseUser) -> None:
+    campaign = campaign_in(Campaign.State.PAUSED, owner)
+    layer = get_channel_layer()
+    waiting_agent = async_to_sync(layer.new_channel)()
+    async_to_sync(layer.group_add)(campaign_agents_group(campaign.pk), waiting_agent)
+
+    act(owner_client, campaign, "resume")
+
+    event = async_to_sync(layer.receive)(waiting_agent)
+    # A version push: agents told "paused, ask again in 10 s" ask at once instead.
+    assert decode_message(event["text"]) == VersionPublished(campaign_id=campaign.pk, version=campaign.version)
 
 
 @pytest.mark.parametrize("state", [Campaign.State.RUNNING, Campaign.State.PAUSED])
