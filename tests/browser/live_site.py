@@ -15,7 +15,7 @@ from typing import cast
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-from playwright.sync_api import Page
+from playwright.sync_api import Page, expect
 
 from crowdtrain.launcher import Swarm
 
@@ -125,3 +125,16 @@ def site_database_url() -> str:
         f"browser tests share the test database with a site process, which {connection.vendor} {name!r} "
         "does not allow: run them on PostgreSQL (python -m tests.services ...) or the default SQLite file"
     )
+
+
+# make_volunteer / make_organizer's password (tests/factories.py).
+FACTORY_PASSWORD = "correct horse battery"
+
+
+def log_in(page: Page, email: str, password: str = FACTORY_PASSWORD) -> None:
+    """Log in through the site's form, as a person would, and wait until the page says so."""
+    page.goto("/accounts/login/")
+    page.get_by_label("Email").fill(email)
+    page.get_by_label("Password:", exact=True).fill(password)
+    page.get_by_role("button", name="Sign In").click()
+    expect(page.get_by_role("button", name="Log out")).to_be_visible()

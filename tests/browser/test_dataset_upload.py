@@ -7,19 +7,10 @@ from pathlib import Path
 from playwright.sync_api import Page, Route, expect
 
 from crowdtrain.campaigns.models import Dataset, Upload
-from tests.browser.live_site import Shot
+from tests.browser.live_site import Shot, log_in
 from tests.factories import make_organizer
 
-PASSWORD = "correct horse battery"
 CHUNK = 8 << 20  # the site's default CROWDTRAIN_UPLOAD_CHUNK_BYTES
-
-
-def log_in(page: Page, email: str) -> None:
-    page.goto("/accounts/login/")
-    page.get_by_label("Email").fill(email)
-    page.get_by_label("Password:", exact=True).fill(PASSWORD)
-    page.get_by_role("button", name="Sign In").click()
-    expect(page.get_by_role("button", name="Log out")).to_be_visible()
 
 
 def test_an_upload_cut_short_resumes_after_a_reload_and_is_sharded(page: Page, shot: Shot, tmp_path: Path) -> None:

@@ -5,18 +5,9 @@ from __future__ import annotations
 from playwright.sync_api import Page, expect
 
 from crowdtrain.campaigns.models import Campaign, Dataset, Step, ValidationResult
-from tests.browser.live_site import Shot
+from tests.browser.live_site import Shot, log_in
 from tests.factories import make_organizer, make_text_dataset
 
-PASSWORD = "correct horse battery"
-
-
-def log_in(page: Page, email: str) -> None:
-    page.goto("/accounts/login/")
-    page.get_by_label("Email").fill(email)
-    page.get_by_label("Password:", exact=True).fill(PASSWORD)
-    page.get_by_role("button", name="Sign In").click()
-    expect(page.get_by_role("button", name="Log out")).to_be_visible()
 
 
 def test_an_organizer_creates_a_campaign_and_moves_it_through_its_life(page: Page, shot: Shot) -> None:

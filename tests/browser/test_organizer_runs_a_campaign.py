@@ -34,26 +34,17 @@ from crowdtrain.campaigns.sharding import stdlib_corpus
 from crowdtrain.launcher import Site, Swarm
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.models import load_exported
-from tests.browser.live_site import LiveSite, Shot
+from tests.browser.live_site import LiveSite, Shot, log_in
 from tests.factories import make_organizer, make_volunteer
 
 pytestmark = pytest.mark.timeout(180)
 
-PASSWORD = "correct horse battery"
 CORPUS_BYTES = 40 << 10
 MODEL = {"n_layer": "1", "n_head": "1", "n_embd": "16", "block_size": "16"}
 SAMPLE_LEN = 17  # block_size + 1: the input bytes and the next byte of the last one
 VALIDATE_EVERY = 10  # Campaign.validate_every's default; the form does not set it
 MAX_STEPS = 2000
 TRAINING_MS = 60_000  # a generous bound: the first step usually comes some 5 s after the agents start
-
-
-def log_in(page: Page, email: str) -> None:
-    page.goto("/accounts/login/")
-    page.get_by_label("Email").fill(email)
-    page.get_by_label("Password:", exact=True).fill(PASSWORD)
-    page.get_by_role("button", name="Sign In").click()
-    expect(page.get_by_role("button", name="Log out")).to_be_visible()
 
 
 def backbone_token(name: str) -> str:

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Exists, F, Q, QuerySet, Sum
+from django.db.models import Exists, F, Q, Sum
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device

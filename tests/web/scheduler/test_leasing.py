@@ -3,7 +3,6 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.db.models import Sum
 from django.test import override_settings
 from django.utils import timezone
 
