@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from crowdtrain_agent.fetch import FetchError, fetch_params
+from crowdtrain_agent.fetch import FetchError, fetch_params, fetch_slice
 
 from .fakes import World
 
@@ -34,3 +34,11 @@ async def test_slices_with_a_gap_are_refused(world: World) -> None:
 
     with pytest.raises(FetchError, match="do not tile"):
         await asyncio.to_thread(fetch_params, gappy, 0, world.params.numel())
+
+
+async def test_a_slice_of_the_wrong_size_is_refused_with_both_sizes(world: World) -> None:
+    first, _ = world.routes()
+    short = replace(first, end=first.end - 1)  # the aggregator sends one element more than this route holds
+
+    with pytest.raises(FetchError, match=rf"sends {4 * (first.end - first.start)} bytes, expected {4 * (short.end - short.start)}"):
+        await asyncio.to_thread(fetch_slice, short, 0)

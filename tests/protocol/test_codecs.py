@@ -46,3 +46,12 @@ def test_it_rejects_a_payload_of_the_wrong_length(name: str) -> None:
 def test_it_names_the_known_codecs_for_an_unknown_one() -> None:
     with pytest.raises(ProtocolError, match="unknown codec 'int3'; known codecs: fp32, fp16"):
         get_codec("int3")
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16"])
+@given(values=FINITE, start=st.integers(0, 20))
+def test_a_codecs_view_holds_exactly_its_encoded_bytes(name: str, values: np.ndarray, start: int) -> None:
+    codec = get_codec(name)
+    piece = torch.from_numpy(values)[start:]  # a slice of a larger gradient, as agents send them
+
+    assert bytes(codec.view(piece)) == codec.encode(piece)

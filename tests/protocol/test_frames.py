@@ -5,7 +5,7 @@ import struct
 import pytest
 from hypothesis import given, strategies as st
 
-from crowdtrain_agent.protocol import ProtocolError, decode_chunk, should_reconnect, split_payload
+from crowdtrain_agent.protocol import ProtocolError, chunk_fragments, decode_chunk, should_reconnect, split_payload
 from crowdtrain_agent.protocol.frames import CHUNK_HEADER_BYTES, MAX_WS_MESSAGE_BYTES, CloseCode
 
 
@@ -19,6 +19,18 @@ def test_chunks_reassemble_to_the_payload(payload: bytes, chunk: int) -> None:
     assert [h.chunk_index for h, _ in parts] == list(range(len(frames)))
     assert {h.num_chunks for h, _ in parts} == {len(frames)}
     assert all(len(frame) <= MAX_WS_MESSAGE_BYTES for frame in frames)
+
+
+@given(payload=st.binary(max_size=5000), chunk=st.integers(1, 700))
+def test_fragment_pairs_make_the_same_messages_without_copying_the_payload(payload: bytes, chunk: int) -> None:
+    buffer = bytearray(payload)
+
+    pairs = chunk_fragments(buffer, chunk)
+
+    assert [header + bytes(part) for header, part in pairs] == split_payload(payload, chunk)
+    if buffer:  # the parts are views: a change to the gradient's memory shows through them
+        buffer[0] ^= 0xFF
+        assert pairs[0][1][0] == buffer[0]
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,12 @@ def encode_fp32(flat: torch.Tensor) -> bytes:
     return flat.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4", copy=False).tobytes()
 
 
+def view_fp32(flat: torch.Tensor) -> memoryview:
+    """``encode_fp32``'s bytes without copying them where the tensor already is contiguous CPU fp32."""
+    array = flat.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4", copy=False)
+    return memoryview(array).cast("B")  # the view keeps the array alive
+
+
 def decode_fp32(data: bytes | bytearray | memoryview, num_elements: int) -> torch.Tensor:
     """Inverse of ``encode_fp32``.
 
@@ -35,6 +41,10 @@ def decode_fp32(data: bytes | bytearray | memoryview, num_elements: int) -> torc
 def encode_fp16(flat: torch.Tensor) -> bytes:
     """Half-precision bytes: half the traffic, ~3 significant digits; values above 65504 become inf."""
     return flat.detach().to("cpu", torch.float16).contiguous().numpy().astype("<f2", copy=False).tobytes()
+
+
+def view_fp16(flat: torch.Tensor) -> memoryview:
+    return memoryview(encode_fp16(flat))
 
 
 def decode_fp16(data: bytes | bytearray | memoryview, num_elements: int) -> torch.Tensor:
@@ -61,11 +71,12 @@ class Codec:
     bytes_per_element: int
     encode: Callable[[torch.Tensor], bytes]
     decode: Callable[[bytes | bytearray | memoryview, int], torch.Tensor]
+    view: Callable[[torch.Tensor], memoryview]  # the same bytes as encode, without a copy where possible
 
 
 CODECS: dict[str, Codec] = {
-    "fp32": Codec("fp32", 4, encode_fp32, decode_fp32),
-    "fp16": Codec("fp16", 2, encode_fp16, decode_fp16),
+    "fp32": Codec("fp32", 4, encode_fp32, decode_fp32, view_fp32),
+    "fp16": Codec("fp16", 2, encode_fp16, decode_fp16, view_fp16),
 }
 
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 
 from .data import sha256_hex
@@ -43,12 +44,44 @@ def http_get(url: str, *, token: str | None = None, timeout: float = HTTP_TIMEOU
         HttpStatusError: for a non-2xx answer (callers look at ``.code``).
         FetchError: if the server cannot be reached.
     """
+    with _open(url, token=token, timeout=timeout) as response:
+        try:
+            return response.read()
+        except OSError as exc:
+            raise FetchError(f"cannot download {url}: {exc}") from None
+
+
+def http_get_into(url: str, out: memoryview, *, timeout: float = HTTP_TIMEOUT_S) -> None:
+    """GET ``url`` and read its body straight into ``out``, which it must fill exactly.
+
+    Parameters arrive every step; reading them in place saves the copies of
+    collecting the body, then converting it, then placing it.
+
+    Raises:
+        HttpStatusError: for a non-2xx answer.
+        FetchError: if the server cannot be reached or the body is not ``len(out)`` bytes.
+    """
+    with _open(url, timeout=timeout) as response:
+        announced = response.headers.get("Content-Length")
+        if announced is None or not announced.isdigit() or int(announced) != len(out):
+            raise FetchError(f"{url} sends {announced or 'an unknown number of'} bytes, expected {len(out)}")
+        filled = 0
+        try:
+            while filled < len(out):
+                count = response.readinto(out[filled:])
+                if not count:
+                    raise FetchError(f"{url}: the connection closed after {filled} of {len(out)} bytes")
+                filled += count
+        except OSError as exc:
+            raise FetchError(f"cannot download {url}: {exc}") from None
+
+
+def _open(url: str, *, token: str | None = None, timeout: float) -> Any:
     request = urllib.request.Request(url, headers={"User-Agent": "crowdtrain-agent"})
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.read()
+        return urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as exc:
         exc.close()  # an HTTPError holds the socket open until it is garbage-collected
         raise HttpStatusError(f"HTTP {exc.code} from {url}", exc.code) from None
@@ -145,8 +178,8 @@ class ShardCache:
             )
 
 
-def fetch_slice(route: SliceRoute, version: int, *, retry_for_s: float = 10.0) -> torch.Tensor:
-    """Download elements ``route.start:route.end`` of parameter version ``version``.
+def fetch_slice(route: SliceRoute, version: int, out: torch.Tensor | None = None, *, retry_for_s: float = 10.0) -> torch.Tensor:
+    """Download elements ``route.start:route.end`` of parameter version ``version`` (into ``out`` if given).
 
     A 404 usually means the version is being published right now (the lease
     was handed out as the last slice stepped), so it is retried for a while.
@@ -154,13 +187,17 @@ def fetch_slice(route: SliceRoute, version: int, *, retry_for_s: float = 10.0) -
     Raises:
         FetchError: if the slice stays missing, has the wrong size, or cannot be downloaded.
     """
+    numel = route.end - route.start
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32)
+    array = out.numpy()
     url = f"{route.params_url}{version}"
     # No token: parameters are public per campaign and cacheable, and the device token is the site's secret.
     deadline = time.monotonic() + retry_for_s
     delay = 0.05
     while True:
         try:
-            data = http_get(url)
+            http_get_into(url, memoryview(array).cast("B"))
             break
         except HttpStatusError as exc:
             if exc.code != 404 or time.monotonic() + delay > deadline:
@@ -170,13 +207,12 @@ def fetch_slice(route: SliceRoute, version: int, *, retry_for_s: float = 10.0) -
             logger.debug("slice %d of version %d not published yet; retrying in %.2f s", route.index, version, delay)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
-    expected = 4 * (route.end - route.start)
-    if len(data) != expected:
-        raise FetchError(
-            f"parameters of version {version}, slice {route.index}: got {len(data)} bytes from {url}, "
-            f"expected {expected} (fp32 elements {route.start}:{route.end})"
-        )
-    return torch.from_numpy(np.frombuffer(data, dtype="<f4").astype(np.float32))
+        except FetchError as exc:
+            raise FetchError(f"parameters of version {version}, slice {route.index} (fp32 elements "
+                             f"{route.start}:{route.end}): {exc}") from None  # fmt: skip
+    if sys.byteorder == "big":  # the wire is little-endian
+        array.byteswap(inplace=True)
+    return out
 
 
 def fetch_params(routes: list[SliceRoute], version: int, param_count: int) -> torch.Tensor:
@@ -188,7 +224,7 @@ def fetch_params(routes: list[SliceRoute], version: int, param_count: int) -> to
     check_routes(routes, param_count)
     flat = torch.empty(param_count, dtype=torch.float32)
     for route in routes:
-        flat[route.start : route.end] = fetch_slice(route, version)
+        fetch_slice(route, version, flat[route.start : route.end])
     return flat
 
 

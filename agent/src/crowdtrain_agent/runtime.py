@@ -35,7 +35,7 @@ from .protocol import (
     SliceRoute,
     UploadBegin,
     VersionPublished,
-    split_payload,
+    chunk_fragments,
 )
 from .trainer import CampaignModel, ComputeCancelled, GradientResult, ModelCache
 from .uploader import Uploader, UploadError
@@ -433,8 +433,13 @@ class Agent:
             logger.warning("lease %d was not counted: %s", lease.lease_id, ack.reason or "no reason given")
 
     async def _send_slice(self, lease: Lease, route: SliceRoute, grad: torch.Tensor, codec: Codec) -> Receipt:
-        # Encoding a large slice takes a while: keep it off the event loop.
-        chunks = await in_daemon_thread(lambda: split_payload(codec.encode(grad[route.start : route.end])))
+        # fp32 goes out straight from the gradient's memory (chunk views, no copies); other codecs
+        # encode first, which for a large slice takes a while: off the event loop, then.
+        piece = grad[route.start : route.end]
+        if codec.name == "fp32":
+            chunks = chunk_fragments(codec.view(piece))
+        else:
+            chunks = await in_daemon_thread(lambda: chunk_fragments(codec.view(piece)))
         begin = UploadBegin(
             ticket=lease.ticket,
             slice_index=route.index,

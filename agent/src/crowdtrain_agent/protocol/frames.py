@@ -79,7 +79,12 @@ def encode_chunk(chunk_index: int, num_chunks: int, payload: bytes | memoryview)
     """
     if len(payload) > MAX_CHUNK_PAYLOAD_BYTES:
         raise ValueError(f"chunk payload of {len(payload)} bytes is over the {MAX_CHUNK_PAYLOAD_BYTES} byte limit")
-    return _CHUNK_HEADER.pack(_CHUNK_MAGIC, chunk_index, num_chunks, len(payload)) + bytes(payload)
+    return chunk_header(chunk_index, num_chunks, len(payload)) + payload
+
+
+def chunk_header(chunk_index: int, num_chunks: int, payload_len: int) -> bytes:
+    """The header alone, for senders that send it and the payload as two fragments of one message."""
+    return _CHUNK_HEADER.pack(_CHUNK_MAGIC, chunk_index, num_chunks, payload_len)
 
 
 def decode_chunk(frame: bytes) -> tuple[ChunkHeader, memoryview]:
@@ -110,6 +115,23 @@ def decode_chunk(frame: bytes) -> tuple[ChunkHeader, memoryview]:
 
 def split_payload(payload: bytes | memoryview, chunk_bytes: int = CHUNK_PAYLOAD_BYTES) -> list[bytes]:
     """Cut an encoded slice into framed chunks ready to send, in order."""
-    view = memoryview(payload)
+    return [header + bytes(part) for header, part in chunk_fragments(payload, chunk_bytes)]
+
+
+def chunk_fragments(payload: bytes | memoryview, chunk_bytes: int = CHUNK_PAYLOAD_BYTES) -> list[tuple[bytes, memoryview]]:
+    """The chunks of ``split_payload`` as (header, payload view) pairs, copying nothing.
+
+    Sent as two fragments of one WebSocket message (RFC 6455 section 5.4), a
+    pair arrives as the same single binary message ``split_payload`` makes;
+    the agent sends a gradient this way so its bytes are never copied
+    before the socket masks them.
+    """
+    view = memoryview(payload).cast("B")
     count = max(1, -(-len(view) // chunk_bytes))
-    return [encode_chunk(i, count, view[i * chunk_bytes : (i + 1) * chunk_bytes]) for i in range(count)]
+    pairs = []
+    for i in range(count):
+        part = view[i * chunk_bytes : (i + 1) * chunk_bytes]
+        if len(part) > MAX_CHUNK_PAYLOAD_BYTES:
+            raise ValueError(f"chunk payload of {len(part)} bytes is over the {MAX_CHUNK_PAYLOAD_BYTES} byte limit")
+        pairs.append((chunk_header(i, count, len(part)), part))
+    return pairs
