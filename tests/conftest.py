@@ -25,6 +25,8 @@ def pytest_configure(config: pytest.Config) -> None:
     from django.conf import settings as django_settings
 
     django_settings.DATABASES["default"]["CONN_MAX_AGE"] = 0
+    # Tests look at a task's outcome right after the request that queued it.
+    django_settings.CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND = False
 
 # Timing varies a lot on 2 shared cores (first calls import and warm up torch): no deadlines.
 hypothesis_settings.register_profile("crowdtrain", deadline=None)

@@ -124,6 +124,9 @@ else:
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", REDIS_URL or "memory://")
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", not REDIS_URL)
 CELERY_TASK_EAGER_PROPAGATES = True
+# With eager Celery (no worker), long tasks a page shows progress of (sharding an upload) run in a
+# background thread instead of inside the request; the test process turns this off to run them inline.
+CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND = env_bool("CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND", True)
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]

@@ -20,13 +20,14 @@ import json
 import logging
 import re
 import secrets
+import threading
 from typing import Any, BinaryIO
 from uuid import UUID
 
 from django.conf import settings
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
-from django.db import transaction
+from django.db import connection, transaction
 from django.http import HttpRequest, JsonResponse
 from django.urls import reverse
 from django.views.decorators.http import require_http_methods
@@ -263,10 +264,26 @@ def complete_upload(upload: Upload) -> Upload:
         )  # fmt: skip
         upload.state = Upload.State.COMPLETE
         upload.save(update_fields=["dataset", "state"])
-    # After the commit: a worker must find the rows. Eager Celery (the embedded default) runs it right here.
-    shard_upload.delay(str(upload.pk))
+    # After the commit: a worker must find the rows.
+    if settings.CELERY_TASK_ALWAYS_EAGER and settings.CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND:
+        # The embedded default has no worker: shard in a thread, so the request returns at once and
+        # the dataset page shows the progress, as it does with a worker.
+        threading.Thread(target=_shard_in_thread, args=(str(upload.pk),), name=f"shard-{upload.pk}", daemon=True).start()
+    else:
+        shard_upload.delay(str(upload.pk))
     upload.refresh_from_db()
     return upload
+
+
+def _shard_in_thread(upload_id: str) -> None:
+    from .tasks import shard_upload
+
+    try:
+        shard_upload(upload_id)
+    except Exception:  # the task marks the dataset failed itself; this is what escaped it
+        logger.exception("sharding upload %s failed", upload_id)
+    finally:
+        connection.close()  # this thread's connection would otherwise stay open until exit
 
 
 @require_http_methods(["POST"])

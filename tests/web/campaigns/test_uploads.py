@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -225,3 +226,21 @@ def test_someone_elses_upload_is_unknown(persona: str) -> None:
     assert [a.status_code for a in answers] == [404, 404, 404]
     assert answers[0].json() == {"error": "unknown upload"}
     assert Upload.objects.get(pk=upload_id).received == 1024
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_a_worker_the_request_returns_and_sharding_finishes_in_the_background(settings: Any) -> None:
+    settings.CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND = True  # the embedded default: eager Celery, no worker
+    client = _client(make_organizer("olga"))
+    upload_id = _start(client).json()["id"]
+    _send_all(client, upload_id, CORPUS)
+
+    response = client.post(f"/datasets/uploads/{upload_id}/complete")
+    dataset_id = response.json()["dataset"]
+    deadline = time.monotonic() + 30
+    while Dataset.objects.get(pk=dataset_id).status not in ("ready", "failed") and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    assert response.status_code == 202
+    assert Dataset.objects.get(pk=dataset_id).status == "ready"
+    assert client.get(f"/datasets/{dataset_id}/status").json()["status"] == "ready"
