@@ -338,10 +338,14 @@ def commit_open_step(campaign: Campaign, leases: list[Lease], aggregator_ids: li
     )
     Lease.objects.filter(pk__in=[l.pk for l in leases]).update(step=step)
     credit: dict[int, int] = {}
+    busy_s: dict[int, float] = {}
     for lease in leases:  # credit only work that made it into a committed step
         credit[lease.device_id] = credit.get(lease.device_id, 0) + lease.num_samples
+        busy_s[lease.device_id] = busy_s.get(lease.device_id, 0.0) + (lease.compute_s or 0.0)
     for device_id in sorted(credit):  # in id order, so two commits never wait on each other's rows
-        Device.objects.filter(pk=device_id).update(samples_accepted=F("samples_accepted") + credit[device_id])
+        # The speed "My devices" shows: what its accepted work took, as the agent reported it.
+        speed = {"samples_per_s": credit[device_id] / busy_s[device_id]} if busy_s[device_id] > 0 else {}
+        Device.objects.filter(pk=device_id).update(samples_accepted=F("samples_accepted") + credit[device_id], **speed)
     campaign.committed_steps += 1
     campaign.save(update_fields=["committed_steps"])
     logger.info("campaign %s: step %s committed (%s samples, %s leases)", campaign.pk, step.index, step.num_samples, len(leases))

@@ -55,6 +55,8 @@ def test_it_commits_the_step_when_the_global_batch_is_full() -> None:
     assert (commit.step, commit.lease_ids, commit.num_samples) == (0, [first.lease_id, second.lease_id], 16)
     campaign.refresh_from_db()
     assert campaign.committed_steps == 1
+    device.refresh_from_db()  # credited, and its speed is what its accepted leases took (0.1 s each)
+    assert (device.samples_accepted, device.samples_per_s) == (16, pytest.approx(16 / 0.2))
 
 
 def test_it_says_the_step_is_full_while_waiting_for_its_commit_when_synchronous() -> None:
