@@ -165,6 +165,8 @@ def test_an_organizer_trains_a_tiny_gpt_with_real_agents_and_downloads_it(
         expect(page.locator('[data-stat="val_loss"]')).to_have_text(re.compile(r"^\d+\.\d{3}$"), timeout=TRAINING_MS)
         expect(page.locator('[data-stat="contributors"]')).to_have_text("2")
         expect(page.locator("#loss-chart circle.val-point").first).to_be_visible()
+        # its weights become downloadable on the open page, without a reload
+        expect(page.get_by_test_id(f"export-weights-{VALIDATE_EVERY}")).to_be_visible(timeout=TRAINING_MS)
         shot(page, "training with a validation loss")
 
         # Paused: the leases already out come back, then the step count stands still.

@@ -1,5 +1,6 @@
 // The organizer's campaign page: poll the progress feed, update the numbers and redraw the
-// loss chart. When the state changes (the scheduler finished it, say) reload for the right buttons.
+// loss chart; refresh the export card when a validation adds a version. When the state changes
+// (the scheduler finished it, say) reload for the right buttons.
 (function () {
   "use strict";
 
@@ -44,6 +45,11 @@
         // The server drew the "waiting for aggregators" note at load; a new step means they are there now.
         if (waiting && progress.committed_steps !== initial.committed_steps) waiting.hidden = true;
         show(progress);
+        const validations = (progress.val_loss || []).length;
+        if (validations !== shownValidations) {
+          shownValidations = validations;
+          refreshExports();
+        }
       }
     } catch (err) {
       // The site restarting is no reason to stop watching: try again at the next tick.
@@ -51,8 +57,23 @@
     window.setTimeout(poll, POLL_MS);
   }
 
+  // A new validation result comes with new weights to export: swap in the server's export card.
+  async function refreshExports() {
+    try {
+      const response = await fetch(window.location.href, {headers: {Accept: "text/html"}});
+      if (!response.ok) return;
+      const html = new DOMParser().parseFromString(await response.text(), "text/html");
+      const fresh = html.querySelector('[data-testid="export"]');
+      const current = document.querySelector('[data-testid="export"]');
+      if (fresh && current) current.replaceWith(fresh);
+    } catch (err) {
+      // the next validation tries again
+    }
+  }
+
   const waiting = page.querySelector('[data-testid="waiting"]');
   const initial = JSON.parse(document.getElementById("campaign-progress").textContent);
+  let shownValidations = (initial.val_loss || []).length;
   show(initial);
   window.setTimeout(poll, POLL_MS);
 })();
