@@ -206,6 +206,9 @@ LOGGING = {
 CROWDTRAIN_LEASE_TARGET_S = env_float("CROWDTRAIN_LEASE_TARGET_S", 15.0, minimum=0.1)
 # Never give a lease less time than this, whatever the device's speed.
 CROWDTRAIN_LEASE_MIN_DEADLINE_S = env_float("CROWDTRAIN_LEASE_MIN_DEADLINE_S", 30.0, minimum=1.0)
+# However slow a device says it is, its lease is freed after this long: a stranger reporting a
+# tiny speed must not hold a step's samples (and so the step) for ever.
+CROWDTRAIN_LEASE_MAX_DEADLINE_S = env_float("CROWDTRAIN_LEASE_MAX_DEADLINE_S", 600.0, minimum=1.0)
 CROWDTRAIN_MAX_LEASE_SAMPLES = env_int("CROWDTRAIN_MAX_LEASE_SAMPLES", 65536, minimum=1)
 # How often idle agents ask again when no lease can be given.
 CROWDTRAIN_RETRY_AFTER_S = env_float("CROWDTRAIN_RETRY_AFTER_S", 2.0, minimum=0.05)

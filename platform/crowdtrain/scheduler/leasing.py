@@ -136,7 +136,7 @@ def _lease_size(campaign: Campaign, device_id: int, samples_per_s: float | None)
     ``_others_idle``).
     """
     micro = campaign.microbatch_size
-    speed = samples_per_s
+    speed = samples_per_s if samples_per_s is not None and samples_per_s > 0 else None  # the agent's word
     if not speed:
         hardware = Device.objects.filter(pk=device_id).values_list("hardware", flat=True).first() or {}
         flops = float(hardware.get("flops_per_s") or 0.0)
@@ -200,6 +200,7 @@ def _try_lease(
     ranges = take_samples(campaign, size)
     campaign.save(update_fields=["cursor", "epoch"])
     seconds = max(settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S, 3 * size / speed if speed else 0.0)
+    seconds = min(seconds, max(settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S, settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S))
     deadline = timezone.now() + timedelta(seconds=seconds)
     lease = Lease.objects.create(
         campaign=campaign, device_id=device_id, base_version=campaign.version, target_step=step, ranges=ranges,
@@ -344,7 +345,7 @@ def commit_open_step(campaign: Campaign, leases: list[Lease], aggregator_ids: li
         busy_s[lease.device_id] = busy_s.get(lease.device_id, 0.0) + (lease.compute_s or 0.0)
     for device_id in sorted(credit):  # in id order, so two commits never wait on each other's rows
         # The speed "My devices" shows: what its accepted work took, as the agent reported it.
-        speed = {"samples_per_s": credit[device_id] / busy_s[device_id]} if busy_s[device_id] > 0 else {}
+        speed = {"samples_per_s": credit[device_id] / busy_s[device_id]} if busy_s[device_id] >= 1e-3 else {}
         Device.objects.filter(pk=device_id).update(samples_accepted=F("samples_accepted") + credit[device_id], **speed)
     campaign.committed_steps += 1
     campaign.save(update_fields=["committed_steps"])
@@ -382,8 +383,10 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
             return _reject(lease, f"stale version: computed on {lease.base_version}, step {campaign.open_step} is open")
         lease.state = Lease.State.ACCEPTED
         lease.loss_sum = done.loss_sum
-        lease.compute_s = done.compute_s
         lease.finished_at = timezone.now()
+        # The agent's figure, kept within what is possible: it cannot have computed longer than it held the lease.
+        held_s = max((lease.finished_at - lease.issued_at).total_seconds(), 0.0)
+        lease.compute_s = min(max(done.compute_s, 0.0), held_s)
         lease.save(update_fields=["state", "loss_sum", "compute_s", "finished_at"])
         outcome = DoneOutcome(DoneAck(lease_id=lease.pk, accepted=True, step=lease.target_step))
         # A lease reported ahead of its step may complete several steps at once when the last one comes in.

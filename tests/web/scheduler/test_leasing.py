@@ -45,6 +45,7 @@ def test_it_commits_the_step_when_the_global_batch_is_full() -> None:
     device, _ = make_device()
     first = leasing.request_lease(device.pk, None, 8.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S)
     second = leasing.request_lease(device.pk, None, 8.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S)
+    Lease.objects.update(issued_at=timezone.now() - timedelta(seconds=1))  # held long enough for 0.1 s of compute
 
     one = leasing.report_done(device.pk, done_for(first.lease_id))
     two = leasing.report_done(device.pk, done_for(second.lease_id))
@@ -335,3 +336,27 @@ def test_an_invite_only_campaign_leases_only_to_devices_of_invited_volunteers() 
     assert isinstance(this_one, NoLease) and "invite-only" in this_one.detail
     assert isinstance(invited, LeaseMessage) and invited.campaign_id == campaign.pk
     assert not Lease.objects.filter(device=stranger).exists()
+
+
+@pytest.mark.parametrize("speed", [1e-9, -5.0, 0.0])
+def test_a_device_claiming_an_absurd_speed_cannot_hold_a_step_for_ever(speed: float) -> None:
+    make_campaign(target_batch_size=16, microbatch_size=4)
+    device, _ = make_device("claims-to-be-slow")
+
+    with override_settings(CROWDTRAIN_LEASE_MAX_DEADLINE_S=600.0):
+        lease = leasing.request_lease(device.pk, None, speed)
+
+    assert lease.num_samples >= 4
+    assert 0 < lease.deadline_s <= 600.0  # freed after ten minutes at most, and the step refilled
+
+
+def test_a_reported_compute_time_longer_than_the_lease_was_held_is_cut_to_it() -> None:
+    make_campaign(target_batch_size=8, microbatch_size=4)
+    device, _ = make_device()
+    lease = leasing.request_lease(device.pk, None, None)
+    report = done_for(lease.lease_id)
+
+    leasing.report_done(device.pk, LeaseDone(**{**report.__dict__, "compute_s": 1e9}))
+
+    stored = Lease.objects.get(pk=lease.lease_id)
+    assert 0.0 <= stored.compute_s <= (stored.finished_at - stored.issued_at).total_seconds()
