@@ -56,7 +56,7 @@ def _params(request: HttpRequest) -> dict[str, Any]:
     if request.content_type == "application/json":
         try:
             data = json.loads(request.body or b"{}")
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
             raise _BadRequest("the body is not valid JSON") from None
         if not isinstance(data, dict):
             raise _BadRequest("the body must be a JSON object")

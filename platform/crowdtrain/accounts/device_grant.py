@@ -86,7 +86,7 @@ def clean_hardware(raw: Any) -> dict[str, Any]:
             raise ValueError(f"hardware is {len(raw)} bytes of JSON; at most {MAX_HARDWARE_BYTES}")
         try:
             raw = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ValueError("hardware is not valid JSON") from None
     if not isinstance(raw, dict):
         raise ValueError("hardware must be a JSON object")

@@ -407,6 +407,8 @@ def jsonl_texts(fh: BinaryIO, field: str) -> Iterator[bytes]:
             record = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise DatasetError(f"line {number} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise DatasetError(f"line {number} nests JSON deeper than the parser goes") from None
         if not isinstance(record, dict):
             raise DatasetError(f"line {number} is not a JSON object but {type(record).__name__}")
         if field not in record:

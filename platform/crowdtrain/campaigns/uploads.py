@@ -37,6 +37,9 @@ from .permissions import is_organizer, visible_uploads
 
 logger = logging.getLogger(__name__)
 
+# ASCII digits only (str.isdigit also takes "²", which int() refuses), and no longer than any file.
+_BYTE_COUNT = re.compile(r"[0-9]{1,19}")
+
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 MAX_SAMPLE_LEN = 8193  # the registry's longest GPT context (block_size 8192) plus the shifted target
 
@@ -143,7 +146,7 @@ def upload_create(request: HttpRequest) -> JsonResponse:
         return refused
     try:
         body = json.loads(request.body or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # bad JSON, bad UTF-8, or nesting deeper than the parser goes
         return JsonResponse({"error": "the request body must be a JSON object"}, status=400)
     if not isinstance(body, dict):
         return JsonResponse({"error": "the request body must be a JSON object"}, status=400)
@@ -210,10 +213,10 @@ def upload_chunk(request: HttpRequest, upload_id: UUID) -> JsonResponse:
     try:
         upload = _own_upload(request, upload_id)
         raw_offset = request.GET.get("offset", "")
-        if not raw_offset.isdigit():
-            raise UploadError(f"offset must be a byte position (a whole number), got {raw_offset!r}")
+        if not _BYTE_COUNT.fullmatch(raw_offset):
+            raise UploadError(f"offset must be a byte position (a whole number), got {raw_offset[:40]!r}")
         declared = request.META.get("CONTENT_LENGTH") or "0"
-        if declared.isdigit() and int(declared) > limit:
+        if _BYTE_COUNT.fullmatch(declared) and int(declared) > limit:
             raise UploadError(f"a chunk may hold at most {limit} bytes, got {declared}", status=413, limit=limit)
         # request.read, not request.body: body is capped by DATA_UPLOAD_MAX_MEMORY_SIZE (2.5 MB).
         data = request.read(limit + 1)

@@ -19,7 +19,7 @@ from .organizers import managed_campaigns
 from .permissions import can_download_shard
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE = re.compile(r"^bytes=([0-9]{0,19})-([0-9]{0,19})$")  # ASCII digits, no longer than any file size
 
 
 def _error(message: str, status: int) -> JsonResponse:

@@ -306,3 +306,14 @@ def test_whoami_and_logout_work_with_the_device_token_only(client: Client, owner
     assert no_token.status_code == 401
     device.refresh_from_db()
     assert device.is_revoked
+
+
+@pytest.mark.parametrize("body", [{"json": "[" * 5000}, {"form": {"hardware": "[" * 4000}}])
+def test_json_nested_beyond_the_parser_is_a_clear_400_not_a_crash(client: Client, body: dict[str, Any]) -> None:
+    if "json" in body:
+        response = client.post("/api/device/code", body["json"], content_type="application/json")
+    else:
+        response = client.post("/api/device/code", body["form"])
+
+    assert response.status_code == 400
+    assert response.json()["error"] == "invalid_request"

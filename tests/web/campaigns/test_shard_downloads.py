@@ -61,6 +61,15 @@ def test_an_unsatisfiable_range_gets_416(client: Client) -> None:
     assert response.status_code == 416
 
 
+def test_a_range_with_a_number_too_long_for_any_file_is_ignored_not_a_crash(client: Client) -> None:
+    shard = make_text_dataset().shards.first()
+    _, token = make_device()
+
+    response = _get(client, shard.sha256, token, Range="bytes=0-" + "9" * 5000)
+
+    assert response.status_code == 200  # an unusable Range header is ignored, as RFC 9110 allows
+
+
 def test_it_refuses_without_a_valid_device_token(client: Client) -> None:
     shard = make_text_dataset().shards.first()
     device, token = make_device()

@@ -244,3 +244,23 @@ def test_without_a_worker_the_request_returns_and_sharding_finishes_in_the_backg
     assert response.status_code == 202
     assert Dataset.objects.get(pk=dataset_id).status == "ready"
     assert client.get(f"/datasets/{dataset_id}/status").json()["status"] == "ready"
+
+
+@pytest.mark.parametrize("offset", ["%C2%B2", "1" * 40, "-1"])
+def test_an_offset_that_is_not_plain_digits_is_a_clear_400(offset: str) -> None:
+    client = _client(make_organizer("olga"))
+    upload_id = _start(client).json()["id"]
+
+    response = client.put(
+        f"/datasets/uploads/{upload_id}/chunk?offset={offset}", b"x", content_type="application/octet-stream"
+    )
+
+    assert response.status_code == 400 and "offset must be a byte position" in response.json()["error"]
+
+
+def test_a_create_request_nested_beyond_the_parser_is_a_clear_400() -> None:
+    client = _client(make_organizer("olga"))
+
+    response = client.post("/datasets/uploads", "[" * 5000, content_type="application/json")
+
+    assert response.status_code == 400 and "JSON object" in response.json()["error"]
