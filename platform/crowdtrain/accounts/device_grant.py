@@ -172,6 +172,8 @@ def redeem(device_code: str, now: datetime | None = None) -> tuple[Device, str]:
             raise GrantError("slow_down", f"polled too fast; wait {authorization.interval} s between requests")
         raise GrantError("authorization_pending", "waiting for a volunteer to approve the code")
 
+    if not authorization.approved_by.is_active:
+        raise GrantError("access_denied", "the account that approved this device has been deactivated")
     with transaction.atomic():
         # Two polls may find the same approval at once: only the one that marks it spent issues a token.
         claimed = DeviceAuthorization.objects.filter(pk=authorization.pk, consumed_at__isnull=True).update(

@@ -55,7 +55,8 @@ class Device(models.Model):
         """The device a token belongs to (revoked ones included, so callers can say why)."""
         if not token:
             return None
-        return cls.objects.select_related("owner").filter(token_hash=hash_token(token)).first()
+        # A deactivated account's devices stop with it: an admin banning a volunteer bans their agents.
+        return cls.objects.select_related("owner").filter(token_hash=hash_token(token), owner__is_active=True).first()
 
     @property
     def is_revoked(self) -> bool:

@@ -317,3 +317,27 @@ def test_json_nested_beyond_the_parser_is_a_clear_400_not_a_crash(client: Client
 
     assert response.status_code == 400
     assert response.json()["error"] == "invalid_request"
+
+
+def test_a_deactivated_volunteers_devices_stop_working(client: Client, owner: AbstractBaseUser) -> None:
+    _, token = Device.issue(owner, "desk gpu")
+    owner.is_active = False  # an admin banned them
+    owner.save(update_fields=["is_active"])
+
+    me = client.get("/api/me", headers={"Authorization": f"Bearer {token}"})
+
+    assert me.status_code == 401
+    assert Device.authenticate(token) is None  # what the agent channel and shard downloads ask too
+
+
+def test_a_code_approved_by_a_since_deactivated_account_issues_nothing(client: Client, owner: AbstractBaseUser) -> None:
+    pair = _start(client)
+    _decide(owner, pair["user_code"], "approve")
+    owner.is_active = False
+    owner.save(update_fields=["is_active"])
+    _allow_next_poll(pair["user_code"])
+
+    refused = _poll(client, pair["device_code"])
+
+    assert refused.status_code == 400 and refused.json()["error"] == "access_denied"
+    assert not Device.objects.exists()
