@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 # A peer that keeps sending bad messages is cut off; a few mistakes are answered and forgiven.
 MAX_ERRORS = 20
 MAX_REQUEST_ID = 64  # the column that stores it
+MAX_WATCHED_CAMPAIGNS = 16  # campaigns one connection hears version pushes of
 
 _ERROR_CODES = {CloseCode.TOO_LARGE: "too large", CloseCode.BAD_TICKET: "bad ticket"}
 
@@ -144,7 +145,11 @@ class AgentConsumer(_ProtocolConsumer):
         )
         # Agents waiting for a campaign hear its version pushes, so they ask again the moment a step opens.
         campaign_id = answer.campaign_id if isinstance(answer, Lease) else request.campaign_id
-        if campaign_id is not None and campaign_id not in self.campaigns:
+        # Only campaigns this device may work on (a "no_campaign" answer may hide an invite-only one),
+        # and only a few per connection: group memberships live in the channel layer.
+        joinable = isinstance(answer, Lease) or answer.reason != "no_campaign"
+        watch = campaign_id is not None and joinable and campaign_id not in self.campaigns
+        if watch and len(self.campaigns) < MAX_WATCHED_CAMPAIGNS:
             self.campaigns.add(campaign_id)
             await self.channel_layer.group_add(campaign_agents_group(campaign_id), self.channel_name)
         await self.send_message(answer)

@@ -277,18 +277,17 @@ def request_lease(
             campaign = (
                 Campaign.objects.select_for_update(of=("self",)).select_related("dataset").filter(pk=campaign_id).first()
             )
-            if campaign is not None and not _open_to(campaign, device_id):
+            if campaign is None or not _open_to(campaign, device_id):
+                # One answer for "missing" and "not yours": strangers cannot tell which invite-only campaigns exist.
                 return _no_lease(
-                    "no_campaign", f"campaign {campaign_id} is invite-only; open its invite link while logged in "
-                    "as this device's volunteer to join it", 60.0,
+                    "no_campaign", f"no campaign {campaign_id} is open to this device (an invite-only campaign needs "
+                    "its invite link, opened while logged in as this device's volunteer)", 10.0,
                 )  # fmt: skip
-            if campaign is not None and campaign.state == Campaign.State.RUNNING:
+            if campaign.state == Campaign.State.RUNNING:
                 return _try_lease(campaign, device_id, samples_per_s, request_id)
-            if campaign is not None and campaign.state in (Campaign.State.FINISHED, Campaign.State.ARCHIVED):
+            if campaign.state in (Campaign.State.FINISHED, Campaign.State.ARCHIVED):
                 return _no_lease("campaign_finished", f"campaign {campaign_id} has finished", 60.0)
-            if campaign is not None:
-                return _no_lease("campaign_paused", f"campaign {campaign_id} is {campaign.state}", 10.0)
-            return _no_lease("no_campaign", f"there is no campaign {campaign_id}", 10.0)
+            return _no_lease("campaign_paused", f"campaign {campaign_id} is {campaign.state}", 10.0)
         refusals: list[NoLease] = []
         running = (
             Campaign.objects.filter(state=Campaign.State.RUNNING).filter(_open_q(device_id))

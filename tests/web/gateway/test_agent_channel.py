@@ -6,7 +6,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.utils import timezone
 
-from crowdtrain.gateway.outbox import revoke_device
+from crowdtrain.gateway.outbox import campaign_agents_group, revoke_device, send_to_group
 from crowdtrain_agent.protocol import (
     CloseCode,
     DoneAck,
@@ -14,6 +14,7 @@ from crowdtrain_agent.protocol import (
     Lease,
     LeaseRequest,
     NoLease,
+    VersionPublished,
     Welcome,
     encode_message,
 )
@@ -176,3 +177,18 @@ async def test_it_refuses_a_request_id_longer_than_it_can_store(connect: Connect
 
     assert isinstance(reply, ErrorMessage)
     assert "request_id of 65 characters; at most 64" in reply.detail
+
+
+async def test_a_stranger_asking_for_an_invite_only_campaign_hears_nothing_of_it(connect: Connect) -> None:
+    campaign = await sync_to_async(make_campaign)(visibility="invite")
+    _, token = await sync_to_async(make_device)("stranger")
+    communicator, _, _ = await connect("/ws/agent/", token)
+    await send(communicator, HELLO)
+    await receive(communicator)
+
+    await send(communicator, LeaseRequest(campaign_id=campaign.pk))
+    reply = await receive(communicator)
+    await send_to_group(campaign_agents_group(campaign.pk), VersionPublished(campaign_id=campaign.pk, version=3))
+
+    assert isinstance(reply, NoLease) and reply.reason == "no_campaign"
+    assert await communicator.receive_nothing(timeout=0.5)  # no version pushes, no loss figures
