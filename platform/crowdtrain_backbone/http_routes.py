@@ -10,6 +10,7 @@ from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
+from crowdtrain_agent.protocol import ProtocolError, verify_ticket
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
@@ -23,8 +24,9 @@ PARAMS_PREFIX = "/params/"
 # GET /params/<campaign_id>/<slice_index>/<version>; the site builds agents' URLs
 # as f"{params_url}{campaign_id}/{slice_index}/" + version, so keep this layout.
 _PARAMS = re.compile(r"^/params/(\d{1,18})/(\d{1,9})/(\d{1,18})/?$")
-# A version never changes once published, so any cache may keep it forever.
-IMMUTABLE = "public, max-age=31536000, immutable"
+# A version never changes once published, so the fetcher may keep it forever; but only the
+# fetcher: an invite-only campaign's weights are not for shared caches.
+IMMUTABLE = "private, max-age=31536000, immutable"
 
 
 def _response(
@@ -56,6 +58,9 @@ def params_response(
     404: the slice is not held here, or the version is not published yet.
     410: the version was published but is no longer kept (out of the window, or rolled back past).
     """
+    refused = _check_ticket(node, request, campaign_id)
+    if refused is not None:
+        return refused
     state = node.get_slice(campaign_id, slice_index)
     if state is None:
         return json_response(HTTPStatus.NOT_FOUND, {"error": "slice not held"})
@@ -68,6 +73,26 @@ def params_response(
     if request.headers.get("If-None-Match") == snapshot.etag:
         return _response(HTTPStatus.NOT_MODIFIED, b"", "application/octet-stream", extra)
     return _response(HTTPStatus.OK, snapshot.body, "application/octet-stream", extra)
+
+
+def _check_ticket(node: AggregatorNode, request: Request, campaign_id: int) -> Response | None:
+    """Parameters go only to holders of a ticket the site signed for this campaign (a lease's, or its own).
+
+    Checked before anything else, so a refused caller learns nothing about which slices exist.
+    """
+    key = node.ticket_key
+    if key is None:
+        return json_response(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "not connected to the site yet; retry soon"})
+    scheme, _, token = (request.headers.get("Authorization") or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return json_response(HTTPStatus.UNAUTHORIZED, {"error": "send a lease's ticket as Authorization: Bearer"})
+    try:
+        ticket = verify_ticket(token.strip(), key)
+    except ProtocolError as exc:
+        return json_response(HTTPStatus.FORBIDDEN, {"error": str(exc)[:200]})
+    if ticket.campaign_id != campaign_id:
+        return json_response(HTTPStatus.FORBIDDEN, {"error": f"the ticket is for campaign {ticket.campaign_id}"})
+    return None
 
 
 def make_process_request(node: AggregatorNode) -> Callable[[ServerConnection, Request], Response | None]:

@@ -168,6 +168,7 @@ class FakeAggregator:
     reject_code: str | None = None
     uploads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (lease, slice) -> gradient
     param_requests: list[str] = field(default_factory=list)
+    param_auth: list[str | None] = field(default_factory=list)  # the Authorization header of each GET
     connections: int = 0
     server: Server | None = None
 
@@ -190,6 +191,7 @@ class FakeAggregator:
         if request.path == "/upload":
             return None
         self.param_requests.append(request.path)
+        self.param_auth.append(request.headers.get("Authorization"))
         _, _, slice_index, version = request.path.split("/")
         await asyncio.sleep(self.slow_versions.get(int(version), 0.0))
         if self.missing_first > 0:

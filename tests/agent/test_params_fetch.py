@@ -42,3 +42,9 @@ async def test_a_slice_of_the_wrong_size_is_refused_with_both_sizes(world: World
 
     with pytest.raises(FetchError, match=rf"sends {4 * (first.end - first.start)} bytes, expected {4 * (short.end - short.start)}"):
         await asyncio.to_thread(fetch_slice, short, 0)
+
+
+async def test_the_leases_ticket_goes_with_every_slice_request(world: World) -> None:
+    await asyncio.to_thread(fetch_params, world.routes(), 0, world.params.numel(), ticket="ticket-of-lease-7")
+
+    assert [a.param_auth for a in world.aggregators] == [["Bearer ticket-of-lease-7"]] * 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -12,15 +13,23 @@ from crowdtrain_agent.codec import decode_fp32
 from crowdtrain_agent.protocol import SliceReady
 from crowdtrain_backbone.server import BackboneServer
 
-from .conftest import SLICE0, Agent, FakeSite, take_step
+from .conftest import SLICE0, Agent, FakeSite, take_step, ticket
 
 NUMEL = SLICE0[1] - SLICE0[0]
 
 
-async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+async def _get(url: str, headers: dict[str, str] | None = None, *, token: str | None = "auto") -> tuple[int, dict[str, str], bytes]:
+    """GET ``url``; with a lease's ticket for the campaign the URL names, unless ``token`` says otherwise."""
+    headers = dict(headers or {})
+    match = re.search(r"/params/(\d+)/", url)
+    if token == "auto" and match:
+        token = ticket(99, campaign_id=int(match.group(1)))
+    if token and token != "auto":
+        headers["Authorization"] = f"Bearer {token}"
+
     def fetch() -> tuple[int, dict[str, str], bytes]:
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as resp:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as resp:
                 return resp.status, dict(resp.headers), resp.read()
         except urllib.error.HTTPError as exc:
             return exc.code, dict(exc.headers), exc.read()
@@ -38,7 +47,7 @@ async def test_it_serves_the_params_of_a_version_as_fp32_bytes(
     assert status == 200
     assert torch.equal(decode_fp32(body, NUMEL), backbone.node.get_slice(1, 0).param.detach())
     assert headers["Content-Type"] == "application/octet-stream"
-    assert headers["Cache-Control"] == "public, max-age=31536000, immutable"
+    assert headers["Cache-Control"] == "private, max-age=31536000, immutable"
     assert headers["X-Crowdtrain-Version"] == "1"
     assert headers["ETag"].startswith('"') and len(body) == NUMEL * 4
 
@@ -83,6 +92,24 @@ async def test_it_answers_410_for_a_version_it_no_longer_keeps(
 
     assert gone[0] == 410 and json.loads(gone[2]) == {"error": "version dropped"}
     assert kept[0] == 200
+
+
+async def test_parameters_go_only_to_holders_of_a_ticket_for_their_campaign(
+    held: SliceReady, backbone: BackboneServer
+) -> None:
+    url = f"http://127.0.0.1:{backbone.port}/params/1/0/0"
+
+    anonymous = await _get(url, token=None)
+    other_campaign = await _get(url, token=ticket(5, campaign_id=2))
+    expired = await _get(url, token=ticket(5, expires_in=-60))
+    forged = await _get(url, token=ticket(5, key=b"not-the-site-key-0123456789abcdef"))
+    ticketed = await _get(url)
+
+    assert anonymous[0] == 401 and "Authorization: Bearer" in json.loads(anonymous[2])["error"]
+    assert other_campaign[0] == 403 and json.loads(other_campaign[2]) == {"error": "the ticket is for campaign 2"}
+    assert expired[0] == 403 and "expired" in json.loads(expired[2])["error"]
+    assert forged[0] == 403
+    assert ticketed[0] == 200 and len(ticketed[2]) == NUMEL * 4
 
 
 async def test_healthz_shows_name_slices_and_versions(held: SliceReady, backbone: BackboneServer) -> None:

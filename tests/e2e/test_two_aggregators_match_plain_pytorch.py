@@ -9,6 +9,7 @@ parameters agree to float rounding.
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 
 from crowdtrain_agent.data import read_samples
 from crowdtrain_agent.models import get_model
-from crowdtrain_agent.protocol import DataSpec
+from crowdtrain_agent.protocol import DataSpec, Ticket, sign_ticket
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -28,7 +29,9 @@ MODEL = {"in_dim": 32, "hidden": [64, 64], "classes": 4}
 OPTIMIZER = {"name": "adamw", "lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.01}
 # Leases of one microbatch, and idle agents asking again at once: each step of 96 samples is
 # made of six leases, and both agents compete for them.
-SITE_ENV = {"CROWDTRAIN_LEASE_TARGET_S": "0.1", "CROWDTRAIN_MAX_LEASE_SAMPLES": "16", "CROWDTRAIN_RETRY_AFTER_S": "0.1"}
+TICKET_KEY = bytes(range(32))  # known here, so the test can sign the ticket aggregators ask for parameters
+SITE_ENV = {"CROWDTRAIN_LEASE_TARGET_S": "0.1", "CROWDTRAIN_MAX_LEASE_SAMPLES": "16", "CROWDTRAIN_RETRY_AFTER_S": "0.1",
+            "CROWDTRAIN_TICKET_KEY": TICKET_KEY.hex()}  # fmt: skip
 
 
 def write_dataset(path: Path) -> None:
@@ -82,9 +85,12 @@ def rerun_in_pytorch(dump: dict[str, Any]) -> tuple[torch.Tensor, list[float]]:
 def platform_params(dump: dict[str, Any], version: int) -> torch.Tensor:
     """Every slice of ``version`` from the aggregator that holds it, raw little-endian fp32, in slice order."""
     parts = []
+    ticket = sign_ticket(Ticket(lease_id=0, campaign_id=dump["id"], device_id=0, base_version=version, num_samples=1,
+                                expires_at=time.time() + 60), TICKET_KEY)  # fmt: skip
     for s in sorted(dump["slices"], key=lambda s: s["index"]):
         url = f"{s['params_url']}{dump['id']}/{s['index']}/{version}"
-        with urllib.request.urlopen(url, timeout=10) as response:
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {ticket}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
             body = response.read()
         assert len(body) == 4 * (s["end"] - s["start"]), f"slice {s['index']} has {len(body)} bytes"
         parts.append(torch.from_numpy(np.frombuffer(body, dtype="<f4").astype(np.float32)))

@@ -51,7 +51,7 @@ def http_get(url: str, *, token: str | None = None, timeout: float = HTTP_TIMEOU
             raise FetchError(f"cannot download {url}: {exc}") from None
 
 
-def http_get_into(url: str, out: memoryview, *, timeout: float = HTTP_TIMEOUT_S) -> None:
+def http_get_into(url: str, out: memoryview, *, token: str | None = None, timeout: float = HTTP_TIMEOUT_S) -> None:
     """GET ``url`` and read its body straight into ``out``, which it must fill exactly.
 
     Parameters arrive every step; reading them in place saves the copies of
@@ -61,7 +61,7 @@ def http_get_into(url: str, out: memoryview, *, timeout: float = HTTP_TIMEOUT_S)
         HttpStatusError: for a non-2xx answer.
         FetchError: if the server cannot be reached or the body is not ``len(out)`` bytes.
     """
-    with _open(url, timeout=timeout) as response:
+    with _open(url, token=token, timeout=timeout) as response:
         announced = response.headers.get("Content-Length")
         if announced is None or not announced.isdigit() or int(announced) != len(out):
             raise FetchError(f"{url} sends {announced or 'an unknown number of'} bytes, expected {len(out)}")
@@ -178,8 +178,14 @@ class ShardCache:
             )
 
 
-def fetch_slice(route: SliceRoute, version: int, out: torch.Tensor | None = None, *, retry_for_s: float = 10.0) -> torch.Tensor:
+def fetch_slice(
+    route: SliceRoute, version: int, out: torch.Tensor | None = None, *, ticket: str | None = None,
+    retry_for_s: float = 10.0,
+) -> torch.Tensor:
     """Download elements ``route.start:route.end`` of parameter version ``version`` (into ``out`` if given).
+
+    ``ticket`` is a lease's ticket (or one the site signed): aggregators give a
+    campaign's parameters only to its holders, so invite-only weights stay private.
 
     A 404 usually means the version is being published right now (the lease
     was handed out as the last slice stepped), so it is retried for a while.
@@ -192,12 +198,12 @@ def fetch_slice(route: SliceRoute, version: int, out: torch.Tensor | None = None
         out = torch.empty(numel, dtype=torch.float32)
     array = out.numpy()
     url = f"{route.params_url}{version}"
-    # No token: parameters are public per campaign and cacheable, and the device token is the site's secret.
+    # The ticket, never the device token: the device token is for the site alone.
     deadline = time.monotonic() + retry_for_s
     delay = 0.05
     while True:
         try:
-            http_get_into(url, memoryview(array).cast("B"))
+            http_get_into(url, memoryview(array).cast("B"), token=ticket)
             break
         except HttpStatusError as exc:
             if exc.code != 404 or time.monotonic() + delay > deadline:
@@ -215,7 +221,7 @@ def fetch_slice(route: SliceRoute, version: int, out: torch.Tensor | None = None
     return out
 
 
-def fetch_params(routes: list[SliceRoute], version: int, param_count: int) -> torch.Tensor:
+def fetch_params(routes: list[SliceRoute], version: int, param_count: int, *, ticket: str | None = None) -> torch.Tensor:
     """Assemble the flat fp32 parameter vector of ``version`` from every aggregator's slice.
 
     Raises:
@@ -224,7 +230,7 @@ def fetch_params(routes: list[SliceRoute], version: int, param_count: int) -> to
     check_routes(routes, param_count)
     flat = torch.empty(param_count, dtype=torch.float32)
     for route in routes:
-        fetch_slice(route, version, flat[route.start : route.end])
+        fetch_slice(route, version, flat[route.start : route.end], ticket=ticket)
     return flat
 
 

@@ -359,7 +359,7 @@ class Agent:
             flat = None
             if not self._models.holds(lease.campaign_id, lease.model, lease.base_version):
                 started = time.perf_counter()
-                flat = fetch_params(lease.slices, lease.base_version, lease.param_count)
+                flat = fetch_params(lease.slices, lease.base_version, lease.param_count, ticket=lease.ticket)
                 logger.debug("lease %d: parameters of version %d in %.1f ms", lease.lease_id, lease.base_version,
                              1e3 * (time.perf_counter() - started))  # fmt: skip
             x, y = trainer.gather_samples(lease.ranges, readers)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Iterator
 
 import torch
@@ -29,13 +30,14 @@ from django.utils import timezone
 from crowdtrain_agent.data import ShardReader
 from crowdtrain_agent.fetch import FetchError, fetch_params
 from crowdtrain_agent.models import ModelEntry, export_bytes, get_model, model_from_flat
-from crowdtrain_agent.protocol import DataSpec, ProtocolError, SliceRoute
+from crowdtrain_agent.protocol import DataSpec, ProtocolError, SliceRoute, Ticket, sign_ticket
 
 from .models import Campaign, Dataset, ValidationResult
 
 logger = logging.getLogger(__name__)
 
 EVAL_BATCH = 64  # samples per forward pass; bounds the task's memory, not its result
+PARAMS_TICKET_S = 300.0  # how long the site's ticket for fetching parameters is good for
 
 
 class ParamsUnavailable(RuntimeError):
@@ -59,8 +61,14 @@ def fetch_campaign_params(campaign: Campaign, version: int) -> torch.Tensor:
                    params_url=f"{s.aggregator.params_url}{campaign.pk}/{s.index}/")
         for s in slices
     ]  # fmt: skip
+    # The site's own ticket for this campaign: aggregators serve parameters only to ticket holders.
+    ticket = sign_ticket(
+        Ticket(lease_id=0, campaign_id=campaign.pk, device_id=0, base_version=version, num_samples=1,
+               expires_at=time.time() + PARAMS_TICKET_S),
+        settings.CROWDTRAIN_TICKET_KEY,
+    )  # fmt: skip
     try:
-        return fetch_params(routes, version, campaign.param_count)
+        return fetch_params(routes, version, campaign.param_count, ticket=ticket)
     except FetchError as exc:
         raise ParamsUnavailable(f"campaign {campaign.pk} version {version}: {exc}") from None
 
