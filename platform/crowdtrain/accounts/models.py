@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import unicodedata
 from datetime import datetime
 from typing import Any
 
@@ -122,8 +123,13 @@ def validate_public_name(value: str) -> None:
         raise ValidationError(
             f"{value!r} has characters we cannot show; use letters, digits, spaces, dots, dashes or apostrophes."
         )
-    if value.casefold() == ANONYMOUS_NAME.casefold():
+    # Compared as people read them: compatibility forms folded (NFKC), case and punctuation ignored.
+    # Look-alike letters of other scripts (Cyrillic "А") are not caught; names are not identities.
+    seen_as = re.sub(r"[\W_]+", " ", unicodedata.normalize("NFKC", value).casefold()).strip()
+    if seen_as == ANONYMOUS_NAME.casefold():
         raise ValidationError(f"{ANONYMOUS_NAME!r} is reserved for volunteers who hide their name; choose another.")
+    if re.fullmatch(r"volunteer \d+", seen_as):
+        raise ValidationError("Names like 'Volunteer 12' are how volunteers without a name are shown; choose another.")
 
 
 def new_invite_code() -> str:

@@ -46,7 +46,9 @@ def test_without_a_display_name_the_public_name_hides_the_address() -> None:
     assert public_name == f"Volunteer {owner.pk}"
 
 
-@pytest.mark.parametrize("bad_name", ["<script>", "anonymous VOLUNTEER", "a" * 41])
+@pytest.mark.parametrize(
+    "bad_name", ["<script>", "anonymous VOLUNTEER", "Anonymous volunteer.", "Volunteer 2", "volunteer-17", "a" * 41]
+)
 def test_a_display_name_that_cannot_be_shown_is_refused(client: Client, bad_name: str) -> None:
     client.force_login(make_volunteer("owner"))
 
