@@ -74,16 +74,23 @@ def _check_client(params: dict[str, Any]) -> JsonResponse | None:
     return None
 
 
-@csrf_exempt
-@require_POST
-def device_code(request: HttpRequest) -> JsonResponse:
-    """RFC 8628 §3.1-3.2: a fresh device code and user code."""
+def _client_params(request: HttpRequest) -> dict[str, Any] | JsonResponse:
+    """The request's parameters, or the OAuth error that refuses it (bad body, unknown client)."""
     try:
         params = _params(request)
     except _BadRequest as exc:
         return _oauth_error("invalid_request", str(exc), status=exc.status)
-    if (refused := _check_client(params)) is not None:
-        return refused
+    refused = _check_client(params)
+    return params if refused is None else refused
+
+
+@csrf_exempt
+@require_POST
+def device_code(request: HttpRequest) -> JsonResponse:
+    """RFC 8628 §3.1-3.2: a fresh device code and user code."""
+    params = _client_params(request)
+    if isinstance(params, JsonResponse):
+        return params
     if throttle.hit(f"device-code.{throttle.client_ip(request)}", settings.CROWDTRAIN_DEVICE_CODES_PER_IP):
         return _oauth_error(
             "slow_down", "too many login codes asked for from this address; try again in 10 minutes",
@@ -109,12 +116,9 @@ def device_code(request: HttpRequest) -> JsonResponse:
 @require_POST
 def device_token(request: HttpRequest) -> JsonResponse:
     """RFC 8628 §3.4-3.5: poll with the device code; the token once a volunteer approved."""
-    try:
-        params = _params(request)
-    except _BadRequest as exc:
-        return _oauth_error("invalid_request", str(exc), status=exc.status)
-    if (refused := _check_client(params)) is not None:
-        return refused
+    params = _client_params(request)
+    if isinstance(params, JsonResponse):
+        return params
     grant_type = params.get("grant_type")
     if grant_type is None:
         return _oauth_error("invalid_request", f"missing grant_type; use {device_grant.GRANT_TYPE}")

@@ -110,18 +110,21 @@ def _managed(user: Any, campaign_id: int) -> Campaign:
     return get_object_or_404(managed_campaigns(user), pk=campaign_id)
 
 
-def _error(exc: ExportRequestError) -> JsonResponse:
-    return JsonResponse({"error": str(exc)}, status=exc.status)
+def _requested_export(request: HttpRequest, campaign_id: int) -> tuple[Campaign, ValidationResult | JsonResponse]:
+    """The campaign (404 unless the user manages it) and the version ``?version=`` asks for, or why not."""
+    campaign = _managed(request.user, campaign_id)
+    try:
+        return campaign, pick_export(campaign, request.GET.get("version"))
+    except ExportRequestError as exc:
+        return campaign, JsonResponse({"error": str(exc)}, status=exc.status)
 
 
 @login_required
 @require_GET
 def campaign_export(request: HttpRequest, campaign_id: int) -> HttpResponse:
-    campaign = _managed(request.user, campaign_id)
-    try:
-        result = pick_export(campaign, request.GET.get("version"))
-    except ExportRequestError as exc:
-        return _error(exc)
+    campaign, result = _requested_export(request, campaign_id)
+    if isinstance(result, JsonResponse):
+        return result
     # Streamed from storage (local or S3): a big model never sits in the site's memory.
     response = FileResponse(
         default_storage.open(result.weights, "rb"), as_attachment=True,
@@ -134,11 +137,9 @@ def campaign_export(request: HttpRequest, campaign_id: int) -> HttpResponse:
 @login_required
 @require_GET
 def campaign_export_config(request: HttpRequest, campaign_id: int) -> HttpResponse:
-    campaign = _managed(request.user, campaign_id)
-    try:
-        result = pick_export(campaign, request.GET.get("version"))
-    except ExportRequestError as exc:
-        return _error(exc)
+    campaign, result = _requested_export(request, campaign_id)
+    if isinstance(result, JsonResponse):
+        return result
     response = JsonResponse(export_config(campaign, result), json_dumps_params={"indent": 2})
     response["Content-Disposition"] = 'attachment; filename="config.json"'
     return response
