@@ -34,6 +34,22 @@ hypothesis_settings.load_profile("crowdtrain")
 
 
 @pytest.fixture(autouse=True)
+def fresh_channel_layer() -> Iterator[None]:
+    """Every test gets its own channel layer.
+
+    channels_redis keeps asyncio locks per layer instance, bound to the event
+    loop that first used them; pytest-asyncio gives each test a new loop, and a
+    lock a finished test left held would block the next test's consumers
+    ("bound to a different event loop").
+    """
+    from channels.layers import channel_layers
+
+    channel_layers.backends.clear()
+    yield
+    channel_layers.backends.clear()
+
+
+@pytest.fixture(autouse=True)
 def media_root(tmp_path: Path) -> Iterator[Path]:
     """Shards written by a test land in its own folder (FileSystemStorage follows MEDIA_ROOT changes)."""
     root = tmp_path / "media"
