@@ -87,6 +87,19 @@ def ticket(
     )  # fmt: skip
 
 
+def set_mean_gradient(params: list[torch.nn.Parameter], leases: dict[int, tuple[torch.Tensor, int]]) -> None:
+    """What one big machine does for a step: sum the leases' gradients in lease-id order, divide by the
+    step's samples, and put the result in each parameter's ``.grad``."""
+    total = torch.zeros(sum(p.numel() for p in params))
+    for lease_id in sorted(leases):
+        total.add_(leases[lease_id][0])
+    total.div_(float(sum(n for _, n in leases.values())))
+    offset = 0
+    for p in params:
+        p.grad = total[offset : offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+
+
 def gradient(numel: int, seed: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
 

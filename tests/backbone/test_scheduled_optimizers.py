@@ -12,7 +12,7 @@ from crowdtrain_backbone.checkpoints import load_checkpoint, save_checkpoint
 from crowdtrain_backbone.lamb import Lamb
 from crowdtrain_backbone.slices import MemoryBudget, PendingUpload, SliceState, initial_params, slice_segments
 
-from .conftest import MLP, MLP_PARAMS, SLICE0, SLICE1, assignment, gradient
+from .conftest import MLP, MLP_PARAMS, SLICE0, SLICE1, assignment, gradient, set_mean_gradient
 
 # The MLP's tensors are 32 + 8 + 24 + 3 elements; these three slices hold whole tensors.
 LAMB_SLICES = [(0, 32), (32, 40), (40, MLP_PARAMS)]
@@ -49,14 +49,7 @@ def _reference(optimizer: torch.optim.Optimizer, model: torch.nn.Module, spec: O
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, spec.lr_multiplier)
     params = list(model.parameters())
     for leases in _steps():
-        total = torch.zeros(MLP_PARAMS)
-        for lease_id in sorted(leases):
-            total.add_(leases[lease_id][0])
-        total.div_(float(sum(n for _, n in leases.values())))
-        offset = 0
-        for p in params:
-            p.grad = total[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        set_mean_gradient(params, leases)
         optimizer.step()
         scheduler.step()
     return torch.nn.utils.parameters_to_vector(params).detach()

@@ -7,7 +7,7 @@ from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import OptimizerSpec
 from crowdtrain_backbone.slices import MemoryBudget, PendingUpload, SliceState, initial_params
 
-from .conftest import MLP, MLP_PARAMS, SLICE0, SLICE1, assignment, gradient
+from .conftest import MLP, MLP_PARAMS, SLICE0, SLICE1, assignment, gradient, set_mean_gradient
 
 
 def _slice(bounds: tuple[int, int], optimizer: OptimizerSpec, slice_index: int = 0) -> SliceState:
@@ -28,14 +28,7 @@ def _full_model_steps(optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                       steps: list[dict[int, tuple[torch.Tensor, int]]]) -> torch.Tensor:  # fmt: skip
     params = list(model.parameters())
     for leases in steps:
-        total = torch.zeros(MLP_PARAMS)
-        for lease_id in sorted(leases):
-            total.add_(leases[lease_id][0])
-        total.div_(float(sum(n for _, n in leases.values())))
-        offset = 0
-        for p in params:
-            p.grad = total[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        set_mean_gradient(params, leases)
         optimizer.step()
     return torch.nn.utils.parameters_to_vector(params).detach()
 

@@ -51,14 +51,11 @@ class Uploader:
         self._locks: dict[str, asyncio.Lock] = {}
         self.connects = 0
 
-    async def upload(
-        self, url: str, begin: UploadBegin, chunks: Sequence[bytes | tuple[bytes, memoryview]]
-    ) -> UploadReceipt:
+    async def upload(self, url: str, begin: UploadBegin, chunks: Sequence[tuple[bytes, memoryview]]) -> UploadReceipt:
         """Send one slice (header, then its binary chunks) and wait for the aggregator's answer.
 
-        A chunk is either one framed message (``split_payload``) or a (header,
-        payload view) pair (``chunk_fragments``), sent as two fragments of one
-        message so the payload is not copied first.
+        Chunks are ``chunk_fragments`` pairs, each sent as two fragments of one
+        message, so the payload is not copied first.
 
         A connection that dropped is reopened once and the slice sent again.
 
@@ -72,7 +69,7 @@ class Uploader:
                     ws = await self._connection(url)
                     await ws.send(encode_message(begin))
                     for chunk in chunks:
-                        await ws.send(chunk if isinstance(chunk, bytes) else list(chunk))
+                        await ws.send(list(chunk))
                     raw = await asyncio.wait_for(ws.recv(), self._reply_timeout_s)
                 except ConnectionClosed as exc:
                     self._connections.pop(url, None)

@@ -24,6 +24,6 @@ from .tickets import Ticket, sign_receipt, sign_ticket, verify_receipt, verify_t
 __all__ = [
     "CHUNK_PAYLOAD_BYTES", "GONE_AFTER_S", "HEARTBEAT_INTERVAL_S", "MAX_CONTROL_MESSAGE_BYTES",
     "MAX_WS_MESSAGE_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION", "CloseCode", "ProtocolError", "Ticket",
-    "chunk_fragments", "decode_chunk", "decode_message", "encode_chunk", "encode_message", "should_reconnect", "sign_receipt",
-    "sign_ticket", "split_payload", "verify_receipt", "verify_ticket",
+    "chunk_fragments", "decode_chunk", "decode_message", "encode_chunk", "encode_message", "should_reconnect",
+    "sign_receipt", "sign_ticket", "split_payload", "verify_receipt", "verify_ticket",
 ]  # fmt: skip
