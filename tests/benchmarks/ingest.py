@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from crowdtrain_agent.codec import encode_fp32
-from crowdtrain_agent.protocol import Ticket, UploadBegin, sign_ticket, split_payload
+from crowdtrain_agent.protocol import Ticket, UploadBegin, chunk_fragments, sign_ticket
 from crowdtrain_agent.uploader import Uploader
 
 # Lease ids far above anything the site has issued, so they never collide with real leases.
@@ -37,7 +37,7 @@ class IngestResult:
 async def _upload_all(url: str, key: bytes, *, campaign_id: int, slice_index: int, numel: int, version: int,
                       uploads: int, warmup: int) -> IngestResult:  # fmt: skip
     payload = encode_fp32(torch.randn(numel) * 1e-3)
-    chunks = split_payload(payload)
+    chunks = chunk_fragments(payload)  # as the agent sends a slice: header and payload fragments
     uploader = Uploader()
     try:
         started, sent = time.perf_counter(), 0

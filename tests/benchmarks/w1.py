@@ -19,6 +19,10 @@ Prints one ``bench: NAME=VALUE`` line per figure:
 - ``ingest_MBps``: fp32 gradient slices (~5.3 MB) with valid tickets
   uploaded straight to the aggregator, one after another on one connection.
 
+The plain loop neither checkpoints nor computes a validation loss, and the W1
+campaign does neither (``checkpoint_every`` past the run, ``validate_every``
+0): the figures compare training with training.
+
 Platform rates are steady state: committed samples between the end of the
 warm-up steps and the last step, over the commit times the site recorded.
 Runs live in ``var/bench/w1/`` (wiped at start; logs stay for a look).
@@ -88,7 +92,7 @@ def campaign_spec(npz: Path, steps: int, agents: int) -> dict[str, Any]:
             "optimizer": {"name": "adamw", "lr": W1.lr, "weight_decay": 0.0},
             "dataset": {"kind": "npz", "path": str(npz), "name": "w1", "shard_bytes": 4 << 20},
             "target_batch_size": W1.global_batch, "microbatch_size": W1.microbatch, "codec": "fp32",
-            "staleness": 1, "max_steps": steps, "checkpoint_every": 1000, "seed": 0,
+            "staleness": 1, "max_steps": steps, "checkpoint_every": 1000, "validate_every": 0, "seed": 0,
         }],
         "aggregators": ["agg-1"],
         "agents": [f"agent-{i + 1}" for i in range(agents)],
