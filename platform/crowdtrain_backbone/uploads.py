@@ -101,7 +101,7 @@ def decode_gradient(
     Raises:
         Rejected: "not finite" or "norm bound".
     """
-    grad = codec.decode(data, num_elements)
+    grad = codec.adopt(data, num_elements)  # ``data`` is this upload's own buffer
     values = grad.numpy()  # numpy's checks are several times faster than torch's on one thread
     if not np.isfinite(values).all():
         bad = int(values.size - np.count_nonzero(np.isfinite(values)))

@@ -55,3 +55,32 @@ def test_a_codecs_view_holds_exactly_its_encoded_bytes(name: str, values: np.nda
     piece = torch.from_numpy(values)[start:]  # a slice of a larger gradient, as agents send them
 
     assert bytes(codec.view(piece)) == codec.encode(piece)
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16"])
+@given(values=FINITE)
+def test_adopting_a_buffer_decodes_what_decode_does(name: str, values: np.ndarray) -> None:
+    codec = get_codec(name)
+    wire = codec.encode(torch.from_numpy(values))
+
+    adopted = codec.adopt(bytearray(wire), values.size)
+
+    assert adopted.dtype == torch.float32
+    assert torch.equal(adopted, codec.decode(wire, values.size))
+
+
+def test_an_adopted_fp32_buffer_is_not_copied() -> None:
+    buffer = bytearray(encode_fp32(torch.tensor([1.0, 2.0])))
+
+    adopted = get_codec("fp32").adopt(buffer, 2)
+    buffer[0:4] = encode_fp32(torch.tensor([7.0]))
+
+    assert adopted.tolist() == [7.0, 2.0]
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16"])
+def test_adopt_rejects_a_buffer_of_the_wrong_length(name: str) -> None:
+    codec = get_codec(name)
+
+    with pytest.raises(ProtocolError, match="does not hold 10 elements"):
+        codec.adopt(bytearray(codec.encode(torch.zeros(9))), 10)
