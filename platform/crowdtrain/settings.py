@@ -212,6 +212,9 @@ CROWDTRAIN_LEASE_MAX_DEADLINE_S = env_float("CROWDTRAIN_LEASE_MAX_DEADLINE_S", 6
 CROWDTRAIN_MAX_LEASE_SAMPLES = env_int("CROWDTRAIN_MAX_LEASE_SAMPLES", 65536, minimum=1)
 # How often idle agents ask again when no lease can be given.
 CROWDTRAIN_RETRY_AFTER_S = env_float("CROWDTRAIN_RETRY_AFTER_S", 2.0, minimum=0.05)
+# The longest the site holds a lease request while every step the device may work on is full
+# (the agent asks with wait_s): answered the moment a commit makes room. 0 answers at once.
+CROWDTRAIN_LEASE_WAIT_MAX_S = env_float("CROWDTRAIN_LEASE_WAIT_MAX_S", 10.0, minimum=0.0)
 # Agents and aggregators silent this long are gone; what they held is freed.
 CROWDTRAIN_GONE_AFTER_S = env_float("CROWDTRAIN_GONE_AFTER_S", 10.0, minimum=1.0)
 CROWDTRAIN_HEARTBEAT_S = env_float("CROWDTRAIN_HEARTBEAT_S", 2.0, minimum=0.1)

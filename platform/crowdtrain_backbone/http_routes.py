@@ -6,7 +6,7 @@ import email.utils
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -27,6 +27,8 @@ _PARAMS = re.compile(r"^/params/(\d{1,18})/(\d{1,9})/(\d{1,18})/?$")
 # A version never changes once published, so the fetcher may keep it forever; but only the
 # fetcher: an invite-only campaign's weights are not for shared caches.
 IMMUTABLE = "private, max-age=31536000, immutable"
+# How long a download of a version still being applied waits for it; under websockets' 10 s handshake limit.
+PARAMS_WAIT_S = 5.0
 
 
 def _response(
@@ -50,10 +52,13 @@ def json_response(status: HTTPStatus, payload: dict[str, Any]) -> Response:
     return _response(status, json.dumps(payload).encode(), "application/json")
 
 
-def params_response(
+async def params_response(
     node: AggregatorNode, request: Request, campaign_id: int, slice_index: int, version: int
 ) -> Response:
     """The fp32 bytes of one slice at one version, or why not.
+
+    A version the slice is about to publish (a commit in flight) is waited
+    for, up to ``PARAMS_WAIT_S``.
 
     404: the slice is not held here, or the version is not published yet.
     410: the version was published but is no longer kept (out of the window, or rolled back past).
@@ -64,7 +69,7 @@ def params_response(
     state = node.get_slice(campaign_id, slice_index)
     if state is None:
         return json_response(HTTPStatus.NOT_FOUND, {"error": "slice not held"})
-    snapshot = state.snapshot(version)
+    snapshot = await state.wait_for_snapshot(version, PARAMS_WAIT_S)
     if snapshot is None:
         if version > state.version:
             return json_response(HTTPStatus.NOT_FOUND, {"error": "version not published yet"})
@@ -95,7 +100,9 @@ def _check_ticket(node: AggregatorNode, request: Request, campaign_id: int) -> R
     return None
 
 
-def make_process_request(node: AggregatorNode) -> Callable[[ServerConnection, Request], Response | None]:
+def make_process_request(
+    node: AggregatorNode,
+) -> Callable[[ServerConnection, Request], Awaitable[Response | None]]:
     """The ``process_request`` hook of ``websockets.serve``: answers HTTP paths, lets ``/upload`` upgrade.
 
     Args:
@@ -106,7 +113,7 @@ def make_process_request(node: AggregatorNode) -> Callable[[ServerConnection, Re
         with the WebSocket handshake.
     """
 
-    def process_request(connection: ServerConnection, request: Request) -> Response | None:
+    async def process_request(connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.split("?", 1)[0]
         if path == UPLOAD_PATH:
             return None
@@ -115,7 +122,7 @@ def make_process_request(node: AggregatorNode) -> Callable[[ServerConnection, Re
         match = _PARAMS.match(path)
         if match:
             campaign_id, slice_index, version = (int(g) for g in match.groups())
-            return params_response(node, request, campaign_id, slice_index, version)
+            return await params_response(node, request, campaign_id, slice_index, version)
         return json_response(HTTPStatus.NOT_FOUND, {"error": "not found"})
 
     return process_request

@@ -8,6 +8,7 @@ the slice at one version, served to agents over HTTP.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import secrets
@@ -237,6 +238,7 @@ class SliceState:
         self.receiving: set[int] = set()  # leases whose chunks are still arriving
         self.finished: OrderedDict[int, str] = OrderedDict()  # lease id -> "committed" | "dropped"
         self.snapshots: OrderedDict[int, Snapshot] = OrderedDict()
+        self._published = asyncio.Event()
         self.install_(params, version, optimizer_state)
 
     # ------------------------------------------------------------ identity
@@ -287,8 +289,30 @@ class SliceState:
         self.snapshots[snapshot.version] = snapshot
         while len(self.snapshots) > self.retained_versions:
             self.snapshots.popitem(last=False)
+        self._published.set()  # wakes downloads waiting for this version
+        self._published = asyncio.Event()
 
     def snapshot(self, version: int) -> Snapshot | None:
+        return self.snapshots.get(version)
+
+    async def wait_for_snapshot(self, version: int, timeout_s: float) -> Snapshot | None:
+        """The snapshot of ``version``, waiting up to ``timeout_s`` if it is about to be published.
+
+        The site leases work on the newest committed version, which this slice
+        may still be applying: an agent asking for it early gets it the moment
+        it exists. Versions further ahead than any commit in flight can be, and
+        versions already dropped, are answered (None) at once.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while version not in self.snapshots and self.version < version <= self.version + self.retained_versions:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._published.wait(), remaining)
+            except TimeoutError:
+                break
         return self.snapshots.get(version)
 
     def checkpoint_dict(self) -> dict[str, Any]:

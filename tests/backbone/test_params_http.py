@@ -8,9 +8,11 @@ import re
 import urllib.error
 import urllib.request
 
+import pytest
 import torch
 from crowdtrain_agent.codec import decode_fp32
 from crowdtrain_agent.protocol import SliceReady
+from crowdtrain_backbone import http_routes
 from crowdtrain_backbone.server import BackboneServer
 
 from .conftest import SLICE0, Agent, FakeSite, take_step, ticket
@@ -79,6 +81,31 @@ async def test_it_answers_404_for_an_unknown_version_or_slice(held: SliceReady, 
     assert ahead[0] == 404 and json.loads(ahead[2]) == {"error": "version not published yet"}
     assert other[0] == 404 and json.loads(other[2]) == {"error": "slice not held"}
     assert junk[0] == 404 and json.loads(junk[2]) == {"error": "not found"}
+
+
+async def test_a_download_of_the_version_being_applied_is_answered_once_it_is_published(
+    site: FakeSite, held: SliceReady, backbone: BackboneServer, agent: Agent
+) -> None:
+    download = asyncio.create_task(_get(f"http://127.0.0.1:{backbone.port}/params/1/0/1"))
+    await asyncio.sleep(0.3)
+    waited = not download.done()
+
+    await take_step(site, agent, version=0, lease_id=1)
+    status, headers, body = await asyncio.wait_for(download, 5)
+
+    assert waited
+    assert status == 200 and headers["X-Crowdtrain-Version"] == "1"
+    assert torch.equal(decode_fp32(body, NUMEL), backbone.node.get_slice(1, 0).param.detach())
+
+
+async def test_a_version_that_is_not_published_in_time_gets_a_404(
+    held: SliceReady, backbone: BackboneServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(http_routes, "PARAMS_WAIT_S", 0.2)
+
+    status, _, body = await _get(f"http://127.0.0.1:{backbone.port}/params/1/0/1")
+
+    assert status == 404 and json.loads(body) == {"error": "version not published yet"}
 
 
 async def test_it_answers_410_for_a_version_it_no_longer_keeps(

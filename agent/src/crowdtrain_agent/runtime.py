@@ -47,7 +47,9 @@ T = TypeVar("T")
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130  # second Ctrl-C: the shell convention for "killed by SIGINT"
 LEASE_ERROR_PAUSE_S = 2.0  # after a lease that could not be prepared, before asking for another
-HINT_WAIT_S = 5.0  # the longest to wait for the version a lease's hint names before asking anyway
+# How long the site may hold a lease request while the steps this agent may work on are full: a
+# pipelined agent asks during its compute, and the commit that makes room answers at once.
+LEASE_WAIT_S = 10.0
 READER_CACHE_ITEMS = 8  # decoded shards kept in memory (a shard is a few MiB)
 
 
@@ -127,8 +129,6 @@ class Agent:
         self._stop_now = asyncio.Event()  # second Ctrl-C: give everything back and exit
         self._abort = threading.Event()  # tells the compute thread to give up between microbatches
         self._version_pushed = asyncio.Event()
-        self._newest: dict[int, int] = {}  # newest parameter version seen per campaign
-        self._ask_at: tuple[int, int] | None = None  # (campaign, version) the site said the next lease needs
         self._held: dict[int, Lease] = {}  # leases taken and not yet reported or released
         self._speed: dict[int, float] = {}  # samples/s per campaign, smoothed
         self._last_campaign: int | None = None
@@ -287,7 +287,6 @@ class Agent:
 
     async def _next_lease(self) -> Lease | None:
         """Ask the site for a lease until it gives one; None if the agent is stopping."""
-        await self._wait_for_hinted_version()
         # One id per answer wanted: a request resent after a dropped connection keeps it, so the
         # site hands back the lease it may already have issued instead of reserving a second one.
         request_id = uuid.uuid4().hex
@@ -295,9 +294,9 @@ class Agent:
             self._version_pushed.clear()  # before asking, so a push during the request still wakes us
             campaign = self.config.campaign_id
             speed = self._speed.get(campaign if campaign is not None else self._last_campaign or -1)
-            request = LeaseRequest(campaign_id=campaign, samples_per_s=speed, request_id=request_id)
+            request = LeaseRequest(campaign_id=campaign, samples_per_s=speed, request_id=request_id, wait_s=LEASE_WAIT_S)
             self.status.set_status("asking for work")
-            call = asyncio.create_task(self._control.call(request, "lease", timeout=30.0, retries=3))
+            call = asyncio.create_task(self._control.call(request, "lease", timeout=LEASE_WAIT_S + 30.0, retries=3))
             stopping = asyncio.create_task(self._stopping.wait())
             try:
                 # Ctrl-C must not wait for a site that is down; a lease answered late is released by the channel.
@@ -315,9 +314,6 @@ class Agent:
                 continue
             if isinstance(reply, Lease):
                 self._held[reply.lease_id] = reply
-                self._note_version(reply.campaign_id, reply.base_version)
-                hint = reply.next_lease_at_version
-                self._ask_at = None if hint is None else (reply.campaign_id, hint)
                 self.leases_taken += 1
                 self._last_no_lease = None
                 if self._stopping.is_set():
@@ -331,7 +327,7 @@ class Agent:
             reason = reply.reason.replace("_", " ")
             why = f"{reason}: {reply.detail}" if reply.detail else reason
             self.status.set_status(f"waiting for work ({why})")
-            # Once per reason at INFO: a pipelined agent hears "waiting for version" every step.
+            # Once per reason at INFO: a site that cannot hold requests answers "step full" every step.
             if reply.reason != self._last_no_lease:
                 logger.info("no lease from the site (%s); asking again in %.1f s", why, reply.retry_after_s)
             else:
@@ -470,26 +466,8 @@ class Agent:
     async def _pause(self, seconds: float) -> None:
         await _wait_any((self._stopping,), timeout=seconds)
 
-    def _note_version(self, campaign_id: int, version: int) -> None:
-        self._newest[campaign_id] = max(version, self._newest.get(campaign_id, 0))
-
-    async def _wait_for_hinted_version(self) -> None:
-        """Hold the next request until the version the site said it needs (bounded by HINT_WAIT_S)."""
-        if self._ask_at is None:
-            return
-        campaign_id, version = self._ask_at
-        self._ask_at = None
-        deadline = time.monotonic() + HINT_WAIT_S
-        while self._newest.get(campaign_id, 0) < version and not self._stopping.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self._version_pushed.clear()
-            await _wait_any((self._version_pushed, self._stopping), timeout=remaining)
-
     def _on_push(self, message: Any) -> None:
         if isinstance(message, VersionPublished):
-            self._note_version(message.campaign_id, message.version)
             wanted = self.config.campaign_id
             if wanted is not None and message.campaign_id != wanted:
                 return

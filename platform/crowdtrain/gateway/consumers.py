@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import asdict
-from typing import Any
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, TypedDict
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
@@ -30,6 +32,7 @@ from crowdtrain_agent.protocol import (
     LeaseDone,
     LeaseRelease,
     LeaseRequest,
+    NoLease,
     ProtocolError,
     ReleaseAck,
     SliceReady,
@@ -40,7 +43,17 @@ from crowdtrain_agent.protocol import (
     encode_message,
 )
 
-from .outbox import SendEvent, RevokedEvent, backbone_group, campaign_agents_group, device_group, send_outbox, send_to_group
+from .outbox import (
+    CommittedEvent,
+    RevokedEvent,
+    SendEvent,
+    announce_commit,
+    backbone_group,
+    campaign_agents_group,
+    device_group,
+    send_outbox,
+    send_to_group,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +110,34 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
             )
 
 
+class WaitOverEvent(TypedDict):
+    type: str  # "lease.wait_over": a waiting lease request's time is up; answer it now
+    serial: int
+
+
+@dataclass
+class _WaitingRequest:
+    """A lease request held until a commit makes room (or its wait is over)."""
+
+    request: LeaseRequest
+    ready_at_step: int | None  # committed steps after which asking again can succeed
+    serial: int  # tells this request's timer from an earlier one's
+    timer: asyncio.TimerHandle
+
+
 class AgentConsumer(_ProtocolConsumer):
-    """``/ws/agent/``: one volunteer device, authenticated by its API token."""
+    """``/ws/agent/``: one volunteer device, authenticated by its API token.
+
+    A lease request that finds every step the device may work on full waits
+    here (up to its ``wait_s``) instead of being refused: the commit that
+    makes room answers it, so a pipelined agent has its next lease the moment
+    one exists, without asking again on every version push.
+    """
 
     accepts = AGENT_TO_SITE
+    waiting: _WaitingRequest | None = None
+    last_request_id: str | None = None  # None until the connection's first request
+    _serial = 0
 
     async def connect(self) -> None:
         device = await database_sync_to_async(Device.authenticate)(bearer_token(self.scope["headers"]))
@@ -116,6 +153,7 @@ class AgentConsumer(_ProtocolConsumer):
         await self.channel_layer.group_add(device_group(device.pk), self.channel_name)
 
     async def disconnect(self, code: int) -> None:
+        self._stop_waiting()
         device = getattr(self, "device", None)
         if device is None:
             return
@@ -140,8 +178,60 @@ class AgentConsumer(_ProtocolConsumer):
     async def on_lease_request(self, request: LeaseRequest) -> None:
         if len(request.request_id) > MAX_REQUEST_ID:
             raise ProtocolError(f"request_id of {len(request.request_id)} characters; at most {MAX_REQUEST_ID}")
+        if not (math.isfinite(request.wait_s) and request.wait_s >= 0):
+            raise ProtocolError(f"wait_s must be a number of seconds >= 0, got {request.wait_s!r}")
+        self._stop_waiting()  # a new request replaces one still waiting (the agent sent it again)
+        # An agent sends a request again after a dropped connection or a timeout: only then can the
+        # site have answered it already, and only then is the lease lookup worth its query.
+        resent = self.last_request_id is None or request.request_id == self.last_request_id
+        self.last_request_id = request.request_id
+        answer = await self._ask(request, may_be_resent=resent)
+        wait_s = min(request.wait_s, settings.CROWDTRAIN_LEASE_WAIT_MAX_S)
+        if isinstance(answer, NoLease) and answer.ready_at_step is not None and wait_s > 0:
+            self._serial += 1
+            event: WaitOverEvent = {"type": "lease.wait_over", "serial": self._serial}
+            timer = asyncio.get_running_loop().call_later(
+                wait_s, lambda: asyncio.ensure_future(self.channel_layer.send(self.channel_name, event))
+            )
+            self.waiting = _WaitingRequest(request, answer.ready_at_step, self._serial, timer)
+            return
+        await self.send_message(answer)
+
+    async def step_committed(self, event: CommittedEvent) -> None:
+        waiting = self.waiting
+        if waiting is None:
+            return
+        named = waiting.request.campaign_id
+        if named is not None and (named != event["campaign_id"] or event["committed_steps"] < (waiting.ready_at_step or 0)):
+            return
+        await self._answer_waiting(final=False)
+
+    async def lease_wait_over(self, event: WaitOverEvent) -> None:
+        if self.waiting is not None and self.waiting.serial == event["serial"]:
+            await self._answer_waiting(final=True)
+
+    async def _answer_waiting(self, *, final: bool) -> None:
+        """Ask again for the waiting request: answer it with a lease, or, when its time is up, with the refusal."""
+        waiting = self.waiting
+        if waiting is None:
+            return
+        answer = await self._ask(waiting.request)
+        if self.waiting is not waiting:
+            return  # replaced meanwhile; the newer request gets its own answer
+        if isinstance(answer, NoLease) and answer.ready_at_step is not None and not final:
+            waiting.ready_at_step = answer.ready_at_step  # another device took the room: wait on
+            return
+        self._stop_waiting()
+        await self.send_message(answer)
+
+    def _stop_waiting(self) -> None:
+        if self.waiting is not None:
+            self.waiting.timer.cancel()
+            self.waiting = None
+
+    async def _ask(self, request: LeaseRequest, *, may_be_resent: bool = False) -> Lease | NoLease:
         answer = await database_sync_to_async(leasing.request_lease)(
-            self.device.pk, request.campaign_id, request.samples_per_s, request.request_id
+            self.device.pk, request.campaign_id, request.samples_per_s, request.request_id, may_be_resent=may_be_resent
         )
         # Agents waiting for a campaign hear its version pushes, so they ask again the moment a step opens.
         campaign_id = answer.campaign_id if isinstance(answer, Lease) else request.campaign_id
@@ -152,13 +242,16 @@ class AgentConsumer(_ProtocolConsumer):
         if watch and len(self.campaigns) < MAX_WATCHED_CAMPAIGNS:
             self.campaigns.add(campaign_id)
             await self.channel_layer.group_add(campaign_agents_group(campaign_id), self.channel_name)
-        await self.send_message(answer)
+        return answer
 
     async def on_done(self, done: LeaseDone) -> None:
         outcome = await database_sync_to_async(leasing.report_done)(self.device.pk, done)
         await self.send_message(outcome.ack)
         for commit in outcome.commits:
             await send_outbox((aggregator_id, commit.message) for aggregator_id in commit.aggregator_ids)
+        if outcome.commits:
+            last = outcome.commits[-1].message
+            await announce_commit(last.campaign_id, last.step + 1)
 
     async def on_release(self, release: LeaseRelease) -> None:
         await database_sync_to_async(leasing.release_lease)(self.device.pk, release.lease_id)

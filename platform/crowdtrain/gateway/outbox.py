@@ -20,6 +20,12 @@ class SendEvent(TypedDict):
     text: str
 
 
+class CommittedEvent(TypedDict):
+    type: str  # "step.committed": lease requests waiting for this many committed steps may go on
+    campaign_id: int
+    committed_steps: int
+
+
 class RevokedEvent(TypedDict):
     type: str  # "device.revoked"
     reason: str
@@ -46,6 +52,12 @@ async def send_outbox(outbox: Iterable[tuple[int, Any]]) -> None:
     """Deliver (aggregator id, message) pairs returned by the scheduler."""
     for aggregator_id, message in outbox:
         await send_to_group(backbone_group(aggregator_id), message)
+
+
+async def announce_commit(campaign_id: int, committed_steps: int) -> None:
+    """Tell the campaign's agent connections that a step was committed: room for their waiting requests."""
+    event: CommittedEvent = {"type": "step.committed", "campaign_id": campaign_id, "committed_steps": committed_steps}
+    await get_channel_layer().group_send(campaign_agents_group(campaign_id), event)
 
 
 async def revoke_device(device_id: int, reason: str) -> None:

@@ -94,8 +94,9 @@ def expire_overdue(campaign: Campaign) -> int:
     return count
 
 
-def _no_lease(reason: str, detail: str, retry_after_s: float | None = None) -> NoLease:
-    return NoLease(reason=reason, detail=detail, retry_after_s=retry_after_s or settings.CROWDTRAIN_RETRY_AFTER_S)
+def _no_lease(reason: str, detail: str, retry_after_s: float | None = None, ready_at_step: int | None = None) -> NoLease:
+    return NoLease(reason=reason, detail=detail, retry_after_s=retry_after_s or settings.CROWDTRAIN_RETRY_AFTER_S,
+                   ready_at_step=ready_at_step)  # fmt: skip
 
 
 def _slices_ready(campaign: Campaign) -> tuple[list[SliceAssignment], str | None]:
@@ -110,19 +111,51 @@ def _slices_ready(campaign: Campaign) -> tuple[list[SliceAssignment], str | None
     return slices, None
 
 
-def _others_idle(campaign: Campaign, device_id: int, holders: set[int]) -> bool:
-    """Record that this device asked; say whether another live device asking lately holds no lease."""
+def _note_request(campaign: Campaign, device_id: int) -> None:
+    """Record that this device asked for work lately (``_others_idle`` reads it), refused or not."""
     now = timezone.now()
     if not Participation.objects.filter(campaign=campaign, device_id=device_id).update(last_request_at=now):
         Participation.objects.create(campaign=campaign, device_id=device_id, last_request_at=now)
+
+
+def _others_idle(campaign: Campaign, device_id: int, holders: set[int]) -> bool:
+    """Whether another live device that asked lately holds no lease while this one holds one."""
     if device_id not in holders:
         return False  # an idle device is served whatever the others do
-    recent = now - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
+    recent = timezone.now() - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
     return (
         campaign.participations.filter(last_request_at__gte=recent, device__last_seen_at__gte=recent)
         .exclude(device_id__in=holders)
         .exists()
     )
+
+
+def _leases_in_flight(campaign: Campaign) -> tuple[dict[int, int], set[int]]:
+    """Samples reserved per step and the devices holding an active lease, expiring overdue leases on the way.
+
+    One read of the campaign's live leases (active ones, and accepted ones
+    waiting for their step to fill) does what ``expire_overdue`` and a count
+    per step would do in three: this runs on every lease request.
+    """
+    now = timezone.now()
+    gone = now - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
+    rows = campaign.leases.filter(Q(state=Lease.State.ACTIVE) | Q(state=Lease.State.ACCEPTED, step__isnull=True))
+    reserved: dict[int, int] = {}
+    holders: set[int] = set()
+    overdue: list[int] = []
+    for pk, step, holder, state, n, deadline, seen, revoked in rows.values_list(
+        "pk", "target_step", "device_id", "state", "num_samples", "deadline", "device__last_seen_at",
+        "device__revoked_at",
+    ):  # fmt: skip
+        if state == Lease.State.ACTIVE:
+            if deadline < now or (seen is not None and seen < gone) or revoked is not None:
+                overdue.append(pk)  # the same rule as expire_overdue
+                continue
+            holders.add(holder)
+        reserved[step] = reserved.get(step, 0) + n
+    for lease in Lease.objects.filter(pk__in=overdue) if overdue else ():
+        retire_lease(lease, Lease.State.EXPIRED, "deadline passed" if lease.deadline < now else "agent went silent")
+    return reserved, holders
 
 
 def _lease_size(campaign: Campaign, device_id: int, samples_per_s: float | None) -> tuple[int, float | None]:
@@ -160,58 +193,43 @@ def _first_open_step(open_step: int, reserved: dict[int, int], target: int) -> i
 def _try_lease(
     campaign: Campaign, device_id: int, samples_per_s: float | None, request_id: str = ""
 ) -> LeaseMessage | NoLease:
-    expire_overdue(campaign)
+    # Cheapest refusals first: a pipelined agent asks while every step it may work on is full.
+    reserved, holders = _leases_in_flight(campaign)
+    _note_request(campaign, device_id)
+    target = campaign.target_batch_size
+    # Leases are computed on the newest committed version, which the aggregators may still be
+    # applying: agents fetch it as soon as it is published instead of after a push and another request.
+    base = campaign.open_step
+    step = _first_open_step(base, reserved, target)
+    if campaign.max_steps is not None and step >= campaign.max_steps:
+        return _no_lease("step_full", f"campaign {campaign.pk}: the last of its {campaign.max_steps} steps is in flight")
+    if step > base + campaign.staleness:
+        return _no_lease(
+            "step_full", f"step {base} has all {target} samples in flight; waiting for its commit",
+            ready_at_step=step - campaign.staleness,
+        )  # fmt: skip
+    if _others_idle(campaign, device_id, holders):
+        # This device asks ahead while another waits with nothing to do: the other goes first.
+        return _no_lease("step_full", f"campaign {campaign.pk}: idle volunteers are served before leases ahead",
+                         ready_at_step=base + 1)  # fmt: skip
     slices, waiting = _slices_ready(campaign)
     if waiting:
         return _no_lease("campaign_paused", f"campaign {campaign.pk}: {waiting}")
-    target = campaign.target_batch_size
-    # Samples reserved per step: active leases plus accepted ones waiting for their step to fill.
-    reserved: dict[int, int] = {}
-    holders: set[int] = set()  # devices holding an active lease
-    rows = (
-        campaign.leases.filter(Q(state=Lease.State.ACTIVE) | Q(state=Lease.State.ACCEPTED, step__isnull=True))
-        .values_list("target_step", "device_id", "state")
-        .annotate(n=Sum("num_samples"))
-    )
-    for step, holder, state, n in rows:
-        reserved[step] = reserved.get(step, 0) + n
-        if state == Lease.State.ACTIVE:
-            holders.add(holder)
-    if _others_idle(campaign, device_id, holders):
-        # This device asks ahead while another waits with nothing to do: the other goes first.
-        return _no_lease("step_full", f"campaign {campaign.pk}: idle volunteers are served before leases ahead")
     size, speed = _lease_size(campaign, device_id, samples_per_s)
-    step = _first_open_step(campaign.open_step, reserved, target)
-    if campaign.max_steps is not None and step >= campaign.max_steps:
-        return _no_lease("step_full", f"campaign {campaign.pk}: the last of its {campaign.max_steps} steps is in flight")
-    if step > campaign.version + campaign.staleness:
-        if step > campaign.open_step:
-            return _no_lease(
-                "step_full", f"step {campaign.open_step} has all {target} samples in flight; waiting for its commit"
-            )
-        return _no_lease("waiting_for_version", f"version {campaign.open_step} is being applied by the aggregators")
     size = min(size, target - reserved.get(step, 0), settings.CROWDTRAIN_MAX_LEASE_SAMPLES)
-    # Where would this device's next lease go? If that step needs a newer version, say so: the
-    # agent waits for it instead of asking (and hearing no) while it computes this lease.
-    reserved[step] = reserved.get(step, 0) + size
-    following = _first_open_step(campaign.open_step, reserved, target)
-    needed = following - campaign.staleness
-    next_at = needed if needed > campaign.version else None
     ranges = take_samples(campaign, size)
     campaign.save(update_fields=["cursor", "epoch"])
     seconds = max(settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S, 3 * size / speed if speed else 0.0)
     seconds = min(seconds, max(settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S, settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S))
     deadline = timezone.now() + timedelta(seconds=seconds)
     lease = Lease.objects.create(
-        campaign=campaign, device_id=device_id, base_version=campaign.version, target_step=step, ranges=ranges,
+        campaign=campaign, device_id=device_id, base_version=base, target_step=step, ranges=ranges,
         num_samples=size, deadline=deadline, request_id=request_id,
     )
-    return lease_message(lease, campaign, slices, next_at)
+    return lease_message(lease, campaign, slices)
 
 
-def lease_message(
-    lease: Lease, campaign: Campaign, slices: list[SliceAssignment], next_at: int | None = None
-) -> LeaseMessage:
+def lease_message(lease: Lease, campaign: Campaign, slices: list[SliceAssignment]) -> LeaseMessage:
     """The wire form of a lease, with a freshly signed ticket (also used to answer a repeated request)."""
     seconds = max(0.0, (lease.deadline - timezone.now()).total_seconds())
     ticket = Ticket(
@@ -232,7 +250,6 @@ def lease_message(
         model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
         data=DataSpec(kind=campaign.dataset.kind, sample_len=campaign.dataset.sample_len),
         param_count=campaign.param_count,
-        next_lease_at_version=next_at,
         slices=[
             SliceRoute(
                 index=s.index, start=s.start, end=s.end, upload_url=s.aggregator.upload_url,
@@ -259,15 +276,18 @@ def _open_to(campaign: Campaign, device_id: int) -> bool:
 
 
 def request_lease(
-    device_id: int, campaign_id: int | None, samples_per_s: float | None, request_id: str = ""
+    device_id: int, campaign_id: int | None, samples_per_s: float | None, request_id: str = "",
+    *, may_be_resent: bool = True,
 ) -> LeaseMessage | NoLease:
     """Give this device work from a running campaign, or say why not and when to ask again.
 
     A request repeated with the same ``request_id`` (the agent resends after a
     dropped connection) gets the lease the first one was given, not a second.
+    An agent resends only on a new connection, so the gateway passes
+    ``may_be_resent=False`` for later requests on one connection and saves the lookup.
     """
     with transaction.atomic():
-        if request_id:
+        if request_id and may_be_resent:
             earlier = Lease.objects.filter(device_id=device_id, request_id=request_id, state=Lease.State.ACTIVE).first()
             if earlier is not None:
                 campaign = _locked(earlier.campaign_id)

@@ -281,17 +281,31 @@ def test_a_device_that_went_silent_is_not_waited_for() -> None:
     assert Lease.objects.get(pk=ahead.lease_id).target_step == 2
 
 
-def test_a_lease_says_which_version_the_devices_next_lease_needs() -> None:
+def test_a_full_step_refusal_says_which_commit_makes_room() -> None:
     make_campaign(target_batch_size=64, microbatch_size=4, staleness=1)
     device, _ = make_device()
+    leasing.request_lease(device.pk, None, 1000.0)  # all of step 0
+    leasing.request_lease(device.pk, None, 1000.0)  # all of step 1, ahead on version 0
 
-    first = leasing.request_lease(device.pk, None, 1000.0)  # all of step 0: its next lease can go in step 1 now
-    second = leasing.request_lease(device.pk, None, 1000.0)  # all of step 1: step 2 needs version 1
-    small = leasing.request_lease(make_device("slow")[0].pk, None, 0.4)
+    refusal = leasing.request_lease(device.pk, None, 1000.0)  # step 2 needs version 1: step 0 committed
 
-    assert first.next_lease_at_version is None
-    assert second.next_lease_at_version == 1
-    assert isinstance(small, NoLease) or small.next_lease_at_version is None
+    assert isinstance(refusal, NoLease) and refusal.reason == "step_full"
+    assert refusal.ready_at_step == 1
+
+
+def test_leases_are_computed_on_the_newest_committed_version_before_the_aggregators_apply_it() -> None:
+    campaign = make_campaign(target_batch_size=64, microbatch_size=4, staleness=0)
+    device, _ = make_device()
+    first = leasing.request_lease(device.pk, None, 1000.0)
+    Lease.objects.update(issued_at=timezone.now() - timedelta(seconds=1))
+    assert leasing.report_done(device.pk, done_for(first.lease_id)).commits
+
+    following = leasing.request_lease(device.pk, None, 1000.0)
+
+    campaign.refresh_from_db()
+    assert (campaign.version, campaign.committed_steps) == (0, 1)  # no aggregator has applied step 0 yet
+    assert isinstance(following, LeaseMessage) and following.base_version == 1
+    assert Lease.objects.get(pk=following.lease_id).target_step == 1
 
 
 @pytest.mark.parametrize("loss", [-1.0, 1e308])

@@ -177,6 +177,9 @@ class LeaseRequest:
     campaign_id: int | None = None  # None: any running campaign
     samples_per_s: float | None = None  # measured on that campaign's model; None until known
     request_id: str = ""  # the same for a resent request, so the site answers with the same lease (max 64)
+    # How long the site may hold the request when every step this device may work on is full: it
+    # answers the moment a commit makes room, instead of the agent asking again and again. 0: at once.
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,7 +189,9 @@ class Lease:
     kind: Literal["lease"] = "lease"
     lease_id: int
     campaign_id: int
-    base_version: int  # parameter version to compute the gradient against
+    # Parameter version to compute the gradient against: the newest committed step's, which the
+    # aggregators may still be applying (their parameter downloads wait for it a few seconds).
+    base_version: int
     ranges: list[SampleRange]
     num_samples: int
     microbatch_size: int
@@ -197,16 +202,12 @@ class Lease:
     data: DataSpec
     param_count: int
     slices: list[SliceRoute]
-    # Asking for another lease of this campaign before this version is published would only get
-    # a no_lease: this device holds its share of every step it may work on until then.
-    next_lease_at_version: int | None = None
 
 
 NoLeaseReason = Literal[
     "no_campaign",  # nothing is running that this device may join
     "campaign_paused",  # the campaign exists but is paused or waits for aggregators
     "step_full",  # the open step has all the samples it needs; wait for its commit
-    "waiting_for_version",  # a newer parameter version is about to be published
     "epoch_done",  # every sample of the epoch is leased; wait for stragglers
     "campaign_finished",
 ]
@@ -220,6 +221,8 @@ class NoLease:
     reason: NoLeaseReason
     detail: str
     retry_after_s: float
+    # For "step_full": asking again can succeed once the campaign has committed this many steps.
+    ready_at_step: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,94 @@
+"""A lease request that finds every step full waits at the site and is answered by the commit that makes room."""
+
+from __future__ import annotations
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.test import override_settings
+
+from crowdtrain_agent.protocol import DoneAck, ErrorMessage, Lease, LeaseRequest, NoLease
+from tests.factories import done_for, make_campaign, make_device
+
+from .conftest import HELLO, Connect, receive, send
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+WHOLE_STEP = 1e6  # samples/s: any lease is capped by the room left in its step, so this takes all of it
+
+
+async def _agent(connect: Connect, name: str) -> object:
+    _, token = await sync_to_async(make_device)(name)
+    communicator, _, _ = await connect("/ws/agent/", token)
+    await send(communicator, HELLO)
+    await receive(communicator)
+    return communicator
+
+
+async def test_a_request_for_a_full_step_is_answered_by_the_commit_that_makes_room(connect: Connect) -> None:
+    await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
+    agent = await _agent(connect, "alice")
+    await send(agent, LeaseRequest(samples_per_s=WHOLE_STEP))
+    first = await receive(agent)
+
+    await send(agent, LeaseRequest(samples_per_s=WHOLE_STEP, wait_s=5.0))
+    held = await agent.receive_nothing(timeout=0.3)
+    await send(agent, await sync_to_async(done_for)(first.lease_id))
+    ack = await receive(agent)
+    following = await receive(agent)
+
+    assert held  # no refusal while step 0 was in flight
+    assert isinstance(ack, DoneAck) and ack.accepted
+    assert isinstance(following, Lease) and following.base_version == 1
+
+
+async def test_another_devices_commit_wakes_a_waiting_request(connect: Connect) -> None:
+    await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
+    alice, bob = await _agent(connect, "alice"), await _agent(connect, "bob")
+    await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
+    first = await receive(alice)
+
+    await send(bob, LeaseRequest(samples_per_s=WHOLE_STEP, wait_s=5.0))
+    held = await bob.receive_nothing(timeout=0.3)
+    await send(alice, await sync_to_async(done_for)(first.lease_id))
+    await receive(alice)
+    woken = await receive(bob)
+
+    assert held
+    assert isinstance(woken, Lease) and woken.base_version == 1
+
+
+@override_settings(CROWDTRAIN_LEASE_WAIT_MAX_S=0.3)
+async def test_a_waiting_request_gets_the_refusal_when_the_sites_limit_is_up(connect: Connect) -> None:
+    await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
+    alice, bob = await _agent(connect, "alice"), await _agent(connect, "bob")
+    await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
+    await receive(alice)
+
+    await send(bob, LeaseRequest(samples_per_s=WHOLE_STEP, wait_s=60.0))
+    refusal = await receive(bob, timeout=5)
+
+    assert isinstance(refusal, NoLease) and refusal.reason == "step_full"
+    assert refusal.ready_at_step == 1
+
+
+async def test_a_request_without_wait_s_is_refused_at_once(connect: Connect) -> None:
+    await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
+    alice, bob = await _agent(connect, "alice"), await _agent(connect, "bob")
+    await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
+    await receive(alice)
+
+    await send(bob, LeaseRequest(samples_per_s=WHOLE_STEP))
+    refusal = await receive(bob, timeout=1)
+
+    assert isinstance(refusal, NoLease) and refusal.reason == "step_full"
+
+
+@pytest.mark.parametrize("wait_s", [-1.0, -1e-9])
+async def test_it_refuses_a_negative_wait(connect: Connect, wait_s: float) -> None:
+    await sync_to_async(make_campaign)(target_batch_size=16)
+    agent = await _agent(connect, "alice")
+
+    await send(agent, LeaseRequest(wait_s=wait_s))
+    reply = await receive(agent)
+
+    assert isinstance(reply, ErrorMessage) and "wait_s must be a number of seconds >= 0" in reply.detail
