@@ -52,3 +52,14 @@ async def test_a_shard_name_that_is_not_a_digest_is_refused_before_any_download(
         await asyncio.to_thread(_cache(world, tmp_path).get, "../../etc/passwd")
 
     assert world.site.shard_requests == []
+
+
+async def test_two_threads_asking_for_one_shard_download_it_once(world: World, tmp_path: Path) -> None:
+    world.site.shard_delay_s = 0.2  # the second asks while the first is still downloading
+    cache = _cache(world, tmp_path)
+
+    first, second = await asyncio.gather(asyncio.to_thread(cache.get, world.sha), asyncio.to_thread(cache.get, world.sha))
+
+    assert first == second == world.shard
+    assert world.site.shard_requests == [world.sha]
+    assert cache.in_memory(world.sha)

@@ -143,7 +143,9 @@ def configure_logging(verbose: int, *, live: bool) -> None:
     """Send log lines to stderr; under the live panel only warnings, unless -v."""
     level = logging.DEBUG if verbose else (logging.WARNING if live else logging.INFO)
     handler = logging.StreamHandler(_CurrentStderr())
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(message)s", "%H:%M:%S"))
+    # Debug lines time the pipeline's phases, so -v shows milliseconds.
+    stamp = "%(asctime)s.%(msecs)03d" if verbose else "%(asctime)s"
+    handler.setFormatter(logging.Formatter(f"{stamp} %(levelname)-7s %(message)s", "%H:%M:%S"))
     handler.set_name("crowdtrain-agent")
     root = logging.getLogger()
     for old in [h for h in root.handlers if h.get_name() == "crowdtrain-agent"]:

@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -109,6 +110,8 @@ class ShardCache:
         self._token = token
         self._memory: OrderedDict[str, bytes] = OrderedDict()
         self._memory_items = memory_items
+        self._lock = threading.Lock()  # guards the two dicts: a prefetch thread shares the cache
+        self._shard_locks: dict[str, threading.Lock] = {}  # one download per shard at a time
         self.downloads = 0
 
     def path_for(self, sha256: str) -> Path:
@@ -124,17 +127,28 @@ class ShardCache:
         """
         if not _SHA256.fullmatch(sha256):
             raise FetchError(f"shard name {sha256!r} is not a lower-case sha256 hex digest")
-        if sha256 in self._memory:
-            self._memory.move_to_end(sha256)
-            return self._memory[sha256]
-        data = self._read_disk(sha256)
-        if data is None:
-            data = self._download(sha256)
-            self._write_disk(sha256, data)
-        self._memory[sha256] = data
-        while len(self._memory) > self._memory_items:
-            self._memory.popitem(last=False)
-        return data
+        with self._lock:
+            shard_lock = self._shard_locks.setdefault(sha256, threading.Lock())
+        with shard_lock:  # a lease needing the shard a prefetch is downloading waits for that download
+            with self._lock:
+                data = self._memory.get(sha256)
+                if data is not None:
+                    self._memory.move_to_end(sha256)
+                    return data
+            data = self._read_disk(sha256)
+            if data is None:
+                data = self._download(sha256)
+                self._write_disk(sha256, data)
+            with self._lock:
+                self._memory[sha256] = data
+                while len(self._memory) > self._memory_items:
+                    self._memory.popitem(last=False)
+            return data
+
+    def in_memory(self, sha256: str) -> bool:
+        """Whether ``get`` would answer without touching the disk or the network."""
+        with self._lock:
+            return sha256 in self._memory
 
     def _read_disk(self, sha256: str) -> bytes | None:
         path = self.path_for(sha256)
@@ -150,6 +164,7 @@ class ShardCache:
 
     def _download(self, sha256: str) -> bytes:
         url = f"{self._url.rstrip('/')}/{sha256}"
+        started = time.perf_counter()
         try:
             data = http_get(url, token=self._token)
         except HttpStatusError as exc:
@@ -161,6 +176,7 @@ class ShardCache:
                 "the download was damaged or the server is misconfigured, the lease will be retried"
             )
         self.downloads += 1
+        logger.debug("shard %s: %d bytes in %.1f ms", sha256[:12], len(data), 1e3 * (time.perf_counter() - started))
         return data
 
     def _write_disk(self, sha256: str, data: bytes) -> None:

@@ -51,6 +51,7 @@ LEASE_ERROR_PAUSE_S = 2.0  # after a lease that could not be prepared, before as
 # pipelined agent asks during its compute, and the commit that makes room answers at once.
 LEASE_WAIT_S = 10.0
 READER_CACHE_ITEMS = 8  # decoded shards kept in memory (a shard is a few MiB)
+MAX_PREFETCH_SHARDS = 2  # of the shards a lease says the next leases will read
 
 
 async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -135,6 +136,7 @@ class Agent:
         self._last_no_lease: str | None = None
         self._reports: set[asyncio.Task[None]] = set()
         self._readers: dict[tuple[str, DataSpec], ShardReader] = {}
+        self._prefetching: set[str] = set()  # shards a background thread is fetching ahead
         self.leases_taken = 0
         self._control: ControlChannel
         self._uploader = Uploader()
@@ -251,6 +253,7 @@ class Agent:
                 except ComputeCancelled:
                     break
                 compute_end = time.perf_counter()
+                logger.debug("lease %d: computed in %.1f ms", lease.lease_id, 1e3 * result.compute_s)
                 self._note_speed(lease, result)
 
                 # send + report in the background; at most one lease uploads while the next computes
@@ -314,6 +317,7 @@ class Agent:
                 continue
             if isinstance(reply, Lease):
                 self._held[reply.lease_id] = reply
+                self._prefetch(reply)
                 self.leases_taken += 1
                 self._last_no_lease = None
                 if self._stopping.is_set():
@@ -365,6 +369,31 @@ class Agent:
             return await in_daemon_thread(blocking)
         except (FetchError, ProtocolError, ModelConfigError, ValueError, OSError) as exc:
             raise LeaseFailed(str(exc)) from None
+
+    def _prefetch(self, lease: Lease) -> None:
+        """Fetch the shards the next leases will read in the background, so no lease waits for its data.
+
+        A shard download takes tens of milliseconds; on the critical path it
+        would leave the device idle between two leases every few leases.
+        """
+        wanted = [
+            sha for sha in lease.prefetch[:MAX_PREFETCH_SHARDS]
+            if sha not in self._prefetching and not self._shards.in_memory(sha)
+        ]  # fmt: skip
+        if not wanted:
+            return
+        self._prefetching.update(wanted)
+
+        def fetch_ahead() -> None:
+            for sha in wanted:
+                try:
+                    self._shards.get(sha)
+                except FetchError as exc:  # the lease that needs it will try again and say why
+                    logger.debug("prefetch of shard %s failed: %s", sha[:12], exc)
+                finally:
+                    self._prefetching.discard(sha)
+
+        threading.Thread(target=fetch_ahead, name="crowdtrain-prefetch", daemon=True).start()
 
     def _reader(self, sha256: str, spec: DataSpec) -> ShardReader:
         """A decoded shard, kept for the next leases (they mostly read the same few shards)."""

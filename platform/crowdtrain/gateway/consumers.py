@@ -213,9 +213,10 @@ class AgentConsumer(_ProtocolConsumer):
     async def _answer_waiting(self, *, final: bool) -> None:
         """Ask again for the waiting request: answer it with a lease, or, when its time is up, with the refusal."""
         waiting = self.waiting
-        if waiting is None:
-            return
-        answer = await self._ask(waiting.request)
+        if waiting is not None:
+            await self._settle(waiting, await self._ask(waiting.request), final=final)
+
+    async def _settle(self, waiting: _WaitingRequest, answer: Lease | NoLease, *, final: bool = False) -> None:
         if self.waiting is not waiting:
             return  # replaced meanwhile; the newer request gets its own answer
         if isinstance(answer, NoLease) and answer.ready_at_step is not None and not final:
@@ -245,10 +246,16 @@ class AgentConsumer(_ProtocolConsumer):
         return answer
 
     async def on_done(self, done: LeaseDone) -> None:
-        outcome = await database_sync_to_async(leasing.report_done)(self.device.pk, done)
-        await self.send_message(outcome.ack)
+        waiting = self.waiting
+        outcome, answer = await database_sync_to_async(leasing.report_and_request)(
+            self.device.pk, done, waiting.request if waiting else None
+        )
+        # The critical path of a step first: the aggregators' commit, then the agent's ack and next lease.
         for commit in outcome.commits:
             await send_outbox((aggregator_id, commit.message) for aggregator_id in commit.aggregator_ids)
+        await self.send_message(outcome.ack)
+        if waiting is not None and answer is not None:
+            await self._settle(waiting, answer)
         if outcome.commits:
             last = outcome.commits[-1].message
             await announce_commit(last.campaign_id, last.step + 1)

@@ -18,13 +18,14 @@ from django.db.models import Exists, F, Q, Sum
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.campaigns.models import Campaign, Step, shard_table
+from crowdtrain.campaigns.models import Campaign, ShardTable, Step, shard_table
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import (
     DataSpec,
     DoneAck,
     Lease as LeaseMessage,
     LeaseDone,
+    LeaseRequest,
     ModelSpec,
     NoLease,
     SampleRange,
@@ -236,7 +237,8 @@ def lease_message(lease: Lease, campaign: Campaign, slices: list[SliceAssignment
         lease_id=lease.pk, campaign_id=campaign.pk, device_id=lease.device_id, base_version=lease.base_version,
         num_samples=lease.num_samples, expires_at=lease.deadline.timestamp() + TICKET_GRACE_S,
     )
-    shards = shard_table(campaign.dataset).sha256s
+    table = shard_table(campaign.dataset)
+    shards = table.sha256s
     return LeaseMessage(
         lease_id=lease.pk,
         campaign_id=campaign.pk,
@@ -250,6 +252,7 @@ def lease_message(lease: Lease, campaign: Campaign, slices: list[SliceAssignment
         model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
         data=DataSpec(kind=campaign.dataset.kind, sample_len=campaign.dataset.sample_len),
         param_count=campaign.param_count,
+        prefetch=_upcoming_shards(campaign, table),
         slices=[
             SliceRoute(
                 index=s.index, start=s.start, end=s.end, upload_url=s.aggregator.upload_url,
@@ -258,6 +261,16 @@ def lease_message(lease: Lease, campaign: Campaign, slices: list[SliceAssignment
             for s in slices
         ],
     )
+
+
+def _upcoming_shards(campaign: Campaign, table: ShardTable) -> list[str]:
+    """The shard at the campaign's cursor and the one after: where the next leases' samples come from."""
+    if not table.sha256s:
+        return []
+    cursor = campaign.cursor if campaign.cursor < campaign.dataset.num_samples else 0  # past the end: a new epoch
+    index = table.locate(cursor)
+    upcoming = [table.sha256s[index], table.sha256s[(index + 1) % len(table.sha256s)]]
+    return list(dict.fromkeys(upcoming))
 
 
 def _open_q(device_id: int) -> Q:
@@ -414,6 +427,27 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
         while sum(l.num_samples for l in waiting.get(campaign.open_step, [])) >= campaign.target_batch_size:
             outcome.commits.append(commit_open_step(campaign, waiting.pop(campaign.open_step), aggregator_ids))
         return outcome
+
+
+def report_and_request(
+    device_id: int, done: LeaseDone, waiting: LeaseRequest | None
+) -> tuple[DoneOutcome, LeaseMessage | NoLease | None]:
+    """Count a finished lease and, if that closed a step, answer the device's waiting lease request at once.
+
+    The commit is what makes room for the reporting device's next lease (its
+    previous one filled the step): asking here puts that lease on the wire
+    right behind the ack, ahead of the rest of the work the commit causes
+    (aggregators' acknowledgements, other devices' waiting requests), all of
+    which queue for the same database thread.
+
+    Returns:
+        The report's outcome, and the answer to ``waiting`` (None when no step was committed).
+    """
+    outcome = report_done(device_id, done)
+    if waiting is None or not outcome.commits:
+        return outcome, None
+    answer = request_lease(device_id, waiting.campaign_id, waiting.samples_per_s, waiting.request_id, may_be_resent=False)
+    return outcome, answer
 
 
 def release_lease(device_id: int, lease_id: int) -> bool:

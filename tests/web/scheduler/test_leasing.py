@@ -6,7 +6,7 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
-from crowdtrain.campaigns.models import Campaign
+from crowdtrain.campaigns.models import Campaign, shard_table
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import Lease as LeaseMessage, LeaseDone, NoLease, Receipt, verify_ticket
@@ -374,3 +374,15 @@ def test_a_reported_compute_time_longer_than_the_lease_was_held_is_cut_to_it() -
 
     stored = Lease.objects.get(pk=lease.lease_id)
     assert 0.0 <= stored.compute_s <= (stored.finished_at - stored.issued_at).total_seconds()
+
+
+def test_a_lease_names_the_shards_the_next_leases_will_read() -> None:
+    campaign = make_campaign(target_batch_size=8, microbatch_size=4)
+    device, _ = make_device()
+    table = shard_table(campaign.dataset)
+
+    lease = leasing.request_lease(device.pk, None, None)
+
+    campaign.refresh_from_db()
+    at_cursor = table.locate(campaign.cursor)
+    assert lease.prefetch == [table.sha256s[at_cursor], table.sha256s[(at_cursor + 1) % len(table.sha256s)]]

@@ -202,6 +202,9 @@ class Lease:
     data: DataSpec
     param_count: int
     slices: list[SliceRoute]
+    # Shards the campaign's next leases will read (sha256): fetched ahead, while this lease computes,
+    # so a lease seldom waits for its data. Agents take the first few.
+    prefetch: list[str] = field(default_factory=list)
 
 
 NoLeaseReason = Literal[
