@@ -222,9 +222,14 @@ class Agent:
         """
         following = asyncio.create_task(self._next_work()) if self._may_take_more() else None
         report: asyncio.Task[None] | None = None
+        unsent: tuple[Lease, GradientResult] | None = None  # computed, upload not started yet
         compute_end: float | None = None  # when the last compute finished: the gap to the next is overhead
         try:
             while following is not None:
+                if unsent is not None and not following.done():
+                    # The next lease may wait for this very upload (its commit makes the room): send it now.
+                    report = await self._start_report(report, *unsent)
+                    unsent = None
                 # fetch work: the lease requested (and downloaded) while the last one computed
                 work = await following
                 following = None
@@ -236,7 +241,10 @@ class Agent:
                     await self._release(lease)
                     break
                 if work.flat is not None:  # between computes, so the running one never sees new weights
-                    await in_daemon_thread(trainer.load_params_, work.cm, work.flat, lease.base_version)
+                    if work.flat.device == trainer.model_device(work.cm):
+                        trainer.load_params_(work.cm, work.flat, lease.base_version)  # views, no copy: instant
+                    else:  # a copy to the GPU: off the event loop
+                        await in_daemon_thread(trainer.load_params_, work.cm, work.flat, lease.base_version)
 
                 # ask for the next lease now: its request and downloads overlap this compute
                 following = asyncio.create_task(self._next_work()) if self._may_take_more() else None
@@ -246,22 +254,23 @@ class Agent:
                 compute_start = time.perf_counter()
                 if compute_end is not None:
                     logger.debug("lease %d: %.1f ms idle between computes", lease.lease_id, 1e3 * (compute_start - compute_end))
+                compute = asyncio.ensure_future(in_daemon_thread(
+                    trainer.compute_gradient, work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort
+                ))  # fmt: skip
+                if unsent is not None:
+                    # Sent once this compute runs: the upload's CPU then overlaps it instead of delaying its start.
+                    report = await self._start_report(report, *unsent)
+                    unsent = None
                 try:
-                    result = await in_daemon_thread(
-                        trainer.compute_gradient, work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort
-                    )
+                    result = await compute
                 except ComputeCancelled:
                     break
                 compute_end = time.perf_counter()
                 logger.debug("lease %d: computed in %.1f ms", lease.lease_id, 1e3 * result.compute_s)
                 self._note_speed(lease, result)
-
-                # send + report in the background; at most one lease uploads while the next computes
-                if report is not None:
-                    await report
-                report = asyncio.create_task(self._send_and_report(lease, result))
-                self._reports.add(report)
-                report.add_done_callback(self._reports.discard)
+                unsent = (lease, result)
+            if unsent is not None:
+                report = await self._start_report(report, *unsent)
             if report is not None:
                 self.status.set_status("uploading the last lease")
                 await report
@@ -270,6 +279,17 @@ class Agent:
                 following.cancel()
         self.status.set_status("stopped")
         return EXIT_OK
+
+    async def _start_report(
+        self, previous: asyncio.Task[None] | None, lease: Lease, result: GradientResult
+    ) -> asyncio.Task[None]:
+        """Send and report ``lease`` in the background, after the previous report: one upload at a time."""
+        if previous is not None:
+            await previous
+        report = asyncio.create_task(self._send_and_report(lease, result))
+        self._reports.add(report)
+        report.add_done_callback(self._reports.discard)
+        return report
 
     async def _next_work(self) -> Prepared | None:
         """The next lease with everything it needs downloaded; None if the agent is stopping."""

@@ -68,6 +68,10 @@ class ModelCache:
         return cached is not None and cached.spec == spec and cached.version == version
 
 
+def model_device(cm: CampaignModel) -> torch.device:
+    return next(cm.model.parameters()).device
+
+
 def load_params_(cm: CampaignModel, flat: torch.Tensor, version: int) -> None:
     """Copy a flat parameter vector (parameters_to_vector order) into the model, in place."""
     if flat.numel() != cm.param_count:
@@ -76,7 +80,7 @@ def load_params_(cm: CampaignModel, flat: torch.Tensor, version: int) -> None:
             "the campaign may need a newer crowdtrain-agent"
         )
     with torch.no_grad():
-        torch.nn.utils.vector_to_parameters(flat.to(next(cm.model.parameters()).device), cm.model.parameters())
+        torch.nn.utils.vector_to_parameters(flat.to(model_device(cm)), cm.model.parameters())
     cm.version = version
 
 
