@@ -33,6 +33,7 @@ import threading
 from collections.abc import Sequence
 
 from . import __version__
+from .allocator import keep_freed_memory
 from .config import (
     DEFAULT_SERVER,
     DEVICE_CHOICES,
@@ -270,6 +271,7 @@ def _run(config: AgentConfig, *, live: bool) -> int:
 
     from .runtime import Agent  # imports torch: keep --help and --version fast
 
+    keep_freed_memory()  # a process-wide setting: here, not when the agent is imported as a library
     status = AgentStatus()
     # Signal handlers can only be installed from the main thread; elsewhere (tests) stop programmatically.
     agent = Agent(config, status=status, handle_signals=threading.current_thread() is threading.main_thread())

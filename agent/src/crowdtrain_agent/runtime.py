@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import signal
 import threading
 import time
@@ -54,6 +55,27 @@ READER_CACHE_ITEMS = 8  # decoded shards kept in memory (a shard is a few MiB)
 MAX_PREFETCH_SHARDS = 2  # of the shards a lease says the next leases will read
 
 
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _call_and_hand_back(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], fn: Callable[..., Any],
+                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:  # fmt: skip
+    try:
+        result, error = fn(*args, **kwargs), None
+    except BaseException as exc:  # handed to the awaiting coroutine, which decides
+        result, error = None, exc
+    try:
+        loop.call_soon_threadsafe(_settle, future, result, error)
+    except RuntimeError:
+        pass  # the loop already closed: nobody waits for this result any more
+
+
 async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run blocking ``fn`` in a fresh daemon thread and await its result.
 
@@ -63,27 +85,45 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def target() -> None:
-        try:
-            result, error = fn(*args, **kwargs), None
-        except BaseException as exc:  # handed to the awaiting coroutine, which decides
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:
-            pass  # the loop already closed: nobody waits for this result any more
-
-    threading.Thread(target=target, name=f"crowdtrain-{getattr(fn, '__name__', 'work')}", daemon=True).start()
+    threading.Thread(
+        target=_call_and_hand_back, args=(loop, future, fn, args, kwargs),
+        name=f"crowdtrain-{getattr(fn, '__name__', 'work')}", daemon=True,
+    ).start()  # fmt: skip
     return await future
+
+
+class DaemonWorker:
+    """One long-lived daemon thread running blocking calls in order (see ``in_daemon_thread``).
+
+    Computes and downloads run on the same thread lease after lease: it keeps
+    its malloc arena, so each lease reuses the megabytes the last one freed,
+    and no thread is started per lease.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the worker thread, after the calls queued before it, and await its result."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+            self._thread.start()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put((loop, future, fn, args, kwargs))
+        return await future
+
+    def close(self) -> None:
+        """Let the thread end once the calls already queued are done."""
+        if self._thread is not None:
+            self._queue.put(())
+            self._thread = None
+
+    def _serve(self) -> None:
+        while call := self._queue.get():
+            _call_and_hand_back(*call)
 
 
 @dataclass(frozen=True)
@@ -140,6 +180,8 @@ class Agent:
         self.leases_taken = 0
         self._control: ControlChannel
         self._uploader = Uploader()
+        self._computer = DaemonWorker("crowdtrain-compute")
+        self._fetcher = DaemonWorker("crowdtrain-fetch")
 
     def request_stop(self) -> None:
         """First call: finish the lease being computed, report it, then exit. Second call: exit now."""
@@ -209,6 +251,8 @@ class Agent:
             control.cancel()
             await asyncio.gather(control, work, *self._reports, return_exceptions=True)
             await self._uploader.close()
+            self._computer.close()
+            self._fetcher.close()
             self.status.set_status("stopped")
 
     # ------------------------------------------------------------------ main loop
@@ -244,7 +288,7 @@ class Agent:
                     if work.flat.device == trainer.model_device(work.cm):
                         trainer.load_params_(work.cm, work.flat, lease.base_version)  # views, no copy: instant
                     else:  # a copy to the GPU: off the event loop
-                        await in_daemon_thread(trainer.load_params_, work.cm, work.flat, lease.base_version)
+                        await self._computer.run(trainer.load_params_, work.cm, work.flat, lease.base_version)
 
                 # ask for the next lease now: its request and downloads overlap this compute
                 following = asyncio.create_task(self._next_work()) if self._may_take_more() else None
@@ -254,7 +298,7 @@ class Agent:
                 compute_start = time.perf_counter()
                 if compute_end is not None:
                     logger.debug("lease %d: %.1f ms idle between computes", lease.lease_id, 1e3 * (compute_start - compute_end))
-                compute = asyncio.ensure_future(in_daemon_thread(
+                compute = asyncio.ensure_future(self._computer.run(
                     trainer.compute_gradient, work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort
                 ))  # fmt: skip
                 if unsent is not None:
@@ -386,7 +430,7 @@ class Agent:
             return Prepared(lease=lease, cm=cm, flat=flat, x=x, y=y)
 
         try:
-            return await in_daemon_thread(blocking)
+            return await self._fetcher.run(blocking)
         except (FetchError, ProtocolError, ModelConfigError, ValueError, OSError) as exc:
             raise LeaseFailed(str(exc)) from None
 
