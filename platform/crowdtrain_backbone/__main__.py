@@ -46,10 +46,12 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _main(config: BackboneConfig) -> int:
     import torch  # loads here, after the config is known to be good
+    from crowdtrain_agent.allocator import keep_freed_memory
 
     from .server import run
 
     torch.set_num_threads(config.torch_threads)
+    keep_freed_memory()  # every step allocates the same megabytes again: reuse them, no page faults
 
     main_task = asyncio.current_task()
     if main_task is not None:
