@@ -202,8 +202,9 @@ class AgentConsumer(_ProtocolConsumer):
         if waiting is None:
             return
         named = waiting.request.campaign_id
-        if named is not None and (named != event["campaign_id"] or event["committed_steps"] < (waiting.ready_at_step or 0)):
-            return
+        if named is not None:  # a request for one campaign waits for the commit of that campaign it needs
+            if named != event["campaign_id"] or event["committed_steps"] < (waiting.ready_at_step or 0):
+                return
         await self._answer_waiting(final=False)
 
     async def lease_wait_over(self, event: WaitOverEvent) -> None:
@@ -234,7 +235,11 @@ class AgentConsumer(_ProtocolConsumer):
         answer = await database_sync_to_async(leasing.request_lease)(
             self.device.pk, request.campaign_id, request.samples_per_s, request.request_id, may_be_resent=may_be_resent
         )
-        # Agents waiting for a campaign hear its version pushes, so they ask again the moment a step opens.
+        await self._watch(request, answer)
+        return answer
+
+    async def _watch(self, request: LeaseRequest, answer: Lease | NoLease) -> None:
+        # Agents waiting for a campaign hear its version pushes and commits, so they get work the moment it exists.
         campaign_id = answer.campaign_id if isinstance(answer, Lease) else request.campaign_id
         # Only campaigns this device may work on (a "no_campaign" answer may hide an invite-only one),
         # and only a few per connection: group memberships live in the channel layer.
@@ -243,7 +248,6 @@ class AgentConsumer(_ProtocolConsumer):
         if watch and len(self.campaigns) < MAX_WATCHED_CAMPAIGNS:
             self.campaigns.add(campaign_id)
             await self.channel_layer.group_add(campaign_agents_group(campaign_id), self.channel_name)
-        return answer
 
     async def on_done(self, done: LeaseDone) -> None:
         waiting = self.waiting
@@ -255,6 +259,7 @@ class AgentConsumer(_ProtocolConsumer):
             await send_outbox((aggregator_id, commit.message) for aggregator_id in commit.aggregator_ids)
         await self.send_message(outcome.ack)
         if waiting is not None and answer is not None:
+            await self._watch(waiting.request, answer)
             await self._settle(waiting, answer)
         if outcome.commits:
             last = outcome.commits[-1].message

@@ -81,18 +81,8 @@ def retire_lease(lease: Lease, state: str, reason: str) -> None:
 
 
 def expire_overdue(campaign: Campaign) -> int:
-    """Expire leases past their deadline or held by agents silent for GONE_AFTER_S."""
-    now = timezone.now()
-    gone = now - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
-    overdue = campaign.leases.filter(state=Lease.State.ACTIVE).filter(
-        Q(deadline__lt=now) | Q(device__last_seen_at__lt=gone) | Q(device__revoked_at__isnull=False)
-    )
-    count = 0
-    for lease in overdue:
-        reason = "deadline passed" if lease.deadline < now else "agent went silent"
-        retire_lease(lease, Lease.State.EXPIRED, reason)
-        count += 1
-    return count
+    """Expire leases past their deadline or held by agents silent for GONE_AFTER_S (or revoked)."""
+    return _leases_in_flight(campaign).expired
 
 
 def _no_lease(reason: str, detail: str, retry_after_s: float | None = None, ready_at_step: int | None = None) -> NoLease:
@@ -131,18 +121,24 @@ def _others_idle(campaign: Campaign, device_id: int, holders: set[int]) -> bool:
     )
 
 
-def _leases_in_flight(campaign: Campaign) -> tuple[dict[int, int], set[int]]:
-    """Samples reserved per step and the devices holding an active lease, expiring overdue leases on the way.
+@dataclass
+class LiveLeases:
+    reserved: dict[int, int]  # samples reserved per step: active leases and accepted ones waiting for their step
+    holders: set[int]  # devices holding an active lease
+    expired: int  # leases expired on the way
 
-    One read of the campaign's live leases (active ones, and accepted ones
-    waiting for their step to fill) does what ``expire_overdue`` and a count
-    per step would do in three: this runs on every lease request.
+
+def _leases_in_flight(campaign: Campaign) -> LiveLeases:
+    """What the campaign's live leases reserve, expiring overdue ones on the way.
+
+    One read of the active leases (and of accepted ones waiting for their
+    step to fill) serves both the expiry and the count per step: this runs on
+    every lease request.
     """
     now = timezone.now()
     gone = now - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
     rows = campaign.leases.filter(Q(state=Lease.State.ACTIVE) | Q(state=Lease.State.ACCEPTED, step__isnull=True))
-    reserved: dict[int, int] = {}
-    holders: set[int] = set()
+    live = LiveLeases({}, set(), 0)
     overdue: list[int] = []
     for pk, step, holder, state, n, deadline, seen, revoked in rows.values_list(
         "pk", "target_step", "device_id", "state", "num_samples", "deadline", "device__last_seen_at",
@@ -150,13 +146,14 @@ def _leases_in_flight(campaign: Campaign) -> tuple[dict[int, int], set[int]]:
     ):  # fmt: skip
         if state == Lease.State.ACTIVE:
             if deadline < now or (seen is not None and seen < gone) or revoked is not None:
-                overdue.append(pk)  # the same rule as expire_overdue
+                overdue.append(pk)
                 continue
-            holders.add(holder)
-        reserved[step] = reserved.get(step, 0) + n
+            live.holders.add(holder)
+        live.reserved[step] = live.reserved.get(step, 0) + n
     for lease in Lease.objects.filter(pk__in=overdue) if overdue else ():
         retire_lease(lease, Lease.State.EXPIRED, "deadline passed" if lease.deadline < now else "agent went silent")
-    return reserved, holders
+        live.expired += 1
+    return live
 
 
 def _lease_size(campaign: Campaign, device_id: int, samples_per_s: float | None) -> tuple[int, float | None]:
@@ -195,7 +192,8 @@ def _try_lease(
     campaign: Campaign, device_id: int, samples_per_s: float | None, request_id: str = ""
 ) -> LeaseMessage | NoLease:
     # Cheapest refusals first: a pipelined agent asks while every step it may work on is full.
-    reserved, holders = _leases_in_flight(campaign)
+    live = _leases_in_flight(campaign)
+    reserved, holders = live.reserved, live.holders
     _note_request(campaign, device_id)
     target = campaign.target_batch_size
     # Leases are computed on the newest committed version, which the aggregators may still be
