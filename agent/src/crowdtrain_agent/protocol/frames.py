@@ -6,7 +6,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: lease_request.wait_s, no_lease.ready_at_step, lease.prefetch (strict decoders refuse new fields)
 
 # Every WebSocket message either side sends stays under 1 MiB: daphne and the
 # `websockets` client both drop larger ones by default (../shared/STACK.md).
