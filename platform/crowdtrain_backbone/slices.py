@@ -292,9 +292,6 @@ class SliceState:
         self._published.set()  # wakes downloads waiting for this version
         self._published = asyncio.Event()
 
-    def snapshot(self, version: int) -> Snapshot | None:
-        return self.snapshots.get(version)
-
     async def wait_for_snapshot(self, version: int, timeout_s: float) -> Snapshot | None:
         """The snapshot of ``version``, waiting up to ``timeout_s`` if it is about to be published.
 

@@ -59,3 +59,18 @@ def test_malloc_keeps_freed_buffers_where_glibc_can_be_told_to() -> None:
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
     assert keep_freed_memory() is glibc
+
+
+async def test_a_posted_call_runs_on_the_worker_after_those_queued_before_it() -> None:
+    worker = DaemonWorker("test-worker")
+    order: list[str] = []
+    posted_ran = threading.Event()
+
+    first = asyncio.ensure_future(worker.run(lambda: order.append("awaited")))
+    await asyncio.sleep(0)  # lets the awaited call reach the queue first
+    worker.post(lambda: (order.append("posted"), posted_ran.set()))
+    await first
+    ran = await asyncio.to_thread(posted_ran.wait, 5)
+    worker.close()
+
+    assert ran and order == ["awaited", "posted"]

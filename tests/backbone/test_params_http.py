@@ -108,6 +108,16 @@ async def test_a_version_that_is_not_published_in_time_gets_a_404(
     assert status == 404 and json.loads(body) == {"error": "version not published yet"}
 
 
+async def test_a_version_further_ahead_than_any_commit_in_flight_is_not_waited_for(
+    held: SliceReady, backbone: BackboneServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(http_routes, "PARAMS_WAIT_S", 60.0)  # past the 10 s client timeout, were it waited for
+
+    status, _, body = await _get(f"http://127.0.0.1:{backbone.port}/params/1/0/7")
+
+    assert status == 404 and json.loads(body) == {"error": "version not published yet"}
+
+
 async def test_it_answers_410_for_a_version_it_no_longer_keeps(
     site: FakeSite, held: SliceReady, backbone: BackboneServer, agent: Agent
 ) -> None:

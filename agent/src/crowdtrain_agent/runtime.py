@@ -107,13 +107,16 @@ class DaemonWorker:
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the worker thread, after the calls queued before it, and await its result."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
-            self._thread.start()
+        self._start()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._queue.put((loop, future, fn, args, kwargs))
         return await future
+
+    def post(self, fn: Callable[[], object]) -> None:
+        """Queue ``fn`` without waiting for it; it must handle its own errors."""
+        self._start()
+        self._queue.put((fn,))
 
     def close(self) -> None:
         """Let the thread end once the calls already queued are done."""
@@ -121,9 +124,17 @@ class DaemonWorker:
             self._queue.put(())
             self._thread = None
 
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+            self._thread.start()
+
     def _serve(self) -> None:
         while call := self._queue.get():
-            _call_and_hand_back(*call)
+            if len(call) == 1:  # posted: nobody waits for the result
+                call[0]()
+            else:
+                _call_and_hand_back(*call)
 
 
 @dataclass(frozen=True)
@@ -182,6 +193,7 @@ class Agent:
         self._uploader = Uploader()
         self._computer = DaemonWorker("crowdtrain-compute")
         self._fetcher = DaemonWorker("crowdtrain-fetch")
+        self._prefetcher = DaemonWorker("crowdtrain-prefetch")  # apart: a lease's own fetch never queues behind it
 
     def request_stop(self) -> None:
         """First call: finish the lease being computed, report it, then exit. Second call: exit now."""
@@ -253,6 +265,7 @@ class Agent:
             await self._uploader.close()
             self._computer.close()
             self._fetcher.close()
+            self._prefetcher.close()
             self.status.set_status("stopped")
 
     # ------------------------------------------------------------------ main loop
@@ -457,7 +470,7 @@ class Agent:
                 finally:
                     self._prefetching.discard(sha)
 
-        threading.Thread(target=fetch_ahead, name="crowdtrain-prefetch", daemon=True).start()
+        self._prefetcher.post(fetch_ahead)
 
     def _reader(self, sha256: str, spec: DataSpec) -> ShardReader:
         """A decoded shard, kept for the next leases (they mostly read the same few shards)."""
