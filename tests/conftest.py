@@ -25,6 +25,8 @@ def pytest_configure(config: pytest.Config) -> None:
     from django.conf import settings as django_settings
 
     django_settings.DATABASES["default"]["CONN_MAX_AGE"] = 0
+    # The lease record is written in the test's own thread and transaction, not by a background thread.
+    django_settings.CROWDTRAIN_RECORDS_INLINE = True
     # Tests look at a task's outcome right after the request that queued it.
     django_settings.CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND = False
 
@@ -47,6 +49,59 @@ def fresh_channel_layer() -> Iterator[None]:
     channel_layers.backends.clear()
     yield
     channel_layers.backends.clear()
+
+
+@pytest.fixture(autouse=True)
+def fresh_scheduler_state() -> Iterator[None]:
+    """Every test gets its own scheduler keys in Redis (or its own in-process Redis) and empty caches.
+
+    Lease ids and campaign ids come back after a rolled-back test transaction;
+    keys a finished test left behind must not speak for the next test's leases.
+    """
+    import uuid
+
+    from crowdtrain.scheduler import configs, hotstate, leasing, records
+
+    prefix = f"ct-test-{uuid.uuid4().hex[:12]}"
+    with override_settings(CROWDTRAIN_REDIS_PREFIX=prefix, CROWDTRAIN_RECORDS_INLINE=True):
+        hotstate.reset_hot_state()
+        records.reset_writer()
+        configs.clear_caches()
+        leasing.lease_ids.reset()
+        yield
+        state = hotstate._instance
+        if state is not None:
+            keys = list(state.client.scan_iter(match=f"{prefix}:*", count=1000))
+            if keys:
+                state.client.delete(*keys)
+        hotstate.reset_hot_state()
+        records.reset_writer()
+        configs.clear_caches()
+        leasing.lease_ids.reset()
+
+
+class FakeClock:
+    """The scheduler's clock, moved by hand: deadlines pass without waiting for them."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> Iterator[FakeClock]:
+    from crowdtrain.scheduler.hotstate import hot_state
+
+    fake = FakeClock()
+    hot_state().clock = fake
+    yield fake
 
 
 @pytest.fixture(autouse=True)

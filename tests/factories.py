@@ -85,6 +85,13 @@ def done_for(lease_id: int, loss: float = 1.0) -> LeaseDone:
     )
 
 
+def redo_samples(campaign: Campaign) -> int:
+    """Samples waiting in the campaign's redo queue (expired, released or rejected leases' samples)."""
+    from crowdtrain.scheduler.hotstate import hot_state
+
+    return sum(count for _, _, count in hot_state().snapshot(campaign.hot_key.hex)["redo"])
+
+
 def make_volunteer(name: str, *, password: str = "correct horse battery", verified: bool = True) -> AbstractBaseUser:
     """A volunteer as sign-up leaves them: e-mail login, address verified unless told otherwise."""
     email = f"{name}@example.org"

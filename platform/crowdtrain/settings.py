@@ -218,6 +218,18 @@ CROWDTRAIN_LEASE_WAIT_MAX_S = env_float("CROWDTRAIN_LEASE_WAIT_MAX_S", 10.0, min
 # Agents and aggregators silent this long are gone; what they held is freed.
 CROWDTRAIN_GONE_AFTER_S = env_float("CROWDTRAIN_GONE_AFTER_S", 10.0, minimum=1.0)
 CROWDTRAIN_HEARTBEAT_S = env_float("CROWDTRAIN_HEARTBEAT_S", 2.0, minimum=0.1)
+# A lease still out this long after it was issued (at least this many seconds, or this many times the
+# campaign's measured lease time) gets a backup: its samples go to another device too, and the first
+# valid report wins. A slow or silent device then never holds a step for longer than that.
+CROWDTRAIN_BACKUP_MIN_S = env_float("CROWDTRAIN_BACKUP_MIN_S", 5.0, minimum=0.1)
+CROWDTRAIN_BACKUP_FACTOR = env_float("CROWDTRAIN_BACKUP_FACTOR", 3.0, minimum=1.0)
+# The scheduler's hot state (scheduler/hotstate.py): Redis shared by every site process, or, unset
+# with no REDIS_URL either, the same scripts run in this one process.
+CROWDTRAIN_SCHEDULER_REDIS_URL = env_str("CROWDTRAIN_SCHEDULER_REDIS_URL", REDIS_URL)
+# Every key the site puts in Redis starts with this, so several sites can share one Redis.
+CROWDTRAIN_REDIS_PREFIX = env_str("CROWDTRAIN_REDIS_PREFIX", "ct")
+# Write the lease record in the caller's thread instead of batches from a background thread (tests).
+CROWDTRAIN_RECORDS_INLINE = env_bool("CROWDTRAIN_RECORDS_INLINE", False)
 
 # Tickets and receipts are HMAC-signed with a key the site shares only with
 # its aggregators (sent to each one after it authenticates).

@@ -178,6 +178,9 @@ class Campaign(models.Model):
     version = models.PositiveIntegerField(default=0)
     epoch = models.PositiveIntegerField(default=0)
     cursor = models.BigIntegerField(default=0, help_text="next never-leased sample of the epoch")
+    # Names the campaign's hot state in Redis: a fresh value per campaign row, so a database that was
+    # reset or restored never meets the keys of a campaign that had the same id before.
+    hot_key = models.UUIDField(default=uuid.uuid4, editable=False)
     created_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:

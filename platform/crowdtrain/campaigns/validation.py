@@ -153,6 +153,9 @@ def compute(campaign_id: int, version: int) -> ValidationResult | None:
             state=Campaign.State.FINISHED
         )
         if finished:
+            from crowdtrain.scheduler.configs import publish_state
+
+            publish_state(campaign.pk)
             logger.info(
                 "campaign %s reached its target validation loss %s: finished", campaign.pk, campaign.target_val_loss
             )

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, TypedDict
 
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
@@ -17,6 +20,7 @@ from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.names import account_name
 from crowdtrain.accounts.tokens import bearer_token, hash_token
 from crowdtrain.scheduler import backbone, leasing
+from crowdtrain.scheduler.hotstate import presence
 from crowdtrain.scheduler.models import Aggregator
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
@@ -43,16 +47,16 @@ from crowdtrain_agent.protocol import (
     encode_message,
 )
 
+from .housekeeping import housekeeping
 from .outbox import (
-    CommittedEvent,
     RevokedEvent,
     SendEvent,
-    announce_commit,
     backbone_group,
     campaign_agents_group,
     device_group,
-    send_outbox,
+    send_commits,
     send_to_group,
+    send_outbox,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,6 +65,7 @@ logger = logging.getLogger(__name__)
 MAX_ERRORS = 20
 MAX_REQUEST_ID = 64  # the column that stores it
 MAX_WATCHED_CAMPAIGNS = 16  # campaigns one connection hears version pushes of
+LAST_SEEN_EVERY_S = 60.0  # an aggregator's heartbeats reach the database this seldom
 
 _ERROR_CODES = {CloseCode.TOO_LARGE: "too large", CloseCode.BAD_TICKET: "bad ticket"}
 
@@ -115,23 +120,34 @@ class WaitOverEvent(TypedDict):
     serial: int
 
 
+class WakeEvent(TypedDict):
+    type: str  # "lease.wake": a commit made room for this connection's waiting request
+
+
 @dataclass
 class _WaitingRequest:
     """A lease request held until a commit makes room (or its wait is over)."""
 
     request: LeaseRequest
-    ready_at_step: int | None  # committed steps after which asking again can succeed
+    campaign_id: int
+    ready_at_step: int  # committed steps after which asking again can succeed
     serial: int  # tells this request's timer from an earlier one's
     timer: asyncio.TimerHandle
+    place: str = ""  # its place in the campaign's queue of waiting requests (in Redis)
+
+
+# The scheduler's calls run in a thread pool, not on Channels' one database thread: they talk to
+# Redis and write the database in batches, and one slow call must not queue every other behind it.
+_scheduler = functools.partial(sync_to_async, thread_sensitive=False)
 
 
 class AgentConsumer(_ProtocolConsumer):
     """``/ws/agent/``: one volunteer device, authenticated by its API token.
 
     A lease request that finds every step the device may work on full waits
-    here (up to its ``wait_s``) instead of being refused: the commit that
-    makes room answers it, so a pipelined agent has its next lease the moment
-    one exists, without asking again on every version push.
+    here (up to its ``wait_s``) instead of being refused: it queues in Redis,
+    and the commit that makes room wakes as many waiting requests as that
+    room can serve, whichever site process holds their sockets.
     """
 
     accepts = AGENT_TO_SITE
@@ -151,18 +167,22 @@ class AgentConsumer(_ProtocolConsumer):
         self.device = device
         self.campaigns: set[int] = set()
         await self.channel_layer.group_add(device_group(device.pk), self.channel_name)
+        await _scheduler(presence.connected)(device.pk)
+        housekeeping.start()
 
     async def disconnect(self, code: int) -> None:
-        self._stop_waiting()
+        await self._stop_waiting()
         device = getattr(self, "device", None)
         if device is None:
             return
+        presence.disconnected(device.pk)
         await self.channel_layer.group_discard(device_group(device.pk), self.channel_name)
         for campaign_id in self.campaigns:
             await self.channel_layer.group_discard(campaign_agents_group(campaign_id), self.channel_name)
 
     async def on_hello(self, hello: AgentHello) -> None:
         self.check_version(hello.protocol_version)
+        leasing.note_hardware(self.device.pk, hello.device.flops_per_s)
         await database_sync_to_async(_record_hello)(self.device.pk, asdict(hello.device))
         self.greeted = True
         await self.send_message(
@@ -173,39 +193,49 @@ class AgentConsumer(_ProtocolConsumer):
         )
 
     async def on_heartbeat(self, _: Heartbeat) -> None:
-        await database_sync_to_async(leasing.touch_device)(self.device.pk)
+        """Nothing to do: the open socket is the liveness (``hotstate.Presence`` publishes it in batches)."""
 
     async def on_lease_request(self, request: LeaseRequest) -> None:
         if len(request.request_id) > MAX_REQUEST_ID:
             raise ProtocolError(f"request_id of {len(request.request_id)} characters; at most {MAX_REQUEST_ID}")
         if not (math.isfinite(request.wait_s) and request.wait_s >= 0):
             raise ProtocolError(f"wait_s must be a number of seconds >= 0, got {request.wait_s!r}")
-        self._stop_waiting()  # a new request replaces one still waiting (the agent sent it again)
+        await self._stop_waiting()  # a new request replaces one still waiting (the agent sent it again)
         # An agent sends a request again after a dropped connection or a timeout: only then can the
         # site have answered it already, and only then is the lease lookup worth its query.
         resent = self.last_request_id is None or request.request_id == self.last_request_id
         self.last_request_id = request.request_id
         answer = await self._ask(request, may_be_resent=resent)
         wait_s = min(request.wait_s, settings.CROWDTRAIN_LEASE_WAIT_MAX_S)
-        if isinstance(answer, NoLease) and answer.ready_at_step is not None and wait_s > 0:
-            self._serial += 1
-            event: WaitOverEvent = {"type": "lease.wait_over", "serial": self._serial}
-            timer = asyncio.get_running_loop().call_later(
-                wait_s, lambda: asyncio.ensure_future(self.channel_layer.send(self.channel_name, event))
-            )
-            self.waiting = _WaitingRequest(request, answer.ready_at_step, self._serial, timer)
+        if wait_s > 0 and await self._wait(request, answer, wait_s):
             return
-        await self.send_message(answer)
+        await self.send_message(answer.message)
 
-    async def step_committed(self, event: CommittedEvent) -> None:
-        waiting = self.waiting
-        if waiting is None:
-            return
-        named = waiting.request.campaign_id
-        if named is not None:  # a request for one campaign waits for the commit of that campaign it needs
-            if named != event["campaign_id"] or event["committed_steps"] < (waiting.ready_at_step or 0):
-                return
-        await self._answer_waiting(final=False)
+    async def _wait(self, request: LeaseRequest, answer: leasing.LeaseAnswer, wait_s: float) -> bool:
+        """Hold a refused request in the campaign's queue until a commit wakes it; False if it cannot wait."""
+        refusal = answer.message
+        for _ in range(3):  # room that appeared meanwhile is asked for again at once, a few times at most
+            if not isinstance(refusal, NoLease) or refusal.ready_at_step is None or answer.campaign_id is None:
+                return False
+            place = await _scheduler(leasing.park)(
+                answer.campaign_id, self.device.pk, request.samples_per_s, self.channel_name, refusal.ready_at_step
+            )
+            if place is not None:
+                self._serial += 1
+                event: WaitOverEvent = {"type": "lease.wait_over", "serial": self._serial}
+                timer = asyncio.get_running_loop().call_later(
+                    wait_s, lambda: asyncio.ensure_future(self.channel_layer.send(self.channel_name, event))
+                )
+                self.waiting = _WaitingRequest(request, answer.campaign_id, refusal.ready_at_step, self._serial, timer, place)
+                return True
+            answer = await self._ask(request)
+            refusal = answer.message
+        return False
+
+    async def lease_wake(self, event: WakeEvent) -> None:
+        if self.waiting is not None:
+            self.waiting.place = ""  # the commit took it out of the queue
+            await self._answer_waiting(final=False)
 
     async def lease_wait_over(self, event: WaitOverEvent) -> None:
         if self.waiting is not None and self.waiting.serial == event["serial"]:
@@ -217,56 +247,69 @@ class AgentConsumer(_ProtocolConsumer):
         if waiting is not None:
             await self._settle(waiting, await self._ask(waiting.request), final=final)
 
-    async def _settle(self, waiting: _WaitingRequest, answer: Lease | NoLease, *, final: bool = False) -> None:
+    async def _settle(self, waiting: _WaitingRequest, answer: leasing.LeaseAnswer, *, final: bool = False) -> None:
         if self.waiting is not waiting:
             return  # replaced meanwhile; the newer request gets its own answer
-        if isinstance(answer, NoLease) and answer.ready_at_step is not None and not final:
-            waiting.ready_at_step = answer.ready_at_step  # another device took the room: wait on
+        message = answer.message
+        if isinstance(message, NoLease) and message.ready_at_step is not None and not final:
+            # Another device took the room: queue again for the next commit.
+            leave, waiting.place = waiting.place, ""
+            place = await _scheduler(leasing.park)(
+                waiting.campaign_id, self.device.pk, waiting.request.samples_per_s, self.channel_name,
+                message.ready_at_step, leave,
+            )
+            if place is not None:
+                waiting.place, waiting.ready_at_step = place, message.ready_at_step
+                return
+            await self._settle(waiting, await self._ask(waiting.request), final=True)
             return
-        self._stop_waiting()
-        await self.send_message(answer)
+        await self._stop_waiting()
+        await self.send_message(message)
 
-    def _stop_waiting(self) -> None:
-        if self.waiting is not None:
-            self.waiting.timer.cancel()
-            self.waiting = None
+    async def _stop_waiting(self) -> None:
+        waiting, self.waiting = self.waiting, None
+        if waiting is not None:
+            waiting.timer.cancel()
+            if waiting.place:
+                await _scheduler(leasing.unpark)(waiting.campaign_id, waiting.place)
 
-    async def _ask(self, request: LeaseRequest, *, may_be_resent: bool = False) -> Lease | NoLease:
-        answer = await database_sync_to_async(leasing.request_lease)(
+    async def _ask(self, request: LeaseRequest, *, may_be_resent: bool = False) -> leasing.LeaseAnswer:
+        answer = await _scheduler(leasing.ask_lease)(
             self.device.pk, request.campaign_id, request.samples_per_s, request.request_id, may_be_resent=may_be_resent
         )
-        await self._watch(request, answer)
+        await self._watch(answer)
         return answer
 
-    async def _watch(self, request: LeaseRequest, answer: Lease | NoLease) -> None:
-        # Agents waiting for a campaign hear its version pushes and commits, so they get work the moment it exists.
-        campaign_id = answer.campaign_id if isinstance(answer, Lease) else request.campaign_id
-        # Only campaigns this device may work on (a "no_campaign" answer may hide an invite-only one),
-        # and only a few per connection: group memberships live in the channel layer.
-        joinable = isinstance(answer, Lease) or answer.reason != "no_campaign"
-        watch = campaign_id is not None and joinable and campaign_id not in self.campaigns
-        if watch and len(self.campaigns) < MAX_WATCHED_CAMPAIGNS:
+    async def _watch(self, answer: leasing.LeaseAnswer) -> None:
+        """Hear a campaign's version pushes only while told to wait for it (paused, no aggregators).
+
+        A connection that works, or waits in the campaign's queue, needs none: 10,000 agents
+        must not each receive every published version.
+        """
+        message, campaign_id = answer.message, answer.campaign_id
+        idle = isinstance(message, NoLease) and message.reason == "campaign_paused" and campaign_id is not None
+        if idle and campaign_id not in self.campaigns and len(self.campaigns) < MAX_WATCHED_CAMPAIGNS:
             self.campaigns.add(campaign_id)
             await self.channel_layer.group_add(campaign_agents_group(campaign_id), self.channel_name)
+        elif not idle and self.campaigns:
+            for watched in self.campaigns:
+                await self.channel_layer.group_discard(campaign_agents_group(watched), self.channel_name)
+            self.campaigns.clear()
 
     async def on_done(self, done: LeaseDone) -> None:
         waiting = self.waiting
-        outcome, answer = await database_sync_to_async(leasing.report_and_request)(
+        outcome, answer = await _scheduler(leasing.report_and_request)(
             self.device.pk, done, waiting.request if waiting else None
         )
         # The critical path of a step first: the aggregators' commit, then the agent's ack and next lease.
-        for commit in outcome.commits:
-            await send_outbox((aggregator_id, commit.message) for aggregator_id in commit.aggregator_ids)
+        await send_commits(outcome.commits)
         await self.send_message(outcome.ack)
         if waiting is not None and answer is not None:
-            await self._watch(waiting.request, answer)
+            await self._watch(answer)
             await self._settle(waiting, answer)
-        if outcome.commits:
-            last = outcome.commits[-1].message
-            await announce_commit(last.campaign_id, last.step + 1)
 
     async def on_release(self, release: LeaseRelease) -> None:
-        await database_sync_to_async(leasing.release_lease)(self.device.pk, release.lease_id)
+        await _scheduler(leasing.release_lease)(self.device.pk, release.lease_id)
         await self.send_message(ReleaseAck(lease_id=release.lease_id))
 
     async def device_revoked(self, event: RevokedEvent) -> None:
@@ -285,6 +328,7 @@ class BackboneConsumer(_ProtocolConsumer):
     """``/ws/backbone/``: one aggregator, authenticated by its backbone token."""
 
     accepts = BACKBONE_TO_SITE
+    last_touched = 0.0
 
     async def connect(self) -> None:
         token = bearer_token(self.scope["headers"])
@@ -319,7 +363,10 @@ class BackboneConsumer(_ProtocolConsumer):
         logger.info("aggregator %s joined from %s", self.aggregator.name, hello.upload_url)
 
     async def on_heartbeat(self, _: Heartbeat) -> None:
-        await database_sync_to_async(backbone.touch_aggregator)(self.aggregator.pk)
+        now = time.monotonic()
+        if now - self.last_touched > LAST_SEEN_EVERY_S:  # the database's "last seen" is for people, written lazily
+            self.last_touched = now
+            await database_sync_to_async(backbone.touch_aggregator)(self.aggregator.pk)
         # Campaigns started after the aggregators joined get their slices here, and commits
         # the channel layer lost are sent again.
         await send_outbox(await database_sync_to_async(backbone.assign_waiting_campaigns)())

@@ -2,7 +2,8 @@
 
 Groups: ``backbone.<aggregator id>`` (one aggregator's socket),
 ``campaign.<id>.agents`` (every agent working on a campaign),
-``device.<id>`` (one agent's socket, for revocation).
+``device.<id>`` (one agent's socket, for revocation and replacement). Waiting lease
+requests are woken one by one on their own channels (``send_commits``).
 """
 
 from __future__ import annotations
@@ -12,18 +13,13 @@ from typing import Any, TypedDict
 
 from channels.layers import get_channel_layer
 
+from crowdtrain.scheduler.commits import Commit
 from crowdtrain_agent.protocol import encode_message
 
 
 class SendEvent(TypedDict):
     type: str  # "socket.send": the consumer writes ``text`` to its socket as is
     text: str
-
-
-class CommittedEvent(TypedDict):
-    type: str  # "step.committed": lease requests waiting for this many committed steps may go on
-    campaign_id: int
-    committed_steps: int
 
 
 class RevokedEvent(TypedDict):
@@ -54,10 +50,18 @@ async def send_outbox(outbox: Iterable[tuple[int, Any]]) -> None:
         await send_to_group(backbone_group(aggregator_id), message)
 
 
-async def announce_commit(campaign_id: int, committed_steps: int) -> None:
-    """Tell the campaign's agent connections that a step was committed: room for their waiting requests."""
-    event: CommittedEvent = {"type": "step.committed", "campaign_id": campaign_id, "committed_steps": committed_steps}
-    await get_channel_layer().group_send(campaign_agents_group(campaign_id), event)
+async def send_commits(commits: Iterable[Commit]) -> None:
+    """Tell the aggregators to apply the steps just committed, then wake the lease requests the room serves.
+
+    Only the requests the commit chose (``Commit.woken``) hear of it, each on
+    its own channel: a commit costs the same with ten or ten thousand agents waiting.
+    """
+    layer = get_channel_layer()
+    for commit in commits:
+        await send_outbox((aggregator_id, commit.message) for aggregator_id in commit.aggregator_ids)
+    for commit in commits:
+        for channel in commit.woken:
+            await layer.send(channel, {"type": "lease.wake"})
 
 
 async def revoke_device(device_id: int, reason: str) -> None:

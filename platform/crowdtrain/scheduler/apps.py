@@ -1,8 +1,38 @@
 from __future__ import annotations
 
+from typing import Any
+
 from django.apps import AppConfig
+from django.db.models.signals import post_save
 
 
 class SchedulerConfig(AppConfig):
     name = "crowdtrain.scheduler"
     label = "scheduler"
+
+    def ready(self) -> None:
+        from crowdtrain.campaigns.models import Campaign
+
+        post_save.connect(_campaign_saved, sender=Campaign, dispatch_uid="scheduler.campaign_saved")
+
+
+# Fields the lease path reads; saving others (the version, every step) changes nothing for it.
+_LEASE_FIELDS = frozenset({
+    "state", "visibility", "target_batch_size", "microbatch_size", "staleness", "max_steps", "codec", "num_aggregators",
+})  # fmt: skip
+
+
+def _campaign_saved(
+    sender: type, instance: Any, created: bool, raw: bool = False, update_fields: Any = None, **kwargs: Any
+) -> None:
+    """Every site process re-reads a campaign whose row changed (its state, above all) before its next lease.
+
+    At once, not on commit: the read sees this transaction's own change, and a lease
+    must not be issued from a campaign paused a moment ago. A transaction that
+    then rolls back leaves a generation bumped for nothing, which is harmless.
+    """
+    if raw or created or (update_fields is not None and not _LEASE_FIELDS & set(update_fields)):
+        return
+    from .configs import publish_state
+
+    publish_state(instance.pk)

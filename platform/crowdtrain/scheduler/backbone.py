@@ -15,11 +15,11 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, F
+from django.db.models import Case, Count, F, Value, When
 from django.utils import timezone
 
 from crowdtrain.campaigns import validation
-from crowdtrain.campaigns.models import Campaign, Step
+from crowdtrain.campaigns.models import Campaign, Step, shard_table
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import (
     BackboneHello,
@@ -35,8 +35,11 @@ from crowdtrain_agent.protocol import (
 )
 from crowdtrain_agent.protocol.schema import from_dict
 
-from .leasing import retire_lease
+from .configs import publish_state
+from .hotstate import HotStateMissing, hot_state
 from .models import Aggregator, Lease, SliceAssignment
+from .rebuild import to_global
+from .records import writer
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +99,9 @@ def tensor_sizes(campaign: Campaign) -> list[int] | None:
 
 
 def live_aggregators() -> list[Aggregator]:
-    fresh = timezone.now() - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
+    # Connected is live: an aggregator's socket is its heartbeat (the site's pings close dead ones).
     return list(
-        Aggregator.objects.filter(connected=True, last_seen_at__gte=fresh)
+        Aggregator.objects.filter(connected=True)
         .annotate(load=Count("slices"))
         .order_by("load", "id")
     )
@@ -135,6 +138,7 @@ def assign_waiting_campaigns() -> Outbox:
                     campaign=campaign, aggregator=aggregator, index=index, start=start, end=end, version=campaign.version
                 )
                 outbox.append((aggregator.pk, _assign_message(s, campaign)))
+            publish_state(campaign.pk)
     return outbox
 
 
@@ -152,17 +156,23 @@ def aggregator_joined(aggregator_id: int, hello: BackboneHello) -> Outbox:
             s.ready = False
             s.save(update_fields=["ready"])
             outbox.append((aggregator_id, _assign_message(s, s.campaign)))
+            publish_state(s.campaign_id)
     return outbox + assign_waiting_campaigns()
 
 
 def aggregator_left(aggregator_id: int) -> None:
     """Its slices stop being ready, which pauses leasing for their campaigns."""
     with transaction.atomic():
-        Aggregator.objects.filter(pk=aggregator_id).update(connected=False)
-        SliceAssignment.objects.filter(aggregator_id=aggregator_id).update(ready=False)
+        Aggregator.objects.filter(pk=aggregator_id).update(connected=False, last_seen_at=timezone.now())
+        held = SliceAssignment.objects.filter(aggregator_id=aggregator_id)
+        campaign_ids = set(held.values_list("campaign_id", flat=True))
+        held.update(ready=False)
+    for campaign_id in campaign_ids:
+        publish_state(campaign_id)
 
 
 def touch_aggregator(aggregator_id: int) -> None:
+    """The database's "last seen" of an aggregator; its consumer calls this lazily, not on every heartbeat."""
     Aggregator.objects.filter(pk=aggregator_id).update(last_seen_at=timezone.now())
 
 
@@ -175,19 +185,39 @@ def _commits_since(campaign: Campaign, version: int) -> list[StepCommit]:
 
 
 def _rollback(campaign: Campaign, version: int) -> None:
-    """Forget every step at or after ``version``; their samples and all in-flight work are redone."""
-    for step in campaign.steps.filter(index__gte=version):
-        for lease in step.leases.all():
-            lease.step = None
-            lease.save(update_fields=["step"])
-            retire_lease(lease, Lease.State.REJECTED, f"rolled back to version {version}")
-        step.delete()
+    """Forget every step at or after ``version``; their samples and all in-flight work are redone.
+
+    The devices' credit for the forgotten steps is taken back, so their totals
+    stay equal to the committed work.
+    """
+    writer().flush()
+    table = shard_table(campaign.dataset)
+    undone = Lease.objects.filter(campaign=campaign, step__index__gte=version)
+    ranges = [r for lease in undone.only("ranges") for r in to_global(table, lease.ranges)]
+    taken_back: dict[int, int] = {}
+    for device_id, n in undone.values_list("device_id", "num_samples"):
+        taken_back[device_id] = taken_back.get(device_id, 0) + n
+    reason = f"rolled back to version {version}"
+    now = timezone.now()
+    undone.update(step=None, state=Lease.State.REJECTED, reason=reason, finished_at=now)
+    campaign.steps.filter(index__gte=version).delete()
     # Accepted-but-uncommitted gradients lived in the lost aggregator's memory.
-    for lease in campaign.leases.filter(state__in=[Lease.State.ACCEPTED, Lease.State.ACTIVE], step__isnull=True):
-        retire_lease(lease, Lease.State.REJECTED, f"rolled back to version {version}")
+    campaign.leases.filter(state__in=[Lease.State.ACCEPTED, Lease.State.ACTIVE], step__isnull=True).update(
+        state=Lease.State.REJECTED, reason=reason, finished_at=now
+    )
+    if taken_back:
+        from crowdtrain.accounts.models import Device
+
+        back = Case(*(When(pk=d, then=Value(n)) for d, n in taken_back.items()), default=Value(0))
+        Device.objects.filter(pk__in=sorted(taken_back)).update(samples_accepted=F("samples_accepted") - back)
     campaign.committed_steps = version
     campaign.version = min(campaign.version, version)
     campaign.save(update_fields=["committed_steps", "version"])
+    try:
+        hot_state().run("rollback", campaign.hot_key.hex, {"version": version, "ranges": ranges})
+    except HotStateMissing:
+        pass  # loading it later reads the record written above
+    publish_state(campaign.pk)
     logger.warning("campaign %s rolled back to version %s after an aggregator lost its state", campaign.pk, version)
 
 
@@ -209,6 +239,7 @@ def slice_ready(aggregator_id: int, ready: SliceReady) -> Outbox:
         s.ready = True
         s.version = ready.version
         s.save(update_fields=["ready", "version"])
+        publish_state(ready.campaign_id)
         # Commits sent while it was away (or before a site restart) are sent again; it acks duplicates.
         outbox += [(aggregator_id, c) for c in _commits_since(campaign, ready.version)]
     return outbox
@@ -276,7 +307,7 @@ def step_applied(aggregator_id: int, applied: StepApplied) -> VersionPublished |
         if finished:
             campaign.state = Campaign.State.FINISHED
             fields.append("state")
-        campaign.save(update_fields=fields)
+        campaign.save(update_fields=fields)  # a finish reaches the lease path through the save signal
         # Steps committed before a finish by hand are applied after it: the version they make is the
         # model the campaign ends with, so it is validated and exported like a last step.
         ended = finished or campaign.state == Campaign.State.FINISHED

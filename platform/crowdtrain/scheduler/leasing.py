@@ -1,43 +1,48 @@
 """Leases and step accounting: the site's half of the life of a global step.
 
-Every function runs in one transaction with the campaign row locked, so the
-scheduler's decisions are serial per campaign whatever the number of agents.
-They return the protocol messages to send; ``crowdtrain.gateway`` sends them.
+Each decision is one script run by Redis on the campaign's hot state
+(``hotstate``), so its cost does not grow with the number of volunteers or
+leases in flight and any number of site processes serve a campaign at once.
+The database learns the outcome behind the hot path, in batches (``records``),
+except for a step's commit, which is the database's to decide: the step row
+is written first, then Redis opens the next step (``commits``).
+
+These functions are synchronous and safe to call from any thread; the
+gateway runs them off the event loop. They return protocol messages;
+``crowdtrain.gateway`` sends them.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timezone as dt_timezone
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Exists, F, Q, Sum
-from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.campaigns.models import Campaign, ShardTable, Step, shard_table
-from crowdtrain_agent.models import get_model
+from crowdtrain.campaigns.models import Campaign, Step, shard_table
 from crowdtrain_agent.protocol import (
-    DataSpec,
     DoneAck,
     Lease as LeaseMessage,
     LeaseDone,
     LeaseRequest,
-    ModelSpec,
     NoLease,
     SampleRange,
-    SliceRoute,
-    StepCommit,
     Ticket,
     sign_ticket,
     verify_receipt,
 )
 
-from .models import Lease, Participation, SliceAssignment
-from .sampling import return_samples, take_samples
+from .commits import Commit, commit_full_steps
+from .configs import CampaignConfig, campaign_config, open_to, running_campaigns
+from .hotstate import HotStateMissing, hot_state
+from .models import IdBlock, Lease
+from .rebuild import load_campaign, to_shards
+from .records import Finished, writer
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +50,9 @@ TICKET_GRACE_S = 30.0
 # A sample's mean loss above this is garbage, not training (ln 256 is 5.5); bounding it keeps a
 # stranger's report from overflowing a step's loss sum.
 MAX_LOSS_PER_SAMPLE = 1e6
-
-
-@dataclass
-class Commit:
-    """A step the scheduler just closed, and the aggregators that must apply it."""
-
-    message: StepCommit
-    aggregator_ids: list[int]
+# Expired leases the lease script retires per call; the rest wait for the next call or the sweep.
+SWEEP_PER_CALL = 16
+LEASE_ID_BLOCK = 1000
 
 
 @dataclass
@@ -61,28 +61,70 @@ class DoneOutcome:
     commits: list[Commit] = field(default_factory=list)
 
 
-def _locked(campaign_id: int) -> Campaign:
-    # of=("self",): lock the campaign row only, not the dataset joined in (campaigns share datasets).
-    return Campaign.objects.select_for_update(of=("self",)).select_related("dataset").get(pk=campaign_id)
+# ------------------------------------------------------------------ lease ids
 
 
-def _sum(queryset: object) -> int:
-    return queryset.aggregate(n=Sum("num_samples"))["n"] or 0  # type: ignore[attr-defined]
+class _IdPool:
+    """Lease ids reserved from the database a block at a time (IdBlock): one statement per thousand leases."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._end = 0
+
+    def take(self) -> int:
+        with self._lock:
+            if self._next >= self._end:
+                self._next, self._end = _reserve_ids(LEASE_ID_BLOCK)
+            self._next += 1
+            return self._next - 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self._next = self._end = 0
 
 
-def retire_lease(lease: Lease, state: str, reason: str) -> None:
-    """End a lease without counting it; its samples go back in the queue."""
-    lease.state = state
-    lease.reason = reason
-    lease.finished_at = timezone.now()
-    lease.save(update_fields=["state", "reason", "finished_at"])
-    return_samples(lease.campaign_id, lease.ranges)
-    logger.info("lease %s %s: %s", lease.pk, state, reason)
+def _reserve_ids(size: int) -> tuple[int, int]:
+    with transaction.atomic():
+        block = IdBlock.objects.select_for_update().filter(name="lease").first()
+        if block is None:
+            # First use: start past any lease already recorded (rows from before id blocks existed).
+            from django.db.models import Max
+
+            start = (Lease.objects.aggregate(m=Max("id"))["m"] or 0) + 1
+            IdBlock.objects.create(name="lease", next_id=start + size)
+            return start, start + size
+        start = block.next_id
+        block.next_id = start + size
+        block.save(update_fields=["next_id"])
+        return start, start + size
 
 
-def expire_overdue(campaign: Campaign) -> int:
-    """Expire leases past their deadline or held by agents silent for GONE_AFTER_S (or revoked)."""
-    return _leases_in_flight(campaign).expired
+lease_ids = _IdPool()
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _run(config: CampaignConfig, script: str, args: dict[str, object]) -> dict[str, object]:
+    """Run a script, loading the campaign's hot state from the record first if Redis has none."""
+    try:
+        return hot_state().run(script, config.hot_key, args)
+    except HotStateMissing:
+        load_campaign(config.id)
+        return hot_state().run(script, config.hot_key, args)
+
+
+def _moment(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=dt_timezone.utc)
+
+
+def record_retired(retired: list[list[object]], at: datetime | None = None) -> None:
+    """Queue the record of leases a script ended (``[id, state, reason]`` triples)."""
+    moment = at or datetime.now(tz=dt_timezone.utc)
+    for lease_id, state, reason in retired:
+        writer().lease_finished(Finished(int(lease_id), str(state), str(reason), moment))  # type: ignore[call-overload]
+        logger.info("lease %s %s: %s", lease_id, state, reason)
 
 
 def _no_lease(reason: str, detail: str, retry_after_s: float | None = None, ready_at_step: int | None = None) -> NoLease:
@@ -90,206 +132,159 @@ def _no_lease(reason: str, detail: str, retry_after_s: float | None = None, read
                    ready_at_step=ready_at_step)  # fmt: skip
 
 
-def _slices_ready(campaign: Campaign) -> tuple[list[SliceAssignment], str | None]:
-    slices = list(campaign.slices.select_related("aggregator").order_by("index"))
-    fresh = timezone.now() - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
-    ready = [
-        s for s in slices
-        if s.ready and s.aggregator.connected and s.aggregator.last_seen_at and s.aggregator.last_seen_at >= fresh
-    ]  # fmt: skip
-    if len(slices) < campaign.num_aggregators or len(ready) < len(slices):
-        return slices, f"waiting for aggregators: {len(ready)} of {campaign.num_aggregators} slices ready"
-    return slices, None
+_hardware_flops: dict[int, float] = {}
 
 
-def _note_request(campaign: Campaign, device_id: int) -> None:
-    """Record that this device asked for work lately (``_others_idle`` reads it), refused or not."""
-    now = timezone.now()
-    if not Participation.objects.filter(campaign=campaign, device_id=device_id).update(last_request_at=now):
-        Participation.objects.create(campaign=campaign, device_id=device_id, last_request_at=now)
+def note_hardware(device_id: int, flops_per_s: float) -> None:
+    """What the agent's hello measured; the lease path sizes a device's first leases from it without a query."""
+    _hardware_flops[device_id] = max(0.0, flops_per_s)
 
 
-def _others_idle(campaign: Campaign, device_id: int, holders: set[int]) -> bool:
-    """Whether another live device that asked lately holds no lease while this one holds one."""
-    if device_id not in holders:
-        return False  # an idle device is served whatever the others do
-    recent = timezone.now() - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
-    return (
-        campaign.participations.filter(last_request_at__gte=recent, device__last_seen_at__gte=recent)
-        .exclude(device_id__in=holders)
-        .exists()
-    )
-
-
-@dataclass
-class LiveLeases:
-    reserved: dict[int, int]  # samples reserved per step: active leases and accepted ones waiting for their step
-    holders: set[int]  # devices holding an active lease
-    expired: int  # leases expired on the way
-
-
-def _leases_in_flight(campaign: Campaign) -> LiveLeases:
-    """What the campaign's live leases reserve, expiring overdue ones on the way.
-
-    One read of the active leases (and of accepted ones waiting for their
-    step to fill) serves both the expiry and the count per step: this runs on
-    every lease request.
-    """
-    now = timezone.now()
-    gone = now - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
-    rows = campaign.leases.filter(Q(state=Lease.State.ACTIVE) | Q(state=Lease.State.ACCEPTED, step__isnull=True))
-    live = LiveLeases({}, set(), 0)
-    overdue: list[int] = []
-    for pk, step, holder, state, n, deadline, seen, revoked in rows.values_list(
-        "pk", "target_step", "device_id", "state", "num_samples", "deadline", "device__last_seen_at",
-        "device__revoked_at",
-    ):  # fmt: skip
-        if state == Lease.State.ACTIVE:
-            if deadline < now or (seen is not None and seen < gone) or revoked is not None:
-                overdue.append(pk)
-                continue
-            live.holders.add(holder)
-        live.reserved[step] = live.reserved.get(step, 0) + n
-    for lease in Lease.objects.filter(pk__in=overdue) if overdue else ():
-        retire_lease(lease, Lease.State.EXPIRED, "deadline passed" if lease.deadline < now else "agent went silent")
-        live.expired += 1
-    return live
-
-
-def _lease_size(campaign: Campaign, device_id: int, samples_per_s: float | None) -> tuple[int, float | None]:
-    """Samples for ~LEASE_TARGET_S of work on this device, and its speed estimate.
+def _lease_size(config: CampaignConfig, device_id: int, samples_per_s: float | None) -> tuple[int, float]:
+    """Samples for ~LEASE_TARGET_S of work on this device, and the speed that came from (0: unknown).
 
     A fast device gets a whole step, not a share of it: every lease costs the
     site a request, a report and the aggregators an upload, so fewer, larger
     leases per step are what keeps the overhead small next to compute. Devices
     still work side by side: staleness lets several steps be in flight, and an
-    idle device is served before a busy one gets a lease ahead (see
-    ``_others_idle``).
+    idle device is served before a busy one gets a lease ahead.
     """
-    micro = campaign.microbatch_size
-    speed = samples_per_s if samples_per_s is not None and samples_per_s > 0 else None  # the agent's word
+    micro = config.microbatch_size
+    speed = samples_per_s if samples_per_s is not None and math.isfinite(samples_per_s) and samples_per_s > 0 else 0.0
     if not speed:
-        hardware = Device.objects.filter(pk=device_id).values_list("hardware", flat=True).first() or {}
-        flops = float(hardware.get("flops_per_s") or 0.0)
-        per_sample = get_model(campaign.architecture).flops_per_sample(campaign.model_config)
+        flops = _hardware_flops.get(device_id)
+        if flops is None:
+            hardware = Device.objects.filter(pk=device_id).values_list("hardware", flat=True).first() or {}
+            flops = float(hardware.get("flops_per_s") or 0.0) if isinstance(hardware, dict) else 0.0
+            note_hardware(device_id, flops)
         # The matmul benchmark overstates real training speed; halve it.
-        speed = 0.5 * flops / per_sample if flops > 0 else None
+        speed = 0.5 * flops / config.flops_per_sample if flops > 0 and config.flops_per_sample > 0 else 0.0
     if not speed:
-        return 2 * micro, None
+        return 2 * micro, 0.0
     want = speed * settings.CROWDTRAIN_LEASE_TARGET_S
     return max(micro, int(want // micro) * micro), speed
 
 
-def _first_open_step(open_step: int, reserved: dict[int, int], target: int) -> int:
-    """The first step whose global batch is not fully reserved yet."""
-    step = open_step
-    while reserved.get(step, 0) >= target:
-        step += 1
-    return step
+# ------------------------------------------------------------------ leasing
 
 
-def _try_lease(
-    campaign: Campaign, device_id: int, samples_per_s: float | None, request_id: str = ""
-) -> LeaseMessage | NoLease:
-    # Cheapest refusals first: a pipelined agent asks while every step it may work on is full.
-    live = _leases_in_flight(campaign)
-    reserved, holders = live.reserved, live.holders
-    _note_request(campaign, device_id)
-    target = campaign.target_batch_size
-    # Leases are computed on the newest committed version, which the aggregators may still be
-    # applying: agents fetch it as soon as it is published instead of after a push and another request.
-    base = campaign.open_step
-    step = _first_open_step(base, reserved, target)
-    if campaign.max_steps is not None and step >= campaign.max_steps:
-        return _no_lease("step_full", f"campaign {campaign.pk}: the last of its {campaign.max_steps} steps is in flight")
-    if step > base + campaign.staleness:
+def _refusal(config: CampaignConfig, answer: dict[str, object]) -> NoLease:
+    code = answer["code"]
+    if code == "paused":
+        finished = answer.get("state") in (Campaign.State.FINISHED, Campaign.State.ARCHIVED) or "finished" in str(
+            answer.get("why")
+        )
+        if finished:
+            return _no_lease("campaign_finished", f"campaign {config.id} has finished", 60.0)
+        return _no_lease("campaign_paused", str(answer.get("why") or f"campaign {config.id} is paused"), 10.0)
+    if code == "last_step":
+        return _no_lease("step_full", f"campaign {config.id}: the last of its {answer['max']} steps is in flight")
+    if code == "window_full":
         return _no_lease(
-            "step_full", f"step {base} has all {target} samples in flight; waiting for its commit",
-            ready_at_step=step - campaign.staleness,
+            "step_full", f"step {answer['step']} has all {config.target_batch_size} samples in flight; waiting for its commit",
+            ready_at_step=int(answer["ready_at"]),  # type: ignore[call-overload]
         )  # fmt: skip
-    if _others_idle(campaign, device_id, holders):
-        # This device asks ahead while another waits with nothing to do: the other goes first.
-        return _no_lease("step_full", f"campaign {campaign.pk}: idle volunteers are served before leases ahead",
-                         ready_at_step=base + 1)  # fmt: skip
-    slices, waiting = _slices_ready(campaign)
-    if waiting:
-        return _no_lease("campaign_paused", f"campaign {campaign.pk}: {waiting}")
-    size, speed = _lease_size(campaign, device_id, samples_per_s)
-    size = min(size, target - reserved.get(step, 0), settings.CROWDTRAIN_MAX_LEASE_SAMPLES)
-    ranges = take_samples(campaign, size)
-    campaign.save(update_fields=["cursor", "epoch"])
-    seconds = max(settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S, 3 * size / speed if speed else 0.0)
-    seconds = min(seconds, max(settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S, settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S))
-    deadline = timezone.now() + timedelta(seconds=seconds)
-    lease = Lease.objects.create(
-        campaign=campaign, device_id=device_id, base_version=base, target_step=step, ranges=ranges,
-        num_samples=size, deadline=deadline, request_id=request_id,
-    )
-    return lease_message(lease, campaign, slices)
+    return _no_lease("step_full", f"campaign {config.id}: idle volunteers are served before leases ahead",
+                     ready_at_step=int(answer["ready_at"]))  # type: ignore[call-overload]  # fmt: skip
 
 
-def lease_message(lease: Lease, campaign: Campaign, slices: list[SliceAssignment]) -> LeaseMessage:
+def _try_lease(config: CampaignConfig, device_id: int, samples_per_s: float | None, request_id: str) -> LeaseMessage | NoLease:
+    want, claimed = _lease_size(config, device_id, samples_per_s)
+    lease_id = lease_ids.take()
+    answer = _run(config, "lease", {
+        "device": device_id, "want": min(want, settings.CROWDTRAIN_MAX_LEASE_SAMPLES), "claimed": claimed, "id": lease_id,
+        "cid": config.id, "min_dl": settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S,
+        "max_dl": settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S, "idle_s": settings.CROWDTRAIN_GONE_AFTER_S,
+        "gone_s": settings.CROWDTRAIN_GONE_AFTER_S, "backup_min_s": settings.CROWDTRAIN_BACKUP_MIN_S,
+        "backup_factor": settings.CROWDTRAIN_BACKUP_FACTOR, "sweep": SWEEP_PER_CALL,
+    })  # fmt: skip
+    record_retired(answer.get("expired") or [])  # type: ignore[arg-type]
+    if int(answer.get("gen") or 0) > config.gen:  # type: ignore[call-overload]
+        config = campaign_config(config.id, gen=int(answer["gen"])) or config  # type: ignore[call-overload]
+    if answer.get("kind") != "lease":
+        return _refusal(config, answer)
+    record = answer["lease"]
+    assert isinstance(record, dict)  # the script's own output, not input
+    lease = _row(config, record, request_id)
+    writer().lease_issued(lease)
+    writer().cursor_moved(config.id, int(answer["epoch"]), int(answer["cursor"]))  # type: ignore[call-overload]
+    if request_id:
+        hot_state().client.hset(f"{hot_state().prefix}:rid", str(device_id), f"{config.id}:{lease.pk}:{request_id}")
+    return lease_message(lease, config)
+
+
+def _row(config: CampaignConfig, record: dict[str, object], request_id: str = "") -> Lease:
+    ranges = to_shards(config.table, record["r"])  # type: ignore[arg-type]
+    return Lease(
+        pk=record["id"], campaign_id=config.id, device_id=record["d"], base_version=record["b"],
+        target_step=record["s"], ranges=ranges, epoch=ranges[0][0] if ranges else 0, num_samples=record["n"],
+        state=Lease.State.ACTIVE, issued_at=_moment(float(record["t0"])), deadline=_moment(float(record["dl"])),  # type: ignore[arg-type]
+        request_id=request_id[:64],
+    )  # fmt: skip
+
+
+def lease_message(lease: Lease, config: CampaignConfig) -> LeaseMessage:
     """The wire form of a lease, with a freshly signed ticket (also used to answer a repeated request)."""
-    seconds = max(0.0, (lease.deadline - timezone.now()).total_seconds())
+    now = datetime.now(tz=dt_timezone.utc)
+    seconds = max(0.0, (lease.deadline - now).total_seconds())
     ticket = Ticket(
-        lease_id=lease.pk, campaign_id=campaign.pk, device_id=lease.device_id, base_version=lease.base_version,
+        lease_id=lease.pk, campaign_id=config.id, device_id=lease.device_id, base_version=lease.base_version,
         num_samples=lease.num_samples, expires_at=lease.deadline.timestamp() + TICKET_GRACE_S,
     )
-    table = shard_table(campaign.dataset)
-    shards = table.sha256s
+    shards = config.table.sha256s
     return LeaseMessage(
-        lease_id=lease.pk,
-        campaign_id=campaign.pk,
-        base_version=lease.base_version,
+        lease_id=lease.pk, campaign_id=config.id, base_version=lease.base_version,
         ranges=[SampleRange(shard=shards[s], start=start, count=count) for _, s, start, count in lease.ranges],
-        num_samples=lease.num_samples,
-        microbatch_size=campaign.microbatch_size,
-        deadline_s=seconds,
-        ticket=sign_ticket(ticket, settings.CROWDTRAIN_TICKET_KEY),
-        codec=campaign.codec,
-        model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
-        data=DataSpec(kind=campaign.dataset.kind, sample_len=campaign.dataset.sample_len),
-        param_count=campaign.param_count,
-        prefetch=_upcoming_shards(campaign, table),
-        slices=[
-            SliceRoute(
-                index=s.index, start=s.start, end=s.end, upload_url=s.aggregator.upload_url,
-                params_url=f"{s.aggregator.params_url}{campaign.pk}/{s.index}/",
-            )
-            for s in slices
-        ],
-    )
+        num_samples=lease.num_samples, microbatch_size=config.microbatch_size, deadline_s=seconds,
+        ticket=sign_ticket(ticket, settings.CROWDTRAIN_TICKET_KEY), codec=config.codec,  # type: ignore[arg-type]
+        model=config.model, data=config.data, param_count=config.param_count,
+        prefetch=_upcoming_shards(config, lease), slices=list(config.slices),
+    )  # fmt: skip
 
 
-def _upcoming_shards(campaign: Campaign, table: ShardTable) -> list[str]:
-    """The shard at the campaign's cursor and the one after: where the next leases' samples come from."""
-    if not table.sha256s:
+def _upcoming_shards(config: CampaignConfig, lease: Lease) -> list[str]:
+    """The shard after this lease's last range and the one after it: where the next leases' samples come from."""
+    table = config.table
+    if not table.sha256s or not lease.ranges:
         return []
-    cursor = campaign.cursor if campaign.cursor < campaign.dataset.num_samples else 0  # past the end: a new epoch
-    index = table.locate(cursor)
+    index = lease.ranges[-1][1]
     upcoming = [table.sha256s[index], table.sha256s[(index + 1) % len(table.sha256s)]]
     return list(dict.fromkeys(upcoming))
 
 
-def _open_q(device_id: int) -> Q:
-    """Campaigns this device may work on: public ones, and invite-only ones its volunteer owns or was invited to."""
-    staff = Exists(Device.objects.filter(pk=device_id, owner__is_staff=True))
-    return (
-        Q(visibility=Campaign.Visibility.PUBLIC) | Q(owner__devices=device_id) | Q(invited__devices=device_id) | Q(staff)
-    )
+def _resent(device_id: int, request_id: str) -> LeaseMessage | None:
+    """The lease an earlier copy of this request got, if it is still active."""
+    state = hot_state()
+    raw = state.client.hget(f"{state.prefix}:rid", str(device_id))
+    if not raw:
+        return None
+    campaign_id, lease_id, rid = raw.split(":", 2)
+    if rid != request_id:
+        return None
+    config = campaign_config(int(campaign_id))
+    if config is None:
+        return None
+    import json
+
+    record_raw = state.client.hget(f"{state.campaign_key(config.hot_key)}leases", lease_id)
+    record = json.loads(record_raw) if record_raw else None
+    if not record or record.get("st") != "active" or record.get("d") != device_id:
+        return None
+    return lease_message(_row(config, record, request_id), config)
 
 
-def _open_to(campaign: Campaign, device_id: int) -> bool:
-    # Public campaigns cost no query: the lease path stays as short as before for them.
-    if campaign.visibility == Campaign.Visibility.PUBLIC:
-        return True
-    return Campaign.objects.filter(pk=campaign.pk).filter(_open_q(device_id)).exists()
+@dataclass(frozen=True)
+class LeaseAnswer:
+    """The answer to a lease request, and the campaign it came from (where a refused request may wait)."""
+
+    message: LeaseMessage | NoLease
+    campaign_id: int | None
 
 
-def request_lease(
+def ask_lease(
     device_id: int, campaign_id: int | None, samples_per_s: float | None, request_id: str = "",
     *, may_be_resent: bool = True,
-) -> LeaseMessage | NoLease:
+) -> LeaseAnswer:
     """Give this device work from a running campaign, or say why not and when to ask again.
 
     A request repeated with the same ``request_id`` (the agent resends after a
@@ -297,146 +292,127 @@ def request_lease(
     An agent resends only on a new connection, so the gateway passes
     ``may_be_resent=False`` for later requests on one connection and saves the lookup.
     """
-    with transaction.atomic():
-        if request_id and may_be_resent:
-            earlier = Lease.objects.filter(device_id=device_id, request_id=request_id, state=Lease.State.ACTIVE).first()
-            if earlier is not None:
-                campaign = _locked(earlier.campaign_id)
-                slices = list(campaign.slices.select_related("aggregator").order_by("index"))
-                return lease_message(earlier, campaign, slices)
-        if campaign_id is not None:
-            campaign = (
-                Campaign.objects.select_for_update(of=("self",)).select_related("dataset").filter(pk=campaign_id).first()
-            )
-            if campaign is None or not _open_to(campaign, device_id):
-                # One answer for "missing" and "not yours": strangers cannot tell which invite-only campaigns exist.
-                return _no_lease(
-                    "no_campaign", f"no campaign {campaign_id} is open to this device (an invite-only campaign needs "
-                    "its invite link, opened while logged in as this device's volunteer)", 10.0,
-                )  # fmt: skip
-            if campaign.state == Campaign.State.RUNNING:
-                return _try_lease(campaign, device_id, samples_per_s, request_id)
-            if campaign.state in (Campaign.State.FINISHED, Campaign.State.ARCHIVED):
-                return _no_lease("campaign_finished", f"campaign {campaign_id} has finished", 60.0)
-            return _no_lease("campaign_paused", f"campaign {campaign_id} is {campaign.state}", 10.0)
-        refusals: list[NoLease] = []
-        running = (
-            Campaign.objects.filter(state=Campaign.State.RUNNING).filter(_open_q(device_id))
-            .distinct().order_by("id").values_list("id", flat=True)
-        )
-        for candidate_id in running:
-            outcome = _try_lease(_locked(candidate_id), device_id, samples_per_s, request_id)
-            if isinstance(outcome, LeaseMessage):
-                return outcome
-            refusals.append(outcome)
-        if refusals:
-            return min(refusals, key=lambda r: r.retry_after_s)
-    return _no_lease("no_campaign", "no running campaign accepts volunteers right now", 10.0)
+    if request_id and may_be_resent:
+        earlier = _resent(device_id, request_id)
+        if earlier is not None:
+            return LeaseAnswer(earlier, earlier.campaign_id)
+    if campaign_id is not None:
+        config = campaign_config(campaign_id)
+        if config is None or not open_to(config, device_id):
+            # One answer for "missing" and "not yours": strangers cannot tell which invite-only campaigns exist.
+            return LeaseAnswer(_no_lease(
+                "no_campaign", f"no campaign {campaign_id} is open to this device (an invite-only campaign needs "
+                "its invite link, opened while logged in as this device's volunteer)", 10.0,
+            ), None)  # fmt: skip
+        if config.state == Campaign.State.DRAFT:
+            return LeaseAnswer(_no_lease("campaign_paused", f"campaign {campaign_id} is draft", 10.0), None)
+        return LeaseAnswer(_try_lease(config, device_id, samples_per_s, request_id), campaign_id)
+    refusals: list[LeaseAnswer] = []
+    for candidate_id in running_campaigns():
+        config = campaign_config(candidate_id)
+        if config is None or not open_to(config, device_id):
+            continue
+        outcome = _try_lease(config, device_id, samples_per_s, request_id)
+        if isinstance(outcome, LeaseMessage):
+            return LeaseAnswer(outcome, candidate_id)
+        refusals.append(LeaseAnswer(outcome, candidate_id))
+    if refusals:
+        return min(refusals, key=lambda r: r.message.retry_after_s)  # type: ignore[union-attr]
+    return LeaseAnswer(_no_lease("no_campaign", "no running campaign accepts volunteers right now", 10.0), None)
 
 
-def _reject(lease: Lease, reason: str) -> DoneOutcome:
-    retire_lease(lease, Lease.State.REJECTED, reason)
-    return DoneOutcome(DoneAck(lease_id=lease.pk, accepted=False, reason=reason))
+def request_lease(
+    device_id: int, campaign_id: int | None, samples_per_s: float | None, request_id: str = "",
+    *, may_be_resent: bool = True,
+) -> LeaseMessage | NoLease:
+    """``ask_lease`` without the campaign: the answer the agent gets."""
+    return ask_lease(device_id, campaign_id, samples_per_s, request_id, may_be_resent=may_be_resent).message
 
 
-def _receipts_valid(lease: Lease, done: LeaseDone, slice_indexes: list[int]) -> str | None:
+def park(
+    campaign_id: int, device_id: int, samples_per_s: float | None, channel: str, ready_at: int, leave: str = ""
+) -> str | None:
+    """Queue a refused request to be woken by the commit that makes room; returns its place (None: room is there now).
+
+    A commit wakes requests until the samples they would lease fill the step it
+    freed, so it counts each by the lease it would get. ``leave`` takes an
+    earlier place out of the queue in the same call.
+    """
+    config = campaign_config(campaign_id)
+    if config is None:
+        return None
+    want = min(_lease_size(config, device_id, samples_per_s)[0], config.target_batch_size)
+    answer = _run(config, "park", {"channel": channel, "ready_at": ready_at, "want": want, "leave": leave})
+    return None if answer.get("ready") else str(answer.get("member") or "") or None
+
+
+def unpark(campaign_id: int, member: str) -> None:
+    config = campaign_config(campaign_id)
+    if config is not None:
+        _run(config, "park", {"channel": "", "ready_at": 0, "want": 0, "leave": member})
+
+
+# ------------------------------------------------------------------ reports
+
+
+def _lease_campaign(lease_id: int) -> CampaignConfig | None:
+    state = hot_state()
+    campaign_id = state.client.hget(state.lease_campaigns_key, str(lease_id))
+    if campaign_id is None:
+        found = Lease.objects.filter(pk=lease_id).values_list("campaign_id", flat=True).first()
+        if found is None:
+            return None
+        campaign_id = found
+    return campaign_config(int(campaign_id))
+
+
+def _receipt_problem(config: CampaignConfig, done: LeaseDone) -> str:
+    if not 0.0 <= done.loss_sum <= MAX_LOSS_PER_SAMPLE * done.num_samples:
+        return f"loss {done.loss_sum!r} is outside 0..{MAX_LOSS_PER_SAMPLE:g} per sample"
     tokens = {r.slice_index: r.token for r in done.receipts}
-    for index in slice_indexes:
-        token = tokens.get(index)
+    for route in config.slices:
+        token = tokens.get(route.index)
         valid = token is not None and verify_receipt(
-            token, settings.CROWDTRAIN_TICKET_KEY, campaign_id=lease.campaign_id, lease_id=lease.pk,
-            slice_index=index, num_samples=lease.num_samples,
+            token, settings.CROWDTRAIN_TICKET_KEY, campaign_id=config.id, lease_id=done.lease_id,
+            slice_index=route.index, num_samples=done.num_samples,
         )
         if not valid:
-            return f"missing or invalid receipt for slice {index}"
-    return None
-
-
-def _waiting_by_step(campaign: Campaign) -> dict[int, list[Lease]]:
-    """Accepted leases not yet in a committed step, per reserved step, each list in lease-id order."""
-    waiting: dict[int, list[Lease]] = {}
-    leases = campaign.leases.filter(state=Lease.State.ACCEPTED, step__isnull=True, target_step__gte=campaign.open_step)
-    for lease in leases.order_by("target_step", "id"):
-        waiting.setdefault(lease.target_step, []).append(lease)
-    return waiting
-
-
-def commit_open_step(campaign: Campaign, leases: list[Lease], aggregator_ids: list[int]) -> Commit:
-    """Close the open step over ``leases``, the accepted leases reserved in it, in lease-id order."""
-    step = Step.objects.create(
-        campaign=campaign, index=campaign.open_step, num_samples=sum(l.num_samples for l in leases),
-        loss_sum=math.fsum(l.loss_sum or 0.0 for l in leases),
-    )
-    Lease.objects.filter(pk__in=[l.pk for l in leases]).update(step=step)
-    credit: dict[int, int] = {}
-    busy_s: dict[int, float] = {}
-    for lease in leases:  # credit only work that made it into a committed step
-        credit[lease.device_id] = credit.get(lease.device_id, 0) + lease.num_samples
-        busy_s[lease.device_id] = busy_s.get(lease.device_id, 0.0) + (lease.compute_s or 0.0)
-    for device_id in sorted(credit):  # in id order, so two commits never wait on each other's rows
-        # The speed "My devices" shows: what its accepted work took, as the agent reported it.
-        speed = {"samples_per_s": credit[device_id] / busy_s[device_id]} if busy_s[device_id] >= 1e-3 else {}
-        Device.objects.filter(pk=device_id).update(samples_accepted=F("samples_accepted") + credit[device_id], **speed)
-    campaign.committed_steps += 1
-    campaign.save(update_fields=["committed_steps"])
-    logger.info("campaign %s: step %s committed (%s samples, %s leases)", campaign.pk, step.index, step.num_samples, len(leases))
-    message = StepCommit(
-        campaign_id=campaign.pk, step=step.index, lease_ids=[l.pk for l in leases], num_samples=step.num_samples
-    )
-    return Commit(message, aggregator_ids)
+            return f"missing or invalid receipt for slice {route.index}"
+    return ""
 
 
 def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
-    """Count a finished lease in the open step if it is still valid; commit the step when full."""
-    with transaction.atomic():
-        owned = Lease.objects.filter(pk=done.lease_id, device_id=device_id).values_list("campaign_id", flat=True)
-        campaign_id = owned.first()
-        if campaign_id is None:  # another device's lease looks the same as no lease at all
-            return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason="unknown lease"))
-        campaign = _locked(campaign_id)
-        lease = Lease.objects.get(pk=done.lease_id)  # read under the campaign's lock
-        if lease.state != Lease.State.ACTIVE:
-            already = "lease already reported" if lease.state == Lease.State.ACCEPTED else f"lease {lease.state}"
-            return DoneOutcome(DoneAck(lease_id=lease.pk, accepted=False, reason=already))
-        if lease.deadline < timezone.now():
-            retire_lease(lease, Lease.State.EXPIRED, "deadline passed")
-            return DoneOutcome(DoneAck(lease_id=lease.pk, accepted=False, reason="lease expired"))
-        if done.num_samples != lease.num_samples:
-            return _reject(lease, f"lease has {lease.num_samples} samples, report says {done.num_samples}")
-        if not 0.0 <= done.loss_sum <= MAX_LOSS_PER_SAMPLE * done.num_samples:
-            return _reject(lease, f"loss {done.loss_sum!r} is outside 0..{MAX_LOSS_PER_SAMPLE:g} per sample")
-        slices = list(campaign.slices.order_by("index").values_list("index", "aggregator_id"))
-        problem = _receipts_valid(lease, done, [index for index, _ in slices])
-        if problem:
-            return _reject(lease, problem)
-        if lease.target_step < campaign.open_step or lease.base_version + campaign.staleness < lease.target_step:
-            return _reject(lease, f"stale version: computed on {lease.base_version}, step {campaign.open_step} is open")
-        lease.state = Lease.State.ACCEPTED
-        lease.loss_sum = done.loss_sum
-        lease.finished_at = timezone.now()
-        # The agent's figure, kept within what is possible: it cannot have computed longer than it held the lease.
-        held_s = max((lease.finished_at - lease.issued_at).total_seconds(), 0.0)
-        lease.compute_s = min(max(done.compute_s, 0.0), held_s)
-        lease.save(update_fields=["state", "loss_sum", "compute_s", "finished_at"])
-        outcome = DoneOutcome(DoneAck(lease_id=lease.pk, accepted=True, step=lease.target_step))
-        # A lease reported ahead of its step may complete several steps at once when the last one comes in.
-        waiting = _waiting_by_step(campaign)
-        aggregator_ids = [aggregator_id for _, aggregator_id in slices]
-        while sum(l.num_samples for l in waiting.get(campaign.open_step, [])) >= campaign.target_batch_size:
-            outcome.commits.append(commit_open_step(campaign, waiting.pop(campaign.open_step), aggregator_ids))
-        return outcome
+    """Count a finished lease in its step if it is still valid; commit the step when full."""
+    config = _lease_campaign(done.lease_id)
+    if config is None:  # another device's lease looks the same as no lease at all
+        return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason="unknown lease"))
+    answer = _run(config, "done", {
+        "id": done.lease_id, "device": device_id, "n": done.num_samples, "loss": done.loss_sum,
+        "cs": done.compute_s if math.isfinite(done.compute_s) else 0.0, "problem": _receipt_problem(config, done),
+    })  # fmt: skip
+    record_retired(answer.get("retired") or [])  # type: ignore[arg-type]
+    if not answer.get("accepted"):
+        return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=str(answer.get("reason"))))
+    lease = answer["lease"]
+    assert isinstance(lease, dict)  # the script's own output
+    issued, finished = _moment(float(lease["t0"])), _moment(float(lease["t1"]))
+    # Capped again after rounding to the database's microseconds: never longer than the lease was held.
+    compute_s = min(float(lease["cs"]), (finished - issued).total_seconds())
+    writer().lease_finished(Finished(done.lease_id, Lease.State.ACCEPTED, "", finished, float(lease["loss"]), compute_s))
+    outcome = DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=True, step=int(answer["step"])))  # type: ignore[call-overload]
+    if answer.get("commit"):
+        outcome.commits = commit_full_steps(config, answer["commit"])  # type: ignore[arg-type]
+    return outcome
 
 
 def report_and_request(
     device_id: int, done: LeaseDone, waiting: LeaseRequest | None
-) -> tuple[DoneOutcome, LeaseMessage | NoLease | None]:
+) -> tuple[DoneOutcome, LeaseAnswer | None]:
     """Count a finished lease and, if that closed a step, answer the device's waiting lease request at once.
 
     The commit is what makes room for the reporting device's next lease (its
     previous one filled the step): asking here puts that lease on the wire
-    right behind the ack, ahead of the rest of the work the commit causes
-    (aggregators' acknowledgements, other devices' waiting requests), all of
-    which queue for the same database thread.
+    right behind the ack.
 
     Returns:
         The report's outcome, and the answer to ``waiting`` (None when no step was committed).
@@ -444,38 +420,50 @@ def report_and_request(
     outcome = report_done(device_id, done)
     if waiting is None or not outcome.commits:
         return outcome, None
-    answer = request_lease(device_id, waiting.campaign_id, waiting.samples_per_s, waiting.request_id, may_be_resent=False)
+    answer = ask_lease(device_id, waiting.campaign_id, waiting.samples_per_s, waiting.request_id, may_be_resent=False)
     return outcome, answer
 
 
-def release_lease(device_id: int, lease_id: int) -> bool:
+def release_lease(device_id: int, lease_id: int, reason: str = "released by the agent") -> bool:
     """Give an unfinished lease back (the agent is shutting down); its samples are redone."""
-    with transaction.atomic():
-        lease = Lease.objects.filter(pk=lease_id, device_id=device_id).first()
-        if lease is None:
-            return False
-        _locked(lease.campaign_id)
-        lease.refresh_from_db()
-        if lease.state != Lease.State.ACTIVE:
-            return False
-        retire_lease(lease, Lease.State.RELEASED, "released by the agent")
-        return True
+    config = _lease_campaign(lease_id)
+    if config is None:
+        return False
+    answer = _run(config, "release", {"id": lease_id, "device": device_id, "reason": reason, "state": "released"})
+    retired = answer.get("retired") or []
+    record_retired(retired)  # type: ignore[arg-type]
+    return bool(retired)
 
 
-def expire_all_overdue() -> int:
-    """Periodic sweep for campaigns nobody is asking leases of right now."""
-    count = 0
-    for campaign_id in Campaign.objects.filter(state=Campaign.State.RUNNING).values_list("id", flat=True):
-        with transaction.atomic():
-            count += expire_overdue(_locked(campaign_id))
-    return count
+def sweep_campaign(campaign_id: int) -> tuple[int, list[Commit]]:
+    """Expire leases of gone agents past their deadline, and finish a commit a crashed process left open."""
+    config = campaign_config(campaign_id)
+    if config is None:
+        return 0, []
+    answer = _run(config, "sweep", {"limit": 1000, "gone_s": settings.CROWDTRAIN_GONE_AFTER_S})
+    expired = answer.get("expired") or []
+    record_retired(expired)  # type: ignore[arg-type]
+    commits = commit_full_steps(config, answer["commit"]) if answer.get("commit") else []  # type: ignore[arg-type]
+    return len(expired), commits  # type: ignore[arg-type]
 
 
-def touch_device(device_id: int) -> None:
-    Device.objects.filter(pk=device_id).update(last_seen_at=timezone.now())
+def expire_overdue(campaign: Campaign) -> int:
+    """Expire the campaign's leases past their deadline whose agents are gone; returns how many."""
+    return sweep_campaign(campaign.pk)[0]
+
+
+def expire_all_overdue() -> tuple[int, list[Commit]]:
+    """Periodic sweep of every running campaign (its cost grows with campaigns, not volunteers)."""
+    count, commits = 0, []
+    for campaign_id in running_campaigns():
+        expired, done = sweep_campaign(campaign_id)
+        count += expired
+        commits += done
+    return count, commits
 
 
 def step_ranges(step: Step) -> list[tuple[str, int, int]]:
     """The (shard sha256, start, count) ranges that made a committed step, in lease-id order."""
     shards = shard_table(step.campaign.dataset).sha256s
     return [(shards[s], start, count) for lease in step.leases.order_by("id") for _, s, start, count in lease.ranges]
+

@@ -29,6 +29,8 @@ class Lease(models.Model):
     base_version = models.PositiveIntegerField()
     target_step = models.PositiveIntegerField(default=0, help_text="the step this lease's samples are reserved in")
     ranges = models.JSONField()
+    # The epoch of its first range: rebuilding the scheduler's hot state reads one epoch's leases, not all.
+    epoch = models.PositiveIntegerField(default=0)
     num_samples = models.PositiveIntegerField()
     state = models.CharField(max_length=16, choices=State.choices, default=State.ACTIVE, db_index=True)
     issued_at = models.DateTimeField(default=timezone.now)
@@ -42,35 +44,22 @@ class Lease(models.Model):
 
     class Meta:
         ordering = ["id"]
-        indexes = [models.Index(fields=["campaign", "state"])]
+        indexes = [models.Index(fields=["campaign", "state"]), models.Index(fields=["campaign", "epoch"])]
 
     def __str__(self) -> str:
         return f"lease {self.pk} ({self.state})"
 
 
-class Participation(models.Model):
-    """A device asking a campaign for work: idle ones are served before busy ones get leases ahead."""
+class IdBlock(models.Model):
+    """The next free id of a sequence that site processes take from in blocks (lease ids).
 
-    campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="participations")
-    device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="participations")
-    last_request_at = models.DateTimeField(default=timezone.now)
+    Lease ids are chosen when the lease is decided in Redis, before its row is
+    written; each process reserves a block here, so ids never repeat across
+    processes, restarts or a Redis that lost its keys.
+    """
 
-    class Meta:
-        constraints = [models.UniqueConstraint(fields=["campaign", "device"], name="unique_participation")]
-        indexes = [models.Index(fields=["campaign", "last_request_at"])]
-
-
-class ReturnedRange(models.Model):
-    """Samples from an expired, released or rejected lease, served again before the cursor moves."""
-
-    campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="returned_ranges")
-    epoch = models.PositiveIntegerField()
-    shard_index = models.PositiveIntegerField()
-    start = models.PositiveIntegerField()
-    count = models.PositiveIntegerField()
-
-    class Meta:
-        ordering = ["id"]
+    name = models.CharField(max_length=32, primary_key=True)
+    next_id = models.BigIntegerField()
 
 
 class Aggregator(models.Model):

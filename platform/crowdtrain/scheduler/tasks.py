@@ -1,7 +1,8 @@
-"""Periodic scheduler work for Celery beat; the lease path also sweeps on every request."""
+"""Periodic scheduler work for Celery beat; each site process also sweeps on its own (gateway.housekeeping)."""
 
 from __future__ import annotations
 
+from asgiref.sync import async_to_sync
 from celery import shared_task
 
 from .leasing import expire_all_overdue
@@ -9,5 +10,10 @@ from .leasing import expire_all_overdue
 
 @shared_task
 def expire_leases() -> int:
-    """Expire overdue leases of every running campaign; idempotent."""
-    return expire_all_overdue()
+    """Expire leases of gone agents past their deadline in every running campaign; idempotent."""
+    from crowdtrain.gateway.outbox import send_commits
+
+    expired, commits = expire_all_overdue()
+    if commits:  # a step a crashed process left full: the aggregators still need to hear of it
+        async_to_sync(send_commits)(commits)
+    return expired

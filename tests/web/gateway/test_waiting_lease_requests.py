@@ -7,6 +7,7 @@ from asgiref.sync import sync_to_async
 from django.test import override_settings
 
 from crowdtrain_agent.protocol import DoneAck, ErrorMessage, Lease, LeaseRequest, NoLease
+from crowdtrain.scheduler import leasing
 from tests.factories import done_for, make_campaign, make_device
 
 from .conftest import HELLO, Connect, receive, send
@@ -92,3 +93,30 @@ async def test_it_refuses_a_negative_wait(connect: Connect, wait_s: float) -> No
     reply = await receive(agent)
 
     assert isinstance(reply, ErrorMessage) and "wait_s must be a number of seconds >= 0" in reply.detail
+
+
+async def test_a_commit_wakes_only_as_many_waiting_requests_as_its_room_serves(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[int] = []
+    real_ask = leasing.ask_lease
+    monkeypatch.setattr(leasing, "ask_lease", lambda device_id, *a, **k: asked.append(device_id) or real_ask(device_id, *a, **k))
+    await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
+    alice = await _agent(connect, "alice")
+    waiting = [await _agent(connect, name) for name in ("bob", "carol", "dave")]
+    await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
+    first = await receive(alice)
+    for agent in waiting:  # each would take a whole step
+        await send(agent, LeaseRequest(samples_per_s=WHOLE_STEP, wait_s=5.0))
+        assert await agent.receive_nothing(timeout=0.1)
+
+    asked.clear()
+
+    await send(alice, await sync_to_async(done_for)(first.lease_id))
+    await receive(alice)
+    woken = await receive(waiting[0])
+    others_held = [await agent.receive_nothing(timeout=0.3) for agent in waiting[1:]]
+
+    assert isinstance(woken, Lease) and woken.base_version == 1
+    assert others_held == [True, True]  # the first in line got the room; the rest wait for the next commits
+    assert len(asked) == 1  # the others were not woken to ask again for room that is not there

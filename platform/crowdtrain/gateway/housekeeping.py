@@ -1,0 +1,71 @@
+"""Periodic work of one site process: publish who is connected, sweep expired leases, stamp "last seen".
+
+It runs on the process's event loop as one task, started by the first
+connection, so a process that is behind on its messages still publishes its
+volunteers' liveness on time. Each round costs a few batched calls whatever
+the number of connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.utils import timezone
+
+from crowdtrain.accounts.models import Device
+from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler.hotstate import presence
+
+from .outbox import send_commits
+
+logger = logging.getLogger(__name__)
+
+LAST_SEEN_DB_EVERY_S = 60.0
+_offloop = functools.partial(sync_to_async, thread_sensitive=False)
+
+
+def _stamp_last_seen() -> int:
+    ids = presence.take_db_batch()
+    for start in range(0, len(ids), 5000):
+        Device.objects.filter(pk__in=ids[start : start + 5000]).update(last_seen_at=timezone.now())
+    return len(ids)
+
+
+class Housekeeping:
+    """One task per process; ``start`` is cheap and idempotent."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="crowdtrain-housekeeping")
+
+    @property
+    def interval_s(self) -> float:
+        # Well inside the gone-after window: a connected device must never look gone between two rounds.
+        return max(0.2, min(5.0, settings.CROWDTRAIN_GONE_AFTER_S / 4))
+
+    async def _run(self) -> None:
+        last_db = time.monotonic()
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await _offloop(presence.publish)()
+                _, commits = await _offloop(leasing.expire_all_overdue)()
+                await send_commits(commits)
+                if time.monotonic() - last_db > LAST_SEEN_DB_EVERY_S:
+                    last_db = time.monotonic()
+                    await _offloop(_stamp_last_seen)()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the next round tries again; a broken round must not end liveness for good
+                logger.exception("site housekeeping failed")
+
+
+housekeeping = Housekeeping()

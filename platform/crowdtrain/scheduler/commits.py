@@ -1,0 +1,108 @@
+"""Closing a full step: the database decides, then Redis opens the next step, then the aggregators hear of it.
+
+The step row is the commit point. Its unique (campaign, index) lets exactly
+one process write it however many notice the step is full; the others, and a
+process that finds a step left full by one that crashed before telling Redis,
+read the row back and carry on from there. The commit goes to the aggregators
+after the row is durable, so an aggregator never applies a step the database
+could forget; duplicates are harmless (an aggregator acknowledges a step it
+already applied).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone as dt_timezone
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import Case, F, FloatField, Value, When
+
+from crowdtrain.accounts.models import Device
+from crowdtrain.campaigns.models import Campaign, Step
+from crowdtrain_agent.protocol import StepCommit
+
+from .configs import CampaignConfig
+from .hotstate import hot_state
+from .models import Lease
+from .rebuild import to_shards
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Commit:
+    """A step the scheduler just closed, the aggregators that must apply it, and the waiting requests it wakes."""
+
+    message: StepCommit
+    aggregator_ids: list[int]
+    woken: list[str] = field(default_factory=list)
+
+
+def _moment(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=dt_timezone.utc)
+
+
+def _write_step(config: CampaignConfig, index: int, leases: list[dict[str, Any]]) -> list[int]:
+    """The step row, its leases and their devices' credit in one transaction; returns the lease ids in the step."""
+    try:
+        with transaction.atomic():
+            step = Step.objects.create(
+                campaign_id=config.id, index=index, num_samples=sum(int(l["n"]) for l in leases),
+                loss_sum=math.fsum(float(l["loss"]) for l in leases),
+            )  # fmt: skip
+            rows = [
+                Lease(
+                    pk=l["id"], campaign_id=config.id, device_id=l["d"], base_version=l["b"], target_step=index,
+                    ranges=(ranges := to_shards(config.table, l["r"])), epoch=ranges[0][0], num_samples=l["n"],
+                    state=Lease.State.ACCEPTED, issued_at=_moment(l["t0"]), deadline=_moment(l["dl"]),
+                    finished_at=_moment(l["t1"]), step=step, loss_sum=l["loss"], compute_s=l["cs"],
+                )
+                for l in leases
+            ]  # fmt: skip
+            # Inserted when the batched record has not written them yet (another process issued them).
+            Lease.objects.bulk_create(
+                rows, update_conflicts=True, unique_fields=["id"],
+                update_fields=["state", "step", "loss_sum", "compute_s", "finished_at", "reason"],
+            )  # fmt: skip
+            _credit(leases)
+            Campaign.objects.filter(pk=config.id, committed_steps=index).update(committed_steps=index + 1)
+            return [int(l["id"]) for l in leases]
+    except IntegrityError:
+        # Another process wrote this step first: it is what the aggregators must apply.
+        step = Step.objects.get(campaign_id=config.id, index=index)
+        logger.debug("campaign %s: step %s was committed by another process", config.id, index)
+        return list(step.leases.order_by("id").values_list("id", flat=True))
+
+
+def _credit(leases: list[dict[str, Any]]) -> None:
+    """One statement for every device in the step: samples credited, and the speed its work showed."""
+    samples: dict[int, int] = {}
+    busy_s: dict[int, float] = {}
+    for l in leases:
+        samples[l["d"]] = samples.get(l["d"], 0) + int(l["n"])
+        busy_s[l["d"]] = busy_s.get(l["d"], 0.0) + float(l["cs"])
+    added = Case(*(When(pk=d, then=Value(n)) for d, n in samples.items()), default=Value(0))
+    # The speed "My devices" shows: what its accepted work took, as the agent reported it.
+    speeds = [When(pk=d, then=Value(samples[d] / s)) for d, s in busy_s.items() if s >= 1e-3]
+    updates: dict[str, Any] = {"samples_accepted": F("samples_accepted") + added}
+    if speeds:
+        updates["samples_per_s"] = Case(*speeds, default=F("samples_per_s"), output_field=FloatField())
+    Device.objects.filter(pk__in=sorted(samples)).update(**updates)
+
+
+def commit_full_steps(config: CampaignConfig, full: dict[str, Any]) -> list[Commit]:
+    """Commit the full open step, and every step after it that is full already (a lease reported ahead)."""
+    commits: list[Commit] = []
+    while full:
+        index = int(full["step"])
+        lease_ids = _write_step(config, index, list(full["leases"]))
+        num_samples = sum(int(l["n"]) for l in full["leases"])
+        answer = hot_state().run("committed", config.hot_key, {"step": index})
+        logger.info("campaign %s: step %s committed (%s samples, %s leases)", config.id, index, num_samples, len(lease_ids))
+        message = StepCommit(campaign_id=config.id, step=index, lease_ids=lease_ids, num_samples=num_samples)
+        commits.append(Commit(message, list(config.aggregator_ids), [str(c) for c in answer.get("woken") or []]))
+        full = answer.get("commit") or {}
+    return commits

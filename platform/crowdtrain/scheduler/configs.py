@@ -1,0 +1,181 @@
+"""What the lease path needs to know of a campaign, cached per process, and whether it may lease now.
+
+A lease or a done report must not query the database: the campaign's settings,
+shards and slice routes are read once per process and kept until the
+campaign's generation in Redis moves (every change of state, slices or
+aggregators bumps it through ``publish_state``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from django.db.models import Q
+
+from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
+from crowdtrain_agent.models import get_model
+from crowdtrain_agent.protocol import DataSpec, ModelSpec, SliceRoute
+
+from .hotstate import HotStateMissing, hot_state
+from .models import SliceAssignment
+
+logger = logging.getLogger(__name__)
+
+# Cached answers to "may this device work on that invite-only campaign" live this long.
+ACCESS_TTL_S = 30.0
+
+
+@dataclass(frozen=True)
+class CampaignConfig:
+    """A campaign as the lease path sees it: settings that lock when it starts, and where its slices live."""
+
+    id: int
+    hot_key: str
+    gen: int  # the generation in Redis this copy was read at
+    state: str
+    public: bool
+    target_batch_size: int
+    microbatch_size: int
+    staleness: int
+    max_steps: int | None
+    codec: str
+    model: ModelSpec
+    flops_per_sample: float
+    data: DataSpec
+    param_count: int
+    num_samples: int
+    table: ShardTable
+    slices: tuple[SliceRoute, ...]
+    aggregator_ids: tuple[int, ...]
+
+
+_cache: dict[int, CampaignConfig] = {}
+_access: dict[tuple[int, int], tuple[float, bool]] = {}
+_running: list[tuple[float, list[int]]] = [(0.0, [])]
+_lock = threading.Lock()
+# A campaign started in another site process is seen by this one within this long.
+RUNNING_TTL_S = 1.0
+
+
+def running_campaigns() -> list[int]:
+    """Running campaigns, read at most once a second per process (and again after this process changes one)."""
+    read_at, ids = _running[0]
+    now = time.monotonic()
+    if now - read_at > RUNNING_TTL_S:
+        ids = list(Campaign.objects.filter(state=Campaign.State.RUNNING).order_by("id").values_list("id", flat=True))
+        _running[0] = (now, ids)
+    return ids
+
+
+def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
+    campaign = Campaign.objects.select_related("dataset").filter(pk=campaign_id).first()
+    if campaign is None:
+        return None
+    slices = list(
+        SliceAssignment.objects.filter(campaign_id=campaign_id).select_related("aggregator").order_by("index")
+    )
+    spec = get_model(campaign.architecture)
+    return CampaignConfig(
+        id=campaign.pk, hot_key=campaign.hot_key.hex, gen=gen, state=campaign.state,
+        public=campaign.visibility == Campaign.Visibility.PUBLIC, target_batch_size=campaign.target_batch_size,
+        microbatch_size=campaign.microbatch_size, staleness=campaign.staleness, max_steps=campaign.max_steps,
+        codec=campaign.codec, model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
+        flops_per_sample=spec.flops_per_sample(campaign.model_config),
+        data=DataSpec(kind=campaign.dataset.kind, sample_len=campaign.dataset.sample_len),
+        param_count=campaign.param_count, num_samples=campaign.dataset.num_samples, table=shard_table(campaign.dataset),
+        slices=tuple(
+            SliceRoute(index=s.index, start=s.start, end=s.end, upload_url=s.aggregator.upload_url,
+                       params_url=f"{s.aggregator.params_url}{campaign.pk}/{s.index}/")
+            for s in slices
+        ),
+        aggregator_ids=tuple(s.aggregator_id for s in slices),
+    )  # fmt: skip
+
+
+def campaign_config(campaign_id: int, *, gen: int | None = None) -> CampaignConfig | None:
+    """The cached campaign, read again when Redis names a newer generation (``gen``) than the copy's."""
+    cached = _cache.get(campaign_id)
+    if cached is not None and (gen is None or cached.gen >= gen):
+        return cached
+    fresh = _read(campaign_id, gen if gen is not None else (cached.gen if cached else -1))
+    with _lock:
+        if fresh is None:
+            _cache.pop(campaign_id, None)
+        else:
+            _cache[campaign_id] = fresh
+    return fresh
+
+
+def forget(campaign_id: int) -> None:
+    with _lock:
+        _cache.pop(campaign_id, None)
+        _running[0] = (0.0, [])
+
+
+def clear_caches() -> None:
+    with _lock:
+        _cache.clear()
+        _access.clear()
+        _running[0] = (0.0, [])
+
+
+def open_to(config: CampaignConfig, device_id: int) -> bool:
+    """Public campaigns cost nothing; invite-only ones one query per device every ACCESS_TTL_S."""
+    if config.public:
+        return True
+    now = time.monotonic()
+    hit = _access.get((config.id, device_id))
+    if hit is not None and now - hit[0] < ACCESS_TTL_S:
+        return hit[1]
+    allowed = Campaign.objects.filter(pk=config.id).filter(open_q(device_id)).exists()
+    _access[(config.id, device_id)] = (now, allowed)
+    return allowed
+
+
+def open_q(device_id: int) -> Q:
+    """Campaigns this device may work on: public ones, and invite-only ones its volunteer owns or was invited to."""
+    from django.db.models import Exists
+
+    from crowdtrain.accounts.models import Device
+
+    staff = Exists(Device.objects.filter(pk=device_id, owner__is_staff=True))
+    return (
+        Q(visibility=Campaign.Visibility.PUBLIC) | Q(owner__devices=device_id) | Q(invited__devices=device_id) | Q(staff)
+    )
+
+
+def run_state(campaign: Campaign) -> tuple[bool, str]:
+    """Whether the campaign may lease now (running, with every slice on a connected aggregator), and why not."""
+    if campaign.state in (Campaign.State.FINISHED, Campaign.State.ARCHIVED):
+        return False, f"campaign {campaign.pk} has finished"
+    if campaign.state != Campaign.State.RUNNING:
+        return False, f"campaign {campaign.pk} is {campaign.state}"
+    slices = list(campaign.slices.select_related("aggregator"))
+    ready = [s for s in slices if s.ready and s.aggregator.connected]
+    if len(slices) < campaign.num_aggregators or len(ready) < len(slices):
+        return False, f"campaign {campaign.pk}: waiting for aggregators: {len(ready)} of {campaign.num_aggregators} slices ready"
+    return True, ""
+
+
+def publish_state(campaign_id: int) -> None:
+    """Tell every site process what changed: lease or not, and re-read the campaign (its generation moves).
+
+    Called after a campaign's state, slices or aggregators change. A campaign
+    without hot state yet needs nothing: loading it computes the same.
+    """
+    campaign = Campaign.objects.filter(pk=campaign_id).select_related("dataset").first()
+    forget(campaign_id)
+    if campaign is None:
+        return
+    run, why = run_state(campaign)
+    fields = {"target": campaign.target_batch_size, "stale": campaign.staleness, "state": campaign.state,
+              "max": -1 if campaign.max_steps is None else campaign.max_steps}  # fmt: skip
+    try:
+        hot_state().run("configure", campaign.hot_key.hex, {"run": int(run), "why": why, "fields": fields})
+    except HotStateMissing:
+        pass
+    logger.debug("campaign %s: %s", campaign_id, "leasing" if run else why)
+

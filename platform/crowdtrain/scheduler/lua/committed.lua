@@ -1,0 +1,27 @@
+-- The database holds step A.step now: open the next one. Idempotent. Returns the next full step
+-- (a lease reported ahead may complete several at once) and the waiting requests to wake.
+if redis.call('EXISTS', K_META) == 0 then return cjson.encode({missing = true}) end
+local s = A.step
+local open = meta('open')
+local woken = {}
+if open == s then
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_ACC, s, s)) do
+    redis.call('HDEL', K_LEASES, id)
+    redis.call('HDEL', LC, id)
+  end
+  redis.call('ZREMRANGEBYSCORE', K_ACC, s, s)
+  redis.call('HDEL', K_FILL, s)
+  redis.call('HDEL', K_RES, s)
+  open = s + 1
+  redis.call('HSET', K_META, 'open', open)
+  -- A commit makes room for one global batch: wake that many samples' worth of waiting requests.
+  local room, target = 0, meta('target')
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', K_WAIT, '-inf', open)) do
+    if room >= target then break end
+    local want, channel = string.match(member, '^%d+:(%d+):(.+)$')
+    room = room + tonumber(want)
+    woken[#woken + 1] = channel
+    redis.call('ZREM', K_WAIT, member)
+  end
+end
+return cjson.encode({open = open, commit = full_step() or false, woken = woken})

@@ -1,0 +1,95 @@
+-- Give one device a lease, or say why not. A: device, want, claimed (samples/s, 0 unknown),
+-- id (a fresh lease id), min_dl, max_dl, idle_s, gone_s, backup_min_s, backup_factor, sweep.
+if redis.call('EXISTS', K_META) == 0 then return cjson.encode({missing = true}) end
+local out = {}
+redis.call('ZADD', SEEN, now, A.device) -- a device that asks or reports is alive
+sweep(out, A.sweep, A.gone_s)
+local gen = meta('gen')
+local pending = full_step() ~= nil
+local function refuse(code, extra)
+  local r = {kind = 'refuse', code = code, expired = out, gen = gen, pending = pending}
+  for k, v in pairs(extra or {}) do r[k] = v end
+  return cjson.encode(r)
+end
+if meta('run') ~= 1 then
+  return refuse('paused', {why = redis.call('HGET', K_META, 'why') or ''})
+end
+
+local device = A.device
+local open, target, stale, max_steps = meta('open'), meta('target'), meta('stale'), meta('max')
+local held = num(redis.call('HGET', K_HOLD, device))
+redis.call('ZREMRANGEBYSCORE', K_IDLE, '-inf', now - A.idle_s)
+if held == 0 then redis.call('ZADD', K_IDLE, now, device) end
+
+local function deadline_for(n)
+  -- Measured speed when the site has seen this device work, its claim until then.
+  local speed = num(redis.call('HGET', K_SPD, device))
+  if speed <= 0 then speed = A.claimed end
+  local seconds = A.min_dl
+  if speed > 0 then seconds = math.max(seconds, 3 * n / speed) end
+  return now + math.min(seconds, math.max(A.max_dl, A.min_dl))
+end
+
+local function issue(l)
+  l.id, l.d, l.b, l.t0, l.st, l.dl = A.id, device, open, now, 'active', deadline_for(l.n)
+  l.loss, l.cs, l.why, l.t1 = 0, 0, '', 0
+  lease_put(l)
+  redis.call('HSET', LC, l.id, A.cid)
+  redis.call('ZADD', K_DL, l.dl, l.id)
+  redis.call('HINCRBY', K_HOLD, device, 1)
+  redis.call('ZREM', K_IDLE, device)
+  return cjson.encode({kind = 'lease', lease = l, expired = out, gen = gen, pending = pending,
+    epoch = meta('epoch'), cursor = meta('cursor')})
+end
+
+-- A lease past its soft deadline holds its step back: its samples go to this device too, and
+-- the first valid report wins (MapReduce's backup tasks). Soft deadlines come from the swarm's
+-- measured lease time, never from what a device claims.
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_SOFT, '-inf', now, 'LIMIT', 0, 4)) do
+  local slow = lease_get(id)
+  if not slow or slow.st ~= 'active' or slow.tw ~= 0 then
+    redis.call('ZREM', K_SOFT, id)
+  elseif slow.d ~= device then
+    redis.call('ZREM', K_SOFT, id)
+    slow.tw = A.id
+    lease_put(slow)
+    return issue({s = slow.s, n = slow.n, r = slow.r, tw = slow.id, bk = 1})
+  end
+end
+
+local step = open
+while num(redis.call('HGET', K_RES, step)) >= target do step = step + 1 end
+if max_steps >= 0 and step >= max_steps then return refuse('last_step', {max = max_steps}) end
+if step > open + stale then return refuse('window_full', {step = open, ready_at = step - stale}) end
+if held > 0 and redis.call('ZCARD', K_IDLE) > 0 then
+  -- This device asks ahead while another waits with nothing to do: the other goes first.
+  return refuse('idle_first', {ready_at = open + 1})
+end
+
+-- Samples: the redo queue first, then the epoch cursor.
+local n = math.min(A.want, target - num(redis.call('HGET', K_RES, step)))
+local count, ranges = n, {}
+while count > 0 do
+  local head = redis.call('LINDEX', K_RET, 0)
+  if not head then break end
+  local e, s, c = string.match(head, '^(%d+):(%d+):(%d+)$')
+  e, s, c = tonumber(e), tonumber(s), tonumber(c)
+  local k = math.min(c, count)
+  ranges[#ranges + 1] = {e, s, k}
+  if k == c then redis.call('LPOP', K_RET) else redis.call('LSET', K_RET, 0, e .. ':' .. (s + k) .. ':' .. (c - k)) end
+  count = count - k
+end
+local cursor, epoch, total = meta('cursor'), meta('epoch'), meta('total')
+while count > 0 do
+  if cursor >= total then epoch, cursor = epoch + 1, 0 end
+  local k = math.min(count, total - cursor)
+  local last = ranges[#ranges]
+  if last and last[1] == epoch and last[2] + last[3] == cursor then last[3] = last[3] + k
+  else ranges[#ranges + 1] = {epoch, cursor, k} end
+  cursor, count = cursor + k, count - k
+end
+redis.call('HSET', K_META, 'cursor', cursor, 'epoch', epoch)
+redis.call('HINCRBY', K_RES, step, n)
+local typical = meta('lease_s')
+redis.call('ZADD', K_SOFT, now + math.max(A.backup_min_s, A.backup_factor * typical), A.id)
+return issue({s = step, n = n, r = ranges, tw = 0, bk = 0})

@@ -1,0 +1,104 @@
+-- Shared by every scheduler script; each script is this prelude followed by its body.
+-- KEYS[1]: the campaign's key prefix ("ct:{c42}:"); KEYS[2]: the presence set ("ct:seen");
+-- KEYS[3]: lease id -> campaign id for every lease still remembered ("ct:lc").
+-- ARGV[1]: now (seconds since the epoch, a float); ARGV[2]: a JSON object of the script's arguments.
+-- Every script returns one JSON object. Lease records and ranges never hold nulls (0 means none):
+-- cjson turns JSON null into a userdata that compares unequal to nil.
+local P = KEYS[1]
+local SEEN = KEYS[2]
+local LC = KEYS[3]
+local now = tonumber(ARGV[1])
+local A = cjson.decode(ARGV[2])
+
+local K_META, K_LEASES, K_RET = P .. 'meta', P .. 'leases', P .. 'ret'
+local K_DL, K_SOFT, K_RES, K_FILL = P .. 'dl', P .. 'soft', P .. 'res', P .. 'fill'
+local K_ACC, K_HOLD, K_IDLE, K_SPD = P .. 'acc', P .. 'hold', P .. 'idle', P .. 'spd'
+local K_TOMB, K_WAIT = P .. 'tomb', P .. 'wait'
+local TOMBSTONES = 2000 -- finished leases remembered, so a late or replayed report gets a true reason
+
+local function num(x) return tonumber(x) or 0 end
+local function meta(field) return num(redis.call('HGET', K_META, field)) end
+
+local function lease_get(id)
+  local raw = redis.call('HGET', K_LEASES, id)
+  if not raw then return nil end
+  return cjson.decode(raw)
+end
+local function lease_put(l) redis.call('HSET', K_LEASES, l.id, cjson.encode(l)) end
+
+local function tomb(id)
+  redis.call('RPUSH', K_TOMB, id)
+  if redis.call('LLEN', K_TOMB) > TOMBSTONES then
+    local old = redis.call('LPOP', K_TOMB)
+    local l = lease_get(old)
+    if l and l.st ~= 'active' and l.st ~= 'accepted' then
+      redis.call('HDEL', K_LEASES, old)
+      redis.call('HDEL', LC, old)
+    end
+  end
+end
+
+local function unhold(device)
+  if redis.call('HINCRBY', K_HOLD, device, -1) <= 0 then redis.call('HDEL', K_HOLD, device) end
+end
+
+-- Samples go back to the redo queue, served before the cursor moves on.
+local function give_back(l)
+  for _, r in ipairs(l.r) do redis.call('RPUSH', K_RET, r[1] .. ':' .. r[2] .. ':' .. r[3]) end
+  redis.call('HINCRBY', K_RES, l.s, -l.n)
+end
+
+-- End an active lease without counting it. A lease and its backup share one set of samples:
+-- the samples go back only when the last of the pair ends unaccepted (``keep``: its twin was accepted).
+local function retire(l, state, reason, out, keep)
+  l.st, l.why, l.t1 = state, reason, now
+  redis.call('ZREM', K_DL, l.id)
+  redis.call('ZREM', K_SOFT, l.id)
+  unhold(l.d)
+  local twin = (l.tw ~= 0) and lease_get(l.tw) or nil
+  if keep then
+    -- the accepted twin holds the samples
+  elseif twin and twin.st == 'active' then
+    twin.tw = 0
+    lease_put(twin)
+    if twin.bk == 0 then
+      -- The original outlived its backup: it may be backed up again.
+      redis.call('ZADD', K_SOFT, now, twin.id)
+    end
+  else
+    give_back(l)
+  end
+  l.tw = 0
+  lease_put(l)
+  tomb(l.id)
+  out[#out + 1] = {l.id, state, reason}
+end
+
+-- Leases past their deadline whose agents are gone. An agent that is still connected keeps
+-- its lease however late: its upload may be done and its report queued behind a busy site,
+-- and a backup lease (see lease.lua) keeps the step moving meanwhile.
+local function sweep(out, limit, gone_s)
+  local ids = redis.call('ZRANGEBYSCORE', K_DL, '-inf', now, 'LIMIT', 0, limit)
+  for _, id in ipairs(ids) do
+    local l = lease_get(id)
+    if not l or l.st ~= 'active' then
+      redis.call('ZREM', K_DL, id)
+    elseif num(redis.call('ZSCORE', SEEN, l.d)) >= now - gone_s then
+      redis.call('ZADD', K_DL, now + gone_s, id)
+    else
+      retire(l, 'expired', 'deadline passed', out)
+    end
+  end
+end
+
+-- The accepted leases of the open step when it holds the whole global batch, in lease-id order.
+local function full_step()
+  local open = meta('open')
+  local target = meta('target')
+  if num(redis.call('HGET', K_FILL, open)) < target then return nil end
+  local ids = redis.call('ZRANGEBYSCORE', K_ACC, open, open)
+  local leases = {}
+  for _, id in ipairs(ids) do leases[#leases + 1] = lease_get(id) end
+  table.sort(leases, function(a, b) return a.id < b.id end)
+  return {step = open, leases = leases}
+end

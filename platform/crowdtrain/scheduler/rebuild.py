@@ -1,0 +1,169 @@
+"""Rebuild a campaign's hot state from the database's record: at first use, or after Redis lost it.
+
+The record may trail Redis by a batch (``records``), and another process may
+have died with records still queued. So nothing is taken on trust: the
+cursor is the furthest any lease reached, the redo queue is every sample of
+the current (and previous) epoch below it that no live or counted lease
+covers, and of two live leases over the same samples only the newer is kept.
+A lease the record never heard of is unknown to the rebuilt state, so its
+report is refused and its samples, redone: never counted twice.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+
+from django.db.models import Max, Q
+from django.utils import timezone
+
+from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
+
+from .configs import publish_state, run_state
+from .hotstate import hot_state
+from .models import Lease
+from .records import Finished, writer
+
+logger = logging.getLogger(__name__)
+
+Interval = tuple[int, int]  # [start, end) of global sample indexes
+
+
+def to_global(table: ShardTable, ranges: Iterable[list[int]]) -> list[list[int]]:
+    """``[epoch, shard, start, count]`` ranges as ``[epoch, first sample, count]`` in dataset order."""
+    return [[e, table.first_samples[s] + start, count] for e, s, start, count in ranges]
+
+
+def to_shards(table: ShardTable, ranges: Iterable[list[int]]) -> list[list[int]]:
+    """Global ``[epoch, start, count]`` ranges cut at shard boundaries into ``[epoch, shard, start, count]``."""
+    out: list[list[int]] = []
+    for epoch, start, count in ranges:
+        while count > 0:
+            index = table.locate(start)
+            offset = start - table.first_samples[index]
+            take = min(count, table.sizes[index] - offset)
+            out.append([epoch, index, offset, take])
+            start, count = start + take, count - take
+    return out
+
+
+def _merge(intervals: list[Interval]) -> list[Interval]:
+    merged: list[Interval] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _gaps(covered: list[Interval], end: int) -> list[Interval]:
+    gaps, at = [], 0
+    for start, stop in _merge(covered):
+        if start >= end:
+            break
+        if start > at:
+            gaps.append((at, start))
+        at = max(at, stop)
+    if at < end:
+        gaps.append((at, end))
+    return gaps
+
+
+class _Taken:
+    """Samples of one epoch already spoken for: the committed ones (many, merged and searched by
+    bisection) and the live leases kept so far (as many as were in flight)."""
+
+    def __init__(self, committed: list[Interval]) -> None:
+        self.committed = _merge(committed)
+        self.starts = [s for s, _ in self.committed]
+        self.live: list[Interval] = []
+
+    def overlaps(self, start: int, end: int) -> bool:
+        i = bisect.bisect_right(self.starts, start) - 1
+        for s, e in self.committed[max(i, 0) : i + 2]:
+            if s < end and start < e:
+                return True
+        return any(s < end and start < e for s, e in self.live)
+
+    def intervals(self) -> list[Interval]:
+        return self.committed + self.live
+
+
+def load_campaign(campaign_id: int, *, force: bool = False) -> bool:
+    """Put the campaign's hot state in Redis from the record; returns whether it loaded (False: already there).
+
+    Costs one pass over the leases of the current and previous epoch: run on
+    first use and after a loss of Redis, never on the lease path.
+    """
+    writer().flush()  # this process's own queued records first
+    campaign = Campaign.objects.select_related("dataset").get(pk=campaign_id)
+    table = shard_table(campaign.dataset)
+    total = campaign.dataset.num_samples
+    leases = Lease.objects.filter(campaign=campaign)
+    epoch = max(campaign.epoch, leases.aggregate(e=Max("epoch"))["e"] or 0)
+    live_q = Q(state=Lease.State.ACTIVE) | Q(
+        state=Lease.State.ACCEPTED, step__isnull=True, target_step__gte=campaign.committed_steps
+    )
+    recent = leases.filter(epoch__gte=max(epoch - 1, 0))
+    # Samples in committed steps are taken, whatever else the record says about them.
+    committed: dict[int, list[Interval]] = defaultdict(list)
+    for ranges in recent.filter(step__isnull=False).values_list("ranges", flat=True):
+        for e, s, c in to_global(table, ranges):
+            committed[e].append((s, s + c))
+    taken = defaultdict(lambda: _Taken([]), {e: _Taken(spans) for e, spans in committed.items()})
+    # Within an epoch a sample is leased again only once its last lease ended uncounted, so two
+    # live leases over one sample mean the older one's end was not recorded yet: the newer wins.
+    live, dropped = [], []
+    for lease in leases.filter(live_q).order_by("-id"):
+        spans = to_global(table, lease.ranges)
+        if any(taken[e].overlaps(s, s + c) for e, s, c in spans):
+            dropped.append(lease)
+            continue
+        for e, s, c in spans:
+            taken[e].live.append((s, s + c))
+        live.append(_record(lease, spans))
+    covered = {e: taken[e].intervals() for e in (epoch - 1, epoch)}
+    cursor = max([campaign.cursor if campaign.epoch == epoch else 0, *(e for s, e in covered[epoch])])
+    cursor = min(cursor, total)
+    redo: list[list[int]] = []
+    if epoch > 0:
+        redo += [[epoch - 1, s, e - s] for s, e in _gaps(covered[epoch - 1], total)]
+    redo += [[epoch, s, e - s] for s, e in _gaps(covered[epoch], cursor)]
+    run, why = run_state(campaign)
+    meta = {
+        "open": campaign.committed_steps, "cursor": cursor, "epoch": epoch, "total": total,
+        "target": campaign.target_batch_size, "stale": campaign.staleness, "state": campaign.state,
+        "max": -1 if campaign.max_steps is None else campaign.max_steps, "run": int(run), "why": why,
+        # Newer than any generation a process may have cached from before Redis lost the keys.
+        "lease_s": 0, "gen": time.time_ns() // 1_000_000,
+    }  # fmt: skip
+    from django.conf import settings
+
+    args = {"cid": campaign.pk, "meta": meta, "leases": live, "ret": redo, "force": force,
+            "backup_min_s": settings.CROWDTRAIN_BACKUP_MIN_S}  # fmt: skip
+    loaded = bool(hot_state().run("load", campaign.hot_key.hex, args).get("loaded"))
+    if loaded:
+        now = timezone.now()
+        for lease in dropped:
+            writer().lease_finished(Finished(lease.pk, Lease.State.EXPIRED, "superseded when the scheduler restarted", now))
+        logger.info(
+            "campaign %s: scheduler state loaded (epoch %s, cursor %s, %s live leases, %s ranges to redo)",
+            campaign_id, epoch, cursor, len(live), len(redo),
+        )  # fmt: skip
+        publish_state(campaign_id)
+    return loaded
+
+
+def _record(lease: Lease, spans: list[list[int]]) -> dict[str, object]:
+    """A lease row as the scripts keep it (see lua/prelude.lua)."""
+    active = lease.state == Lease.State.ACTIVE
+    return {
+        "id": lease.pk, "d": lease.device_id, "s": lease.target_step, "n": lease.num_samples, "b": lease.base_version,
+        "r": spans, "st": "active" if active else "accepted", "t0": lease.issued_at.timestamp(),
+        "dl": lease.deadline.timestamp(), "tw": 0, "bk": 0, "loss": lease.loss_sum or 0.0,
+        "cs": lease.compute_s or 0.0, "why": "", "t1": lease.finished_at.timestamp() if lease.finished_at else 0,
+    }  # fmt: skip

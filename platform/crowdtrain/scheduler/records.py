@@ -1,0 +1,184 @@
+"""The scheduler's durable record, written behind the hot path in batches.
+
+Leases are decided in Redis (``hotstate``); the database keeps what must
+outlive any process: every lease with its samples and outcome, and each
+campaign's cursor. A site process queues those writes and sends them every
+few tens of milliseconds in one transaction: a few statements per batch
+instead of several per lease. A step's commit does not wait for the queue: it
+writes its own leases (``commit_rows``) in the same transaction as the step.
+
+Writes are idempotent and order-free across processes, so two processes
+racing on one lease converge: a lease row is inserted only if missing, an
+outcome lands only on a lease still active, and nothing here touches a lease
+that is part of a committed step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import DatabaseError, close_old_connections, transaction
+from django.db.models import Q
+
+from crowdtrain.campaigns.models import Campaign
+
+from .models import Lease
+
+logger = logging.getLogger(__name__)
+
+FLUSH_INTERVAL_S = 0.05
+# A database that stays down must not eat the site's memory: past this many queued writes the
+# oldest are dropped with an error (their leases still count; the record of them is what is lost).
+MAX_QUEUED = 200_000
+
+
+@dataclass
+class Finished:
+    lease_id: int
+    state: str
+    reason: str
+    at: datetime
+    loss_sum: float | None = None
+    compute_s: float | None = None
+
+
+class RecordWriter:
+    """Queues lease rows and outcomes and writes them in batches.
+
+    Args:
+        inline: write at once in the caller's thread (tests, where the
+            writes must share the test's transaction); otherwise a daemon
+            thread writes every FLUSH_INTERVAL_S.
+        thread: start that thread (False: only ``flush`` writes, for tests
+            that play several site processes).
+    """
+
+    def __init__(self, *, inline: bool, thread: bool = True) -> None:
+        self.inline = inline
+        self.thread = thread
+        self._lock = threading.Lock()  # guards the queues
+        self._write_lock = threading.Lock()  # one batch at a time, in order
+        self._new: list[Lease] = []
+        self._finished: list[Finished] = []
+        self._cursors: dict[int, tuple[int, int]] = {}
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ queueing
+
+    def lease_issued(self, lease: Lease) -> None:
+        self._queue(lambda: self._new.append(lease))
+
+    def lease_finished(self, finished: Finished) -> None:
+        self._queue(lambda: self._finished.append(finished))
+
+    def cursor_moved(self, campaign_id: int, epoch: int, cursor: int) -> None:
+        def keep_newest() -> None:
+            if (epoch, cursor) > self._cursors.get(campaign_id, (-1, -1)):
+                self._cursors[campaign_id] = (epoch, cursor)
+
+        self._queue(keep_newest)
+
+    def _queue(self, add: Callable[[], None]) -> None:
+        with self._lock:
+            add()
+            backlog = len(self._new) + len(self._finished)
+            if backlog > MAX_QUEUED:
+                logger.error("the database is not keeping up: dropping %s queued lease records", backlog - MAX_QUEUED)
+                del self._new[: len(self._new) // 2]
+                del self._finished[: len(self._finished) // 2]
+        if self.inline:
+            self.flush()
+        elif self.thread:
+            self._ensure_thread()
+
+    # ------------------------------------------------------------ writing
+
+    def flush(self) -> None:
+        """Write everything queued so far, in this thread."""
+        with self._write_lock:
+            with self._lock:
+                new, finished, cursors = self._new, self._finished, self._cursors
+                self._new, self._finished, self._cursors = [], [], {}
+            if not (new or finished or cursors):
+                return
+            try:
+                _write(new, finished, cursors)
+            except DatabaseError:
+                logger.warning("writing %s lease records failed; retrying", len(new) + len(finished), exc_info=True)
+                with self._lock:  # put them back in front, in order
+                    self._new[:0] = new
+                    self._finished[:0] = finished
+                    for campaign_id, position in cursors.items():
+                        if position > self._cursors.get(campaign_id, (-1, -1)):
+                            self._cursors[campaign_id] = position
+                raise
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            with self._lock:
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(target=self._loop, name="crowdtrain-records", daemon=True)
+                    self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait(FLUSH_INTERVAL_S)
+            self._wake.clear()
+            try:
+                close_old_connections()
+                self.flush()
+            except DatabaseError:
+                self._wake.wait(1.0)  # the database is away; the queue keeps the records meanwhile
+            except Exception:  # a bug must not stop the record for good
+                logger.exception("the lease record writer failed")
+
+
+def _write(new: Sequence[Lease], finished: Sequence[Finished], cursors: dict[int, tuple[int, int]]) -> None:
+    with transaction.atomic():
+        if new:
+            Lease.objects.bulk_create(new, ignore_conflicts=True)
+        accepted = [f for f in finished if f.state == Lease.State.ACCEPTED]
+        ended = [f for f in finished if f.state != Lease.State.ACCEPTED]
+        if accepted:
+            rows = [
+                Lease(pk=f.lease_id, state=f.state, loss_sum=f.loss_sum, compute_s=f.compute_s, finished_at=f.at)
+                for f in accepted
+            ]
+            Lease.objects.filter(state=Lease.State.ACTIVE).bulk_update(
+                rows, ["state", "loss_sum", "compute_s", "finished_at"]
+            )
+        if ended:
+            rows = [Lease(pk=f.lease_id, state=f.state, reason=f.reason[:200], finished_at=f.at) for f in ended]
+            # Never a lease of a committed step; an accepted one only when a rollback retires it.
+            Lease.objects.filter(step__isnull=True).bulk_update(rows, ["state", "reason", "finished_at"])
+        for campaign_id, (epoch, cursor) in cursors.items():
+            Campaign.objects.filter(pk=campaign_id).filter(Q(epoch__lt=epoch) | Q(epoch=epoch, cursor__lt=cursor)).update(
+                epoch=epoch, cursor=cursor
+            )
+
+
+_writer_lock = threading.Lock()
+_writer: RecordWriter | None = None
+
+
+def writer() -> RecordWriter:
+    """The process's writer (inline when CROWDTRAIN_RECORDS_INLINE is set, as the test suite does)."""
+    global _writer
+    with _writer_lock:
+        if _writer is None:
+            from django.conf import settings
+
+            _writer = RecordWriter(inline=settings.CROWDTRAIN_RECORDS_INLINE)
+        return _writer
+
+
+def reset_writer() -> None:
+    """Drop the process's writer (tests switch between inline and batched writing)."""
+    global _writer
+    with _writer_lock:
+        _writer = None
