@@ -218,6 +218,10 @@ CROWDTRAIN_LEASE_WAIT_MAX_S = env_float("CROWDTRAIN_LEASE_WAIT_MAX_S", 10.0, min
 # Agents and aggregators silent this long are gone; what they held is freed.
 CROWDTRAIN_GONE_AFTER_S = env_float("CROWDTRAIN_GONE_AFTER_S", 10.0, minimum=1.0)
 CROWDTRAIN_HEARTBEAT_S = env_float("CROWDTRAIN_HEARTBEAT_S", 2.0, minimum=0.1)
+# A socket on /ws/agent/ or /ws/backbone/ that has not said hello this long after it was accepted
+# is closed (4000): idle sockets that never speak must not pile up. Agents and aggregators say
+# hello at once; the time allows for a slow link, not for thinking.
+CROWDTRAIN_HELLO_TIMEOUT_S = env_float("CROWDTRAIN_HELLO_TIMEOUT_S", 5.0, minimum=0.1)
 
 # Tickets and receipts are HMAC-signed with a key the site shares only with
 # its aggregators (sent to each one after it authenticates).
