@@ -203,7 +203,7 @@ class _WaitingRequest:
 
 
 class AgentConsumer(_ProtocolConsumer):
-    """``/ws/agent/``: one volunteer device, authenticated by its API token.
+    """``/ws/agent/``: one volunteer device, authenticated by its API token; one socket per device.
 
     A lease request that finds every step the device may work on full waits
     here (up to its ``wait_s``) instead of being refused: the commit that
@@ -372,7 +372,12 @@ def _aggregator_with_token(token: str | None) -> Aggregator | None:
 
 
 class BackboneConsumer(_ProtocolConsumer):
-    """``/ws/backbone/``: one aggregator, authenticated by its backbone token."""
+    """``/ws/backbone/``: one aggregator, authenticated by its backbone token.
+
+    One socket per aggregator: a newer one replaces the older (4012) when it
+    says hello, and from then on only the newer one's close pauses the
+    aggregator's slices (``backbone.aggregator_left``).
+    """
 
     accepts = BACKBONE_TO_SITE
 
