@@ -45,6 +45,16 @@ DAPHNE_LISTENING = re.compile(r"Listening on TCP address ([\d.]+):(\d+)")
 BACKBONE_LISTENING = re.compile(r"crowdtrain-backbone: listening on (http://\S+)")
 WORKER_READY = re.compile(r"celery@\S+ ready")
 
+# daphne's keepalive, the bound on sockets that go quiet: a WebSocket that has sent nothing for
+# --ping-interval seconds is pinged, and one that has not answered within --ping-timeout is
+# dropped. So what daphne buffers for a client that neither reads nor sends (a hung machine, a
+# half-open TCP connection) is what the site sent it in those ~20 s at most, and its slot is freed.
+# Agents and aggregators send a heartbeat every CROWDTRAIN_HEARTBEAT_S (2 s), so they are never
+# pinged; a client that keeps sending but never reads is bounded only by what it asks for, one
+# reply per request (daphne exposes no write-buffer limit to the application). A socket that never
+# says hello is closed after CROWDTRAIN_HELLO_TIMEOUT_S by the consumers. The serve command uses these too.
+DAPHNE_KEEPALIVE_ARGS = ("--ping-interval", "10", "--ping-timeout", "10")
+
 # Stop order: lower first. Agents give leases back, aggregators drain, the site goes last.
 ORDER = {"agent": 0, "aggregator": 1, "site": 2, "other": 1}
 _PR_SET_PDEATHSIG = 1
@@ -263,9 +273,11 @@ class Swarm:
         """Start daphne with the site's ASGI app and wait for its port.
 
         daphne's default 1 MiB WebSocket limits stay: every protocol message
-        is smaller (gradients go to aggregators, not through the site).
+        is smaller (gradients go to aggregators, not through the site). Its
+        keepalive is DAPHNE_KEEPALIVE_ARGS.
         """
-        argv = [self.python, "-m", "daphne", "-b", host, "-p", str(port), "crowdtrain.asgi:application"]
+        argv = [self.python, "-m", "daphne", "-b", host, "-p", str(port), *DAPHNE_KEEPALIVE_ARGS,
+                "crowdtrain.asgi:application"]  # fmt: skip
         child = self.start("site", argv, role="site", env=env, cpus=cpus)
         if self.needs_worker(env):
             self.start_worker(env=env, cpus=cpus, timeout_s=timeout_s)

@@ -230,6 +230,10 @@ CROWDTRAIN_SCHEDULER_REDIS_URL = env_str("CROWDTRAIN_SCHEDULER_REDIS_URL", REDIS
 CROWDTRAIN_REDIS_PREFIX = env_str("CROWDTRAIN_REDIS_PREFIX", "ct")
 # Write the lease record in the caller's thread instead of batches from a background thread (tests).
 CROWDTRAIN_RECORDS_INLINE = env_bool("CROWDTRAIN_RECORDS_INLINE", False)
+# A socket on /ws/agent/ or /ws/backbone/ that has not said hello this long after it was accepted
+# is closed (4000): idle sockets that never speak must not pile up. Agents and aggregators say
+# hello at once; the time allows for a slow link, not for thinking.
+CROWDTRAIN_HELLO_TIMEOUT_S = env_float("CROWDTRAIN_HELLO_TIMEOUT_S", 5.0, minimum=0.1)
 
 # Tickets and receipts are HMAC-signed with a key the site shares only with
 # its aggregators (sent to each one after it authenticates).

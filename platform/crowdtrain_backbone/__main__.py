@@ -9,7 +9,9 @@ Run it next to a site (port 0 picks a free port; the real one is printed)::
         python -m crowdtrain_backbone --host 0.0.0.0 --port 8100
 
 On start it prints exactly one line, ``crowdtrain-backbone: listening on http://HOST:PORT``,
-for launchers and tests to parse.
+for launchers and tests to parse. When the site refuses it for good (an unknown token, another
+process on the same token) it exits with status 1 and a line on stderr that says what to do;
+anything else (site down, busy, restarting) is retried with backoff.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--public-host", dest="public_host", help="host agents use to reach this aggregator")
     parser.add_argument("--max-pending-bytes", dest="max_pending_bytes", help="cap on pending gradient bytes")
     parser.add_argument("--torch-threads", dest="torch_threads", help="PyTorch intra-op threads (default 1)")
+    parser.add_argument(
+        "--header-timeout-s", dest="header_timeout_s",
+        help="seconds an upload socket has to send its first upload header before it is closed (default 5)",
+    )  # fmt: skip
     parser.add_argument("--log-level", default=os.getenv(ENV_PREFIX + "LOG_LEVEL", "INFO"), help="default INFO")
     return parser
 
@@ -72,8 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"crowdtrain-backbone: {exc}", file=sys.stderr)
         return 2
+    from .site_link import SiteRefused  # imports torch: after the config is known to be good
+
     try:
         return asyncio.run(_main(config))
+    except SiteRefused as exc:
+        print(f"crowdtrain-backbone: {exc}", file=sys.stderr)
+        return 1
     except (KeyboardInterrupt, asyncio.CancelledError):
         return 0
     except OSError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ DEFAULT_CHECKPOINT_DIR = "var/checkpoints"
 # Pending gradient slices are kept as fp32 until their step commits; this caps
 # what a burst of uploads (or a hostile agent) can make the process hold.
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
+# An upload socket must send its first upload header this soon after connecting: agents send it
+# at once, and a socket that only connects must not hold a connection for ever.
+DEFAULT_HEADER_TIMEOUT_S = 5.0
 # websockets logs every plain HTTP answer ("connection rejected (200 OK)") at
 # INFO through this logger; __main__ turns it down so params GETs do not flood the log.
 WS_LOGGER_NAME = "crowdtrain_backbone.websockets"
@@ -52,6 +56,7 @@ class BackboneConfig:
     # than they give on a shared machine (torch.isfinite over 1.3 M floats: 8 ms with one thread,
     # 76 ms with two while the other core was busy). Raise it on a dedicated host with large slices.
     torch_threads: int = 1
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
 
     @property
     def backbone_ws_url(self) -> str:
@@ -108,6 +113,16 @@ def _parse_threads(raw: str, where: str) -> int:
     return value
 
 
+def _parse_seconds(raw: str, where: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{where}={raw!r} must be a positive number of seconds, e.g. {DEFAULT_HEADER_TIMEOUT_S:g}")
+    return value
+
+
 def _parse_path(raw: str, where: str) -> Path:
     if not raw.strip():
         raise ConfigError(f"{where}={raw!r} must name a folder, e.g. {DEFAULT_CHECKPOINT_DIR}")
@@ -157,4 +172,5 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str]) -> Backbon
         public_host=get("public_host", _parse_text, default_public),
         max_pending_bytes=get("max_pending_bytes", _parse_bytes, DEFAULT_MAX_PENDING_BYTES),
         torch_threads=get("torch_threads", _parse_threads, 1),
+        header_timeout_s=get("header_timeout_s", _parse_seconds, DEFAULT_HEADER_TIMEOUT_S),
     )

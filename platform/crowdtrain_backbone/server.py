@@ -12,10 +12,22 @@ from websockets.asyncio.server import Server, serve
 from .config import WS_LOGGER_NAME, BackboneConfig
 from .http_routes import PARAMS_PREFIX, UPLOAD_PATH, make_process_request
 from .node import AggregatorNode
-from .site_link import SiteLink
+from .site_link import SiteLink, SiteRefused
 from .uploads import UploadHandler
 
 logger = logging.getLogger(__name__)
+
+
+# What the upload port holds for a client that stops reading or goes quiet. send() waits once
+# WRITE_LIMIT_BYTES of replies are buffered for a client that does not read them, so such a
+# client stalls only its own upload session and the buffer stays below that plus one reply;
+# a keepalive ping goes out every PING_INTERVAL_S, and a client that has not answered it
+# within PING_TIMEOUT_S (it reads nothing, or its machine is gone) is dropped. A socket that
+# never sends its first upload header is closed after BackboneConfig.header_timeout_s.
+PING_INTERVAL_S = 20.0
+PING_TIMEOUT_S = 20.0
+WRITE_LIMIT_BYTES = 64 << 10  # receipts and rejections are a few hundred bytes each
+OPEN_TIMEOUT_S = 10.0  # the HTTP handshake itself (params GETs wait for a version up to PARAMS_WAIT_S inside it)
 
 
 def _url_host(host: str) -> str:
@@ -51,6 +63,10 @@ class BackboneServer:
             self.config.port,
             process_request=make_process_request(self.node),
             max_size=MAX_WS_MESSAGE_BYTES,
+            write_limit=WRITE_LIMIT_BYTES,
+            ping_interval=PING_INTERVAL_S,
+            ping_timeout=PING_TIMEOUT_S,
+            open_timeout=OPEN_TIMEOUT_S,
             compression=None,  # gradients do not compress; deflate would only burn CPU
             logger=logging.getLogger(WS_LOGGER_NAME),
         )
@@ -68,7 +84,11 @@ class BackboneServer:
         logger.info("aggregator %s listening on %s, site %s", self.config.name, self.url, self.config.site)
 
     async def wait(self) -> None:
-        """Until the site link gives up (non-retryable close) or the task is cancelled."""
+        """Until the task is cancelled.
+
+        Raises:
+            SiteRefused: the site refused this aggregator for good (see ``SiteLink.run``).
+        """
         if self._link_task is not None:
             await self._link_task
 
@@ -78,8 +98,8 @@ class BackboneServer:
             self._link_task.cancel()
             try:
                 await self._link_task
-            except asyncio.CancelledError:
-                pass
+            except (asyncio.CancelledError, SiteRefused):
+                pass  # a refusal reached the caller through wait() already
             self._link_task = None
         if self._server is not None:
             self._server.close()
@@ -95,7 +115,10 @@ async def run(config: BackboneConfig, on_listening: Callable[[str], None] | None
         on_listening: called once with ``http://HOST:PORT`` after the port is bound.
 
     Returns:
-        The process exit code: 1 when the site refused this aggregator for good.
+        The process exit code, 0 (the link only ends by being cancelled or refused).
+
+    Raises:
+        SiteRefused: the site refused this aggregator for good; the message says what to do.
     """
     server = BackboneServer(config)
     await server.start()
@@ -103,6 +126,6 @@ async def run(config: BackboneConfig, on_listening: Callable[[str], None] | None
         on_listening(server.url)
     try:
         await server.wait()
-        return 1
+        return 0
     finally:
         await server.stop()

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from http import HTTPStatus
 
 from crowdtrain_agent.protocol import (
     HEARTBEAT_INTERVAL_S,
     MAX_WS_MESSAGE_BYTES,
     BackboneHello,
     BackboneWelcome,
+    CloseCode,
     ErrorMessage,
     Heartbeat,
     ProtocolError,
@@ -33,6 +33,32 @@ logger = logging.getLogger(__name__)
 
 SITE_TO_BACKBONE = (BackboneWelcome, SliceAssignment, StepCommit, Rollback, SliceUnassign, Heartbeat, ErrorMessage)
 WELCOME_TIMEOUT_S = 10.0
+
+
+class SiteRefused(RuntimeError):
+    """The site closed the backbone connection with a code no retry can fix; the message says what to do."""
+
+
+def refusal_hint(code: int | None, url: str, name: str) -> str:
+    """What the operator reads when the site refuses this aggregator for good (a final close code)."""
+    if code == CloseCode.UNAUTHORIZED:
+        return (
+            f"the site at {url} does not know this aggregator's backbone token (close code {code}). Create one on "
+            f"the site with `python manage.py create_backbone_token --name {name}` (add --rotate if that name "
+            "exists already) and pass it with --token or CROWDTRAIN_BACKBONE_TOKEN"
+        )
+    if code == CloseCode.REPLACED:
+        return (
+            f"another aggregator connected to {url} with this backbone token (close code {code}), and the site "
+            "keeps only the newest connection. Run one process per token; for a second aggregator create its own "
+            "token with `python manage.py create_backbone_token --name OTHER-NAME`"
+        )
+    if code == CloseCode.UNSUPPORTED_VERSION:
+        return (
+            f"the site at {url} speaks another protocol version (close code {code}); upgrade this aggregator and "
+            "its crowdtrain-agent package to the site's release"
+        )
+    return f"the site at {url} closed the backbone connection with code {code}, which no retry can fix"
 
 
 class SiteLink:
@@ -67,7 +93,12 @@ class SiteLink:
         self.connected = asyncio.Event()
 
     async def run(self) -> None:
-        """Connect, serve, reconnect with backoff; return only when the site refuses us for good."""
+        """Connect, serve, reconnect with backoff, until cancelled.
+
+        Raises:
+            SiteRefused: the site closed with a code no retry can fix (unknown token, replaced by another
+                process with the same token, protocol version); the message says what to do.
+        """
         url = self.config.backbone_ws_url
         failures = 0
         try:
@@ -80,25 +111,16 @@ class SiteLink:
                         open_timeout=WELCOME_TIMEOUT_S,
                     )
                 except InvalidStatus as exc:
-                    status = exc.response.status_code
-                    if status in (HTTPStatus.UNAUTHORIZED, HTTPStatus.FORBIDDEN):
-                        logger.warning(
-                            "the site at %s refused the backbone token (HTTP %s); giving up. Check --token / "
-                            "CROWDTRAIN_BACKBONE_TOKEN against the token the site's admin issued", url, status,
-                        )  # fmt: skip
-                        return
-                    reason = f"HTTP {status}"
+                    # Never the site's verdict on the token (it accepts every socket and refuses a token with
+                    # close code 4001): daphne answers 403 when too busy to accept in time, proxies 502/503.
+                    reason = f"HTTP {exc.response.status_code}"
                 except (OSError, TimeoutError, InvalidHandshake) as exc:
                     reason = f"{type(exc).__name__}: {exc}"
                 else:
                     welcomed = await self._serve(ws, failures)
                     code = ws.close_code
                     if not should_reconnect(code):
-                        logger.warning(
-                            "the site closed the backbone connection with code %s (%s); giving up. A restart with "
-                            "a valid token and a current crowdtrain-agent package is needed", code, ws.close_reason,
-                        )  # fmt: skip
-                        return
+                        raise SiteRefused(refusal_hint(code, self.config.site, self.config.name))
                     if welcomed:
                         failures = 0
                     reason = f"closed with code {code}"
@@ -108,6 +130,11 @@ class SiteLink:
                 logger.debug(
                     "site connection to %s failed (%s), try %s; next try in %.1f s", url, reason, failures, delay
                 )
+                if failures == 1:
+                    logger.warning(
+                        "the site at %s is busy or unreachable (%s); retrying with growing pauses of up to %.0f s",
+                        url, reason, self.max_backoff_s,
+                    )  # fmt: skip
                 await asyncio.sleep(delay)
         finally:
             for task in self._workers.values():

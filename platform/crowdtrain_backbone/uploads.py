@@ -9,8 +9,9 @@ Exchange, per upload, on a ``/upload`` WebSocket that may carry many uploads:
 
 A rejected upload leaves the connection usable: the binary frames still on
 their way for it are discarded until the next text message. Only a broken
-chunk header, a binary frame with no upload announced, or too many rejections
-in a row close the socket (with a ``protocol.CloseCode``).
+chunk header, a binary frame with no upload announced, too many rejections
+in a row, or no first header within ``header_timeout_s`` of connecting close
+the socket (with a ``protocol.CloseCode``).
 """
 
 from __future__ import annotations
@@ -134,15 +135,26 @@ class UploadSession:
         """Serve uploads until the agent hangs up or breaks the framing."""
         discarding = False
         rejections = 0
+        first = True
         while True:
             if self._next_text is not None:
                 raw: str | bytes = self._next_text
                 self._next_text = None
             else:
+                # Agents send their first header as soon as they connect; between uploads a
+                # connection may idle (it is kept for the next lease), watched by keepalive pings.
+                timeout = self.node.config.header_timeout_s if first else None
                 try:
-                    raw = await self.ws.recv()
+                    async with asyncio.timeout(timeout):
+                        raw = await self.ws.recv()
                 except ConnectionClosed:
                     return
+                except TimeoutError:
+                    logger.info("closing upload connection from %s: no upload header within %g s",
+                                self.ws.remote_address, timeout)  # fmt: skip
+                    await self._close(CloseCode.BAD_MESSAGE, f"no upload header within {timeout:g} s of connecting")
+                    return
+            first = False
             if isinstance(raw, bytes):
                 if discarding:
                     continue  # the rest of a rejected upload

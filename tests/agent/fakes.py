@@ -79,6 +79,7 @@ class FakeSite:
     close_code: int | None = None  # close every connection with this code right after the hello
     drop_after_done: bool = False  # drop the TCP connection once, after answering the first done
     shard_delay_s: float = 0.0
+    refuse_handshakes: list[int] = field(default_factory=list)  # answer the next handshakes with these HTTP statuses
     received: list[Any] = field(default_factory=list)
     heartbeats: list[float] = field(default_factory=list)
     hellos: list[AgentHello] = field(default_factory=list)
@@ -110,6 +111,8 @@ class FakeSite:
 
     async def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         if request.path.startswith("/ws/"):
+            if self.refuse_handshakes:
+                return _binary(self.refuse_handshakes.pop(0), b"busy")
             return None
         if request.headers.get("Authorization") != f"Bearer {self.token}":
             return _binary(401, b'{"error": "bad token"}')

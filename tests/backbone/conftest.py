@@ -38,6 +38,7 @@ from crowdtrain_backbone.server import BackboneServer
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
 
 M = TypeVar("M")
 
@@ -114,8 +115,16 @@ class FakeSite:
         self.connections = 0
         self.heartbeats = 0
         self.close_with: int | None = None  # close new connections with this code instead of welcoming
+        self.refuse_handshakes: list[int] = []  # answer the next handshakes with these HTTP statuses
+        self.refused = 0
         self.connected = asyncio.Event()
         self.received: asyncio.Queue[Any] = asyncio.Queue()
+
+    def process_request(self, ws: ServerConnection, request: Request) -> Response | None:
+        if not self.refuse_handshakes:
+            return None
+        self.refused += 1
+        return ws.respond(self.refuse_handshakes.pop(0), "busy\n")
 
     async def handler(self, ws: ServerConnection) -> None:
         if ws.request is None or ws.request.headers.get("Authorization") != f"Bearer {SITE_TOKEN}":
@@ -208,7 +217,7 @@ def backbone_config(site_url: str, checkpoint_dir: Path, **overrides: Any) -> Ba
 @pytest.fixture
 async def site() -> AsyncIterator[FakeSite]:
     fake = FakeSite()
-    async with serve(fake.handler, "127.0.0.1", 0) as server:
+    async with serve(fake.handler, "127.0.0.1", 0, process_request=fake.process_request) as server:
         fake.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         yield fake
 

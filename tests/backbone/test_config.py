@@ -18,6 +18,7 @@ def test_flags_beat_environment_beat_defaults() -> None:
     assert config.checkpoint_dir == Path("ck") and config.site == "http://127.0.0.1:8000"
     assert config.max_pending_bytes == DEFAULT_MAX_PENDING_BYTES
     assert config.public_host == "127.0.0.1" and config.torch_threads == 1
+    assert config.header_timeout_s == 5.0
     assert config.backbone_ws_url == "ws://127.0.0.1:8000/ws/backbone/"
 
 
@@ -38,6 +39,8 @@ def test_an_https_site_is_reached_over_wss() -> None:
         ({"token": "t", "name": "two words"}, {}, "--name='two words'"),
         ({"token": "t"}, {"CROWDTRAIN_BACKBONE_TORCH_THREADS": "0"}, "must be a number of threads from 1 to 256"),
         ({"token": "t", "torch_threads": "many"}, {}, "--torch-threads='many'"),
+        ({"token": "t"}, {"CROWDTRAIN_BACKBONE_HEADER_TIMEOUT_S": "0"}, "must be a positive number of seconds"),
+        ({"token": "t", "header_timeout_s": "soon"}, {}, "--header-timeout-s='soon'"),
     ],
 )
 def test_a_bad_value_names_the_variable_the_value_and_what_is_accepted(

@@ -1,4 +1,4 @@
-"""The link to the site: hello and heartbeats, reconnects with backoff, gives up on final close codes."""
+"""The link to the site: hello and heartbeats, reconnects with backoff (refused tokens: a file of their own)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from crowdtrain_agent.protocol import CloseCode, SliceReady
 from crowdtrain_backbone.server import BackboneServer
 
-from .conftest import FakeSite, assignment, backbone_config, running_backbone
+from .conftest import FakeSite, assignment, running_backbone
 
 
 async def test_it_says_hello_and_sends_heartbeats(site: FakeSite, backbone: BackboneServer) -> None:
@@ -35,21 +35,6 @@ async def test_it_reconnects_and_keeps_its_slices(
     assert site.connections == 2
     assert ready.version == 0
     assert "reconnected to the site after 1 tries" in caplog.text
-
-
-async def test_it_gives_up_when_the_site_refuses_its_token(
-    site: FakeSite, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.WARNING, logger="crowdtrain_backbone")
-    site.close_with = int(CloseCode.UNAUTHORIZED)
-    server = BackboneServer(backbone_config(site.url, tmp_path), initial_backoff_s=0.01)
-    await server.start()
-
-    await asyncio.wait_for(server.wait(), 5)  # returns: the link gave up
-
-    await server.stop()
-    assert site.connections == 1
-    assert "giving up" in caplog.text and "4001" in caplog.text
 
 
 async def test_it_retries_a_site_that_is_down_until_it_comes_up(site: FakeSite, tmp_path: Path) -> None:

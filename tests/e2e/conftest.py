@@ -84,8 +84,8 @@ class Run:
         return json.loads(self.swarm.manage("dump_run", "--campaign", str(self.campaign_id)))
 
 
-@pytest.fixture
-def service_env() -> Iterator[dict[str, str]]:
+@contextlib.contextmanager
+def service_database() -> Iterator[dict[str, str]]:
     """Where the test run has PostgreSQL and Redis (``make test``'s second pass), the children use them too.
 
     Each run gets a database of its own, dropped afterwards; with the
@@ -104,9 +104,24 @@ def service_env() -> Iterator[dict[str, str]]:
     env = {"DATABASE_URL": urlunsplit(parts._replace(path=f"/{name}"))}
     if os.environ.get("REDIS_URL"):
         env["REDIS_URL"] = os.environ["REDIS_URL"]
-    yield env
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    try:
+        yield env
+    finally:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def service_env() -> Iterator[dict[str, str]]:
+    """The environment of ``service_database`` for one test."""
+    with service_database() as env:
+        yield env
+
+
+def seed(swarm: Swarm, spec: dict[str, Any], spec_path: Path) -> dict[str, Any]:
+    """Migrate the swarm's database and seed ``spec`` into it; returns what seed_run printed."""
+    spec_path.write_text(json.dumps(spec))
+    return json.loads(swarm.manage("seed_run", "--migrate", "--spec", str(spec_path)))
 
 
 @pytest.fixture
@@ -118,9 +133,7 @@ def seeded_run(tmp_path: Path, service_env: dict[str, str]) -> Iterator[Any]:
         env = {"CROWDTRAIN_VAR_DIR": str(tmp_path / "run" / "var"), **service_env, **(site_env or {})}
         swarm = Swarm(tmp_path / "run", env=env)
         swarms.append(swarm)
-        spec_path = tmp_path / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        return Run(swarm, json.loads(swarm.manage("seed_run", "--migrate", "--spec", str(spec_path))))
+        return Run(swarm, seed(swarm, spec, tmp_path / "spec.json"))
 
     yield make
     for swarm in swarms:

@@ -101,7 +101,10 @@ class ControlChannel:
     ``release:<id>``); pushes (new versions, errors) go to ``on_push``. When
     the connection drops, waiters fail with ConnectionLost and the channel
     reconnects with exponential backoff plus jitter, unless the close code
-    says no retry can help (bad token, revoked device, old agent).
+    says no retry can help (bad token, revoked device, old agent, replaced by
+    another agent on the same token). The site refuses a token only with a
+    close code after accepting the socket, so an HTTP error on the handshake
+    (403 from a busy daphne, 502/503 from a proxy) is retried like a timeout.
 
     Args:
         url: ws:// or wss:// URL of the control endpoint.
@@ -203,12 +206,14 @@ class ControlChannel:
             try:
                 code = await self._connect_once(tries)
             except InvalidStatus as exc:
-                status = exc.response.status_code
-                code = CloseCode.UNAUTHORIZED if status in (401, 403) else None
-                logger.debug("connect try %d to %s: HTTP %d", tries, self.url, status)
+                # An HTTP answer to the handshake is never the site's verdict on this agent: the site accepts
+                # every socket and refuses a token with a close code. daphne answers 403 to a handshake it was
+                # too busy to accept in time, and proxies answer 502/503 while the site restarts: try again.
+                self._note_busy(tries, f"HTTP {exc.response.status_code}")
             except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed, ProtocolError) as exc:
-                code = getattr(getattr(exc, "rcvd", None), "code", None)
-                logger.debug("connect try %d to %s failed: %s", tries, self.url, exc)
+                code = getattr(getattr(exc, "rcvd", None), "code", None)  # a real close frame, if one came
+                if should_reconnect(code):
+                    self._note_busy(tries, f"{type(exc).__name__}: {exc}")
             if self._closing:
                 return
             if not should_reconnect(code):
@@ -227,6 +232,15 @@ class ControlChannel:
                 raise self.fatal  # type: ignore[misc]
             self._on_state(f"reconnecting to the site (try {tries + 1})")
             await asyncio.sleep(self._backoff.delay(tries + 1))
+
+    def _note_busy(self, tries: int, reason: str) -> None:
+        """Log a failed connection try: each at DEBUG, and once per outage a line that says it goes on."""
+        logger.debug("connect try %d to %s failed: %s", tries, self.url, reason)
+        if tries == 1:
+            logger.warning(
+                "the site at %s is busy or unreachable (%s); the agent keeps trying, with growing pauses of up "
+                "to %.0f s", self.url, reason, self._backoff.max_s,
+            )  # fmt: skip
 
     async def _connect_once(self, attempt: int) -> int | None:
         """One connection's life; returns the close code (None if the TCP connection just dropped)."""

@@ -49,11 +49,13 @@ from crowdtrain_agent.protocol import (
 
 from .housekeeping import housekeeping
 from .outbox import (
+    ReplacedEvent,
     RevokedEvent,
     SendEvent,
     backbone_group,
     campaign_agents_group,
     device_group,
+    replace_connections,
     send_commits,
     send_to_group,
     send_outbox,
@@ -70,14 +72,44 @@ LAST_SEEN_EVERY_S = 60.0  # an aggregator's heartbeats reach the database this s
 _ERROR_CODES = {CloseCode.TOO_LARGE: "too large", CloseCode.BAD_TICKET: "bad ticket"}
 
 
+class HelloDeadlineEvent(TypedDict):
+    type: str  # "hello.deadline": the socket's time to say hello is up
+
+
 class _ProtocolConsumer(AsyncWebsocketConsumer):
-    """Shared parts: strict decoding, error replies, and relaying channel-layer events."""
+    """Shared parts: strict decoding, error replies, closing, the hello deadline, one socket per peer.
+
+    Both channels accept the socket first and authenticate after (see
+    ``AgentConsumer.connect``); a peer then has ``CROWDTRAIN_HELLO_TIMEOUT_S``
+    to say hello, or the socket is closed with 4000: an idle socket that never
+    speaks must not hold a connection slot for ever.
+    """
 
     accepts: tuple[type, ...] = ()
     errors = 0
     greeted = False
+    closed = False  # once we closed: frames still on their way are dropped, events ignored
+    _hello_timer: asyncio.TimerHandle | None = None
+
+    async def close(self, code: int | None = None, reason: str | None = None) -> None:
+        """Close the socket; every close of both consumers goes through here.
+
+        The code goes out as a plain ``int``: daphne hands it to autobahn,
+        which refuses any other type, ``CloseCode`` members included ("invalid
+        type ... for close code (must be an integer)"); the consumer then died
+        and the peer saw 1011 instead of the protocol's code.
+        """
+        self.closed = True
+        self._stop_hello_deadline()
+        await super().close(code=None if code is None else int(code), reason=reason)
+
+    async def websocket_disconnect(self, message: dict[str, Any]) -> None:
+        self._stop_hello_deadline()
+        await super().websocket_disconnect(message)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if self.closed:
+            return  # e.g. a hello that arrived while the token of a refused socket was looked up
         if text_data is None:
             await self.reject(ProtocolError("binary frames are not accepted on this channel; send JSON text"))
             return
@@ -114,6 +146,51 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
                 fatal=True,
             )
 
+    # ------------------------------------------------------------ the hello deadline
+
+    def start_hello_deadline(self) -> None:
+        """Close the socket unless it says hello within ``CROWDTRAIN_HELLO_TIMEOUT_S`` of being accepted.
+
+        The timer only posts an event to this consumer's own channel, so the
+        check runs between the consumer's other handlers, never inside one.
+        """
+        event: HelloDeadlineEvent = {"type": "hello.deadline"}
+        self._hello_timer = asyncio.get_running_loop().call_later(
+            settings.CROWDTRAIN_HELLO_TIMEOUT_S,
+            lambda: asyncio.ensure_future(self.channel_layer.send(self.channel_name, event)),
+        )
+
+    def _stop_hello_deadline(self) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
+
+    async def hello_deadline(self, _: HelloDeadlineEvent) -> None:
+        if self.greeted or self.closed:
+            return
+        timeout = settings.CROWDTRAIN_HELLO_TIMEOUT_S
+        logger.info("%s: no hello within %g s; closing", self.__class__.__name__, timeout)
+        detail = f"no hello within {timeout:g} s of connecting; send hello as the first message"
+        await self.send_message(ErrorMessage(code="bad message", detail=detail))
+        await self.close(code=CloseCode.BAD_MESSAGE)
+
+    # ------------------------------------------------------------ one socket per peer
+
+    async def take_over(self, group: str) -> None:
+        """Become the one socket of ``group`` (a device's or an aggregator's): older ones close with 4012.
+
+        The event goes out before this socket joins the group, and carries its
+        channel name besides, so it never closes itself.
+        """
+        await replace_connections(group, self.channel_name)
+        await self.channel_layer.group_add(group, self.channel_name)
+
+    async def connection_replaced(self, event: ReplacedEvent) -> None:
+        if event["channel"] == self.channel_name or self.closed:
+            return
+        logger.info("%s: a newer connection of the same peer took over; closing this one", self.__class__.__name__)
+        await self.close(code=CloseCode.REPLACED)
+
 
 class WaitOverEvent(TypedDict):
     type: str  # "lease.wait_over": a waiting lease request's time is up; answer it now
@@ -142,7 +219,7 @@ _scheduler = functools.partial(sync_to_async, thread_sensitive=False)
 
 
 class AgentConsumer(_ProtocolConsumer):
-    """``/ws/agent/``: one volunteer device, authenticated by its API token.
+    """``/ws/agent/``: one volunteer device, authenticated by its API token; one socket per device.
 
     A lease request that finds every step the device may work on full waits
     here (up to its ``wait_s``) instead of being refused: it queues in Redis,
@@ -156,8 +233,13 @@ class AgentConsumer(_ProtocolConsumer):
     _serial = 0
 
     async def connect(self) -> None:
-        device = await database_sync_to_async(Device.authenticate)(bearer_token(self.scope["headers"]))
+        # Accept first, authenticate after. daphne answers HTTP 403 to a handshake the application has
+        # not accepted within its connect timeout (5 s): under load the token lookup waited that long
+        # for a database thread, and agents read the 403 as a rejected token and quit. Now a bad token
+        # is a close code on an open socket (4001, 4003), and an HTTP error only ever means "busy".
         await self.accept()
+        self.start_hello_deadline()
+        device = await database_sync_to_async(Device.authenticate)(bearer_token(self.scope["headers"]))
         if device is None:
             await self.close(code=CloseCode.UNAUTHORIZED)
             return
@@ -166,7 +248,9 @@ class AgentConsumer(_ProtocolConsumer):
             return
         self.device = device
         self.campaigns: set[int] = set()
-        await self.channel_layer.group_add(device_group(device.pk), self.channel_name)
+        # One socket per device: a second agent on the same token (or this agent's reconnect while the
+        # site still holds its dead socket) replaces the older one, which hears 4012.
+        await self.take_over(device_group(device.pk))
         await _scheduler(presence.connected)(device.pk)
         housekeeping.start()
 
@@ -324,18 +408,27 @@ def _record_hello(device_id: int, hardware: dict[str, Any]) -> None:
     Device.objects.filter(pk=device_id).update(hardware=merged, last_seen_at=timezone.now())
 
 
+def _aggregator_with_token(token: str | None) -> Aggregator | None:
+    if not token:
+        return None
+    return Aggregator.objects.filter(token_hash=hash_token(token)).first()
+
+
 class BackboneConsumer(_ProtocolConsumer):
-    """``/ws/backbone/``: one aggregator, authenticated by its backbone token."""
+    """``/ws/backbone/``: one aggregator, authenticated by its backbone token.
+
+    One socket per aggregator: a newer one replaces the older (4012) when it
+    says hello, and from then on only the newer one's close pauses the
+    aggregator's slices (``backbone.aggregator_left``).
+    """
 
     accepts = BACKBONE_TO_SITE
     last_touched = 0.0
 
     async def connect(self) -> None:
-        token = bearer_token(self.scope["headers"])
-        aggregator = await database_sync_to_async(
-            lambda: Aggregator.objects.filter(token_hash=hash_token(token or "")).first()
-        )()
-        await self.accept()
+        await self.accept()  # before the token lookup, as AgentConsumer.connect explains
+        self.start_hello_deadline()
+        aggregator = await database_sync_to_async(_aggregator_with_token)(bearer_token(self.scope["headers"]))
         if aggregator is None:
             await self.close(code=CloseCode.UNAUTHORIZED)
             return
@@ -346,20 +439,27 @@ class BackboneConsumer(_ProtocolConsumer):
         if aggregator is None or not self.greeted:
             return
         await self.channel_layer.group_discard(backbone_group(aggregator.pk), self.channel_name)
-        await database_sync_to_async(backbone.aggregator_left)(aggregator.pk)
-        logger.warning("aggregator %s disconnected; its campaigns pause until it returns", aggregator.name)
+        # Only the aggregator's current socket speaks for it: the close of one a newer socket replaced
+        # (or that daphne noticed dead only after the aggregator reconnected) changes nothing.
+        if await database_sync_to_async(backbone.aggregator_left)(aggregator.pk, channel_name=self.channel_name):
+            logger.warning("aggregator %s disconnected; its campaigns pause until it returns", aggregator.name)
+        else:
+            logger.info("aggregator %s: an older connection closed; the newer one carries on", aggregator.name)
 
     async def on_backbone_hello(self, hello: BackboneHello) -> None:
         self.check_version(hello.protocol_version)
         self.greeted = True
-        await self.channel_layer.group_add(backbone_group(self.aggregator.pk), self.channel_name)
+        await self.take_over(backbone_group(self.aggregator.pk))
         await self.send_message(
             BackboneWelcome(
                 aggregator_id=self.aggregator.pk, ticket_key=backbone.ticket_key_hex(),
                 heartbeat_s=settings.CROWDTRAIN_HEARTBEAT_S,
             )
         )
-        await send_outbox(await database_sync_to_async(backbone.aggregator_joined)(self.aggregator.pk, hello))
+        joined = await database_sync_to_async(backbone.aggregator_joined)(
+            self.aggregator.pk, hello, channel_name=self.channel_name
+        )
+        await send_outbox(joined)
         logger.info("aggregator %s joined from %s", self.aggregator.name, hello.upload_url)
 
     async def on_heartbeat(self, _: Heartbeat) -> None:

@@ -2,7 +2,9 @@
 
 Groups: ``backbone.<aggregator id>`` (one aggregator's socket),
 ``campaign.<id>.agents`` (every agent working on a campaign),
-``device.<id>`` (one agent's socket, for revocation and replacement). Waiting lease
+``device.<id>`` (one agent's socket, for revocation). A device or an
+aggregator has one socket at a time: a newer one sends ``connection.replaced``
+to the group before it joins, and the older one closes with 4012. Waiting lease
 requests are woken one by one on their own channels (``send_commits``).
 """
 
@@ -25,6 +27,11 @@ class SendEvent(TypedDict):
 class RevokedEvent(TypedDict):
     type: str  # "device.revoked"
     reason: str
+
+
+class ReplacedEvent(TypedDict):
+    type: str  # "connection.replaced": a newer socket of the same device or aggregator took over
+    channel: str  # the newer socket's channel name: it must not close itself
 
 
 def backbone_group(aggregator_id: int) -> str:
@@ -68,3 +75,13 @@ async def revoke_device(device_id: int, reason: str) -> None:
     """Disconnect a device's agent at once; it is told why by the close code."""
     event: RevokedEvent = {"type": "device.revoked", "reason": reason}
     await get_channel_layer().group_send(device_group(device_id), event)
+
+
+async def replace_connections(group: str, channel_name: str) -> None:
+    """Tell the sockets in ``group`` that the socket ``channel_name`` takes over; they close with 4012.
+
+    Sent before the new socket joins ``group``. Through the channel layer, so
+    an older socket held by another site process hears it too.
+    """
+    event: ReplacedEvent = {"type": "connection.replaced", "channel": channel_name}
+    await get_channel_layer().group_send(group, event)

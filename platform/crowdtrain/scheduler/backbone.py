@@ -142,11 +142,16 @@ def assign_waiting_campaigns() -> Outbox:
     return outbox
 
 
-def aggregator_joined(aggregator_id: int, hello: BackboneHello) -> Outbox:
-    """Record a (re)connected aggregator and tell it which slices it owns."""
+def aggregator_joined(aggregator_id: int, hello: BackboneHello, *, channel_name: str) -> Outbox:
+    """Record a (re)connected aggregator and tell it which slices it owns.
+
+    ``channel_name`` is the socket that speaks for the aggregator from now on;
+    see ``aggregator_left``.
+    """
     with transaction.atomic():
         Aggregator.objects.filter(pk=aggregator_id).update(
-            upload_url=hello.upload_url, params_url=hello.params_url, connected=True, last_seen_at=timezone.now()
+            upload_url=hello.upload_url, params_url=hello.params_url, connected=True, last_seen_at=timezone.now(),
+            channel_name=channel_name,
         )
         outbox: Outbox = []
         held = SliceAssignment.objects.filter(aggregator_id=aggregator_id).exclude(
@@ -160,15 +165,31 @@ def aggregator_joined(aggregator_id: int, hello: BackboneHello) -> Outbox:
     return outbox + assign_waiting_campaigns()
 
 
-def aggregator_left(aggregator_id: int) -> None:
-    """Its slices stop being ready, which pauses leasing for their campaigns."""
+def aggregator_left(aggregator_id: int, *, channel_name: str) -> bool:
+    """The aggregator's socket ``channel_name`` closed: if it was the current one, its slices stop being ready.
+
+    That pauses leasing for their campaigns. The close of a socket that a
+    newer one replaced changes nothing: after a reconnect the old socket may
+    close last, and the campaign would otherwise stand still with every slice
+    not ready while its aggregator is connected and working.
+
+    Returns:
+        Whether ``channel_name`` was the aggregator's current socket.
+    """
     with transaction.atomic():
-        Aggregator.objects.filter(pk=aggregator_id).update(connected=False, last_seen_at=timezone.now())
-        held = SliceAssignment.objects.filter(aggregator_id=aggregator_id)
-        campaign_ids = set(held.values_list("campaign_id", flat=True))
-        held.update(ready=False)
+        # One conditional UPDATE: it holds the row until commit, so a newer socket's
+        # aggregator_joined cannot land between this check and the slices' update.
+        left = Aggregator.objects.filter(pk=aggregator_id, channel_name=channel_name).update(
+            connected=False, channel_name="", last_seen_at=timezone.now()
+        )
+        campaign_ids: set[int] = set()
+        if left:
+            held = SliceAssignment.objects.filter(aggregator_id=aggregator_id)
+            campaign_ids = set(held.values_list("campaign_id", flat=True))
+            held.update(ready=False)
     for campaign_id in campaign_ids:
         publish_state(campaign_id)
+    return bool(left)
 
 
 def touch_aggregator(aggregator_id: int) -> None:

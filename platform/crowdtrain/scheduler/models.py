@@ -70,6 +70,9 @@ class Aggregator(models.Model):
     upload_url = models.CharField(max_length=300, blank=True)
     params_url = models.CharField(max_length=300, blank=True)
     connected = models.BooleanField(default=False)
+    # The channel name of the site socket that speaks for the aggregator now: only that socket's
+    # close marks its slices not ready (a replaced, older socket may close after the newer one joined).
+    channel_name = models.CharField(max_length=200, blank=True, default="", editable=False)
     last_seen_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 

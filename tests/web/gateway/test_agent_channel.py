@@ -4,7 +4,6 @@ import json
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.utils import timezone
 
 from crowdtrain.gateway.outbox import campaign_agents_group, revoke_device, send_to_group
 from crowdtrain_agent.protocol import (
@@ -23,25 +22,6 @@ from tests.factories import done_for, make_campaign, make_device
 from .conftest import HELLO, Connect, receive, send
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-async def test_it_closes_with_unauthorized_for_a_bad_token(connect: Connect) -> None:
-    communicator, _, _ = await connect("/ws/agent/", "ctd_not-a-real-token")
-
-    output = await communicator.receive_output(timeout=5)
-
-    assert output == {"type": "websocket.close", "code": CloseCode.UNAUTHORIZED}
-
-
-async def test_it_closes_with_revoked_for_a_revoked_device(connect: Connect) -> None:
-    device, token = await sync_to_async(make_device)()
-    device.revoked_at = timezone.now()
-    await sync_to_async(device.save)()
-    communicator, _, _ = await connect("/ws/agent/", token)
-
-    output = await communicator.receive_output(timeout=5)
-
-    assert output == {"type": "websocket.close", "code": CloseCode.REVOKED}
 
 
 async def test_it_answers_bad_messages_and_keeps_the_connection(connect: Connect) -> None:

@@ -11,7 +11,6 @@ from crowdtrain.scheduler.models import Aggregator
 from crowdtrain_agent.protocol import (
     BackboneHello,
     BackboneWelcome,
-    CloseCode,
     DoneAck,
     Heartbeat,
     LeaseRequest,
@@ -41,14 +40,6 @@ def _running_campaign() -> Campaign:
 def _aggregator(name: str) -> str:
     Aggregator.objects.create(name=name, token_hash=hash_token(f"secret-{name}"))
     return f"secret-{name}"
-
-
-async def test_it_closes_a_backbone_connection_with_a_bad_token(connect: Connect) -> None:
-    communicator, _, _ = await connect("/ws/backbone/", "ctb_wrong")
-
-    output = await communicator.receive_output(timeout=5)
-
-    assert output == {"type": "websocket.close", "code": CloseCode.UNAUTHORIZED}
 
 
 async def test_a_step_goes_from_agent_report_to_aggregator_commit_to_published_version(connect: Connect) -> None:

@@ -7,6 +7,8 @@
 The embedded default needs nothing else: SQLite in var/, the in-memory
 channel layer and Celery tasks run eagerly inside the request that queues
 them. daphne's 1 MiB WebSocket limits stay: every protocol message is smaller.
+Its keepalive drops sockets that go quiet and stop reading, as for the swarms
+the launcher starts (``crowdtrain.launcher.DAPHNE_KEEPALIVE_ARGS`` says what that bounds).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import socket
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from crowdtrain.launcher import DAPHNE_KEEPALIVE_ARGS
 
 APPLICATION = "crowdtrain.asgi:application"
 
@@ -50,4 +54,4 @@ class Command(BaseCommand):
 
         self.stdout.write(f"crowdtrain: serving http://{host}:{port}/ (Ctrl-C stops)")
         self.stdout.flush()
-        CommandLineInterface().run(["-b", host, "-p", str(port), APPLICATION])
+        CommandLineInterface().run(["-b", host, "-p", str(port), *DAPHNE_KEEPALIVE_ARGS, APPLICATION])

@@ -1,0 +1,71 @@
+"""One socket per device and per aggregator: a newer connection closes the older one with 4012 and carries on.
+
+So one token cannot hold a thousand sockets, and two agents started with the
+same token learn it (4012 stops an agent, with a hint) instead of both working.
+"""
+
+from __future__ import annotations
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from crowdtrain_agent.protocol import BackboneHello, BackboneWelcome, CloseCode, LeaseRequest, NoLease, Welcome
+from tests.factories import make_aggregator, make_device
+
+from .conftest import HELLO, Connect, receive, send
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BACKBONE_HELLO = BackboneHello(name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/")
+
+
+async def test_a_second_socket_of_a_device_closes_the_first_with_4012_and_keeps_working(connect: Connect) -> None:
+    _, token = await sync_to_async(make_device)()
+    older, _, _ = await connect("/ws/agent/", token)
+    await send(older, HELLO)
+    await receive(older)
+
+    newer, connected, _ = await connect("/ws/agent/", token)
+    closed = await older.receive_output(timeout=5)
+    await send(newer, HELLO)
+    welcome = await receive(newer)
+    await send(newer, LeaseRequest())
+    answer = await receive(newer)
+
+    assert connected
+    assert closed == {"type": "websocket.close", "code": CloseCode.REPLACED}
+    assert type(closed["code"]) is int
+    assert isinstance(welcome, Welcome) and isinstance(answer, NoLease)
+    assert await newer.receive_nothing(timeout=0.2)
+
+
+async def test_sockets_of_different_devices_do_not_replace_each_other(connect: Connect) -> None:
+    _, first_token = await sync_to_async(make_device)("ada")
+    _, second_token = await sync_to_async(make_device)("grace")
+    first, _, _ = await connect("/ws/agent/", first_token)
+    await send(first, HELLO)
+    await receive(first)
+
+    second, _, _ = await connect("/ws/agent/", second_token)
+    await send(second, HELLO)
+    await receive(second)
+    await send(first, LeaseRequest())
+    answer = await receive(first)
+
+    assert isinstance(answer, NoLease)
+
+
+async def test_a_second_socket_of_an_aggregator_closes_the_first_with_4012_and_is_welcomed(connect: Connect) -> None:
+    aggregator = await sync_to_async(make_aggregator)("agg-1")
+    token = "token-agg-1"  # what make_aggregator issues
+    older, _, _ = await connect("/ws/backbone/", token)
+    await send(older, BACKBONE_HELLO)
+    await receive(older)
+
+    newer, _, _ = await connect("/ws/backbone/", token)
+    await send(newer, BACKBONE_HELLO)
+    welcome = await receive(newer)
+    closed = await older.receive_output(timeout=5)
+
+    assert isinstance(welcome, BackboneWelcome) and welcome.aggregator_id == aggregator.pk
+    assert closed == {"type": "websocket.close", "code": CloseCode.REPLACED}

@@ -1,0 +1,84 @@
+"""Both channels accept the WebSocket first and check the token after: a bad token is a close code, never an HTTP error.
+
+daphne answers HTTP 403 to a handshake the application has not accepted within
+its connect timeout, and a busy site's token lookup took that long: agents
+read the 403 as a rejected token and quit. The close codes go out as plain
+ints, which is what daphne can send (a ``CloseCode`` member made it crash and
+close with 1011; ``tests/e2e/test_close_codes_through_daphne.py`` checks the
+real server).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.utils import timezone
+
+from crowdtrain.accounts.models import Device
+from crowdtrain_agent.protocol import CloseCode, Welcome
+from tests.factories import make_device
+
+from .conftest import HELLO, Connect, receive, send
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.mark.parametrize("path", ["/ws/agent/", "/ws/backbone/"])
+async def test_an_unknown_token_is_accepted_then_closed_with_4001_as_a_plain_int(connect: Connect, path: str) -> None:
+    communicator, connected, _ = await connect(path, "ct_not-a-real-token")
+
+    output = await communicator.receive_output(timeout=5)
+
+    assert connected
+    assert output == {"type": "websocket.close", "code": 4001}
+    assert type(output["code"]) is int
+
+
+async def test_a_revoked_device_is_accepted_then_closed_with_4003_as_a_plain_int(connect: Connect) -> None:
+    device, token = await sync_to_async(make_device)()
+    device.revoked_at = timezone.now()
+    await sync_to_async(device.save)()
+
+    communicator, connected, _ = await connect("/ws/agent/", token)
+    output = await communicator.receive_output(timeout=5)
+
+    assert connected
+    assert output == {"type": "websocket.close", "code": CloseCode.REVOKED}
+    assert type(output["code"]) is int
+
+
+async def test_the_socket_is_accepted_while_the_token_lookup_still_waits(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, token = await sync_to_async(make_device)()
+    lookup_may_finish = threading.Event()
+    authenticate = Device.authenticate
+
+    def slow_authenticate(raw: str | None) -> Device | None:
+        lookup_may_finish.wait(10)  # a database that answers late, as under load
+        return authenticate(raw)
+
+    monkeypatch.setattr(Device, "authenticate", slow_authenticate)
+
+    try:
+        communicator, connected, _ = await connect("/ws/agent/", token)
+    finally:
+        lookup_may_finish.set()
+    await send(communicator, HELLO)
+    welcome = await receive(communicator)
+
+    assert connected
+    assert isinstance(welcome, Welcome)
+
+
+async def test_a_hello_sent_before_a_bad_token_was_refused_is_dropped_quietly(connect: Connect) -> None:
+    communicator, _, _ = await connect("/ws/agent/", "ctd_not-a-real-token")
+
+    await send(communicator, HELLO)  # arrives while the token is looked up; handled after the close
+    output = await communicator.receive_output(timeout=5)
+    await communicator.receive_nothing(timeout=0.2)
+
+    assert output == {"type": "websocket.close", "code": CloseCode.UNAUTHORIZED}
+    await communicator.disconnect()  # raises what the consumer raised, if anything
