@@ -45,8 +45,9 @@ DAPHNE_LISTENING = re.compile(r"Listening on TCP address ([\d.]+):(\d+)")
 BACKBONE_LISTENING = re.compile(r"crowdtrain-backbone: listening on (http://\S+)")
 WORKER_READY = re.compile(r"celery@\S+ ready")
 
-# Stop order: lower first. Agents give leases back, aggregators drain, the site goes last.
-ORDER = {"agent": 0, "aggregator": 1, "site": 2, "other": 1}
+# Stop order: lower first. Agents give leases back, aggregators drain, then the site (and its Celery),
+# then the balancer in front of several site processes, and last the engines under them (PostgreSQL, Redis).
+ORDER = {"agent": 0, "aggregator": 1, "site": 2, "balancer": 3, "engine": 4, "other": 1}
 _PR_SET_PDEATHSIG = 1
 
 
@@ -265,10 +266,31 @@ class Swarm:
         daphne's default 1 MiB WebSocket limits stay: every protocol message
         is smaller (gradients go to aggregators, not through the site).
         """
-        argv = [self.python, "-m", "daphne", "-b", host, "-p", str(port), "crowdtrain.asgi:application"]
-        child = self.start("site", argv, role="site", env=env, cpus=cpus)
+        child = self.start("site", self._daphne_argv(host, port), role="site", env=env, cpus=cpus)
         if self.needs_worker(env):
             self.start_worker(env=env, cpus=cpus, timeout_s=timeout_s)
+        return self._listening(child, timeout_s)
+
+    def start_sites(self, count: int, *, env: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None,
+                    timeout_s: float = 60.0) -> list[Site]:  # fmt: skip
+        """Start ``count`` daphne processes ``site-1`` ... on free loopback ports at once, then wait for each.
+
+        These are the site processes behind a balancer: no Celery worker comes with them (start one
+        with ``start_worker`` for all of them), and each writes daphne's access log to
+        ``logs/<name>.access.log``, which shows the WebSocket connections it served.
+        """
+        children = [
+            self.start(f"site-{i}", [*self._daphne_argv("127.0.0.1", 0), "--access-log",
+                                     str(self.logs / f"site-{i}.access.log")], role="site", env=env, cpus=cpus)
+            for i in range(1, count + 1)
+        ]  # fmt: skip
+        return [self._listening(child, timeout_s) for child in children]
+
+    def _daphne_argv(self, host: str, port: int) -> list[str]:
+        return [self.python, "-m", "daphne", "-b", host, "-p", str(port), "crowdtrain.asgi:application"]
+
+    @staticmethod
+    def _listening(child: Child, timeout_s: float) -> Site:
         match = child.wait_for_line(DAPHNE_LISTENING, timeout_s)
         return Site(f"http://{match.group(1)}:{match.group(2)}", child)
 
@@ -279,14 +301,28 @@ class Swarm:
         return bool(merged.get("REDIS_URL")) and not eager
 
     def start_worker(self, *, env: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None,
-                     timeout_s: float = 60.0) -> Child:  # fmt: skip
-        """Start a Celery worker with beat for the site's broker (one process: these are short tasks)."""
-        argv = [self.python, "-m", "celery", "-A", "crowdtrain", "worker", "--beat", "--pool", "solo",
-                "--without-gossip", "--without-mingle", "--loglevel", "INFO",
-                "--schedule", str(self.run_dir / "celerybeat-schedule")]  # fmt: skip
+                     timeout_s: float = 60.0, beat: bool = True, wait: bool = True) -> Child:  # fmt: skip
+        """Start a Celery worker for the site's broker (one process: these are short tasks).
+
+        Args:
+            beat: run the periodic tasks in the worker too; a deployment with its own
+                ``start_beat`` process passes False (there must be exactly one beat).
+            wait: return only once the worker says it is ready.
+        """
+        argv = [self.python, "-m", "celery", "-A", "crowdtrain", "worker", "--pool", "solo",
+                "--without-gossip", "--without-mingle", "--loglevel", "INFO"]  # fmt: skip
+        if beat:
+            argv += ["--beat", "--schedule", str(self.run_dir / "celerybeat-schedule")]
         child = self.start("worker", argv, role="site", env=env, cpus=cpus)
-        child.wait_for_line(WORKER_READY, timeout_s)
+        if wait:
+            child.wait_for_line(WORKER_READY, timeout_s)
         return child
+
+    def start_beat(self, *, env: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None) -> Child:
+        """Start Celery beat on its own: it queues the periodic tasks (lease expiry) for whichever worker is free."""
+        argv = [self.python, "-m", "celery", "-A", "crowdtrain", "beat", "--loglevel", "INFO",
+                "--schedule", str(self.run_dir / "celerybeat-schedule")]  # fmt: skip
+        return self.start("beat", argv, role="site", env=env, cpus=cpus)
 
     def start_aggregator(self, site: Site, *, token: str, name: str, cpus: Sequence[int] | None = None,
                          env: Mapping[str, str] | None = None, timeout_s: float = 60.0) -> str:  # fmt: skip
