@@ -45,6 +45,7 @@ COMPOSE_HAPROXY = REPO_ROOT / "deploy" / "haproxy.cfg"
 DEFAULT_DATABASE_URL = "postgres://postgres@127.0.0.1:5432/crowdtrain"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PORT = 8443
+COMPOSE_SITE_SLOTS = 16  # the most site replicas deploy/haproxy.cfg balances across
 # Variables the caller's environment may set for the sites instead of the cluster's choice; the
 # others describe the topology itself (which engines, which proxy) and are always the cluster's.
 OVERRIDABLE = (
@@ -53,13 +54,13 @@ OVERRIDABLE = (
 )  # fmt: skip
 
 
-def render_haproxy_config(*, binds: Sequence[str], servers: Mapping[str, str], health_host: str,
+def render_haproxy_config(*, binds: Sequence[str], servers: Sequence[str], health_host: str,
                           server_options: str = "", resolvers: str = "") -> str:  # fmt: skip
     """deploy/haproxy.cfg.template filled in.
 
     Args:
         binds: ``bind`` lines' arguments, e.g. ``127.0.0.1:8443 ssl crt /path/site.pem``.
-        servers: backend name -> address of each daphne process.
+        servers: ``server`` (or ``server-template``) lines, one per daphne process (or per group).
         health_host: the Host header of health checks; the site answers only its ALLOWED_HOSTS.
         server_options: appended to ``default-server`` (compose: re-resolve container names).
         resolvers: extra sections (compose: Docker's DNS).
@@ -67,23 +68,27 @@ def render_haproxy_config(*, binds: Sequence[str], servers: Mapping[str, str], h
     template = string.Template(HAPROXY_TEMPLATE.read_text())
     return template.substitute(
         binds="\n".join(f"    bind {bind}" for bind in binds),
-        servers="\n".join(f"    server {name} {address}" for name, address in servers.items()),
+        servers="\n".join(f"    {line}" for line in servers),
         health_host=health_host, server_options=f" {server_options}" if server_options else "",
         resolvers=f"\n{resolvers.strip()}\n" if resolvers else "",
     )  # fmt: skip
 
 
-def compose_haproxy_config() -> str:
-    """The configuration deploy/compose.yaml mounts: two site containers, TLS from a mounted folder."""
+def compose_haproxy_config(cert_dir: str = "/usr/local/etc/haproxy/certs/") -> str:
+    """The configuration deploy/compose.yaml mounts: the ``site`` service's replicas, TLS from a folder of PEMs."""
     return render_haproxy_config(
-        binds=[":80", ":443 ssl crt /usr/local/etc/haproxy/certs/ alpn h2,http/1.1"],
-        servers={"site-1": "site-1:8000", "site-2": "site-2:8000"},
+        binds=[":80", f":443 ssl crt {cert_dir} alpn h2,http/1.1"],
+        # Up to COMPOSE_SITE_SLOTS replicas of the `site` service (`up --scale site=N`): Docker's DNS
+        # answers the service name with every replica's address, and HAProxy fills one slot per address.
+        servers=[f"server-template site- {COMPOSE_SITE_SLOTS} site:8000"],
         # HAProxy expands environment variables in double quotes: compose passes the site's public name.
         health_host='"${CROWDTRAIN_PUBLIC_HOST}"',
-        # Containers get new addresses when they restart: ask Docker's DNS again instead of keeping
-        # the address from start-up, and start even while a site container is not up yet.
-        server_options="resolvers docker init-addr last,libc,none",
-        resolvers="resolvers docker\n    nameserver dns 127.0.0.11:53\n    hold valid 10s",
+        # Replicas come and go and get new addresses when they restart: ask Docker's DNS again and
+        # again, and start even while no site container is up yet.
+        server_options="resolvers docker init-addr none",
+        resolvers="\n    ".join(
+            ["resolvers docker", "nameserver dns 127.0.0.11:53", "accepted_payload_size 8192", "hold valid 10s"]
+        ),
     )  # fmt: skip
 
 
@@ -287,7 +292,7 @@ class Cluster:
         config = self.run_dir / "haproxy.cfg"
         config.write_text(render_haproxy_config(
             binds=[f"127.0.0.1:{self.port} ssl crt {self.cert} alpn h2,http/1.1"],
-            servers={s.child.name: s.url.removeprefix("http://") for s in self.site_processes},
+            servers=[f"server {s.child.name} {s.url.removeprefix('http://')}" for s in self.site_processes],
             health_host="127.0.0.1",
         ))  # fmt: skip
         checked = subprocess.run([haproxy, "-c", "-q", "-f", str(config)], capture_output=True, text=True)
@@ -343,7 +348,7 @@ def _create_backbone_tokens(cluster: Cluster, names: Sequence[str]) -> dict[str,
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m crowdtrain.cluster", description=__doc__.split("\n")[0])
     parser.add_argument("--sites", type=int, default=2, help="daphne processes behind the balancer (default 2)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTPS port on 127.0.0.1 (default {DEFAULT_PORT})")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTPS port (default {DEFAULT_PORT})")
     parser.add_argument("--aggregators", type=int, default=1, help="aggregators to start (default 1)")
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "var" / "cluster", help="default var/cluster")
     parser.add_argument("--cert", type=Path, help="HAProxy's PEM, certificate and key (default: a self-signed one)")

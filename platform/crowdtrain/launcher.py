@@ -130,6 +130,7 @@ class Child:
     log_path: Path
     started_at: float
     expected_exit: bool = False  # True for agents run with --max-leases
+    log_offset: int = 0  # where this run's output starts: logs of a kept run folder are appended to
 
     @property
     def pid(self) -> int:
@@ -150,7 +151,9 @@ class Child:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                text = self.log_path.read_text(errors="replace")
+                with self.log_path.open("rb") as log:
+                    log.seek(self.log_offset)
+                    text = log.read().decode(errors="replace")
             except OSError:
                 text = ""
             match = pattern.search(text)
@@ -234,13 +237,14 @@ class Swarm:
         with log_path.open("ab") as log:
             log.write(f"$ {' '.join(command)}\n".encode())
             log.flush()
+            offset = log.tell()
             popen = subprocess.Popen(
                 command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=child_env({**self.env, **(env or {})}, threads=threads, isolated=self.isolated),
                 # Own session: a terminal's Ctrl-C reaches only us, and we stop the children in order.
                 start_new_session=True, preexec_fn=_die_with_parent,
             )  # fmt: skip
-        child = Child(name, role, popen, log_path, time.monotonic(), expected_exit)
+        child = Child(name, role, popen, log_path, time.monotonic(), expected_exit, offset)
         self.children.append(child)
         logger.info("started %s (pid %s), log %s", name, popen.pid, log_path)
         return child

@@ -21,6 +21,11 @@ VAR_DIR = Path(env_str("CROWDTRAIN_VAR_DIR", str(BASE_DIR / "var")))
 
 DEBUG = env_bool("CROWDTRAIN_DEBUG", True)
 SECRET_KEY = env_str("CROWDTRAIN_SECRET_KEY", "insecure-dev-key-change-me-in-production-0123456789")
+if not SECRET_KEY.strip():  # an env file's `CROWDTRAIN_SECRET_KEY=` left unfilled (deploy/production.env.example)
+    raise ImproperlyConfigured(
+        "CROWDTRAIN_SECRET_KEY is empty; set it to a long random string "
+        "(python -c 'import secrets; print(secrets.token_urlsafe(50))')"
+    )
 ALLOWED_HOSTS = env_list("CROWDTRAIN_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CROWDTRAIN_CSRF_TRUSTED_ORIGINS", [])
 SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = not DEBUG
