@@ -112,16 +112,20 @@ def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
         )  # fmt: skip
         if result.returncode != 0:
             raise LaunchError(f"openssl could not make a certificate for the balancer:\n{result.stderr[-2000:]}")
-        pem.write_text(cert.read_text() + key.read_text())
-        pem.chmod(0o600)
+        _write_private(pem, cert.read_text() + key.read_text())
     return cert, pem
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read, from its first byte (keys, secrets)."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as file:
+        file.write(text)
 
 
 def _secret_key(path: Path) -> str:
     """One random key per run folder, kept so that a restart keeps volunteers' sessions."""
     if not path.exists():
-        path.write_text(secrets.token_urlsafe(50))
-        path.chmod(0o600)
+        _write_private(path, secrets.token_urlsafe(50))
     return path.read_text().strip()
 
 
@@ -179,8 +183,7 @@ class Cluster:
         if self.cert is None:
             self.client_cert, self.cert = self_signed_certificate(self.run_dir / "tls")
         self.swarm.env.update(self.site_env())
-        (self.run_dir / "site.env").write_text("".join(f"{k}={v}\n" for k, v in sorted(self.swarm.env.items())))
-        (self.run_dir / "site.env").chmod(0o600)
+        _write_private(self.run_dir / "site.env", "".join(f"{k}={v}\n" for k, v in sorted(self.swarm.env.items())))
         # Three Django start-ups at once: the checks and collectstatic need no migrated database.
         with ThreadPoolExecutor(3) as pool:
             jobs = [pool.submit(self.swarm.manage, *args, timeout_s=300) for args in (
@@ -355,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--print-compose-haproxy", action="store_true",
                         help="print deploy/haproxy.cfg as rendered for compose.yaml and exit")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.sites < 1 or args.aggregators < 0:
+        parser.error(f"--sites must be at least 1 and --aggregators at least 0, got {args.sites}, {args.aggregators}")
     if args.print_compose_haproxy:
         sys.stdout.write(compose_haproxy_config())
         return 0

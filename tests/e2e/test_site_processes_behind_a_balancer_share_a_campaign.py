@@ -30,8 +30,8 @@ from tests.services import DEFAULT_DATABASE_URL, DEFAULT_REDIS_URL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
-STEPS = 16
-STOP_AT_VERSION = 4
+STEPS = 40
+STOP_AT_VERSION = 2  # early, so that most steps are committed after the stop
 MODEL = {"in_dim": 16, "hidden": [32], "classes": 4}
 # Leases of at most one microbatch and idle agents asking again soon: every step is made of
 # several leases, so both agents keep talking to the site all through the run.
@@ -122,6 +122,7 @@ def test_two_site_processes_behind_haproxy_train_a_campaign_and_survive_losing_o
     busiest = max((1, 2), key=lambda i: open_agent_sockets(logs / f"site-{i}.access.log"))
     moved = open_agent_sockets(logs / f"site-{busiest}.access.log")
     cluster.stop_site(busiest)
+    at_stop = progress(cluster, campaign_id)
     done = wait_for_version(cluster, campaign_id, STEPS, timeout_s=60)
     dump = json.loads(cluster.swarm.manage("dump_run", "--campaign", str(campaign_id)))
 
@@ -129,6 +130,7 @@ def test_two_site_processes_behind_haproxy_train_a_campaign_and_survive_losing_o
     assert moved >= 1
     reconnected = [a.name for a in agents if "reconnected after" in a.log_path.read_text()]
     assert len(reconnected) >= moved, f"{moved} agent(s) lost their site process, reconnected: {reconnected}"
+    assert at_stop["version"] < STEPS, "the campaign finished before the site process was gone"
     assert done["state"] == "finished" and len(done["losses"]) == STEPS
     assert sum(done["losses"][-3:]) / 3 < done["losses"][0], f"loss did not fall: {done['losses']}"
     seen = counted_samples(dump)
