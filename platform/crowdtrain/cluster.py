@@ -199,8 +199,9 @@ class Cluster:
         chosen = {
             "CROWDTRAIN_SECRET_KEY": _secret_key(self.run_dir / "secret_key"),
             "CROWDTRAIN_ALLOWED_HOSTS": "127.0.0.1,localhost",
-            # Mail lands as files in the run folder: there is no mail server on this machine to trust.
-            "CROWDTRAIN_EMAIL_URL": f"file://{self.run_dir / 'mail'}",
+            # Mail lands as files in var/mail/ of the run folder (no path: the settings' default folder);
+            # there is no mail server on this machine to trust.
+            "CROWDTRAIN_EMAIL_URL": "file://",
             # Browsers never apply HSTS to an IP address or over an untrusted certificate, so this
             # changes nothing for 127.0.0.1 and keeps the settings those of a real deployment.
             "CROWDTRAIN_HSTS_SECONDS": "3600",
