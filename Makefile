@@ -1,5 +1,6 @@
-# Crowdtrain: `make demo` trains the demo campaign, `make test` runs the tests.
-# Both build the virtual environment first; nothing else needs installing by hand.
+# Crowdtrain: `make demo` trains the demo campaign, `make test` runs the tests, `make cluster` runs
+# several site processes behind HAProxy on PostgreSQL and Redis (deploy/'s topology, without Docker).
+# They build the virtual environment first; nothing else needs installing by hand.
 
 PYTHON ?= python3.11
 VENV   := .venv
@@ -13,12 +14,18 @@ CHROMIUM := /usr/bin/chromium
 # Redis like the second pass; failure screenshots go next to the tests' own, in test-artifacts/browser.
 BROWSER_PASS := $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider tests/browser \
 	--output test-artifacts/browser --screenshot only-on-failure
+# The balancer in front of several site processes (make cluster, and the end-to-end test that runs it).
+HAPROXY := /usr/sbin/haproxy
+# That test brings its own database and needs PostgreSQL and Redis: it runs in the second pass only.
+CLUSTER_TEST := tests/e2e/test_site_processes_behind_a_balancer_share_a_campaign.py
 
-.PHONY: demo serve test test-browser bench venv chromium clean
+.PHONY: demo serve cluster test test-browser bench venv chromium haproxy clean
 
 venv: $(STAMP)
 
 chromium: $(CHROMIUM)
+
+haproxy: $(HAPROXY)
 
 # torch goes in first and alone, pinned: pip then takes the CPU wheel from this
 # machine's disk instead of pulling a multi-GB CUDA build for a looser range.
@@ -35,6 +42,11 @@ serve: $(STAMP)
 	$(BIN)/python manage.py migrate --noinput
 	$(BIN)/python manage.py serve --port $(PORT)
 
+# Until Ctrl-C: PostgreSQL and Redis (DATABASE_URL, REDIS_URL, or private ones), 2 daphne processes behind
+# HAProxy at https://127.0.0.1:8443/, Celery worker and beat, one aggregator. ARGS="--sites 3 --port 9443"
+cluster: $(STAMP) $(HAPROXY)
+	PYTHONPATH=platform:agent/src $(BIN)/python -m crowdtrain.cluster $(ARGS)
+
 # A file target: nothing runs once Chromium is there. CI runs as root; elsewhere sudo, if any.
 # A fresh machine may have empty package lists, so one failed install is retried after an update.
 $(CHROMIUM):
@@ -49,14 +61,27 @@ $(CHROMIUM):
 	  || { $$sudo apt-get update && $$sudo apt-get install -y --no-install-recommends chromium; }
 	@test -x $@ || { echo "apt-get installed chromium but $@ is missing" >&2; exit 1; }
 
+# Like Chromium: Debian's haproxy 2.6, installed once; its service is not started (the cluster runs its own).
+$(HAPROXY):
+	@if [ "$$(id -u)" -eq 0 ]; then sudo=; \
+	elif command -v sudo >/dev/null 2>&1; then sudo=sudo; \
+	else echo "the cluster needs HAProxy at $@: as root, run apt-get install -y --no-install-recommends haproxy" >&2; \
+	     exit 1; fi; \
+	command -v apt-get >/dev/null 2>&1 \
+	  || { echo "the cluster needs Debian's haproxy at $@, and apt-get is missing" >&2; exit 1; }; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	$$sudo apt-get install -y --no-install-recommends haproxy \
+	  || { $$sudo apt-get update && $$sudo apt-get install -y --no-install-recommends haproxy; }
+	@test -x $@ || { echo "apt-get installed haproxy but $@ is missing" >&2; exit 1; }
+
 # Three passes: everything on the embedded defaults (SQLite, in-memory channel
 # layer), then what touches the database and the channel layer on PostgreSQL
 # and Redis (tests/services.py finds them or starts private ones), then the
 # browser tests, which the first pass skips (tests/conftest.py). In the second
 # pass the test process runs Celery tasks in-process (it has no worker), while
 # the sites the end-to-end tests start get a real Celery worker on Redis.
-test: $(STAMP) $(CHROMIUM)
-	$(BIN)/python -m pytest -p no:cacheprovider $(ARGS)
+test: $(STAMP) $(CHROMIUM) $(HAPROXY)
+	$(BIN)/python -m pytest -p no:cacheprovider --ignore $(CLUSTER_TEST) $(ARGS)
 	CELERY_TASK_ALWAYS_EAGER=true $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider tests/web tests/e2e $(ARGS)
 	$(BROWSER_PASS) $(ARGS)
 

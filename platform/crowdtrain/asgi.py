@@ -16,7 +16,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402  (needs
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
-if settings.DEBUG:  # the embedded default serves the admin's CSS itself; production puts a web server in front
+if settings.DEBUG:  # the embedded default serves static files from their sources; production uses WhiteNoise
     django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
 from crowdtrain.gateway.routing import websocket_urlpatterns  # noqa: E402

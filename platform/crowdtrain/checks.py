@@ -36,4 +36,11 @@ def check_production_settings(app_configs: Any = None, **kwargs: Any) -> list[Er
             hint="Set CROWDTRAIN_EMAIL_URL (e.g. submission://user:password@mail.example.org) or EMAIL_HOST.",
             id="crowdtrain.E003",
         ))  # fmt: skip
+    if settings.SECURE_SSL_REDIRECT and settings.ALLAUTH_TRUSTED_PROXY_COUNT and not settings.SECURE_PROXY_SSL_HEADER:
+        problems.append(Warning(
+            "CROWDTRAIN_SECURE_SSL_REDIRECT is on behind a reverse proxy whose X-Forwarded-Proto is not trusted: "
+            "if the proxy ends TLS, every request looks like plain HTTP and is redirected to itself for ever.",
+            hint="Set CROWDTRAIN_TRUST_FORWARDED_PROTO=true if the proxy sets X-Forwarded-Proto (deploy/ does).",
+            id="crowdtrain.W002",
+        ))  # fmt: skip
     return problems

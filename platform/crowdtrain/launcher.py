@@ -13,8 +13,10 @@ on loopback the way an operator would, so they share this one launcher::
 Every child gets its own log file under ``run_dir/logs`` (stdout and stderr
 together) and its own process group, so a terminal's Ctrl-C reaches only the
 parent, which then stops the children in order: agents first (they hand back
-their leases), the site last (it must see them go). This module never imports
-Django, so benchmarks can use it before settings exist.
+their leases), then aggregators, then the site (it must see them go), and last
+what ``crowdtrain.cluster`` puts around several site processes (the balancer,
+then the engines). This module never imports Django, so benchmarks can use it
+before settings exist.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ WORKER_READY = re.compile(r"celery@\S+ ready")
 # says hello is closed after CROWDTRAIN_HELLO_TIMEOUT_S by the consumers. The serve command uses these too.
 DAPHNE_KEEPALIVE_ARGS = ("--ping-interval", "10", "--ping-timeout", "10")
 
-# Stop order: lower first. Agents give leases back, aggregators drain, the site goes last.
-ORDER = {"agent": 0, "aggregator": 1, "site": 2, "other": 1}
+# Stop order: lower first. Agents give leases back, aggregators drain, then the site (and its Celery),
+# then the balancer in front of several site processes, and last the engines under them (PostgreSQL, Redis).
+ORDER = {"agent": 0, "aggregator": 1, "site": 2, "balancer": 3, "engine": 4, "other": 1}
 _PR_SET_PDEATHSIG = 1
 
 
@@ -139,6 +142,7 @@ class Child:
     log_path: Path
     started_at: float
     expected_exit: bool = False  # True for agents run with --max-leases
+    log_offset: int = 0  # where this run's output starts: logs of a kept run folder are appended to
 
     @property
     def pid(self) -> int:
@@ -159,7 +163,9 @@ class Child:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                text = self.log_path.read_text(errors="replace")
+                with self.log_path.open("rb") as log:
+                    log.seek(self.log_offset)
+                    text = log.read().decode(errors="replace")
             except OSError:
                 text = ""
             match = pattern.search(text)
@@ -243,13 +249,14 @@ class Swarm:
         with log_path.open("ab") as log:
             log.write(f"$ {' '.join(command)}\n".encode())
             log.flush()
+            offset = log.tell()
             popen = subprocess.Popen(
                 command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=child_env({**self.env, **(env or {})}, threads=threads, isolated=self.isolated),
                 # Own session: a terminal's Ctrl-C reaches only us, and we stop the children in order.
                 start_new_session=True, preexec_fn=_die_with_parent,
             )  # fmt: skip
-        child = Child(name, role, popen, log_path, time.monotonic(), expected_exit)
+        child = Child(name, role, popen, log_path, time.monotonic(), expected_exit, offset)
         self.children.append(child)
         logger.info("started %s (pid %s), log %s", name, popen.pid, log_path)
         return child
@@ -276,11 +283,32 @@ class Swarm:
         is smaller (gradients go to aggregators, not through the site). Its
         keepalive is DAPHNE_KEEPALIVE_ARGS.
         """
-        argv = [self.python, "-m", "daphne", "-b", host, "-p", str(port), *DAPHNE_KEEPALIVE_ARGS,
-                "crowdtrain.asgi:application"]  # fmt: skip
-        child = self.start("site", argv, role="site", env=env, cpus=cpus)
+        child = self.start("site", self._daphne_argv(host, port), role="site", env=env, cpus=cpus)
         if self.needs_worker(env):
             self.start_worker(env=env, cpus=cpus, timeout_s=timeout_s)
+        return self._listening(child, timeout_s)
+
+    def start_sites(self, count: int, *, env: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None,
+                    timeout_s: float = 60.0) -> list[Site]:  # fmt: skip
+        """Start ``count`` daphne processes ``site-1`` ... on free loopback ports at once, then wait for each.
+
+        These are the site processes behind a balancer: no Celery worker comes with them (start one
+        with ``start_worker`` for all of them), and each writes daphne's access log to
+        ``logs/<name>.access.log``, which shows the WebSocket connections it served.
+        """
+        children = [
+            self.start(f"site-{i}", [*self._daphne_argv("127.0.0.1", 0), "--access-log",
+                                     str(self.logs / f"site-{i}.access.log")], role="site", env=env, cpus=cpus)
+            for i in range(1, count + 1)
+        ]  # fmt: skip
+        return [self._listening(child, timeout_s) for child in children]
+
+    def _daphne_argv(self, host: str, port: int) -> list[str]:
+        return [self.python, "-m", "daphne", "-b", host, "-p", str(port), *DAPHNE_KEEPALIVE_ARGS,
+                "crowdtrain.asgi:application"]  # fmt: skip
+
+    @staticmethod
+    def _listening(child: Child, timeout_s: float) -> Site:
         match = child.wait_for_line(DAPHNE_LISTENING, timeout_s)
         return Site(f"http://{match.group(1)}:{match.group(2)}", child)
 
@@ -291,14 +319,28 @@ class Swarm:
         return bool(merged.get("REDIS_URL")) and not eager
 
     def start_worker(self, *, env: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None,
-                     timeout_s: float = 60.0) -> Child:  # fmt: skip
-        """Start a Celery worker with beat for the site's broker (one process: these are short tasks)."""
-        argv = [self.python, "-m", "celery", "-A", "crowdtrain", "worker", "--beat", "--pool", "solo",
-                "--without-gossip", "--without-mingle", "--loglevel", "INFO",
-                "--schedule", str(self.run_dir / "celerybeat-schedule")]  # fmt: skip
+                     timeout_s: float = 60.0, beat: bool = True, wait: bool = True) -> Child:  # fmt: skip
+        """Start a Celery worker for the site's broker (one process: these are short tasks).
+
+        Args:
+            beat: run the periodic tasks in the worker too; a deployment with its own
+                ``start_beat`` process passes False (there must be exactly one beat).
+            wait: return only once the worker says it is ready.
+        """
+        argv = [self.python, "-m", "celery", "-A", "crowdtrain", "worker", "--pool", "solo",
+                "--without-gossip", "--without-mingle", "--loglevel", "INFO"]  # fmt: skip
+        if beat:
+            argv += ["--beat", "--schedule", str(self.run_dir / "celerybeat-schedule")]
         child = self.start("worker", argv, role="site", env=env, cpus=cpus)
-        child.wait_for_line(WORKER_READY, timeout_s)
+        if wait:
+            child.wait_for_line(WORKER_READY, timeout_s)
         return child
+
+    def start_beat(self, *, env: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None) -> Child:
+        """Start Celery beat on its own: it queues the periodic tasks (lease expiry) for whichever worker is free."""
+        argv = [self.python, "-m", "celery", "-A", "crowdtrain", "beat", "--loglevel", "INFO",
+                "--schedule", str(self.run_dir / "celerybeat-schedule")]  # fmt: skip
+        return self.start("beat", argv, role="site", env=env, cpus=cpus)
 
     def start_aggregator(self, site: Site, *, token: str, name: str, cpus: Sequence[int] | None = None,
                          env: Mapping[str, str] | None = None, timeout_s: float = 60.0) -> str:  # fmt: skip

@@ -21,6 +21,11 @@ VAR_DIR = Path(env_str("CROWDTRAIN_VAR_DIR", str(BASE_DIR / "var")))
 
 DEBUG = env_bool("CROWDTRAIN_DEBUG", True)
 SECRET_KEY = env_str("CROWDTRAIN_SECRET_KEY", "insecure-dev-key-change-me-in-production-0123456789")
+if not SECRET_KEY.strip():  # an env file's `CROWDTRAIN_SECRET_KEY=` left unfilled (deploy/production.env.example)
+    raise ImproperlyConfigured(
+        "CROWDTRAIN_SECRET_KEY is empty; set it to a long random string "
+        "(python -c 'import secrets; print(secrets.token_urlsafe(50))')"
+    )
 ALLOWED_HOSTS = env_list("CROWDTRAIN_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CROWDTRAIN_CSRF_TRUSTED_ORIGINS", [])
 SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = not DEBUG
@@ -30,6 +35,19 @@ SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SAMESITE = CSRF_COOKIE_SAMESITE = "Lax"
 # Off by default: a site reached over plain HTTP would lock itself out of browsers.
 SECURE_HSTS_SECONDS = env_int("CROWDTRAIN_HSTS_SECONDS", 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("CROWDTRAIN_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("CROWDTRAIN_HSTS_PRELOAD", False)
+# Behind a balancer that terminates TLS (deploy/) daphne only ever sees plain HTTP: the balancer says
+# which scheme the browser used in X-Forwarded-Proto, overwriting whatever a client sent. Trust the
+# header only then, or any client could claim https.
+SECURE_PROXY_SSL_HEADER = (
+    ("HTTP_X_FORWARDED_PROTO", "https") if env_bool("CROWDTRAIN_TRUST_FORWARDED_PROTO", False) else None
+)
+SECURE_SSL_REDIRECT = env_bool("CROWDTRAIN_SECURE_SSL_REDIRECT", False)
+# The balancer's health checks speak plain HTTP to each site process; a redirect would read as "down".
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+# For a check an operator has decided against (e.g. security.W021 when the domain is not to be preloaded).
+SILENCED_SYSTEM_CHECKS = env_list("CROWDTRAIN_SILENCED_CHECKS", [])
 
 INSTALLED_APPS = [
     "daphne",
@@ -58,6 +76,10 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "allauth.account.middleware.AccountMiddleware",
 ]
+if not DEBUG:
+    # Each site process serves the collected static files itself (manage.py collectstatic), with
+    # far-future caching; the embedded default serves them from the sources instead (asgi.py).
+    MIDDLEWARE.insert(1, "whitenoise.middleware.WhiteNoiseMiddleware")
 
 ROOT_URLCONF = "crowdtrain.urls"
 ASGI_APPLICATION = "crowdtrain.asgi.application"

@@ -21,3 +21,10 @@ def test_a_production_configuration_passes() -> None:
         problems = check_production_settings()
 
     assert problems == []
+
+
+def test_ssl_redirect_behind_a_proxy_whose_scheme_header_is_not_trusted_is_flagged() -> None:
+    with override_settings(SECURE_SSL_REDIRECT=True, ALLAUTH_TRUSTED_PROXY_COUNT=1, SECURE_PROXY_SSL_HEADER=None):
+        ids = {problem.id for problem in check_production_settings()}
+
+    assert "crowdtrain.W002" in ids
