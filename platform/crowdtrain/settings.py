@@ -245,11 +245,19 @@ CROWDTRAIN_HEARTBEAT_S = env_float("CROWDTRAIN_HEARTBEAT_S", 2.0, minimum=0.1)
 # valid report wins. A slow or silent device then never holds a step for longer than that.
 CROWDTRAIN_BACKUP_MIN_S = env_float("CROWDTRAIN_BACKUP_MIN_S", 5.0, minimum=0.1)
 CROWDTRAIN_BACKUP_FACTOR = env_float("CROWDTRAIN_BACKUP_FACTOR", 3.0, minimum=1.0)
+# An agent whose socket closed gets this long to reconnect before its leases go to others.
+CROWDTRAIN_DISCONNECT_GRACE_S = env_float("CROWDTRAIN_DISCONNECT_GRACE_S", 5.0, minimum=0.0)
 # The scheduler's hot state (scheduler/hotstate.py): Redis shared by every site process, or, unset
 # with no REDIS_URL either, the same scripts run in this one process.
 CROWDTRAIN_SCHEDULER_REDIS_URL = env_str("CROWDTRAIN_SCHEDULER_REDIS_URL", REDIS_URL)
 # Every key the site puts in Redis starts with this, so several sites can share one Redis.
 CROWDTRAIN_REDIS_PREFIX = env_str("CROWDTRAIN_REDIS_PREFIX", "ct")
+# Admission control, per site process (gateway/admission.py): past these, new sockets are closed with 1013
+# before any lookup and new lease requests are refused with a growing retry_after_s; done reports,
+# which carry work already uploaded, are never turned away.
+CROWDTRAIN_MAX_SOCKETS = env_int("CROWDTRAIN_MAX_SOCKETS", 20000, minimum=1)
+CROWDTRAIN_MAX_HANDSHAKES = env_int("CROWDTRAIN_MAX_HANDSHAKES", 256, minimum=1)
+CROWDTRAIN_MAX_LEASE_CALLS = env_int("CROWDTRAIN_MAX_LEASE_CALLS", 64, minimum=1)
 # Write the lease record in the caller's thread instead of batches from a background thread (tests).
 CROWDTRAIN_RECORDS_INLINE = env_bool("CROWDTRAIN_RECORDS_INLINE", False)
 # A socket on /ws/agent/ or /ws/backbone/ that has not said hello this long after it was accepted

@@ -9,7 +9,6 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect, render
-from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from . import device_grant, devices, throttle
@@ -97,11 +96,11 @@ class DeviceRow:
 @login_required
 @require_GET
 def device_list(request: HttpRequest) -> HttpResponse:
-    now = timezone.now()
+    owned = list(Device.objects.filter(owner=request.user).order_by("revoked_at", "-created_at"))
+    online = devices.online_ids(owned)
     rows = [
-        DeviceRow(device=d, online=devices.is_online(d, now), hardware=devices.hardware_summary(d.hardware))
-        for d in Device.objects.filter(owner=request.user).order_by("revoked_at", "-created_at")
-    ]  # fmt: skip
+        DeviceRow(device=d, online=d.pk in online, hardware=devices.hardware_summary(d.hardware)) for d in owned
+    ]
     return render(request, "devices/list.html", {"rows": rows, "max_name": devices.MAX_NAME})
 
 

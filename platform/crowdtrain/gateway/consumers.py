@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypedDict
 
-from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
@@ -20,7 +18,7 @@ from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.names import account_name
 from crowdtrain.accounts.tokens import bearer_token, hash_token
 from crowdtrain.scheduler import backbone, leasing
-from crowdtrain.scheduler.hotstate import presence
+from crowdtrain.scheduler.hotstate import hot_state, presence
 from crowdtrain.scheduler.models import Aggregator
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
@@ -47,7 +45,9 @@ from crowdtrain_agent.protocol import (
     encode_message,
 )
 
+from .admission import TRY_AGAIN_LATER, admission
 from .housekeeping import housekeeping
+from .offloop import offloop
 from .outbox import (
     ReplacedEvent,
     RevokedEvent,
@@ -213,11 +213,6 @@ class _WaitingRequest:
     place: str = ""  # its place in the campaign's queue of waiting requests (in Redis)
 
 
-# The scheduler's calls run in a thread pool, not on Channels' one database thread: they talk to
-# Redis and write the database in batches, and one slow call must not queue every other behind it.
-_scheduler = functools.partial(sync_to_async, thread_sensitive=False)
-
-
 class AgentConsumer(_ProtocolConsumer):
     """``/ws/agent/``: one volunteer device, authenticated by its API token; one socket per device.
 
@@ -228,6 +223,7 @@ class AgentConsumer(_ProtocolConsumer):
     """
 
     accepts = AGENT_TO_SITE
+    admitted = False
     waiting: _WaitingRequest | None = None
     last_request_id: str | None = None  # None until the connection's first request
     _serial = 0
@@ -238,8 +234,16 @@ class AgentConsumer(_ProtocolConsumer):
         # for a database thread, and agents read the 403 as a rejected token and quit. Now a bad token
         # is a close code on an open socket (4001, 4003), and an HTTP error only ever means "busy".
         await self.accept()
+        if not admission.admit_socket():
+            # Too many sockets or handshakes in hand: turned away before any lookup; agents back off and retry.
+            await self.close(code=TRY_AGAIN_LATER)
+            return
+        self.admitted = True
         self.start_hello_deadline()
-        device = await database_sync_to_async(Device.authenticate)(bearer_token(self.scope["headers"]))
+        try:
+            device = await offloop(Device.authenticate)(bearer_token(self.scope["headers"]))
+        finally:
+            admission.handshake_done()
         if device is None:
             await self.close(code=CloseCode.UNAUTHORIZED)
             return
@@ -248,18 +252,23 @@ class AgentConsumer(_ProtocolConsumer):
             return
         self.device = device
         self.campaigns: set[int] = set()
+        self.leases: set[int] = set()  # handed out on this socket and not reported yet
         # One socket per device: a second agent on the same token (or this agent's reconnect while the
         # site still holds its dead socket) replaces the older one, which hears 4012.
         await self.take_over(device_group(device.pk))
-        await _scheduler(presence.connected)(device.pk)
+        await offloop(presence.connected)(device.pk)
         housekeeping.start()
 
     async def disconnect(self, code: int) -> None:
+        if self.admitted:
+            admission.socket_closed()
         await self._stop_waiting()
         device = getattr(self, "device", None)
         if device is None:
             return
         presence.disconnected(device.pk)
+        if self.leases:
+            _release_after_grace(device.pk, sorted(self.leases))
         await self.channel_layer.group_discard(device_group(device.pk), self.channel_name)
         for campaign_id in self.campaigns:
             await self.channel_layer.group_discard(campaign_agents_group(campaign_id), self.channel_name)
@@ -285,6 +294,13 @@ class AgentConsumer(_ProtocolConsumer):
         if not (math.isfinite(request.wait_s) and request.wait_s >= 0):
             raise ProtocolError(f"wait_s must be a number of seconds >= 0, got {request.wait_s!r}")
         await self._stop_waiting()  # a new request replaces one still waiting (the agent sent it again)
+        if not admission.admit_lease_request():
+            busy = NoLease(
+                reason="step_full", retry_after_s=admission.retry_after(settings.CROWDTRAIN_RETRY_AFTER_S),
+                detail=f"the site is busy ({admission.lease_calls} lease requests in hand); work already done still counts",
+            )  # fmt: skip
+            await self.send_message(busy)
+            return
         # An agent sends a request again after a dropped connection or a timeout: only then can the
         # site have answered it already, and only then is the lease lookup worth its query.
         resent = self.last_request_id is None or request.request_id == self.last_request_id
@@ -295,13 +311,18 @@ class AgentConsumer(_ProtocolConsumer):
             return
         await self.send_message(answer.message)
 
+    async def send_message(self, message: Any) -> None:
+        if isinstance(message, Lease):
+            self.leases.add(message.lease_id)
+        await super().send_message(message)
+
     async def _wait(self, request: LeaseRequest, answer: leasing.LeaseAnswer, wait_s: float) -> bool:
         """Hold a refused request in the campaign's queue until a commit wakes it; False if it cannot wait."""
         refusal = answer.message
         for _ in range(3):  # room that appeared meanwhile is asked for again at once, a few times at most
             if not isinstance(refusal, NoLease) or refusal.ready_at_step is None or answer.campaign_id is None:
                 return False
-            place = await _scheduler(leasing.park)(
+            place = await offloop(leasing.park)(
                 answer.campaign_id, self.device.pk, request.samples_per_s, self.channel_name, refusal.ready_at_step
             )
             if place is not None:
@@ -338,7 +359,7 @@ class AgentConsumer(_ProtocolConsumer):
         if isinstance(message, NoLease) and message.ready_at_step is not None and not final:
             # Another device took the room: queue again for the next commit.
             leave, waiting.place = waiting.place, ""
-            place = await _scheduler(leasing.park)(
+            place = await offloop(leasing.park)(
                 waiting.campaign_id, self.device.pk, waiting.request.samples_per_s, self.channel_name,
                 message.ready_at_step, leave,
             )
@@ -355,12 +376,21 @@ class AgentConsumer(_ProtocolConsumer):
         if waiting is not None:
             waiting.timer.cancel()
             if waiting.place:
-                await _scheduler(leasing.unpark)(waiting.campaign_id, waiting.place)
+                await offloop(leasing.unpark)(waiting.campaign_id, waiting.place)
 
     async def _ask(self, request: LeaseRequest, *, may_be_resent: bool = False) -> leasing.LeaseAnswer:
-        answer = await _scheduler(leasing.ask_lease)(
-            self.device.pk, request.campaign_id, request.samples_per_s, request.request_id, may_be_resent=may_be_resent
-        )
+        admission.lease_calls += 1
+        try:
+            answer = await offloop(leasing.ask_lease)(
+                self.device.pk, request.campaign_id, request.samples_per_s, request.request_id,
+                may_be_resent=may_be_resent,
+            )  # fmt: skip
+        finally:
+            admission.lease_calls -= 1
+        if isinstance(answer.message, NoLease) and admission.load > 0:
+            # A busy site spreads the next requests out: the refusal's wait grows with the load.
+            stretched = admission.retry_after(answer.message.retry_after_s)
+            answer = leasing.LeaseAnswer(replace(answer.message, retry_after_s=stretched), answer.campaign_id)
         await self._watch(answer)
         return answer
 
@@ -382,9 +412,10 @@ class AgentConsumer(_ProtocolConsumer):
 
     async def on_done(self, done: LeaseDone) -> None:
         waiting = self.waiting
-        outcome, answer = await _scheduler(leasing.report_and_request)(
+        outcome, answer = await offloop(leasing.report_and_request)(
             self.device.pk, done, waiting.request if waiting else None
         )
+        self.leases.discard(done.lease_id)
         # The critical path of a step first: the aggregators' commit, then the agent's ack and next lease.
         await send_commits(outcome.commits)
         await self.send_message(outcome.ack)
@@ -393,12 +424,38 @@ class AgentConsumer(_ProtocolConsumer):
             await self._settle(waiting, answer)
 
     async def on_release(self, release: LeaseRelease) -> None:
-        await _scheduler(leasing.release_lease)(self.device.pk, release.lease_id)
+        self.leases.discard(release.lease_id)
+        await offloop(leasing.release_lease)(self.device.pk, release.lease_id)
         await self.send_message(ReleaseAck(lease_id=release.lease_id))
 
     async def device_revoked(self, event: RevokedEvent) -> None:
         logger.info("device %s revoked: %s", self.device.pk, event["reason"])
         await self.close(code=CloseCode.REVOKED)
+
+
+def _release_after_grace(device_id: int, lease_ids: list[int]) -> None:
+    """In CROWDTRAIN_DISCONNECT_GRACE_S, release the leases of an agent whose socket closed, unless it is back."""
+    since = hot_state().clock()
+
+    async def release() -> None:
+        try:
+            released = await offloop(leasing.release_if_gone)(device_id, lease_ids, since)
+        except Exception:  # the deadline sweep frees them anyway
+            logger.warning("could not release the leases of disconnected device %s", device_id, exc_info=True)
+            return
+        if released:
+            logger.info("device %s did not come back: %s of its leases released", device_id, released)
+
+    def start() -> None:
+        task = loop.create_task(release())
+        _background.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(_background.discard)
+
+    loop = asyncio.get_running_loop()
+    loop.call_later(settings.CROWDTRAIN_DISCONNECT_GRACE_S, start)
+
+
+_background: set[asyncio.Task[None]] = set()
 
 
 def _record_hello(device_id: int, hardware: dict[str, Any]) -> None:

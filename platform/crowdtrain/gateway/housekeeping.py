@@ -9,11 +9,9 @@ the number of connections.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
@@ -21,12 +19,12 @@ from crowdtrain.accounts.models import Device
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.hotstate import presence
 
+from .offloop import offloop
 from .outbox import send_commits
 
 logger = logging.getLogger(__name__)
 
 LAST_SEEN_DB_EVERY_S = 60.0
-_offloop = functools.partial(sync_to_async, thread_sensitive=False)
 
 
 def _stamp_last_seen() -> int:
@@ -56,12 +54,12 @@ class Housekeeping:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                await _offloop(presence.publish)()
-                _, commits = await _offloop(leasing.expire_all_overdue)()
+                await offloop(presence.publish)()
+                _, commits = await offloop(leasing.expire_all_overdue)()
                 await send_commits(commits)
                 if time.monotonic() - last_db > LAST_SEEN_DB_EVERY_S:
                     last_db = time.monotonic()
-                    await _offloop(_stamp_last_seen)()
+                    await offloop(_stamp_last_seen)()
             except asyncio.CancelledError:
                 raise
             except Exception:  # the next round tries again; a broken round must not end liveness for good

@@ -435,6 +435,19 @@ def release_lease(device_id: int, lease_id: int, reason: str = "released by the 
     return bool(retired)
 
 
+def release_if_gone(device_id: int, lease_ids: list[int], since: float) -> int:
+    """Release a disconnected agent's leases unless it came back (seen after ``since``); returns how many.
+
+    Its socket closed, so waiting for the lease's deadline would only hold the
+    step back; the short grace lets an agent whose connection merely dropped
+    reconnect and report.
+    """
+    seen = hot_state().last_seen([device_id]).get(device_id, 0.0)
+    if seen > since:
+        return 0
+    return sum(release_lease(device_id, lease_id, "agent disconnected") for lease_id in lease_ids)
+
+
 def sweep_campaign(campaign_id: int) -> tuple[int, list[Commit]]:
     """Expire leases of gone agents past their deadline, and finish a commit a crashed process left open."""
     config = campaign_config(campaign_id)

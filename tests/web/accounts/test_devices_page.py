@@ -15,6 +15,7 @@ from django.utils import timezone
 from crowdtrain.accounts.device_grant import GRANT_TYPE
 from crowdtrain.accounts.models import Device
 from crowdtrain.asgi import application
+from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain_agent.protocol import CloseCode, Welcome
 from tests.factories import make_volunteer
 from tests.web.gateway.conftest import HELLO, Connect, connect, receive, send  # noqa: F401  (connect: a fixture)
@@ -41,8 +42,9 @@ def _as(user: AbstractBaseUser) -> Client:
 
 def _device(owner: AbstractBaseUser, name: str, *, seen_s_ago: float | None = 1.0, **fields: object) -> Device:
     device, _ = Device.issue(owner, name)
-    if seen_s_ago is not None:
+    if seen_s_ago is not None:  # as the site's housekeeping records a connected agent, and its lazy "last seen"
         device.last_seen_at = timezone.now() - timedelta(seconds=seen_s_ago)
+        hot_state().mark_seen([device.pk], at=hot_state().clock() - seen_s_ago)
     for field, value in fields.items():
         setattr(device, field, value)
     device.save()

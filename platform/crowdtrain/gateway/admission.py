@@ -1,0 +1,58 @@
+"""Overload slows new work and never destroys work already done.
+
+A site process counts what it has in hand: sockets, handshakes still
+authenticating, and scheduler calls in flight. Past its limits it turns away
+*new* work only: a new socket is closed with 1013 (try again later) before
+any database lookup, and a lease request is answered at once with a refusal
+whose ``retry_after_s`` grows with the load. Done reports and releases are
+never turned away: they carry work already uploaded, and they are what frees
+the site.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.conf import settings
+
+TRY_AGAIN_LATER = 1013  # RFC 6455: the server is overloaded; a client reconnects with backoff
+# A refusal never asks an agent to wait longer than this, however busy the site.
+MAX_RETRY_AFTER_S = 60.0
+
+
+@dataclass
+class Admission:
+    """One process's load and the decisions that follow from it."""
+
+    sockets: int = 0
+    handshakes: int = 0  # accepted sockets whose token is still being checked
+    lease_calls: int = 0  # lease requests in the scheduler right now
+
+    def admit_socket(self) -> bool:
+        """Whether a new socket may go on to authentication (counted from here until ``socket_closed``)."""
+        if self.handshakes >= settings.CROWDTRAIN_MAX_HANDSHAKES or self.sockets >= settings.CROWDTRAIN_MAX_SOCKETS:
+            return False
+        self.sockets += 1
+        self.handshakes += 1
+        return True
+
+    def handshake_done(self) -> None:
+        self.handshakes = max(0, self.handshakes - 1)
+
+    def socket_closed(self) -> None:
+        self.sockets = max(0, self.sockets - 1)
+
+    def admit_lease_request(self) -> bool:
+        return self.lease_calls < settings.CROWDTRAIN_MAX_LEASE_CALLS
+
+    @property
+    def load(self) -> float:
+        """0 when idle, 1 at the limit of lease calls in flight."""
+        return self.lease_calls / max(1, settings.CROWDTRAIN_MAX_LEASE_CALLS)
+
+    def retry_after(self, base_s: float) -> float:
+        """``base_s`` stretched by the load: a busy site spreads its volunteers' next requests out."""
+        return min(MAX_RETRY_AFTER_S, base_s * (1.0 + 4.0 * self.load))
+
+
+admission = Admission()

@@ -1,0 +1,39 @@
+"""Run the scheduler's synchronous calls off the event loop, in a pool of threads.
+
+Not on Channels' one database thread (``database_sync_to_async``): the lease
+and done paths talk to Redis and write the database in batches, and one slow
+call must not queue every other socket's call behind it. Each pool thread
+keeps its own database connection; one that died (a restarted PostgreSQL) is
+dropped and the call tried once more on a fresh one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import ParamSpec, TypeVar
+
+from asgiref.sync import sync_to_async
+from django.db import InterfaceError, OperationalError, close_old_connections, connections
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _with_fresh_connection(fn: Callable[P, R]) -> Callable[P, R]:
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        close_old_connections()  # drops connections past their age or marked broken
+        try:
+            return fn(*args, **kwargs)
+        except (InterfaceError, OperationalError):
+            for connection in connections.all(initialized_only=True):
+                if connection.in_atomic_block:
+                    raise  # inside a transaction the caller decides; only a bare call is retried
+                connection.close()
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def offloop(fn: Callable[P, R]) -> Callable[P, Awaitable[R]]:
+    """``fn`` as a coroutine function that runs it in the pool."""
+    return sync_to_async(_with_fresh_connection(fn), thread_sensitive=False)
