@@ -41,8 +41,18 @@ class Commit:
     woken: list[str] = field(default_factory=list)
 
 
-def _moment(seconds: float) -> datetime:
+def moment(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=dt_timezone.utc)
+
+
+def held(record: dict[str, Any]) -> tuple[datetime, datetime, float]:
+    """A reported lease's issue and report times, and its compute time capped by how long it was held.
+
+    Capped again after rounding to the database's microseconds, so the stored
+    compute time never exceeds the stored times' difference.
+    """
+    issued, finished = moment(float(record["t0"])), moment(float(record["t1"]))
+    return issued, finished, min(float(record["cs"]), (finished - issued).total_seconds())
 
 
 def _write_step(config: CampaignConfig, index: int, leases: list[dict[str, Any]]) -> list[int]:
@@ -53,15 +63,7 @@ def _write_step(config: CampaignConfig, index: int, leases: list[dict[str, Any]]
                 campaign_id=config.id, index=index, num_samples=sum(int(l["n"]) for l in leases),
                 loss_sum=math.fsum(float(l["loss"]) for l in leases),
             )  # fmt: skip
-            rows = [
-                Lease(
-                    pk=l["id"], campaign_id=config.id, device_id=l["d"], base_version=l["b"], target_step=index,
-                    ranges=(ranges := to_shards(config.table, l["r"])), epoch=ranges[0][0], num_samples=l["n"],
-                    state=Lease.State.ACCEPTED, issued_at=_moment(l["t0"]), deadline=_moment(l["dl"]),
-                    finished_at=_moment(l["t1"]), step=step, loss_sum=l["loss"], compute_s=l["cs"],
-                )
-                for l in leases
-            ]  # fmt: skip
+            rows = [_row(config, l, step) for l in leases]
             # Inserted when the batched record has not written them yet (another process issued them).
             Lease.objects.bulk_create(
                 rows, update_conflicts=True, unique_fields=["id"],
@@ -75,6 +77,16 @@ def _write_step(config: CampaignConfig, index: int, leases: list[dict[str, Any]]
         step = Step.objects.get(campaign_id=config.id, index=index)
         logger.debug("campaign %s: step %s was committed by another process", config.id, index)
         return list(step.leases.order_by("id").values_list("id", flat=True))
+
+
+def _row(config: CampaignConfig, record: dict[str, Any], step: Step) -> Lease:
+    issued, finished, compute_s = held(record)
+    ranges = to_shards(config.table, record["r"])
+    return Lease(
+        pk=record["id"], campaign_id=config.id, device_id=record["d"], base_version=record["b"], target_step=step.index,
+        ranges=ranges, epoch=ranges[0][0], num_samples=record["n"], state=Lease.State.ACCEPTED, issued_at=issued,
+        deadline=moment(record["dl"]), finished_at=finished, step=step, loss_sum=record["loss"], compute_s=compute_s,
+    )  # fmt: skip
 
 
 def _credit(leases: list[dict[str, Any]]) -> None:

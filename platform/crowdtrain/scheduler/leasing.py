@@ -37,7 +37,7 @@ from crowdtrain_agent.protocol import (
     verify_receipt,
 )
 
-from .commits import Commit, commit_full_steps
+from .commits import Commit, commit_full_steps, held, moment
 from .configs import CampaignConfig, campaign_config, open_to, running_campaigns
 from .hotstate import HotStateMissing, hot_state
 from .models import IdBlock, Lease
@@ -113,10 +113,6 @@ def _run(config: CampaignConfig, script: str, args: dict[str, object]) -> dict[s
     except HotStateMissing:
         load_campaign(config.id)
         return hot_state().run(script, config.hot_key, args)
-
-
-def _moment(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, tz=dt_timezone.utc)
 
 
 def record_retired(retired: list[list[object]], at: datetime | None = None) -> None:
@@ -218,7 +214,7 @@ def _row(config: CampaignConfig, record: dict[str, object], request_id: str = ""
     return Lease(
         pk=record["id"], campaign_id=config.id, device_id=record["d"], base_version=record["b"],
         target_step=record["s"], ranges=ranges, epoch=ranges[0][0] if ranges else 0, num_samples=record["n"],
-        state=Lease.State.ACTIVE, issued_at=_moment(float(record["t0"])), deadline=_moment(float(record["dl"])),  # type: ignore[arg-type]
+        state=Lease.State.ACTIVE, issued_at=moment(float(record["t0"])), deadline=moment(float(record["dl"])),  # type: ignore[arg-type]
         request_id=request_id[:64],
     )  # fmt: skip
 
@@ -395,9 +391,7 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
         return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=str(answer.get("reason"))))
     lease = answer["lease"]
     assert isinstance(lease, dict)  # the script's own output
-    issued, finished = _moment(float(lease["t0"])), _moment(float(lease["t1"]))
-    # Capped again after rounding to the database's microseconds: never longer than the lease was held.
-    compute_s = min(float(lease["cs"]), (finished - issued).total_seconds())
+    _, finished, compute_s = held(lease)
     writer().lease_finished(Finished(done.lease_id, Lease.State.ACCEPTED, "", finished, float(lease["loss"]), compute_s))
     outcome = DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=True, step=int(answer["step"])))  # type: ignore[call-overload]
     if answer.get("commit"):
