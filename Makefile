@@ -47,32 +47,28 @@ serve: $(STAMP)
 cluster: $(STAMP) $(HAPROXY)
 	PYTHONPATH=platform:agent/src $(BIN)/python -m crowdtrain.cluster $(ARGS)
 
-# A file target: nothing runs once Chromium is there. CI runs as root; elsewhere sudo, if any.
-# A fresh machine may have empty package lists, so one failed install is retried after an update.
-$(CHROMIUM):
+# Debian packages the tests need, installed once (file targets: nothing runs once the binary is there).
+# CI runs as root; elsewhere sudo, if any. A fresh machine may have empty package lists, so one failed
+# install is retried after an update. $(1): the binary, $(2): the package, $(3): what needs it.
+define debian_package
 	@if [ "$$(id -u)" -eq 0 ]; then sudo=; \
 	elif command -v sudo >/dev/null 2>&1; then sudo=sudo; \
-	else echo "browser tests need Chromium at $@: as root, run apt-get install -y --no-install-recommends chromium" >&2; \
+	else echo "$(3) needs $(1): as root, run apt-get install -y --no-install-recommends $(2)" >&2; \
 	     exit 1; fi; \
 	command -v apt-get >/dev/null 2>&1 \
-	  || { echo "browser tests need Debian's Chromium at $@, and apt-get is missing" >&2; exit 1; }; \
+	  || { echo "$(3) needs Debian's $(2) at $(1), and apt-get is missing" >&2; exit 1; }; \
 	export DEBIAN_FRONTEND=noninteractive; \
-	$$sudo apt-get install -y --no-install-recommends chromium \
-	  || { $$sudo apt-get update && $$sudo apt-get install -y --no-install-recommends chromium; }
-	@test -x $@ || { echo "apt-get installed chromium but $@ is missing" >&2; exit 1; }
+	$$sudo apt-get install -y --no-install-recommends $(2) \
+	  || { $$sudo apt-get update && $$sudo apt-get install -y --no-install-recommends $(2); }
+	@test -x $(1) || { echo "apt-get installed $(2) but $(1) is missing" >&2; exit 1; }
+endef
 
-# Like Chromium: Debian's haproxy 2.6, installed once; its service is not started (the cluster runs its own).
+$(CHROMIUM):
+	$(call debian_package,$@,chromium,the browser tests)
+
+# Its service is not started: the cluster runs its own HAProxy.
 $(HAPROXY):
-	@if [ "$$(id -u)" -eq 0 ]; then sudo=; \
-	elif command -v sudo >/dev/null 2>&1; then sudo=sudo; \
-	else echo "the cluster needs HAProxy at $@: as root, run apt-get install -y --no-install-recommends haproxy" >&2; \
-	     exit 1; fi; \
-	command -v apt-get >/dev/null 2>&1 \
-	  || { echo "the cluster needs Debian's haproxy at $@, and apt-get is missing" >&2; exit 1; }; \
-	export DEBIAN_FRONTEND=noninteractive; \
-	$$sudo apt-get install -y --no-install-recommends haproxy \
-	  || { $$sudo apt-get update && $$sudo apt-get install -y --no-install-recommends haproxy; }
-	@test -x $@ || { echo "apt-get installed haproxy but $@ is missing" >&2; exit 1; }
+	$(call debian_package,$@,haproxy,the cluster)
 
 # Three passes: everything on the embedded defaults (SQLite, in-memory channel
 # layer), then what touches the database and the channel layer on PostgreSQL

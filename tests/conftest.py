@@ -60,14 +60,14 @@ def fresh_scheduler_state() -> Iterator[None]:
     """
     import uuid
 
-    from crowdtrain.scheduler import configs, hotstate, leasing, records
+    from crowdtrain.scheduler import configs, hotstate, ids, records
 
     prefix = f"ct-test-{uuid.uuid4().hex[:12]}"
     with override_settings(CROWDTRAIN_REDIS_PREFIX=prefix, CROWDTRAIN_RECORDS_INLINE=True):
         hotstate.reset_hot_state()
         records.reset_writer()
         configs.clear_caches()
-        leasing.lease_ids.reset()
+        ids.lease_ids.reset()
         yield
         state = hotstate._instance
         if state is not None:
@@ -77,7 +77,7 @@ def fresh_scheduler_state() -> Iterator[None]:
         hotstate.reset_hot_state()
         records.reset_writer()
         configs.clear_caches()
-        leasing.lease_ids.reset()
+        ids.lease_ids.reset()
 
 
 class FakeClock:

@@ -25,7 +25,7 @@ from crowdtrain.campaigns.models import Campaign, Step
 from crowdtrain_agent.protocol import StepCommit
 
 from .configs import CampaignConfig
-from .hotstate import hot_state
+from .hotstate import HotStateMissing, hot_state
 from .models import Lease
 from .rebuild import to_shards
 
@@ -112,7 +112,13 @@ def commit_full_steps(config: CampaignConfig, full: dict[str, Any]) -> list[Comm
         index = int(full["step"])
         lease_ids = _write_step(config, index, list(full["leases"]))
         num_samples = sum(int(l["n"]) for l in full["leases"])
-        answer = hot_state().run("committed", config.hot_key, {"step": index})
+        try:
+            answer = hot_state().run("committed", config.hot_key, {"step": index})
+        except HotStateMissing:  # Redis lost the keys meanwhile: the record, step included, rebuilds them
+            from .rebuild import load_campaign
+
+            load_campaign(config.id)
+            answer = {}
         logger.info("campaign %s: step %s committed (%s samples, %s leases)", config.id, index, num_samples, len(lease_ids))
         message = StepCommit(campaign_id=config.id, step=index, lease_ids=lease_ids, num_samples=num_samples)
         commits.append(Commit(message, list(config.aggregator_ids), [str(c) for c in answer.get("woken") or []]))

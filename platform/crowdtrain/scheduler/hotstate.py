@@ -32,6 +32,8 @@ from django.conf import settings
 logger = logging.getLogger(__name__)
 
 LUA_DIR = Path(__file__).with_name("lua")
+# The presence set keeps devices this long after they were last seen ("online now" needs seconds).
+FORGET_SEEN_AFTER_S = 86400.0
 SCRIPTS = ("lease", "done", "committed", "release", "sweep", "park", "rollback", "load", "configure")
 
 
@@ -177,10 +179,12 @@ class Presence:
             return list(self._connected)
 
     def publish(self) -> int:
-        """Mark every connected device as seen now; returns how many."""
+        """Mark every connected device as seen now, and forget devices not seen for a day; returns how many."""
         ids = self.device_ids()
+        state = hot_state()
         if ids:
-            hot_state().mark_seen(ids)
+            state.mark_seen(ids)
+        state.client.zremrangebyscore(state.seen_key, "-inf", state.clock() - FORGET_SEEN_AFTER_S)
         return len(ids)
 
     def take_db_batch(self) -> list[int]:

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone as dt_timezone
 
 from django.conf import settings
-from django.db import transaction
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Step, shard_table
@@ -40,7 +38,8 @@ from crowdtrain_agent.protocol import (
 from .commits import Commit, commit_full_steps, held, moment
 from .configs import CampaignConfig, campaign_config, open_to, running_campaigns
 from .hotstate import HotStateMissing, hot_state
-from .models import IdBlock, Lease
+from . import ids
+from .models import Lease
 from .rebuild import load_campaign, to_shards
 from .records import Finished, writer
 
@@ -52,55 +51,12 @@ TICKET_GRACE_S = 30.0
 MAX_LOSS_PER_SAMPLE = 1e6
 # Expired leases the lease script retires per call; the rest wait for the next call or the sweep.
 SWEEP_PER_CALL = 16
-LEASE_ID_BLOCK = 1000
 
 
 @dataclass
 class DoneOutcome:
     ack: DoneAck
     commits: list[Commit] = field(default_factory=list)
-
-
-# ------------------------------------------------------------------ lease ids
-
-
-class _IdPool:
-    """Lease ids reserved from the database a block at a time (IdBlock): one statement per thousand leases."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._next = 0
-        self._end = 0
-
-    def take(self) -> int:
-        with self._lock:
-            if self._next >= self._end:
-                self._next, self._end = _reserve_ids(LEASE_ID_BLOCK)
-            self._next += 1
-            return self._next - 1
-
-    def reset(self) -> None:
-        with self._lock:
-            self._next = self._end = 0
-
-
-def _reserve_ids(size: int) -> tuple[int, int]:
-    with transaction.atomic():
-        block = IdBlock.objects.select_for_update().filter(name="lease").first()
-        if block is None:
-            # First use: start past any lease already recorded (rows from before id blocks existed).
-            from django.db.models import Max
-
-            start = (Lease.objects.aggregate(m=Max("id"))["m"] or 0) + 1
-            IdBlock.objects.create(name="lease", next_id=start + size)
-            return start, start + size
-        start = block.next_id
-        block.next_id = start + size
-        block.save(update_fields=["next_id"])
-        return start, start + size
-
-
-lease_ids = _IdPool()
 
 
 # ------------------------------------------------------------------ helpers
@@ -186,7 +142,7 @@ def _refusal(config: CampaignConfig, answer: dict[str, object]) -> NoLease:
 
 def _try_lease(config: CampaignConfig, device_id: int, samples_per_s: float | None, request_id: str) -> LeaseMessage | NoLease:
     want, claimed = _lease_size(config, device_id, samples_per_s)
-    lease_id = lease_ids.take()
+    lease_id = ids.lease_ids.take()
     answer = _run(config, "lease", {
         "device": device_id, "want": min(want, settings.CROWDTRAIN_MAX_LEASE_SAMPLES), "claimed": claimed, "id": lease_id,
         "cid": config.id, "min_dl": settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S,
@@ -198,6 +154,7 @@ def _try_lease(config: CampaignConfig, device_id: int, samples_per_s: float | No
     if int(answer.get("gen") or 0) > config.gen:  # type: ignore[call-overload]
         config = campaign_config(config.id, gen=int(answer["gen"])) or config  # type: ignore[call-overload]
     if answer.get("kind") != "lease":
+        ids.lease_ids.put_back(lease_id)
         return _refusal(config, answer)
     record = answer["lease"]
     assert isinstance(record, dict)  # the script's own output, not input
@@ -382,10 +339,17 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
     config = _lease_campaign(done.lease_id)
     if config is None:  # another device's lease looks the same as no lease at all
         return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason="unknown lease"))
-    answer = _run(config, "done", {
-        "id": done.lease_id, "device": device_id, "n": done.num_samples, "loss": done.loss_sum,
-        "cs": done.compute_s if math.isfinite(done.compute_s) else 0.0, "problem": _receipt_problem(config, done),
-    })  # fmt: skip
+    for _ in range(3):
+        answer = _run(config, "done", {
+            "id": done.lease_id, "device": device_id, "n": done.num_samples, "loss": done.loss_sum,
+            "cs": done.compute_s if math.isfinite(done.compute_s) else 0.0, "problem": _receipt_problem(config, done),
+            "gen": config.gen,
+        })  # fmt: skip
+        if "accepted" in answer:
+            break
+        config = campaign_config(config.id, gen=int(answer["gen"])) or config  # type: ignore[call-overload]
+    else:
+        raise RuntimeError(f"campaign {config.id}: its generation keeps moving; the report of lease {done.lease_id} was not counted")
     record_retired(answer.get("retired") or [])  # type: ignore[arg-type]
     if not answer.get("accepted"):
         return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=str(answer.get("reason"))))

@@ -26,6 +26,20 @@ HELLO = AgentHello(
 )  # fmt: skip
 
 
+async def greeted_agent(connect: Connect, name: str = "", *, token: str = "") -> WebsocketCommunicator:
+    """An agent socket past its hello: a new device's named ``name``, or the device of ``token``."""
+    if not token:
+        from asgiref.sync import sync_to_async
+
+        from tests.factories import make_device
+
+        _, token = await sync_to_async(make_device)(name)
+    communicator, _, _ = await connect("/ws/agent/", token)
+    await send(communicator, HELLO)
+    await receive(communicator)
+    return communicator
+
+
 @pytest.fixture
 async def connect() -> AsyncIterator[Connect]:
     """Open sockets through the real ASGI application; all are closed after the test."""

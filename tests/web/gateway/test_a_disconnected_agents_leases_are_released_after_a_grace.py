@@ -13,7 +13,7 @@ from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import LeaseRequest
 from tests.factories import make_campaign, make_device
 
-from .conftest import HELLO, Connect, receive, send
+from .conftest import Connect, greeted_agent, receive, send
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -28,9 +28,7 @@ async def _lease_state(lease_id: int) -> tuple[str, str]:
 
 
 async def _agent_with_lease(connect: Connect, token: str) -> tuple[object, int]:
-    communicator, _, _ = await connect("/ws/agent/", token)
-    await send(communicator, HELLO)
-    await receive(communicator)
+    communicator = await greeted_agent(connect, token=token)
     await send(communicator, LeaseRequest())
     lease = await receive(communicator)
     return communicator, lease.lease_id
@@ -55,9 +53,7 @@ async def test_an_agent_that_reconnects_within_the_grace_keeps_its_leases(connec
     agent, lease_id = await _agent_with_lease(connect, token)
 
     await agent.disconnect()
-    again, _, _ = await connect("/ws/agent/", token)
-    await send(again, HELLO)
-    await receive(again)
+    await greeted_agent(connect, token=token)
     await asyncio.sleep(0.8)
 
     state = await sync_to_async(Lease.objects.filter(pk=lease_id).values_list("state", flat=True).first)()

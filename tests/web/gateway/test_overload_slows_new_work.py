@@ -10,17 +10,9 @@ from crowdtrain.gateway.admission import TRY_AGAIN_LATER, admission
 from crowdtrain_agent.protocol import DoneAck, LeaseRequest, NoLease, should_reconnect
 from tests.factories import done_for, make_campaign, make_device
 
-from .conftest import HELLO, Connect, receive, send
+from .conftest import Connect, greeted_agent, receive, send
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-async def _agent(connect: Connect, name: str) -> object:
-    _, token = await sync_to_async(make_device)(name)
-    communicator, _, _ = await connect("/ws/agent/", token)
-    await send(communicator, HELLO)
-    await receive(communicator)
-    return communicator
 
 
 @override_settings(CROWDTRAIN_MAX_HANDSHAKES=1)
@@ -40,7 +32,7 @@ async def test_a_new_socket_beyond_the_handshake_limit_is_told_to_try_again_late
 @override_settings(CROWDTRAIN_MAX_LEASE_CALLS=1)
 async def test_a_busy_site_refuses_new_leases_with_a_longer_wait_but_still_counts_work_done(connect: Connect) -> None:
     await sync_to_async(make_campaign)(target_batch_size=16)
-    agent = await _agent(connect, "alice")
+    agent = await greeted_agent(connect, "alice")
     await send(agent, LeaseRequest())
     lease = await receive(agent)
     admission.lease_calls += 1  # the process has as many lease requests in hand as it takes

@@ -8,26 +8,18 @@ from django.test import override_settings
 
 from crowdtrain_agent.protocol import DoneAck, ErrorMessage, Lease, LeaseRequest, NoLease
 from crowdtrain.scheduler import leasing
-from tests.factories import done_for, make_campaign, make_device
+from tests.factories import done_for, make_campaign
 
-from .conftest import HELLO, Connect, receive, send
+from .conftest import Connect, greeted_agent, receive, send
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 WHOLE_STEP = 1e6  # samples/s: any lease is capped by the room left in its step, so this takes all of it
 
 
-async def _agent(connect: Connect, name: str) -> object:
-    _, token = await sync_to_async(make_device)(name)
-    communicator, _, _ = await connect("/ws/agent/", token)
-    await send(communicator, HELLO)
-    await receive(communicator)
-    return communicator
-
-
 async def test_a_request_for_a_full_step_is_answered_by_the_commit_that_makes_room(connect: Connect) -> None:
     await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
-    agent = await _agent(connect, "alice")
+    agent = await greeted_agent(connect, "alice")
     await send(agent, LeaseRequest(samples_per_s=WHOLE_STEP))
     first = await receive(agent)
 
@@ -44,7 +36,7 @@ async def test_a_request_for_a_full_step_is_answered_by_the_commit_that_makes_ro
 
 async def test_another_devices_commit_wakes_a_waiting_request(connect: Connect) -> None:
     await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
-    alice, bob = await _agent(connect, "alice"), await _agent(connect, "bob")
+    alice, bob = await greeted_agent(connect, "alice"), await greeted_agent(connect, "bob")
     await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
     first = await receive(alice)
 
@@ -61,7 +53,7 @@ async def test_another_devices_commit_wakes_a_waiting_request(connect: Connect) 
 @override_settings(CROWDTRAIN_LEASE_WAIT_MAX_S=0.3)
 async def test_a_waiting_request_gets_the_refusal_when_the_sites_limit_is_up(connect: Connect) -> None:
     await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
-    alice, bob = await _agent(connect, "alice"), await _agent(connect, "bob")
+    alice, bob = await greeted_agent(connect, "alice"), await greeted_agent(connect, "bob")
     await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
     await receive(alice)
 
@@ -74,7 +66,7 @@ async def test_a_waiting_request_gets_the_refusal_when_the_sites_limit_is_up(con
 
 async def test_a_request_without_wait_s_is_refused_at_once(connect: Connect) -> None:
     await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
-    alice, bob = await _agent(connect, "alice"), await _agent(connect, "bob")
+    alice, bob = await greeted_agent(connect, "alice"), await greeted_agent(connect, "bob")
     await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
     await receive(alice)
 
@@ -87,7 +79,7 @@ async def test_a_request_without_wait_s_is_refused_at_once(connect: Connect) -> 
 @pytest.mark.parametrize("wait_s", [-1.0, -1e-9])
 async def test_it_refuses_a_negative_wait(connect: Connect, wait_s: float) -> None:
     await sync_to_async(make_campaign)(target_batch_size=16)
-    agent = await _agent(connect, "alice")
+    agent = await greeted_agent(connect, "alice")
 
     await send(agent, LeaseRequest(wait_s=wait_s))
     reply = await receive(agent)
@@ -102,8 +94,8 @@ async def test_a_commit_wakes_only_as_many_waiting_requests_as_its_room_serves(
     real_ask = leasing.ask_lease
     monkeypatch.setattr(leasing, "ask_lease", lambda device_id, *a, **k: asked.append(device_id) or real_ask(device_id, *a, **k))
     await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
-    alice = await _agent(connect, "alice")
-    waiting = [await _agent(connect, name) for name in ("bob", "carol", "dave")]
+    alice = await greeted_agent(connect, "alice")
+    waiting = [await greeted_agent(connect, name) for name in ("bob", "carol", "dave")]
     await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
     first = await receive(alice)
     for agent in waiting:  # each would take a whole step

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from crowdtrain.campaigns.models import Campaign
-from crowdtrain.scheduler import backbone, configs, leasing, records
+from crowdtrain.scheduler import backbone, configs, ids, leasing, records
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import Lease as LeaseMessage, LeaseDone, Receipt, StepApplied, sign_receipt
@@ -31,17 +31,17 @@ class SiteProcess:
     """What one site process keeps to itself: its record queue, its lease ids and its cached campaigns."""
 
     writer: records.RecordWriter = field(default_factory=lambda: records.RecordWriter(inline=False, thread=False))
-    ids: leasing._IdPool = field(default_factory=leasing._IdPool)
+    id_pool: ids.IdPool = field(default_factory=ids.IdPool)
     cache: dict[int, configs.CampaignConfig] = field(default_factory=dict)
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        saved = records._writer, leasing.lease_ids, configs._cache
-        records._writer, leasing.lease_ids, configs._cache = self.writer, self.ids, self.cache
+        saved = records._writer, ids.lease_ids, configs._cache
+        records._writer, ids.lease_ids, configs._cache = self.writer, self.id_pool, self.cache
         try:
             yield
         finally:
-            records._writer, leasing.lease_ids, configs._cache = saved
+            records._writer, ids.lease_ids, configs._cache = saved
 
 
 def _apply_all(campaign: Campaign) -> None:

@@ -1,10 +1,8 @@
 from __future__ import annotations
 
-from datetime import timedelta
 
 import pytest
 from django.test import override_settings
-from django.utils import timezone
 
 from crowdtrain.campaigns.models import Campaign, shard_table
 from crowdtrain.scheduler import leasing

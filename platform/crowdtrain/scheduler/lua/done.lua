@@ -1,5 +1,5 @@
 -- Count a finished lease. A: id, device, n, loss, cs (compute seconds), problem (why the site refuses
--- its receipts or loss, '' when it does not).
+-- its receipts or loss, '' when it does not), gen (the campaign generation the problem was judged at).
 if redis.call('EXISTS', K_META) == 0 then return cjson.encode({missing = true}) end
 local l = lease_get(A.id)
 if not l or l.d ~= A.device then return cjson.encode({accepted = false, reason = 'unknown lease'}) end
@@ -9,6 +9,11 @@ if l.st ~= 'active' then
 end
 local out = {}
 redis.call('ZADD', SEEN, now, A.device) -- a device that asks or reports is alive
+if A.gen ~= meta('gen') then
+  -- The site process checked the receipts against an older copy of the campaign (its slices may
+  -- have moved): it reads the campaign again and asks once more. Nothing changed here.
+  return cjson.encode({gen = meta('gen')})
+end
 local open = meta('open')
 if A.n ~= l.n then
   retire(l, 'rejected', 'lease has ' .. l.n .. ' samples, report says ' .. A.n, out)
