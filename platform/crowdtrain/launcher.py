@@ -259,15 +259,22 @@ class Swarm:
         return result.stdout
 
     def start_site(self, *, host: str = "127.0.0.1", port: int = 0, env: Mapping[str, str] | None = None,
-                   cpus: Sequence[int] | None = None, timeout_s: float = 60.0) -> Site:  # fmt: skip
+                   cpus: Sequence[int] | None = None, timeout_s: float = 60.0, name: str = "site",
+                   worker: bool = True) -> Site:  # fmt: skip
         """Start daphne with the site's ASGI app and wait for its port.
 
         daphne's default 1 MiB WebSocket limits stay: every protocol message
         is smaller (gradients go to aggregators, not through the site).
+
+        Args:
+            name: the child's name and log file; a second site process needs another.
+            worker: also start the Celery worker when tasks go to a broker. One worker
+                serves every site process of a swarm (it runs beat too, and two beats
+                would schedule every periodic task twice), so pass False for the others.
         """
         argv = [self.python, "-m", "daphne", "-b", host, "-p", str(port), "crowdtrain.asgi:application"]
-        child = self.start("site", argv, role="site", env=env, cpus=cpus)
-        if self.needs_worker(env):
+        child = self.start(name, argv, role="site", env=env, cpus=cpus)
+        if worker and self.needs_worker(env):
             self.start_worker(env=env, cpus=cpus, timeout_s=timeout_s)
         match = child.wait_for_line(DAPHNE_LISTENING, timeout_s)
         return Site(f"http://{match.group(1)}:{match.group(2)}", child)
