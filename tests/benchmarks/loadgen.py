@@ -51,7 +51,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -147,6 +147,9 @@ class Stats:
     fatal: Counter[str] = field(default_factory=Counter)  # channels closed for good (bad token, gave up)
     window: tuple[float, float] = (float("inf"), float("inf"))  # wall clock
     lease_ms: list[float] = field(default_factory=list)  # request -> lease, for requests sent in the window
+    # Requests sent in the window and still unanswered when the drain ended: in lease_ms at their age then, a
+    # lower bound (leaving them out would drop exactly the slowest requests from the percentile).
+    lease_unanswered: int = 0
     lease_wait_ms: list[float] = field(default_factory=list)  # a cycle's first request -> its lease (no_lease included)
     cycles: int = 0  # done reports accepted in the window
     cycles_total: int = 0
@@ -166,7 +169,11 @@ class Stats:
         return self.window[0] <= t <= self.window[1]
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        # Not dataclasses.asdict: it rebuilds a Counter from (key, count) pairs, counting the pairs.
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in data.items():
+            if isinstance(value, Counter):
+                data[name] = dict(value)
         for name in ("connect_ms", "lease_ms", "lease_wait_ms"):
             data[name] = [round(v, 2) for v in data[name]]
         return data
@@ -219,7 +226,7 @@ class Context:
 class SimAgent:
     """One simulated agent: a real control channel and the lease cycle, no model."""
 
-    __slots__ = ("index", "ctx", "channel", "connect_started", "connected", "pushed", "task", "cycle_task")
+    __slots__ = ("index", "ctx", "channel", "connect_started", "connected", "pushed", "task", "cycle_task", "asking")
 
     def __init__(self, index: int, ctx: Context, url: str, token: str) -> None:
         self.index = index
@@ -233,6 +240,7 @@ class SimAgent:
         self.pushed = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.cycle_task: asyncio.Task[None] | None = None
+        self.asking: tuple[float, float] | None = None  # (wall, perf) send time of the lease request in flight
 
     def start(self) -> None:
         self.connect_started = time.perf_counter()
@@ -298,13 +306,15 @@ class SimAgent:
             self.pushed.clear()  # before asking, so a push during the request still wakes us (as the agent does)
             request = LeaseRequest(campaign_id=ctx.spec.campaign_id, samples_per_s=ctx.spec.samples_per_s,
                                    request_id=request_id, wait_s=ctx.spec.lease_wait_s)  # fmt: skip
-            sent_wall, sent = time.time(), time.perf_counter()
+            sent_wall, sent = self.asking = time.time(), time.perf_counter()
             try:
                 reply = await self.channel.call(request, "lease", timeout=ctx.spec.lease_wait_s + 30.0,
                                                 retries=LEASE_CALL_RETRIES)  # fmt: skip
             except (ConnectionLost, TimeoutError) as exc:
                 stats.lease_errors[type(exc).__name__] += 1
                 continue
+            finally:
+                self.asking = None
             answered = time.perf_counter()
             if isinstance(reply, Lease):
                 if stats.in_window(sent_wall):
@@ -472,6 +482,11 @@ async def drive(spec: LoadSpec, folder: Path) -> Stats:
         cycles = [a.cycle_task for a in agents if a.cycle_task is not None]
         if cycles:
             _, pending = await asyncio.wait(cycles, timeout=spec.drain_s)
+            now = time.perf_counter()
+            for agent in agents:
+                if agent.asking is not None and stats.in_window(agent.asking[0]):
+                    stats.lease_ms.append(1e3 * (now - agent.asking[1]))
+                    stats.lease_unanswered += 1
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

@@ -445,11 +445,11 @@ def _log_phase(run: PhaseRun) -> None:
     cores = {role: round(seconds / run.window_s, 2) for role, seconds in run.cpu_s.items()}
     logger.warning(
         "phase %s: %d agents, %d connected (%d reconnects, %d disconnects, fatal %s); window %.1f s: %d cycles "
-        "(%d in all), no_lease %s, lease errors %s, uploads failed %s, done rejected %s, done unconfirmed %d, "
+        "(%d in all), %d lease requests unanswered, no_lease %s, lease errors %s, uploads failed %s, done rejected %s, done unconfirmed %d, "
         "future-version retries %d; CPU in cores %s, other processes %.2f; load generator loop lag max %.0f ms, "
         "RSS %.0f MB; leases in the database %s",
         run.name, run.agents, load["connected"], load["reconnects"], load["disconnects"], dict(load["fatal"]),
-        run.window_s, load["cycles"], load["cycles_total"], dict(load["no_lease"]), dict(load["lease_errors"]),
+        run.window_s, load["cycles"], load["cycles_total"], load["lease_unanswered"], dict(load["no_lease"]), dict(load["lease_errors"]),
         dict(load["upload_failed"]), dict(load["done_rejected"]), load["done_unconfirmed"],
         load["future_version_retries"], cores, run.foreign_cores, load["loop_lag_max_ms"], load["rss_mb"],
         run.db_leases or "(not read)",
@@ -505,7 +505,9 @@ def cycle_figures(run: PhaseRun | str, agents: int, infix: str) -> list[str]:
         reasons = ", ".join(filter(None, [reasons, f"no answer: {load['done_unconfirmed']}"]))
     lines = [figure_line(names[0], run.cycles_per_s, note)]
     if load["lease_ms"]:
-        lines.append(figure_line(names[1], percentile(load["lease_ms"], 99), note))
+        unanswered = f"{load['lease_unanswered']} requests still unanswered after the drain count at their age"
+        lease_note = "; ".join(filter(None, [unanswered if load["lease_unanswered"] else "", note]))
+        lines.append(figure_line(names[1], percentile(load["lease_ms"], 99), lease_note))
     else:
         lines.append(skipped_line(names[1], "no lease was answered in the window"))
     if load["cycles"]:
