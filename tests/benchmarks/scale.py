@@ -289,7 +289,7 @@ class PhasePlan:
     mode: str  # "cycle" or "idle"
     leases_per_step: int | None = None  # None: wide (every agent fits)
     window_s: float = 20.0
-    connect_rate: float = 500.0
+    connect_rate: float = 200.0
     period_s: float = 0.5
     site_cpus: list[int] | None = None
     drain_s: float = 15.0
@@ -492,9 +492,10 @@ def _sleep_until(wall: float) -> None:
 
 
 def cycle_figures(run: PhaseRun | str, agents: int, infix: str) -> list[str]:
-    """``lease_cycles_per_s``, ``lease_p99_ms``, ``site_cpu_ms_per_lease`` and ``done_rejected`` of a leasing phase."""
+    """A leasing phase's cycles/s, p99 lease latency, site CPU per lease, rejected reports and missing agents."""
     names = [f"lease_cycles_per_s{infix}_{agents}", f"lease_p99_ms{infix}_{agents}",
-             f"site_cpu_ms_per_lease{infix}_{agents}", f"done_rejected{infix}_{agents}"]  # fmt: skip
+             f"site_cpu_ms_per_lease{infix}_{agents}", f"done_rejected{infix}_{agents}",
+             f"agents_not_connected{infix}_{agents}"]  # fmt: skip
     if isinstance(run, str):
         return [skipped_line(name, run) for name in names]
     note = run.caveat()
@@ -509,13 +510,22 @@ def cycle_figures(run: PhaseRun | str, agents: int, infix: str) -> list[str]:
         lease_note = "; ".join(filter(None, [unanswered if load["lease_unanswered"] else "", note]))
         lines.append(figure_line(names[1], percentile(load["lease_ms"], 99), lease_note))
     else:
-        lines.append(skipped_line(names[1], "no lease was answered in the window"))
+        lines.append(skipped_line(names[1], f"no lease request sent in the window was answered; "
+                                            f"{load['lease_outstanding']} requests still waited after the drain"))
     if load["cycles"]:
         lines.append(figure_line(names[2], run.site_cpu_ms_per_lease))
     else:
         lines.append(skipped_line(names[2], "no cycle completed in the window"))
     lines.append(f"bench: {names[3]}={rejected}" + (f" ({reasons})" if reasons else ""))
+    lines.append(not_connected_line(f"agents_not_connected{infix}_{agents}", load))
     return lines
+
+
+def not_connected_line(name: str, load: dict[str, Any]) -> str:
+    """How many agents never got a welcome, and which of them gave up for good (and on which close code)."""
+    missing = load["agents"] - load["connected"]
+    fatal = ", ".join(f"{n} stopped on {why}" for why, n in load["fatal"].most_common())
+    return f"bench: {name}={missing}" + (f" ({fatal})" if fatal else "")
 
 
 def run_all(bench: Bench) -> list[str]:
@@ -570,7 +580,7 @@ def run_all(bench: Bench) -> list[str]:
 
 
 def idle_figures(run: PhaseRun | str, agents: int, join_rate: float) -> list[str]:
-    names = ["idle_cpu_pct_per_1000", f"connect_p99_ms_{agents}"]
+    names = ["idle_cpu_pct_per_1000", f"connect_p99_ms_{agents}", f"agents_not_connected_idle_{agents}"]
     if isinstance(run, str):
         return [skipped_line(name, run) for name in names]
     load = run.load
@@ -585,12 +595,14 @@ def idle_figures(run: PhaseRun | str, agents: int, join_rate: float) -> list[str
     times = load["connect_ms"] + [math.inf] * (agents - connected)
     note = f"joining at {join_rate:g}/s" + (f"; {agents - connected} never connected" if connected < agents else "")
     lines.append(figure_line(names[1], percentile(times, 99), note))
+    lines.append(not_connected_line(f"agents_not_connected_idle_{agents}", load))
     return lines
 
 
 def overload_figures(run: PhaseRun | str, agents: int) -> list[str]:
     if isinstance(run, str):
-        return [skipped_line("overload_lost", run)]
+        names = ["overload_lost", f"overload_cycles_per_s_{agents}", f"agents_not_connected_overload_{agents}"]
+        return [skipped_line(name, run) for name in names]
     load = run.load
     rejected = ", ".join(f"{reason}: {n}" for reason, n in load["done_rejected"].most_common())
     note = (f"of {len(load['reported'])} leases uploaded and reported by {agents} agents; done rejected "
@@ -599,6 +611,7 @@ def overload_figures(run: PhaseRun | str, agents: int) -> list[str]:
     return [
         f"bench: overload_lost={run.lost} ({note})",
         figure_line(f"overload_cycles_per_s_{agents}", run.cycles_per_s, run.caveat()),
+        not_connected_line(f"agents_not_connected_overload_{agents}", load),
     ]
 
 
@@ -635,7 +648,7 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespa
     add("--window-s", type=float, default=20.0, help="measured window of the leasing phases (default 20)")
     add("--idle-window-s", type=float, default=30.0, help="measured window of the idle phase (default 30)")
     add("--overload-window-s", type=float, default=60.0, help="window of the overload phase (default 60)")
-    add("--connect-rate", type=float, default=500.0, help="agents connecting per second in leasing phases (default 500)")
+    add("--connect-rate", type=float, default=200.0, help="agents connecting per second in leasing phases (default 200)")
     add("--upload-connections", type=int, default=64, help="aggregator sockets the agents share (default 64)")
     add("--loadgen-procs", type=int, default=1, help="load-generator processes (default 1)")
     add("--phase-limit-s", type=float, default=300.0, help="a phase still running after this is cut off (default 300)")
