@@ -79,7 +79,7 @@ import numpy as np  # noqa: E402
 
 from crowdtrain.launcher import Child, LaunchError, Swarm, get_json  # noqa: E402
 
-from .figures import figure_line, percentile, skipped_line, spread_pct  # noqa: E402
+from .figures import figure_line, format_value, percentile, skipped_line, spread_pct  # noqa: E402
 from .loadgen import raise_open_files_limit, write_json  # noqa: E402
 
 logger = logging.getLogger("tests.benchmarks.scale")
@@ -593,7 +593,11 @@ def idle_figures(run: PhaseRun | str, agents: int, join_rate: float) -> list[str
         lines.append(skipped_line(names[0], "no agent connected"))
     # An agent that never got in waited forever: it counts, as infinity, in the percentile.
     times = load["connect_ms"] + [math.inf] * (agents - connected)
-    note = f"joining at {join_rate:g}/s" + (f"; {agents - connected} never connected" if connected < agents else "")
+    note = f"joining at {join_rate:g}/s"
+    if connected < agents:
+        note += f"; {agents - connected} never connected"
+        if connected:
+            note += f", p99 of the {connected} that did {format_value(percentile(load['connect_ms'], 99))} ms"
     lines.append(figure_line(names[1], percentile(times, 99), note))
     lines.append(not_connected_line(f"agents_not_connected_idle_{agents}", load))
     return lines

@@ -62,7 +62,7 @@ import numpy as np  # noqa: E402
 from crowdtrain.launcher import Swarm, get_json  # noqa: E402
 
 from .baseline import W1, measure_in_process, make_data  # noqa: E402
-from .figures import between_baselines, figure_line, ratio_or_unstable  # noqa: E402
+from .figures import BaselinePair, between_baselines, figure_line, format_value, ratio_or_unstable  # noqa: E402
 from .ingest import measure_ingest  # noqa: E402
 
 logger = logging.getLogger("tests.benchmarks.w1")
@@ -179,6 +179,10 @@ def _wait(ready: Callable[[], Any], timeout_s: float, what: str, swarm: Swarm, p
     raise RuntimeError(f"waited {timeout_s:.0f} s for {what}; logs in {swarm.logs}")
 
 
+def _unstable_note(pair: BaselinePair) -> str:
+    return "" if pair.agrees() else f"unstable: {format_value(pair.before)} before, {format_value(pair.after)} after"
+
+
 def _attempt_dir(run_dir: Path, attempt: int) -> Path:
     """A repeated phase gets a folder of its own, so the first attempt's logs stay for a look."""
     return run_dir if attempt == 0 else run_dir.with_name(f"{run_dir.name}-repeat-{attempt}")
@@ -229,8 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         two_threads, args.repeats,
     )  # fmt: skip
     lines = [
-        figure_line("baseline_1thread_samples_per_s", base_1.best),
-        figure_line("baseline_2threads_samples_per_s", base_2.best),
+        figure_line("baseline_1thread_samples_per_s", base_1.best, _unstable_note(base_1)),
+        figure_line("baseline_2threads_samples_per_s", base_2.best, _unstable_note(base_2)),
         figure_line("agent_samples_per_s", one.samples_per_s),
         ratio_or_unstable("agent_efficiency", one.samples_per_s, base_1),
         figure_line("swarm_samples_per_s", two.samples_per_s),
