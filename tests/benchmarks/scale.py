@@ -37,7 +37,10 @@ Phases and the ``bench: NAME=VALUE`` lines they print:
   agents' acks and the database afterwards.
 
 Each agent paces itself to one cycle per ``--period-s`` (0: back to back),
-so N agents offer ``N / period_s`` cycles per second. Every phase is bounded
+so N agents offer ``N / period_s`` cycles per second: with the default of
+1 s, 1,000 agents offer exactly the 1,000 cycles/s the site should sustain,
+and a site that keeps up shows at least that (each agent then completes 20 or
+21 cycles in a 20 s window) with its p99 a service time, not a queue. Every phase is bounded
 (``--phase-limit-s``); a phase that cannot run or did not finish prints
 ``NAME=skipped (why)`` for each of its figures. A figure measured while the
 load generator's event loop lagged, or while other processes on this
@@ -140,6 +143,7 @@ class PhaseRun:
     load: dict[str, Any]
     cpu_s: dict[str, float]  # role -> CPU seconds over the window
     foreign_cores: float  # CPU used by processes that are not this bench's, in cores
+    period_s: float = 0.0
     db_leases: dict[str, int] = field(default_factory=dict)
     lost: int | None = None
 
@@ -290,7 +294,7 @@ class PhasePlan:
     leases_per_step: int | None = None  # None: wide (every agent fits)
     window_s: float = 20.0
     connect_rate: float = 200.0
-    period_s: float = 0.5
+    period_s: float = 1.0
     site_cpus: list[int] | None = None
     drain_s: float = 15.0
     lost_check: bool = False
@@ -414,7 +418,7 @@ class Bench:
 
         results = [_wait_file(folder / "result.json", child, deadline, swarm) for child, folder in loadgens]
         load = merge_results(results)
-        run = PhaseRun(plan.name, plan.agents, last.at - first.at, load, cpu_s, foreign)
+        run = PhaseRun(plan.name, plan.agents, last.at - first.at, load, cpu_s, foreign, plan.period_s)
         if plan.lost_check:
             run.db_leases, states = _lease_states(opts.database_url, load["reported"])
             run.lost = sum(1 for lease_id in load["reported"] if states.get(lease_id) != "accepted")
@@ -498,13 +502,15 @@ def cycle_figures(run: PhaseRun | str, agents: int, infix: str) -> list[str]:
              f"agents_not_connected{infix}_{agents}"]  # fmt: skip
     if isinstance(run, str):
         return [skipped_line(name, run) for name in names]
-    note = run.caveat()
     load = run.load
+    offered = f"{agents} agents offer {agents / run.period_s:g}/s" if run.period_s > 0 else ""
+    note = "; ".join(filter(None, [offered, run.caveat()]))
     rejected = sum(load["done_rejected"].values()) + load["done_unconfirmed"]
     reasons = ", ".join(f"{reason}: {n}" for reason, n in load["done_rejected"].most_common())
     if load["done_unconfirmed"]:
         reasons = ", ".join(filter(None, [reasons, f"no answer: {load['done_unconfirmed']}"]))
     lines = [figure_line(names[0], run.cycles_per_s, note)]
+    note = run.caveat()
     if load["lease_ms"]:
         unanswered = f"{load['lease_unanswered']} requests still unanswered after the drain count at their age"
         lease_note = "; ".join(filter(None, [unanswered if load["lease_unanswered"] else "", note]))
@@ -647,7 +653,8 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespa
     add("--join-rate", type=float, default=200.0, help="idle agents joining per second (default 200)")
     add("--overload-agents", type=int, default=5000, help="agents against the saturated site (default 5000)")
     add("--overload-site-cpus", default="0", help="CPUs the site gets in the overload phase ('' for all; default 0)")
-    add("--period-s", type=float, default=0.5, help="each agent's shortest cycle, 0 for back to back (default 0.5)")
+    add("--period-s", type=float, default=1.0,
+        help="each agent's shortest cycle, 0 for back to back (default 1: N agents offer N cycles/s)")
     add("--warmup-s", type=float, default=5.0, help="cycling before the window (default 5)")
     add("--window-s", type=float, default=20.0, help="measured window of the leasing phases (default 20)")
     add("--idle-window-s", type=float, default=30.0, help="measured window of the idle phase (default 30)")
