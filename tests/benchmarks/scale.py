@@ -139,9 +139,10 @@ class PhaseRun:
 
     name: str
     agents: int
-    window_s: float
+    window_s: float  # the window the load generators counted cycles in
     load: dict[str, Any]
-    cpu_s: dict[str, float]  # role -> CPU seconds over the window
+    cpu_s: dict[str, float]  # role -> CPU seconds between the samples at the window's ends
+    cpu_window_s: float  # between those samples: the window, give or take a few ms of sleep
     foreign_cores: float  # CPU used by processes that are not this bench's, in cores
     period_s: float = 0.0
     db_leases: dict[str, int] = field(default_factory=dict)
@@ -418,7 +419,7 @@ class Bench:
 
         results = [_wait_file(folder / "result.json", child, deadline, swarm) for child, folder in loadgens]
         load = merge_results(results)
-        run = PhaseRun(plan.name, plan.agents, last.at - first.at, load, cpu_s, foreign, plan.period_s)
+        run = PhaseRun(plan.name, plan.agents, plan.window_s, load, cpu_s, last.at - first.at, foreign, plan.period_s)
         if plan.lost_check:
             run.db_leases, states = _lease_states(opts.database_url, load["reported"])
             run.lost = sum(1 for lease_id in load["reported"] if states.get(lease_id) != "accepted")
@@ -446,7 +447,7 @@ def merge_results(results: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 def _log_phase(run: PhaseRun) -> None:
     load = run.load
-    cores = {role: round(seconds / run.window_s, 2) for role, seconds in run.cpu_s.items()}
+    cores = {role: round(seconds / run.cpu_window_s, 2) for role, seconds in run.cpu_s.items()}
     logger.warning(
         "phase %s: %d agents, %d connected (%d reconnects, %d disconnects, fatal %s); window %.1f s: %d cycles "
         "(%d in all), %d lease requests unanswered, no_lease %s, lease errors %s, uploads failed %s, done rejected %s, done unconfirmed %d, "
@@ -556,11 +557,9 @@ def run_all(bench: Bench) -> list[str]:
     cpu_per_lease: dict[int, float] = {}
     wide_sizes = sorted(set(opts.agents) | set(opts.cpu_agents)) if "wide" in opts.phases else []
     for n in wide_sizes:
+        # A --cpu-agents size is there for its CPU per lease; its other figures are printed as context.
         run = attempt(PhasePlan(f"wide-{n}", n, "cycle", **common))
-        if n in opts.agents:
-            emit(cycle_figures(run, n, ""))
-        else:  # a --cpu-agents size: the CPU figure is the point, the rest is context
-            emit(cycle_figures(run, n, "")[2:3])
+        emit(cycle_figures(run, n, ""))
         if isinstance(run, PhaseRun) and run.load["cycles"]:
             cpu_per_lease[n] = run.site_cpu_ms_per_lease
     if "wide" in opts.phases:
@@ -581,7 +580,7 @@ def run_all(bench: Bench) -> list[str]:
         n = opts.overload_agents
         plan = PhasePlan(f"overload-{n}", n, "cycle", window_s=opts.overload_window_s, connect_rate=opts.connect_rate,
                          period_s=0.0, site_cpus=opts.overload_site_cpus, drain_s=45.0, lost_check=True)  # fmt: skip
-        emit(overload_figures(attempt(plan), n))
+        emit(overload_figures(attempt(plan), n, opts.overload_site_cpus))
     return lines
 
 
@@ -593,7 +592,7 @@ def idle_figures(run: PhaseRun | str, agents: int, join_rate: float) -> list[str
     connected = load["connected"]
     lines = []
     if connected:
-        pct = 100.0 * run.cpu_s["site"] / run.window_s / (connected / 1000.0)
+        pct = 100.0 * run.cpu_s["site"] / run.cpu_window_s / (connected / 1000.0)
         lines.append(figure_line(names[0], pct, f"{connected} agents connected; {run.caveat()}".rstrip("; ")))
     else:
         lines.append(skipped_line(names[0], "no agent connected"))
@@ -609,7 +608,7 @@ def idle_figures(run: PhaseRun | str, agents: int, join_rate: float) -> list[str
     return lines
 
 
-def overload_figures(run: PhaseRun | str, agents: int) -> list[str]:
+def overload_figures(run: PhaseRun | str, agents: int, site_cpus: list[int] | None) -> list[str]:
     if isinstance(run, str):
         names = ["overload_lost", f"overload_cycles_per_s_{agents}", f"agents_not_connected_overload_{agents}"]
         return [skipped_line(name, run) for name in names]
@@ -617,7 +616,8 @@ def overload_figures(run: PhaseRun | str, agents: int) -> list[str]:
     rejected = ", ".join(f"{reason}: {n}" for reason, n in load["done_rejected"].most_common())
     note = (f"of {len(load['reported'])} leases uploaded and reported by {agents} agents; done rejected "
             f"{sum(load['done_rejected'].values())}" + (f" ({rejected})" if rejected else "")
-            + f", unanswered {load['done_unconfirmed']}")  # fmt: skip
+            + f", unanswered {load['done_unconfirmed']}"
+            + (f"; site on CPU {','.join(map(str, site_cpus))}" if site_cpus else ""))  # fmt: skip
     return [
         f"bench: overload_lost={run.lost} ({note})",
         figure_line(f"overload_cycles_per_s_{agents}", run.cycles_per_s, run.caveat()),
