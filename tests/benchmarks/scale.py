@@ -100,6 +100,7 @@ W1_LEASES_PER_STEP = 32  # W1: global batch 1024 over microbatches of 32
 # Beyond these, a figure may be the load generator's or the neighbours' and not the site's.
 LAG_NOTE_MS = 200.0
 FOREIGN_NOTE_CORES = 0.25
+LOADGEN_BUSY_CORES = 0.8  # per load-generator process: one event loop, one core at most
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ class PhaseRun:
     cpu_window_s: float  # between those samples: the window, give or take a few ms of sleep
     foreign_cores: float  # CPU used by processes that are not this bench's, in cores
     period_s: float = 0.0
+    loadgen_procs: int = 1
     db_leases: dict[str, int] = field(default_factory=dict)
     lost: int | None = None
 
@@ -161,6 +163,9 @@ class PhaseRun:
         notes = []
         if self.load["loop_lag_max_ms"] > LAG_NOTE_MS:
             notes.append(f"load generator's loop lagged up to {self.load['loop_lag_max_ms']:.0f} ms")
+        loadgen_cores = self.cpu_s.get("loadgen", 0.0) / self.cpu_window_s
+        if loadgen_cores > LOADGEN_BUSY_CORES * self.loadgen_procs:
+            notes.append(f"load generator busy ({loadgen_cores:.2f} cores; try --loadgen-procs)")
         if self.foreign_cores > FOREIGN_NOTE_CORES:
             notes.append(f"other processes used {self.foreign_cores:.2f} cores")
         return "lower bound: " + ", ".join(notes) if notes else ""
@@ -419,7 +424,8 @@ class Bench:
 
         results = [_wait_file(folder / "result.json", child, deadline, swarm) for child, folder in loadgens]
         load = merge_results(results)
-        run = PhaseRun(plan.name, plan.agents, plan.window_s, load, cpu_s, last.at - first.at, foreign, plan.period_s)
+        run = PhaseRun(plan.name, plan.agents, plan.window_s, load, cpu_s, last.at - first.at, foreign, plan.period_s,
+                       procs)  # fmt: skip
         if plan.lost_check:
             run.db_leases, states = _lease_states(opts.database_url, load["reported"])
             run.lost = sum(1 for lease_id in load["reported"] if states.get(lease_id) != "accepted")
