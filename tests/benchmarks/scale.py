@@ -47,6 +47,11 @@ load generator's event loop lagged, or while other processes on this
 shared machine used a sizable share of the CPU, says so in parentheses: the
 site may have been faster than the figure.
 
+The load generator costs about 1 ms of CPU per cycle (JSON, frames and
+checks of the real client code), so 1,000 cycles/s keep one core busy: use
+``--loadgen-procs 2`` where the site is fast enough for that to matter (a
+figure says "load generator busy" when it was the limit).
+
 Thousands of sockets need file descriptors: the bench raises its soft
 RLIMIT_NOFILE to the hard limit before it starts anything (children inherit
 it) and prints the limit it ran with. Runs and logs stay in
