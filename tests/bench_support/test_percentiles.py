@@ -39,4 +39,4 @@ def test_the_spread_is_the_largest_over_the_smallest() -> None:
 def test_figure_lines_read_like_w1s() -> None:
     assert figure_line("lease_p99_ms_100", 12.3456) == "bench: lease_p99_ms_100=12.346"
     assert figure_line("lease_cycles_per_s_1000", 1234.56) == "bench: lease_cycles_per_s_1000=1234.6"
-    assert skipped_line("idle_cpu_pct_per_1000", "no PostgreSQL") == "bench: idle_cpu_pct_per_1000=skipped (no PostgreSQL)"
+    assert skipped_line("idle_cpu_pct_per_1000", "no Redis") == "bench: idle_cpu_pct_per_1000=skipped (no Redis)"

@@ -87,8 +87,10 @@ import numpy as np  # noqa: E402
 
 from crowdtrain.launcher import Child, LaunchError, Swarm, get_json  # noqa: E402
 
+from .cpu_time import cpu_between, sample_cpu  # noqa: E402
 from .figures import figure_line, format_value, percentile, skipped_line, spread_pct  # noqa: E402
 from .loadgen import raise_open_files_limit, write_json  # noqa: E402
+from .databases import database_name, flush_redis, lease_states, recreate_database, with_database  # noqa: E402
 
 logger = logging.getLogger("tests.benchmarks.scale")
 
@@ -133,13 +135,6 @@ class Options:
 
 
 @dataclass
-class CpuSample:
-    at: float
-    ticks: dict[str, float]  # role -> clock ticks (user + system) summed over its processes
-    machine_busy: float  # all cores, clock ticks
-
-
-@dataclass
 class PhaseRun:
     """What one phase measured: merged load-generator counts and CPU per role over the window."""
 
@@ -178,100 +173,6 @@ class PhaseRun:
 
 class PhaseSkipped(RuntimeError):
     """A phase that could not run or finish; the message is the reason printed with its figures."""
-
-
-# ------------------------------------------------------------------ services
-
-
-def _with_database(url: str, name: str) -> str:
-    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
-
-
-def _database_name(url: str) -> str:
-    return urlsplit(url).path.lstrip("/")
-
-
-def _recreate_database(server_url: str, name: str, template: str | None = None) -> None:
-    import psycopg
-
-    with psycopg.connect(_with_database(server_url, "postgres"), autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
-
-
-def _flush_redis(url: str) -> None:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        client.flushdb()
-    finally:
-        client.close()
-
-
-def _lease_states(database_url: str, lease_ids: Sequence[int]) -> tuple[dict[str, int], dict[int, str]]:
-    """Leases per state and reason in the phase's database, and the state of each of ``lease_ids``."""
-    import psycopg
-
-    with psycopg.connect(database_url) as conn:
-        summary = {
-            f"{state}: {reason}" if reason else state: count
-            for state, reason, count in conn.execute(
-                "SELECT state, reason, count(*) FROM scheduler_lease GROUP BY state, reason ORDER BY 3 DESC"
-            )
-        }
-        states = dict(conn.execute("SELECT id, state FROM scheduler_lease WHERE id = ANY(%s)", (list(lease_ids),)))
-    return summary, states
-
-
-# ------------------------------------------------------------------ CPU
-
-
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-def _process_ticks(pid: int) -> float:
-    """utime + stime of a process (all its threads), in clock ticks; 0 once it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    rest = text.rsplit(")", 1)[1].split()  # the name may hold spaces; fields after it are fixed
-    return float(rest[11]) + float(rest[12])
-
-
-def _service_pids() -> list[int]:
-    """PostgreSQL and Redis processes on this machine (shared with others: reported for context only)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                comm = (entry / "comm").read_text().strip()
-            except OSError:
-                continue
-            if comm in ("postgres", "redis-server"):
-                pids.append(int(entry.name))
-    return pids
-
-
-def _machine_busy_ticks() -> float:
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    values = [float(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
-    return sum(values) - values[3] - values[4]
-
-
-def _sample_cpu(roles: dict[str, list[int]]) -> CpuSample:
-    ticks = {role: sum(_process_ticks(pid) for pid in pids) for role, pids in roles.items()}
-    ticks["services"] = sum(_process_ticks(pid) for pid in _service_pids())
-    return CpuSample(time.monotonic(), ticks, _machine_busy_ticks())
-
-
-def _cpu_between(a: CpuSample, b: CpuSample) -> tuple[dict[str, float], float]:
-    """CPU seconds per role between two samples, and what other processes used, in cores."""
-    seconds = {role: (b.ticks[role] - a.ticks.get(role, 0.0)) / _TICKS_PER_S for role in b.ticks}
-    wall = max(b.at - a.at, 1e-9)
-    foreign = (b.machine_busy - a.machine_busy) / _TICKS_PER_S - sum(seconds.values())
-    return seconds, max(foreign, 0.0) / wall
 
 
 # ------------------------------------------------------------------ one phase
@@ -325,11 +226,11 @@ class Bench:
         shutil.rmtree(self.root, ignore_errors=True)
         self.root.mkdir(parents=True)
         write_npz(self.npz)
-        template = _database_name(self.options.database_url) + "_tpl"
-        _recreate_database(self.options.database_url, template)
+        template = database_name(self.options.database_url) + "_tpl"
+        recreate_database(self.options.database_url, template)
         spec = self.root / "template-spec.json"
         spec.write_text(json.dumps({"bulk_agents": most_agents}))
-        swarm = Swarm(self.root / "template", env=self._env(_with_database(self.options.database_url, template)))
+        swarm = Swarm(self.root / "template", env=self._env(with_database(self.options.database_url, template)))
         started = time.monotonic()
         seeded = json.loads(swarm.manage("seed_run", "--migrate", "--spec", str(spec), timeout_s=600))
         self.tokens = seeded["bulk_agents"]
@@ -356,13 +257,14 @@ class Bench:
         run_dir = self.root / plan.name
         shutil.rmtree(run_dir, ignore_errors=True)
         database = opts.database_url
-        _recreate_database(database, _database_name(database), template=_database_name(database) + "_tpl")
-        _flush_redis(opts.redis_url)
+        recreate_database(database, database_name(database), template=database_name(database) + "_tpl")
+        flush_redis(opts.redis_url)
         with Swarm(run_dir, env=self._env(database, run_dir / "var")) as swarm:
             try:
                 return self._run_in(swarm, run_dir, plan, deadline)
             except LaunchError as exc:
-                raise PhaseSkipped(f"a process failed: {str(exc).splitlines()[0]}; logs in {run_dir / 'logs'}") from None
+                first_line = str(exc).splitlines()[0]
+                raise PhaseSkipped(f"a process failed: {first_line}; logs in {run_dir / 'logs'}") from None
 
     def _run_in(self, swarm: Swarm, run_dir: Path, plan: PhasePlan, deadline: float) -> PhaseRun:
         opts = self.options
@@ -422,17 +324,17 @@ class Bench:
             "loadgen": [c.pid for c, _ in loadgens],
         }
         _sleep_until(window[0])
-        first = _sample_cpu(roles)
+        first = sample_cpu(roles)
         _sleep_until(window[1])
-        last = _sample_cpu(roles)
-        cpu_s, foreign = _cpu_between(first, last)
+        last = sample_cpu(roles)
+        cpu_s, foreign = cpu_between(first, last)
 
         results = [_wait_file(folder / "result.json", child, deadline, swarm) for child, folder in loadgens]
         load = merge_results(results)
         run = PhaseRun(plan.name, plan.agents, plan.window_s, load, cpu_s, last.at - first.at, foreign, plan.period_s,
                        procs)  # fmt: skip
         if plan.lost_check:
-            run.db_leases, states = _lease_states(opts.database_url, load["reported"])
+            run.db_leases, states = lease_states(opts.database_url, load["reported"])
             run.lost = sum(1 for lease_id in load["reported"] if states.get(lease_id) != "accepted")
         _log_phase(run)
         return run
@@ -461,11 +363,12 @@ def _log_phase(run: PhaseRun) -> None:
     cores = {role: round(seconds / run.cpu_window_s, 2) for role, seconds in run.cpu_s.items()}
     logger.warning(
         "phase %s: %d agents, %d connected (%d reconnects, %d disconnects, fatal %s); window %.1f s: %d cycles "
-        "(%d in all), %d lease requests unanswered, no_lease %s, lease errors %s, uploads failed %s, done rejected %s, done unconfirmed %d, "
-        "future-version retries %d; CPU in cores %s, other processes %.2f; load generator loop lag max %.0f ms, "
-        "RSS %.0f MB; leases in the database %s",
+        "(%d in all), %d lease requests unanswered, no_lease %s, lease errors %s, uploads failed %s, "
+        "done rejected %s, done unconfirmed %d, future-version retries %d; CPU in cores %s, other processes %.2f; "
+        "load generator loop lag max %.0f ms, RSS %.0f MB; leases in the database %s",
         run.name, run.agents, load["connected"], load["reconnects"], load["disconnects"], dict(load["fatal"]),
-        run.window_s, load["cycles"], load["cycles_total"], load["lease_unanswered"], dict(load["no_lease"]), dict(load["lease_errors"]),
+        run.window_s, load["cycles"], load["cycles_total"], load["lease_unanswered"], dict(load["no_lease"]),
+        dict(load["lease_errors"]),
         dict(load["upload_failed"]), dict(load["done_rejected"]), load["done_unconfirmed"],
         load["future_version_retries"], cores, run.foreign_cores, load["loop_lag_max_ms"], load["rss_mb"],
         run.db_leases or "(not read)",
@@ -670,7 +573,7 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespa
     add("--window-s", type=float, default=20.0, help="measured window of the leasing phases (default 20)")
     add("--idle-window-s", type=float, default=30.0, help="measured window of the idle phase (default 30)")
     add("--overload-window-s", type=float, default=60.0, help="window of the overload phase (default 60)")
-    add("--connect-rate", type=float, default=200.0, help="agents connecting per second in leasing phases (default 200)")
+    add("--connect-rate", type=float, default=200.0, help="agents joining per second in leasing phases (default 200)")
     add("--upload-connections", type=int, default=64, help="aggregator sockets the agents share (default 64)")
     add("--loadgen-procs", type=int, default=1, help="load-generator processes (default 1)")
     add("--phase-limit-s", type=float, default=300.0, help="a phase still running after this is cut off (default 300)")
@@ -704,12 +607,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     before = resource.getrlimit(resource.RLIMIT_NOFILE)
     soft, hard = raise_open_files_limit()
     print(f"bench: open_files_limit={soft} (RLIMIT_NOFILE soft limit raised from {before[0]} to the hard limit "
-          f"{hard} with setrlimit before starting the site and the load generators, which inherit it)", flush=True)  # fmt: skip
+          f"{hard} with setrlimit before starting the site and the load generators, which inherit it)",
+          flush=True)  # fmt: skip
     from tests.services import ensure_postgres, ensure_redis
 
     # A private PostgreSQL or Redis (none answering here) comes back under its own URL: keep our names in it.
     server = ensure_postgres(options.database_url)
-    database_url = _with_database(server, _database_name(options.database_url))
+    database_url = with_database(server, database_name(options.database_url))
     redis_url = ensure_redis(options.redis_url)
     redis_url = urlunsplit(urlsplit(redis_url)._replace(path=urlsplit(options.redis_url).path))
     options = Options(**{**options.__dict__, "database_url": database_url, "redis_url": redis_url, "nofile": soft})
