@@ -84,8 +84,13 @@ test: $(STAMP) $(CHROMIUM) $(HAPROXY)
 test-browser: $(STAMP) $(CHROMIUM)
 	$(BROWSER_PASS) $(ARGS)
 
+# W1 (throughput against plain PyTorch), then the scale phases (simulated agents against two site
+# processes on PostgreSQL + Redis; tests/services.py's checks, a database of its own): each runs alone too.
+# ARGS go to w1, SCALE_ARGS to scale, e.g. SCALE_ARGS="--agents 100 --cpu-agents 100,1000 --idle-agents 2000".
+SCALE_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.w1 $(ARGS)
+	$(BIN)/python -m tests.benchmarks.scale $(SCALE_ARGS)
 
 clean:
 	rm -rf $(VENV) var

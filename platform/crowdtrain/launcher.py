@@ -276,15 +276,22 @@ class Swarm:
         return result.stdout
 
     def start_site(self, *, host: str = "127.0.0.1", port: int = 0, env: Mapping[str, str] | None = None,
-                   cpus: Sequence[int] | None = None, timeout_s: float = 60.0) -> Site:  # fmt: skip
+                   cpus: Sequence[int] | None = None, timeout_s: float = 60.0, name: str = "site",
+                   worker: bool = True) -> Site:  # fmt: skip
         """Start daphne with the site's ASGI app and wait for its port.
 
         daphne's default 1 MiB WebSocket limits stay: every protocol message
         is smaller (gradients go to aggregators, not through the site). Its
         keepalive is DAPHNE_KEEPALIVE_ARGS.
+
+        Args:
+            name: the child's name and log file; a second site process needs another.
+            worker: also start the Celery worker when tasks go to a broker. One worker
+                serves every site process of a swarm (it runs beat too, and two beats
+                would schedule every periodic task twice), so pass False for the others.
         """
-        child = self.start("site", self._daphne_argv(host, port), role="site", env=env, cpus=cpus)
-        if self.needs_worker(env):
+        child = self.start(name, self._daphne_argv(host, port), role="site", env=env, cpus=cpus)
+        if worker and self.needs_worker(env):
             self.start_worker(env=env, cpus=cpus, timeout_s=timeout_s)
         return self._listening(child, timeout_s)
 
