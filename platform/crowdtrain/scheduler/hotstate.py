@@ -61,6 +61,7 @@ class HotState:
         self.prefix = prefix
         self.seen_key = f"{prefix}:seen"
         self.lease_campaigns_key = f"{prefix}:lc"
+        self.requests_key = f"{prefix}:rid"  # device -> "campaign:lease:request id" of its last lease
         self._scripts = {name: client.register_script(_script_text(name)) for name in SCRIPTS}
 
     def campaign_key(self, hot_key: str) -> str:
@@ -74,7 +75,7 @@ class HotState:
             HotStateMissing: if the campaign has no hot state yet.
         """
         raw = self._scripts[script](
-            keys=[self.campaign_key(hot_key), self.seen_key, self.lease_campaigns_key],
+            keys=[self.campaign_key(hot_key), self.seen_key, self.lease_campaigns_key, self.requests_key],
             args=[repr(self.clock() if now is None else now), json.dumps(args, separators=(",", ":"))],
         )
         answer = json.loads(raw)

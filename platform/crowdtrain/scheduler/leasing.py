@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from datetime import datetime, timezone as dt_timezone
+from typing import Any, cast
 
 from django.conf import settings
 
@@ -71,11 +71,11 @@ def _run(config: CampaignConfig, script: str, args: dict[str, object]) -> dict[s
         return hot_state().run(script, config.hot_key, args)
 
 
-def record_retired(retired: list[list[object]], at: datetime | None = None) -> None:
+def record_retired(retired: list[list[object]]) -> None:
     """Queue the record of leases a script ended (``[id, state, reason]`` triples)."""
-    moment = at or datetime.now(tz=dt_timezone.utc)
+    when = moment(hot_state().clock())
     for lease_id, state, reason in retired:
-        writer().lease_finished(Finished(int(lease_id), str(state), str(reason), moment))  # type: ignore[call-overload]
+        writer().lease_finished(Finished(int(lease_id), str(state), str(reason), when))  # type: ignore[call-overload]
         logger.info("lease %s %s: %s", lease_id, state, reason)
 
 
@@ -148,7 +148,7 @@ def _try_lease(config: CampaignConfig, device_id: int, samples_per_s: float | No
         "cid": config.id, "min_dl": settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S,
         "max_dl": settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S, "idle_s": settings.CROWDTRAIN_GONE_AFTER_S,
         "gone_s": settings.CROWDTRAIN_GONE_AFTER_S, "backup_min_s": settings.CROWDTRAIN_BACKUP_MIN_S,
-        "backup_factor": settings.CROWDTRAIN_BACKUP_FACTOR, "sweep": SWEEP_PER_CALL,
+        "backup_factor": settings.CROWDTRAIN_BACKUP_FACTOR, "sweep": SWEEP_PER_CALL, "rid": request_id,
     })  # fmt: skip
     record_retired(answer.get("expired") or [])  # type: ignore[arg-type]
     if int(answer.get("gen") or 0) > config.gen:  # type: ignore[call-overload]
@@ -156,13 +156,9 @@ def _try_lease(config: CampaignConfig, device_id: int, samples_per_s: float | No
     if answer.get("kind") != "lease":
         ids.lease_ids.put_back(lease_id)
         return _refusal(config, answer)
-    record = answer["lease"]
-    assert isinstance(record, dict)  # the script's own output, not input
-    lease = _row(config, record, request_id)
+    lease = _row(config, cast(dict[str, Any], answer["lease"]), request_id)
     writer().lease_issued(lease)
     writer().cursor_moved(config.id, int(answer["epoch"]), int(answer["cursor"]))  # type: ignore[call-overload]
-    if request_id:
-        hot_state().client.hset(f"{hot_state().prefix}:rid", str(device_id), f"{config.id}:{lease.pk}:{request_id}")
     return lease_message(lease, config)
 
 
@@ -178,8 +174,7 @@ def _row(config: CampaignConfig, record: dict[str, object], request_id: str = ""
 
 def lease_message(lease: Lease, config: CampaignConfig) -> LeaseMessage:
     """The wire form of a lease, with a freshly signed ticket (also used to answer a repeated request)."""
-    now = datetime.now(tz=dt_timezone.utc)
-    seconds = max(0.0, (lease.deadline - now).total_seconds())
+    seconds = max(0.0, lease.deadline.timestamp() - hot_state().clock())
     ticket = Ticket(
         lease_id=lease.pk, campaign_id=config.id, device_id=lease.device_id, base_version=lease.base_version,
         num_samples=lease.num_samples, expires_at=lease.deadline.timestamp() + TICKET_GRACE_S,
@@ -208,7 +203,7 @@ def _upcoming_shards(config: CampaignConfig, lease: Lease) -> list[str]:
 def _resent(device_id: int, request_id: str) -> LeaseMessage | None:
     """The lease an earlier copy of this request got, if it is still active."""
     state = hot_state()
-    raw = state.client.hget(f"{state.prefix}:rid", str(device_id))
+    raw = state.client.hget(state.requests_key, str(device_id))
     if not raw:
         return None
     campaign_id, lease_id, rid = raw.split(":", 2)
@@ -353,8 +348,7 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
     record_retired(answer.get("retired") or [])  # type: ignore[arg-type]
     if not answer.get("accepted"):
         return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=str(answer.get("reason"))))
-    lease = answer["lease"]
-    assert isinstance(lease, dict)  # the script's own output
+    lease = cast(dict[str, Any], answer["lease"])
     _, finished, compute_s = held(lease)
     writer().lease_finished(Finished(done.lease_id, Lease.State.ACCEPTED, "", finished, float(lease["loss"]), compute_s))
     outcome = DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=True, step=int(answer["step"])))  # type: ignore[call-overload]

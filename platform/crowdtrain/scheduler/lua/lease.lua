@@ -1,5 +1,6 @@
 -- Give one device a lease, or say why not. A: device, want, claimed (samples/s, 0 unknown),
--- id (a fresh lease id), min_dl, max_dl, idle_s, gone_s, backup_min_s, backup_factor, sweep.
+-- id (a fresh lease id), cid, rid (the request's id, '' for none), min_dl, max_dl, idle_s, gone_s,
+-- backup_min_s, backup_factor, sweep.
 if redis.call('EXISTS', K_META) == 0 then return cjson.encode({missing = true}) end
 local out = {}
 redis.call('ZADD', SEEN, now, A.device) -- a device that asks or reports is alive
@@ -35,6 +36,7 @@ local function issue(l)
   l.loss, l.cs, l.why, l.t1 = 0, 0, '', 0
   lease_put(l)
   redis.call('HSET', LC, l.id, A.cid)
+  if A.rid ~= '' then redis.call('HSET', RID, device, A.cid .. ':' .. l.id .. ':' .. A.rid) end
   redis.call('ZADD', K_DL, l.dl, l.id)
   redis.call('HINCRBY', K_HOLD, device, 1)
   redis.call('ZREM', K_IDLE, device)

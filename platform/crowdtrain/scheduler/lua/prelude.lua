@@ -1,12 +1,14 @@
 -- Shared by every scheduler script; each script is this prelude followed by its body.
 -- KEYS[1]: the campaign's key prefix ("ct:{c42}:"); KEYS[2]: the presence set ("ct:seen");
--- KEYS[3]: lease id -> campaign id for every lease still remembered ("ct:lc").
+-- KEYS[3]: lease id -> campaign id for every lease still remembered ("ct:lc");
+-- KEYS[4]: device -> "campaign:lease:request id" of its newest lease ("ct:rid"), to answer a resent request.
 -- ARGV[1]: now (seconds since the epoch, a float); ARGV[2]: a JSON object of the script's arguments.
 -- Every script returns one JSON object. Lease records and ranges never hold nulls (0 means none):
 -- cjson turns JSON null into a userdata that compares unequal to nil.
 local P = KEYS[1]
 local SEEN = KEYS[2]
 local LC = KEYS[3]
+local RID = KEYS[4]
 local now = tonumber(ARGV[1])
 local A = cjson.decode(ARGV[2])
 
