@@ -13,8 +13,9 @@ mode, repeats a *lease cycle* as fast as ``period_s`` lets it:
    push or after ``retry_after_s``, like ``Agent._next_lease``);
 2. upload of every slice, through ``crowdtrain_agent.uploader.Uploader``, of a
    zero gradient of the lease's ``param_count`` (real tickets, real
-   receipts), once the lease's base version is published (the real agent
-   downloads that version first, which waits for it at the aggregator);
+   receipts), sent again while the aggregator refuses it as a "future
+   version" (the real agent downloads that version first, which waits for it
+   at the aggregator);
 3. ``done`` with the receipts; the site checks them and counts the samples.
 
 In ``idle`` mode the agents only connect and heartbeat.
@@ -89,8 +90,7 @@ DONE_TIMEOUT_S = 30.0
 DONE_CALL_RETRIES = 3
 RELEASE_TIMEOUT_S = 5.0
 # The aggregator holds a parameter download this long for a version it is about to publish.
-VERSION_WAIT_S = 5.0
-FUTURE_VERSION_RETRIES = 50  # 50 ms apart: an upload that raced the aggregator's apply
+FUTURE_VERSION_RETRIES = 200  # 25 ms apart: an upload that raced the aggregator's apply (5 s in all)
 LOSS_PER_SAMPLE = 0.69  # any plausible loss: the site only bounds it
 BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2}
 LAG_PROBE_S = 0.1
@@ -160,7 +160,6 @@ class Stats:
     lease_errors: Counter[str] = field(default_factory=Counter)  # calls that got no answer (timeout, lost)
     upload_failed: Counter[str] = field(default_factory=Counter)
     future_version_retries: int = 0
-    version_waits_timed_out: int = 0
     done_rejected: Counter[str] = field(default_factory=Counter)
     done_unconfirmed: int = 0
     reported: list[int] = field(default_factory=list)  # leases uploaded and reported done
@@ -182,35 +181,6 @@ class Stats:
         return data
 
 
-class Published:
-    """The newest version the site pushed (every slice holds it): an upload for it cannot be 'future'."""
-
-    def __init__(self, version: int = 0) -> None:
-        self.version = version  # a fresh campaign is at version 0 on every aggregator
-        self._waiters: dict[int, asyncio.Future[None]] = {}
-
-    def update(self, version: int) -> None:
-        if version <= self.version:
-            return
-        self.version = version
-        for wanted in [v for v in self._waiters if v <= version]:
-            future = self._waiters.pop(wanted)
-            if not future.done():
-                future.set_result(None)
-
-    async def wait_for(self, version: int, timeout: float) -> bool:
-        if self.version >= version:
-            return True
-        future = self._waiters.get(version)
-        if future is None:
-            future = self._waiters[version] = asyncio.get_running_loop().create_future()
-        try:
-            await asyncio.wait_for(asyncio.shield(future), timeout)
-            return True
-        except TimeoutError:
-            return False
-
-
 @functools.cache
 def zero_gradient(num_elements: int, codec: str) -> list[tuple[bytes, memoryview]]:
     """The chunks of a zero slice: all-zero bytes are 0.0 in fp32 and fp16 alike, so no torch is needed."""
@@ -221,7 +191,6 @@ def zero_gradient(num_elements: int, codec: str) -> list[tuple[bytes, memoryview
 class Context:
     spec: LoadSpec
     stats: Stats
-    published: Published
     uploaders: list[Uploader]
     stopping: bool = False
 
@@ -271,7 +240,6 @@ class SimAgent:
 
     def _on_push(self, message: Any) -> None:
         if isinstance(message, VersionPublished):
-            self.ctx.published.update(message.version)
             self.pushed.set()
 
     # ------------------------------------------------------------ the cycle
@@ -337,8 +305,9 @@ class SimAgent:
 
     async def _upload(self, lease: Lease) -> list[Receipt] | None:
         ctx, stats = self.ctx, self.ctx.stats
-        if not await ctx.published.wait_for(lease.base_version, VERSION_WAIT_S):
-            stats.version_waits_timed_out += 1
+        # No wait for a version push: like the agent, which asks the aggregator for the lease's parameters
+        # (answered once it has applied that version), an upload that comes too early is refused as a
+        # "future version" and sent again a moment later.
         uploader = ctx.uploaders[self.index % len(ctx.uploaders)]
         receipts = []
         for route in lease.slices:
@@ -356,7 +325,7 @@ class SimAgent:
                 except UploadError as exc:
                     if exc.code == "future version" and attempt < FUTURE_VERSION_RETRIES:
                         stats.future_version_retries += 1
-                        await asyncio.sleep(0.05)
+                        await asyncio.sleep(0.025)
                         continue
                     stats.upload_failed[exc.code or "error"] += 1
                     return None
@@ -455,7 +424,7 @@ async def _sleep_until(wall: float) -> None:
 
 async def drive(spec: LoadSpec, folder: Path) -> Stats:
     """Connect the agents, signal ready, run the window the bench names in go.json, drain, and return the counts."""
-    ctx = Context(spec, Stats(agents=len(spec.tokens)), Published(),
+    ctx = Context(spec, Stats(agents=len(spec.tokens)),
                   [Uploader() for _ in range(min(spec.upload_connections, len(spec.tokens)) or 1)])  # fmt: skip
     stats = ctx.stats
     agents = [SimAgent(i, ctx, spec.site_urls[i % len(spec.site_urls)], token) for i, token in enumerate(spec.tokens)]

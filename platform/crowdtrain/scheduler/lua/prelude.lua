@@ -93,11 +93,17 @@ local function sweep(out, limit, gone_s)
   end
 end
 
--- The accepted leases of the open step when it holds the whole global batch, in lease-id order.
+-- The accepted leases of the open step when it holds the whole global batch, in lease-id order:
+-- handed to one caller, which writes the step to the database. Others asking meanwhile get nothing,
+-- unless that caller has not finished after COMMIT_CLAIM_S (it died): then the next one takes over.
+local COMMIT_CLAIM_S = 10
 local function full_step()
   local open = meta('open')
   local target = meta('target')
   if num(redis.call('HGET', K_FILL, open)) < target then return nil end
+  local claim = redis.call('HMGET', K_META, 'claimed', 'claimed_at')
+  if num(claim[1]) == open + 1 and now - num(claim[2]) < COMMIT_CLAIM_S then return nil end
+  redis.call('HSET', K_META, 'claimed', open + 1, 'claimed_at', now)
   local ids = redis.call('ZRANGEBYSCORE', K_ACC, open, open)
   local leases = {}
   for _, id in ipairs(ids) do leases[#leases + 1] = lease_get(id) end
