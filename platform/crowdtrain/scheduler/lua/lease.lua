@@ -6,9 +6,8 @@ local out = {}
 redis.call('ZADD', SEEN, now, A.device) -- a device that asks or reports is alive
 sweep(out, A.sweep, A.gone_s)
 local gen = meta('gen')
-local pending = full_step() ~= nil
 local function refuse(code, extra)
-  local r = {kind = 'refuse', code = code, expired = out, gen = gen, pending = pending}
+  local r = {kind = 'refuse', code = code, expired = out, gen = gen}
   for k, v in pairs(extra or {}) do r[k] = v end
   return cjson.encode(r)
 end
@@ -40,7 +39,7 @@ local function issue(l)
   redis.call('ZADD', K_DL, l.dl, l.id)
   redis.call('HINCRBY', K_HOLD, device, 1)
   redis.call('ZREM', K_IDLE, device)
-  return cjson.encode({kind = 'lease', lease = l, expired = out, gen = gen, pending = pending,
+  return cjson.encode({kind = 'lease', lease = l, expired = out, gen = gen,
     epoch = meta('epoch'), cursor = meta('cursor')})
 end
 
