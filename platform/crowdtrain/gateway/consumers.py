@@ -307,8 +307,11 @@ class AgentConsumer(_ProtocolConsumer):
         self.last_request_id = request.request_id
         answer = await self._ask(request, may_be_resent=resent)
         wait_s = min(request.wait_s, settings.CROWDTRAIN_LEASE_WAIT_MAX_S)
-        if wait_s > 0 and await self._wait(request, answer, wait_s):
-            return
+        if wait_s > 0:
+            held = await self._wait(request, answer, wait_s)
+            if held is None:
+                return
+            answer = held
         await self.send_message(answer.message)
 
     async def send_message(self, message: Any) -> None:
@@ -316,12 +319,18 @@ class AgentConsumer(_ProtocolConsumer):
             self.leases.add(message.lease_id)
         await super().send_message(message)
 
-    async def _wait(self, request: LeaseRequest, answer: leasing.LeaseAnswer, wait_s: float) -> bool:
-        """Hold a refused request in the campaign's queue until a commit wakes it; False if it cannot wait."""
-        refusal = answer.message
-        for _ in range(3):  # room that appeared meanwhile is asked for again at once, a few times at most
+    async def _wait(
+        self, request: LeaseRequest, answer: leasing.LeaseAnswer, wait_s: float
+    ) -> leasing.LeaseAnswer | None:
+        """Hold a refused request in the campaign's queue until a commit wakes it (None), or return what to send.
+
+        Room that appeared between the refusal and the queueing is asked for again at
+        once, a few times at most; the answer that gets is the one to send.
+        """
+        for _ in range(3):
+            refusal = answer.message
             if not isinstance(refusal, NoLease) or refusal.ready_at_step is None or answer.campaign_id is None:
-                return False
+                return answer
             place = await offloop(leasing.park)(
                 answer.campaign_id, self.device.pk, request.samples_per_s, self.channel_name, refusal.ready_at_step
             )
@@ -332,10 +341,9 @@ class AgentConsumer(_ProtocolConsumer):
                     wait_s, lambda: asyncio.ensure_future(self.channel_layer.send(self.channel_name, event))
                 )
                 self.waiting = _WaitingRequest(request, answer.campaign_id, refusal.ready_at_step, self._serial, timer, place)
-                return True
+                return None
             answer = await self._ask(request)
-            refusal = answer.message
-        return False
+        return answer
 
     async def lease_wake(self, event: WakeEvent) -> None:
         if self.waiting is not None:

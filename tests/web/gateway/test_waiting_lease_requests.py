@@ -6,7 +6,8 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import override_settings
 
-from crowdtrain_agent.protocol import DoneAck, ErrorMessage, Lease, LeaseRequest, NoLease
+from crowdtrain.scheduler.models import Lease
+from crowdtrain_agent.protocol import DoneAck, ErrorMessage, Lease as LeaseMessage, LeaseRequest, NoLease
 from crowdtrain.scheduler import leasing
 from tests.factories import done_for, make_campaign
 
@@ -31,7 +32,7 @@ async def test_a_request_for_a_full_step_is_answered_by_the_commit_that_makes_ro
 
     assert held  # no refusal while step 0 was in flight
     assert isinstance(ack, DoneAck) and ack.accepted
-    assert isinstance(following, Lease) and following.base_version == 1
+    assert isinstance(following, LeaseMessage) and following.base_version == 1
 
 
 async def test_another_devices_commit_wakes_a_waiting_request(connect: Connect) -> None:
@@ -47,7 +48,7 @@ async def test_another_devices_commit_wakes_a_waiting_request(connect: Connect) 
     woken = await receive(bob)
 
     assert held
-    assert isinstance(woken, Lease) and woken.base_version == 1
+    assert isinstance(woken, LeaseMessage) and woken.base_version == 1
 
 
 @override_settings(CROWDTRAIN_LEASE_WAIT_MAX_S=0.3)
@@ -109,6 +110,27 @@ async def test_a_commit_wakes_only_as_many_waiting_requests_as_its_room_serves(
     woken = await receive(waiting[0])
     others_held = [await agent.receive_nothing(timeout=0.3) for agent in waiting[1:]]
 
-    assert isinstance(woken, Lease) and woken.base_version == 1
+    assert isinstance(woken, LeaseMessage) and woken.base_version == 1
     assert others_held == [True, True]  # the first in line got the room; the rest wait for the next commits
     assert len(asked) == 1  # the others were not woken to ask again for room that is not there
+
+
+async def test_a_request_that_finds_room_while_it_queues_gets_the_lease_not_the_refusal(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
+    alice, bob = await greeted_agent(connect, "alice"), await greeted_agent(connect, "bob")
+    await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
+    first = await receive(alice)
+    alice_id = (await sync_to_async(Lease.objects.get)(pk=first.lease_id)).device_id
+
+    def commit_meanwhile(*args: object, **kwargs: object) -> None:
+        # Between bob's refusal and his place in the queue, alice's report commits the step.
+        leasing.report_done(alice_id, done_for(first.lease_id))
+        return None  # what park says when the room is there already
+
+    monkeypatch.setattr(leasing, "park", commit_meanwhile)
+    await send(bob, LeaseRequest(samples_per_s=WHOLE_STEP, wait_s=5.0))
+    answer = await receive(bob)
+
+    assert isinstance(answer, LeaseMessage) and answer.base_version == 1
