@@ -57,8 +57,9 @@ from .outbox import (
     device_group,
     replace_connections,
     send_commits,
-    send_to_group,
     send_outbox,
+    send_to_group,
+    wake,
 )
 
 logger = logging.getLogger(__name__)
@@ -199,6 +200,7 @@ class WaitOverEvent(TypedDict):
 
 class WakeEvent(TypedDict):
     type: str  # "lease.wake": a commit made room for this connection's waiting request
+    campaign_id: int
 
 
 @dataclass
@@ -281,7 +283,7 @@ class AgentConsumer(_ProtocolConsumer):
         await self.send_message(
             Welcome(
                 device_id=self.device.pk, device_name=self.device.name, volunteer=account_name(self.device.owner),
-                heartbeat_s=settings.CROWDTRAIN_HEARTBEAT_S, gone_after_s=settings.CROWDTRAIN_GONE_AFTER_S,
+                heartbeat_s=settings.CROWDTRAIN_AGENT_HEARTBEAT_S, gone_after_s=settings.CROWDTRAIN_GONE_AFTER_S,
             )
         )
 
@@ -346,9 +348,13 @@ class AgentConsumer(_ProtocolConsumer):
         return answer
 
     async def lease_wake(self, event: WakeEvent) -> None:
-        if self.waiting is not None:
-            self.waiting.place = ""  # the commit took it out of the queue
-            await self._answer_waiting(final=False)
+        waiting = self.waiting
+        if waiting is None or waiting.campaign_id != event["campaign_id"]:
+            # Answered meanwhile (its own report's commit, say): the room goes to the next in line.
+            await wake(event["campaign_id"], await offloop(leasing.pass_on_wake)(event["campaign_id"]))
+            return
+        waiting.place = ""  # the commit took it out of the queue
+        await self._answer_waiting(final=False)
 
     async def lease_wait_over(self, event: WaitOverEvent) -> None:
         if self.waiting is not None and self.waiting.serial == event["serial"]:

@@ -63,12 +63,17 @@ async def send_commits(commits: Iterable[Commit]) -> None:
     Only the requests the commit chose (``Commit.woken``) hear of it, each on
     its own channel: a commit costs the same with ten or ten thousand agents waiting.
     """
-    layer = get_channel_layer()
     for commit in commits:
         await send_outbox((aggregator_id, commit.message) for aggregator_id in commit.aggregator_ids)
     for commit in commits:
-        for channel in commit.woken:
-            await layer.send(channel, {"type": "lease.wake"})
+        await wake(commit.message.campaign_id, commit.woken)
+
+
+async def wake(campaign_id: int, channels: Iterable[str]) -> None:
+    """Tell these sockets' waiting lease requests that a commit of the campaign made room for them."""
+    layer = get_channel_layer()
+    for channel in channels:
+        await layer.send(channel, {"type": "lease.wake", "campaign_id": campaign_id})
 
 
 async def revoke_device(device_id: int, reason: str) -> None:

@@ -290,14 +290,24 @@ def park(
     if config is None:
         return None
     want = min(_lease_size(config, device_id, samples_per_s)[0], config.target_batch_size)
-    answer = _run(config, "park", {"channel": channel, "ready_at": ready_at, "want": want, "leave": leave})
+    answer = _run(config, "park", {"channel": channel, "ready_at": ready_at, "want": want, "leave": leave, "pass_on": 0})
     return None if answer.get("ready") else str(answer.get("member") or "") or None
 
 
 def unpark(campaign_id: int, member: str) -> None:
     config = campaign_config(campaign_id)
     if config is not None:
-        _run(config, "park", {"channel": "", "ready_at": 0, "want": 0, "leave": member})
+        _run(config, "park", {"channel": "", "ready_at": 0, "want": 0, "leave": member, "pass_on": 0})
+
+
+def pass_on_wake(campaign_id: int) -> list[str]:
+    """A woken socket had no request left to serve (it was answered meanwhile): the next waiting one
+    gets its turn, so a commit's room is never left unused while requests wait."""
+    config = campaign_config(campaign_id)
+    if config is None:
+        return []
+    answer = _run(config, "park", {"channel": "", "ready_at": 0, "want": 0, "leave": "", "pass_on": 1})
+    return [str(c) for c in answer.get("woken") or []]  # type: ignore[union-attr]
 
 
 # ------------------------------------------------------------------ reports

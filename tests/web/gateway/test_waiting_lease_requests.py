@@ -134,3 +134,5 @@ async def test_a_request_that_finds_room_while_it_queues_gets_the_lease_not_the_
     answer = await receive(bob)
 
     assert isinstance(answer, LeaseMessage) and answer.base_version == 1
+
+

@@ -1,5 +1,14 @@
--- A lease request waits for the commit that makes room (A.ready_at), or leaves the queue (A.leave).
+-- The queue of lease requests waiting for the commit that makes room (A.ready_at). A: channel (the
+-- request's socket, '' for none), want, ready_at, leave (an earlier place to drop, '' for none),
+-- pass_on (1: a woken socket had no request left to serve; wake the next one in its place).
 if A.leave ~= '' then redis.call('ZREM', K_WAIT, A.leave) end
+if A.pass_on == 1 then
+  local open = meta('open')
+  local next = redis.call('ZRANGEBYSCORE', K_WAIT, '-inf', open, 'LIMIT', 0, 1)[1]
+  if not next then return cjson.encode({}) end
+  redis.call('ZREM', K_WAIT, next)
+  return cjson.encode({woken = {string.match(next, '^%d+:%d+:(.+)$')}})
+end
 if A.channel == '' then return cjson.encode({}) end
 if meta('open') >= A.ready_at then return cjson.encode({ready = true}) end
 local member = string.format('%012d', redis.call('HINCRBY', K_META, 'wseq', 1)) .. ':' .. A.want .. ':' .. A.channel

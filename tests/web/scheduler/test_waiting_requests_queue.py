@@ -1,0 +1,42 @@
+"""The campaign's queue of waiting lease requests: a commit wakes as many as its room serves, in order,
+and a wake that finds nobody to serve passes to the next in line."""
+
+from __future__ import annotations
+
+import pytest
+
+from crowdtrain.scheduler import leasing
+from tests.factories import done_for, make_campaign, make_device
+
+pytestmark = pytest.mark.django_db
+
+WHOLE_STEP = 1e6
+
+
+def test_a_commit_wakes_the_first_waiting_requests_whose_leases_fill_its_room() -> None:
+    campaign = make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
+    device, _ = make_device()
+    first = leasing.request_lease(device.pk, None, WHOLE_STEP)
+    places = [leasing.park(campaign.pk, device.pk, WHOLE_STEP, f"channel-{i}", 1) for i in range(3)]
+
+    commits = leasing.report_done(device.pk, done_for(first.lease_id)).commits
+    passed = leasing.pass_on_wake(campaign.pk)
+    nobody = [leasing.pass_on_wake(campaign.pk) for _ in range(2)]
+
+    assert all(places)
+    assert commits[0].woken == ["channel-0"]  # a whole step of room: one lease's worth of waiters
+    assert passed == ["channel-1"]  # channel-0 had nothing to serve: the next in line gets the room
+    assert nobody == [["channel-2"], []]
+
+
+def test_a_request_that_leaves_the_queue_is_not_woken() -> None:
+    campaign = make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
+    device, _ = make_device()
+    first = leasing.request_lease(device.pk, None, WHOLE_STEP)
+    gone = leasing.park(campaign.pk, device.pk, WHOLE_STEP, "gone", 1)
+    leasing.park(campaign.pk, device.pk, WHOLE_STEP, "stays", 1)
+
+    leasing.unpark(campaign.pk, gone or "")
+    commits = leasing.report_done(device.pk, done_for(first.lease_id)).commits
+
+    assert commits[0].woken == ["stays"]
