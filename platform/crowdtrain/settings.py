@@ -130,11 +130,15 @@ REDIS_URL = env_str("REDIS_URL", "")
 # redis-py 8 aborts any read after socket_timeout, 5 s by default, and the consumer then crashes and its
 # socket drops: aggregators and agents were cut off after every 5 idle seconds. Reads must outlast the pop.
 CHANNEL_LAYER_READ_TIMEOUT_S = 30.0
+# redis-py's asyncio pool holds 100 connections and then raises "Too many connections": with thousands
+# of sockets joining groups at once, consumers crashed and their volunteers were cut off.
+CHANNEL_LAYER_MAX_CONNECTIONS = env_int("CROWDTRAIN_CHANNEL_LAYER_MAX_CONNECTIONS", 1000, minimum=10)
 # The cache holds allauth's rate-limit counters: with several site processes they
 # must share one Redis, or each process would count failed logins on its own.
 if REDIS_URL:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {
-        "hosts": [{"address": REDIS_URL, "socket_timeout": CHANNEL_LAYER_READ_TIMEOUT_S}],
+        "hosts": [{"address": REDIS_URL, "socket_timeout": CHANNEL_LAYER_READ_TIMEOUT_S,
+                   "max_connections": CHANNEL_LAYER_MAX_CONNECTIONS}],
     }}}  # fmt: skip
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
                           "KEY_PREFIX": "crowdtrain"}}

@@ -69,6 +69,8 @@ MAX_ERRORS = 20
 MAX_REQUEST_ID = 64  # the column that stores it
 MAX_WATCHED_CAMPAIGNS = 16  # campaigns one connection hears version pushes of
 LAST_SEEN_EVERY_S = 60.0  # an aggregator's heartbeats reach the database this seldom
+# A site process this busy gives no backups of late leases: its own backlog is what makes them late.
+BACKUPS_BELOW_LOAD = 0.5
 
 _ERROR_CODES = {CloseCode.TOO_LARGE: "too large", CloseCode.BAD_TICKET: "bad ticket"}
 
@@ -397,7 +399,7 @@ class AgentConsumer(_ProtocolConsumer):
         try:
             answer = await offloop(leasing.ask_lease)(
                 self.device.pk, request.campaign_id, request.samples_per_s, request.request_id,
-                may_be_resent=may_be_resent,
+                may_be_resent=may_be_resent, backups=admission.load < BACKUPS_BELOW_LOAD,
             )  # fmt: skip
         finally:
             admission.lease_calls -= 1

@@ -140,7 +140,9 @@ def _refusal(config: CampaignConfig, answer: dict[str, object]) -> NoLease:
                      ready_at_step=int(answer["ready_at"]))  # type: ignore[call-overload]  # fmt: skip
 
 
-def _try_lease(config: CampaignConfig, device_id: int, samples_per_s: float | None, request_id: str) -> LeaseMessage | NoLease:
+def _try_lease(
+    config: CampaignConfig, device_id: int, samples_per_s: float | None, request_id: str, backups: bool = True
+) -> LeaseMessage | NoLease:
     want, claimed = _lease_size(config, device_id, samples_per_s)
     lease_id = ids.lease_ids.take()
     answer = _run(config, "lease", {
@@ -149,6 +151,7 @@ def _try_lease(config: CampaignConfig, device_id: int, samples_per_s: float | No
         "max_dl": settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S, "idle_s": settings.CROWDTRAIN_GONE_AFTER_S,
         "gone_s": settings.CROWDTRAIN_GONE_AFTER_S, "backup_min_s": settings.CROWDTRAIN_BACKUP_MIN_S,
         "backup_factor": settings.CROWDTRAIN_BACKUP_FACTOR, "sweep": SWEEP_PER_CALL, "rid": request_id,
+        "backups": int(backups),
     })  # fmt: skip
     record_retired(answer.get("expired") or [])  # type: ignore[arg-type]
     if int(answer.get("gen") or 0) > config.gen:  # type: ignore[call-overload]
@@ -231,7 +234,7 @@ class LeaseAnswer:
 
 def ask_lease(
     device_id: int, campaign_id: int | None, samples_per_s: float | None, request_id: str = "",
-    *, may_be_resent: bool = True,
+    *, may_be_resent: bool = True, backups: bool = True,
 ) -> LeaseAnswer:
     """Give this device work from a running campaign, or say why not and when to ask again.
 
@@ -239,6 +242,7 @@ def ask_lease(
     dropped connection) gets the lease the first one was given, not a second.
     An agent resends only on a new connection, so the gateway passes
     ``may_be_resent=False`` for later requests on one connection and saves the lookup.
+    ``backups=False`` (a site process that is behind) gives no backup of a late lease.
     """
     if request_id and may_be_resent:
         earlier = _resent(device_id, request_id)
@@ -254,13 +258,13 @@ def ask_lease(
             ), None)  # fmt: skip
         if config.state == Campaign.State.DRAFT:
             return LeaseAnswer(_no_lease("campaign_paused", f"campaign {campaign_id} is draft", 10.0), None)
-        return LeaseAnswer(_try_lease(config, device_id, samples_per_s, request_id), campaign_id)
+        return LeaseAnswer(_try_lease(config, device_id, samples_per_s, request_id, backups), campaign_id)
     refusals: list[LeaseAnswer] = []
     for candidate_id in running_campaigns():
         config = campaign_config(candidate_id)
         if config is None or not open_to(config, device_id):
             continue
-        outcome = _try_lease(config, device_id, samples_per_s, request_id)
+        outcome = _try_lease(config, device_id, samples_per_s, request_id, backups)
         if isinstance(outcome, LeaseMessage):
             return LeaseAnswer(outcome, candidate_id)
         refusals.append(LeaseAnswer(outcome, candidate_id))

@@ -98,3 +98,32 @@ def test_a_backup_is_not_given_to_the_device_that_holds_the_original(clock: Fake
     again = leasing.request_lease(device.pk, None, 1000.0)
 
     assert isinstance(again, NoLease) and again.reason == "step_full"
+
+
+def test_a_site_that_is_behind_gives_no_backups(clock: FakeClock) -> None:
+    make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
+    slow, _ = make_device("slow")
+    helper, _ = make_device("helper")
+    leasing.request_lease(slow.pk, None, 1000.0)
+    clock.advance(leasing.settings.CROWDTRAIN_BACKUP_MIN_S + 1)
+
+    busy = leasing.ask_lease(helper.pk, None, 1000.0, backups=False).message
+    later = leasing.request_lease(helper.pk, None, 1000.0)
+
+    assert isinstance(busy, NoLease)  # its own backlog may be what makes the lease late
+    assert isinstance(later, LeaseMessage)  # once it keeps up again, the step gets its backup
+
+
+def test_a_late_lease_ahead_of_the_open_step_is_not_backed_up(clock: FakeClock) -> None:
+    make_campaign(target_batch_size=16, microbatch_size=4, staleness=1)
+    first, second, third, fourth = (make_device(name)[0] for name in ("first", "second", "third", "fourth"))
+    holds_open = leasing.request_lease(first.pk, None, 1000.0)  # step 0
+    holds_ahead = leasing.request_lease(second.pk, None, 1000.0)  # step 1
+    clock.advance(leasing.settings.CROWDTRAIN_BACKUP_MIN_S + 1)  # both are late now
+
+    backup = leasing.request_lease(third.pk, None, 1000.0)
+    nothing = leasing.request_lease(fourth.pk, None, 1000.0)
+
+    assert isinstance(backup, LeaseMessage) and backup.ranges == holds_open.ranges
+    assert isinstance(nothing, NoLease)  # step 1's lease holds no commit back yet
+    assert holds_ahead.ranges != holds_open.ranges

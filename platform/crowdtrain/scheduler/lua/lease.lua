@@ -1,6 +1,6 @@
 -- Give one device a lease, or say why not. A: device, want, claimed (samples/s, 0 unknown),
 -- id (a fresh lease id), cid, rid (the request's id, '' for none), min_dl, max_dl, idle_s, gone_s,
--- backup_min_s, backup_factor, sweep.
+-- backup_min_s, backup_factor, backups (0: issue none now), sweep.
 if redis.call('EXISTS', K_META) == 0 then return cjson.encode({missing = true}) end
 local out = {}
 redis.call('ZADD', SEEN, now, A.device) -- a device that asks or reports is alive
@@ -45,11 +45,15 @@ end
 
 -- A lease past its soft deadline holds its step back: its samples go to this device too, and
 -- the first valid report wins (MapReduce's backup tasks). Soft deadlines come from the swarm's
--- measured lease time, never from what a device claims.
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_SOFT, '-inf', now, 'LIMIT', 0, 4)) do
+-- measured lease time, never from what a device claims. Only a lease of the open step holds a
+-- commit back, and a site that is behind (A.backups == 0) issues none: its own backlog is what
+-- makes leases late then, and a backup would only duplicate work.
+for _, id in ipairs(A.backups == 1 and redis.call('ZRANGEBYSCORE', K_SOFT, '-inf', now, 'LIMIT', 0, 4) or {}) do
   local slow = lease_get(id)
   if not slow or slow.st ~= 'active' or slow.tw ~= 0 then
     redis.call('ZREM', K_SOFT, id)
+  elseif slow.s ~= open then
+    redis.call('ZADD', K_SOFT, now + A.backup_min_s, id) -- not holding a commit back yet: look again later
   elseif slow.d ~= device then
     redis.call('ZREM', K_SOFT, id)
     slow.tw = A.id
