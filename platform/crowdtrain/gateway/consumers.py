@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypedDict
 
+from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
@@ -72,6 +73,7 @@ LAST_SEEN_EVERY_S = 60.0  # an aggregator's heartbeats reach the database this s
 # A site process this busy gives no backups of late leases: its own backlog is what makes them late.
 BACKUPS_BELOW_LOAD = 0.5
 
+_HEARTBEAT = encode_message(Heartbeat())  # what every agent sends, byte for byte
 _ERROR_CODES = {CloseCode.TOO_LARGE: "too large", CloseCode.BAD_TICKET: "bad ticket"}
 
 
@@ -93,6 +95,20 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
     greeted = False
     closed = False  # once we closed: frames still on their way are dropped, events ignored
     _hello_timer: asyncio.TimerHandle | None = None
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        """Channels' dispatch without its ``aclose_old_connections`` before every message.
+
+        That call is a hop to the one database thread for each frame and event (a
+        heartbeat, a lease request, a wake), queued behind every other socket's: with
+        thousands of volunteers it was much of the site's cost. Our handlers reach the
+        database only through ``database_sync_to_async`` or ``offloop``, which look
+        after their connections themselves.
+        """
+        handler = getattr(self, get_handler_name(message), None)
+        if handler is None:
+            raise ValueError(f"no handler for message type {message['type']}")
+        await handler(message)
 
     async def close(self, code: int | None = None, reason: str | None = None) -> None:
         """Close the socket; every close of both consumers goes through here.
@@ -288,6 +304,11 @@ class AgentConsumer(_ProtocolConsumer):
                 heartbeat_s=settings.CROWDTRAIN_AGENT_HEARTBEAT_S, gone_after_s=settings.CROWDTRAIN_GONE_AFTER_S,
             )
         )
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if text_data == _HEARTBEAT and self.greeted:
+            return  # the commonest frame from idle volunteers: nothing to decode, nothing to do
+        await super().receive(text_data, bytes_data)
 
     async def on_heartbeat(self, _: Heartbeat) -> None:
         """Nothing to do: the open socket is the liveness (``hotstate.Presence`` publishes it in batches)."""
