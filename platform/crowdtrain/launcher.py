@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -389,6 +389,25 @@ class Swarm:
                           expected_exit=max_leases is not None)  # fmt: skip
 
     # ------------------------------------------------------------------ watch
+
+    def wait_until(self, ready: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.25) -> None:
+        """Poll ``ready()`` until truthy; a child that dies meanwhile raises at once (``check``).
+
+        ``ready`` may raise OSError while the site or an aggregator is still starting.
+
+        Raises:
+            RuntimeError: if ``what`` did not happen within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check()
+            try:
+                if ready():
+                    return
+            except OSError:
+                pass
+            time.sleep(poll_s)
+        raise RuntimeError(f"waited {timeout_s:.0f} s for {what}; logs in {self.logs}")
 
     def check(self) -> None:
         """Raise if any child that should still run has exited.

@@ -72,7 +72,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -281,7 +281,7 @@ class Bench:
                  swarm.start_site(name="site-2", cpus=plan.site_cpus, worker=False)]  # fmt: skip
         if plan.mode == "cycle":
             aggregator = swarm.start_aggregator(sites[0], token=seed["aggregators"]["agg-1"], name="agg-1")
-            _wait(lambda: get_json(f"{aggregator}/healthz")["slices"], 60, "the aggregator to hold its slice", swarm)
+            swarm.wait_until(lambda: get_json(f"{aggregator}/healthz")["slices"], 60, "the aggregator to hold its slice")
             time.sleep(0.5)  # its slice_ready reaches the site right after
 
         # the load: agents split over a few load-generator processes, and those over both site processes
@@ -375,17 +375,6 @@ def _log_phase(run: PhaseRun) -> None:
     )  # fmt: skip
 
 
-def _wait(ready: Callable[[], Any], timeout_s: float, what: str, swarm: Swarm, poll_s: float = 0.25) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        swarm.check()
-        try:
-            if ready():
-                return
-        except OSError:
-            pass
-        time.sleep(poll_s)
-    raise PhaseSkipped(f"waited {timeout_s:.0f} s for {what}; logs in {swarm.logs}")
 
 
 def _wait_file(path: Path, child: Child, deadline: float, swarm: Swarm) -> dict[str, Any]:

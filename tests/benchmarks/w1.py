@@ -46,7 +46,7 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -135,7 +135,7 @@ def _measure_phase(run_dir: Path, npz: Path, env: dict[str, str], key: bytes, *,
         campaign_id = seed["campaigns"][0]
         site = swarm.start_site(cpus=server_cpus)
         aggregator = swarm.start_aggregator(site, token=seed["aggregators"]["agg-1"], name="agg-1", cpus=server_cpus)
-        _wait(lambda: get_json(f"{aggregator}/healthz")["slices"], 60, "the aggregator to hold its slice", swarm)
+        swarm.wait_until(lambda: get_json(f"{aggregator}/healthz")["slices"], 60, "the aggregator to hold its slice")
         time.sleep(0.5)  # its slice_ready reaches the site right after
 
         # time to first step: agent start -> its lease is part of a committed step
@@ -143,11 +143,11 @@ def _measure_phase(run_dir: Path, npz: Path, env: dict[str, str], key: bytes, *,
         for (name, token), cpus in zip(seed["agents"].items(), agent_cpus):
             swarm.start_agent(site, token=token, name=name, threads=1, campaign_id=campaign_id, cpus=cpus)
         progress_url = f"{site.url}/api/campaigns/{campaign_id}/progress"
-        _wait(lambda: get_json(progress_url)["committed_steps"] >= 1, 180, "the first committed step", swarm, 0.05)
+        swarm.wait_until(lambda: get_json(progress_url)["committed_steps"] >= 1, 180, "the first committed step", 0.05)
         first_step_s = time.monotonic() - started
 
         # The rate comes from the site's commit times, so a slow poll costs no precision.
-        _wait(lambda: get_json(progress_url)["version"] >= steps, 600, f"{steps} applied steps", swarm, 1.0)
+        swarm.wait_until(lambda: get_json(progress_url)["version"] >= steps, 600, f"{steps} applied steps", 1.0)
         dump = json.loads(swarm.manage("dump_run", "--campaign", str(campaign_id)))
         rate = steady_rate(dump["steps"][:steps], warmup)
 
@@ -165,18 +165,6 @@ def _measure_phase(run_dir: Path, npz: Path, env: dict[str, str], key: bytes, *,
     return PhaseResult(rate, first_step_s, ingest)
 
 
-def _wait(ready: Callable[[], Any], timeout_s: float, what: str, swarm: Swarm, poll_s: float = 0.25) -> None:
-    """Poll ``ready()`` until truthy; a child that dies meanwhile raises at once (Swarm.check)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        swarm.check()
-        try:
-            if ready():
-                return
-        except OSError:  # the site or aggregator is still starting
-            pass
-        time.sleep(poll_s)
-    raise RuntimeError(f"waited {timeout_s:.0f} s for {what}; logs in {swarm.logs}")
 
 
 def _unstable_note(pair: BaselinePair) -> str:

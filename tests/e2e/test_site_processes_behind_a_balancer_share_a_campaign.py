@@ -20,13 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from crowdtrain import engines
 from crowdtrain.cluster import Cluster
 from tests.e2e.test_swarm_trains_a_gpt import counted_samples
 from tests.services import DEFAULT_DATABASE_URL, DEFAULT_REDIS_URL
+from tests.e2e.datasets import write_projection_dataset
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -42,10 +42,7 @@ AGENT_SOCKET = re.compile(r'"WS(CONNECT|DISCONNECT) /ws/agent/"')
 
 
 def write_dataset(path: Path) -> None:
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((2048, MODEL["in_dim"])).astype(np.float32)
-    y = (x @ rng.standard_normal((MODEL["in_dim"], MODEL["classes"]))).argmax(axis=1).astype(np.int64)
-    np.savez(path, x=x, y=y)
+    write_projection_dataset(path, 2048, MODEL)
 
 
 def spec(npz: Path) -> dict[str, Any]:

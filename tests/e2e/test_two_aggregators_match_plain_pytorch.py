@@ -21,6 +21,7 @@ import torch
 from crowdtrain_agent.data import read_samples
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import DataSpec, Ticket, sign_ticket
+from tests.e2e.datasets import write_projection_dataset
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -35,11 +36,7 @@ SITE_ENV = {"CROWDTRAIN_LEASE_TARGET_S": "0.1", "CROWDTRAIN_MAX_LEASE_SAMPLES": 
 
 
 def write_dataset(path: Path) -> None:
-    """x ~ N(0, 1), label = argmax of a fixed random projection: learnable, deterministic."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((4096, MODEL["in_dim"])).astype(np.float32)
-    y = (x @ rng.standard_normal((MODEL["in_dim"], MODEL["classes"]))).argmax(axis=1).astype(np.int64)
-    np.savez(path, x=x, y=y)
+    write_projection_dataset(path, 4096, MODEL)
 
 
 def spec(npz: Path) -> dict[str, Any]:
