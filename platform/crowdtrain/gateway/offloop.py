@@ -3,8 +3,10 @@
 Not on Channels' one database thread (``database_sync_to_async``): the lease
 and done paths talk to Redis and write the database in batches, and one slow
 call must not queue every other socket's call behind it. Each pool thread
-keeps its own database connection; one that died (a restarted PostgreSQL) is
-dropped and the call tried once more on a fresh one.
+keeps its own database connection, checked before every call (a connection
+that died, with a restarted PostgreSQL, is replaced). A failed call is not
+run again here: the scheduler's calls change Redis, and a report counted
+twice would be refused as "already reported" while its step waited.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import InterfaceError, OperationalError, close_old_connections, connections
+from django.db import close_old_connections
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -21,15 +23,8 @@ R = TypeVar("R")
 
 def _with_fresh_connection(fn: Callable[P, R]) -> Callable[P, R]:
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        close_old_connections()  # drops connections past their age or marked broken
-        try:
-            return fn(*args, **kwargs)
-        except (InterfaceError, OperationalError):
-            for connection in connections.all(initialized_only=True):
-                if connection.in_atomic_block:
-                    raise  # inside a transaction the caller decides; only a bare call is retried
-                connection.close()
-            return fn(*args, **kwargs)
+        close_old_connections()  # drops connections past their age or broken; a health check marks them
+        return fn(*args, **kwargs)
 
     return call
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone as dt_timezone
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, OperationalError, transaction
 from django.db.models import Case, F, FloatField, Value, When
 
 from crowdtrain.accounts.models import Device
@@ -30,6 +30,8 @@ from .models import Lease
 from .rebuild import to_shards
 
 logger = logging.getLogger(__name__)
+
+WRITE_ATTEMPTS = 3
 
 
 @dataclass
@@ -56,7 +58,25 @@ def held(record: dict[str, Any]) -> tuple[datetime, datetime, float]:
 
 
 def _write_step(config: CampaignConfig, index: int, leases: list[dict[str, Any]]) -> list[int]:
-    """The step row, its leases and their devices' credit in one transaction; returns the lease ids in the step."""
+    """The step row, its leases and their devices' credit in one transaction; returns the lease ids in the step.
+
+    A transaction PostgreSQL aborts (a deadlock with another process's batch of
+    lease records, which locks the same rows in another order) is run again: the
+    write is idempotent, and the step must not wait for the sweep's takeover.
+    """
+    attempt = 1
+    while True:
+        try:
+            return _write_step_once(config, index, leases)
+        except OperationalError:
+            if attempt >= WRITE_ATTEMPTS:
+                raise
+            logger.info("campaign %s: writing step %s failed (try %s); trying again", config.id, index, attempt,
+                        exc_info=True)  # fmt: skip
+            attempt += 1
+
+
+def _write_step_once(config: CampaignConfig, index: int, leases: list[dict[str, Any]]) -> list[int]:
     try:
         with transaction.atomic():
             step = Step.objects.create(
