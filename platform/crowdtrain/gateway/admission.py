@@ -18,6 +18,7 @@ from django.conf import settings
 TRY_AGAIN_LATER = 1013  # RFC 6455: the server is overloaded; a client reconnects with backoff
 # A refusal never asks an agent to wait longer than this, however busy the site.
 MAX_RETRY_AFTER_S = 60.0
+LAG_AT_FULL_LOAD_S = 0.5
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Admission:
     sockets: int = 0
     handshakes: int = 0  # accepted sockets whose token is still being checked
     lease_calls: int = 0  # lease requests in the scheduler right now
+    loop_lag_s: float = 0.0  # how late the event loop ran the last housekeeping round
 
     def admit_socket(self) -> bool:
         """Whether a new socket may go on to authentication (counted from here until ``socket_closed``)."""
@@ -47,8 +49,8 @@ class Admission:
 
     @property
     def load(self) -> float:
-        """0 when idle, 1 at the limit of lease calls in flight."""
-        return self.lease_calls / max(1, settings.CROWDTRAIN_MAX_LEASE_CALLS)
+        """0 when idle, 1 at the limit of lease calls in flight or with the event loop half a second behind."""
+        return max(self.lease_calls / max(1, settings.CROWDTRAIN_MAX_LEASE_CALLS), self.loop_lag_s / LAG_AT_FULL_LOAD_S)
 
     def retry_after(self, base_s: float) -> float:
         """``base_s`` stretched by the load: a busy site spreads its volunteers' next requests out."""

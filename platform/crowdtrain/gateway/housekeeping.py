@@ -19,6 +19,7 @@ from crowdtrain.accounts.models import Device
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.hotstate import presence
 
+from .admission import admission
 from .offloop import offloop
 from .outbox import send_commits
 
@@ -52,7 +53,10 @@ class Housekeeping:
     async def _run(self) -> None:
         last_db = time.monotonic()
         while True:
+            asleep = time.monotonic()
             await asyncio.sleep(self.interval_s)
+            # How late the loop woke us: a process this far behind on its own work issues no backups.
+            admission.loop_lag_s = max(0.0, time.monotonic() - asleep - self.interval_s)
             try:
                 await offloop(presence.publish)()
                 _, commits = await offloop(leasing.expire_all_overdue)()

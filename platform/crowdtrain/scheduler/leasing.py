@@ -361,7 +361,10 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
         raise RuntimeError(f"campaign {config.id}: its generation keeps moving; the report of lease {done.lease_id} was not counted")
     record_retired(answer.get("retired") or [])  # type: ignore[arg-type]
     if not answer.get("accepted"):
-        return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=str(answer.get("reason"))))
+        reason = str(answer.get("reason"))
+        if reason == "unknown lease" and _counted(done.lease_id, device_id):
+            reason = "lease already reported"  # a report sent again after its step committed (Redis forgot it)
+        return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=reason))
     lease = cast(dict[str, Any], answer["lease"])
     _, finished, compute_s = held(lease)
     writer().lease_finished(Finished(done.lease_id, Lease.State.ACCEPTED, "", finished, float(lease["loss"]), compute_s))
@@ -369,6 +372,11 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
     if answer.get("commit"):
         outcome.commits = commit_full_steps(config, answer["commit"])  # type: ignore[arg-type]
     return outcome
+
+
+def _counted(lease_id: int, device_id: int) -> bool:
+    """Whether this device's lease is in a committed step (asked only for reports the hot state does not know)."""
+    return Lease.objects.filter(pk=lease_id, device_id=device_id, step__isnull=False).exists()
 
 
 def report_and_request(

@@ -361,3 +361,14 @@ def test_a_lease_names_the_shards_the_next_leases_will_read() -> None:
     campaign.refresh_from_db()
     at_cursor = table.locate(campaign.cursor)
     assert lease.prefetch == [table.sha256s[at_cursor], table.sha256s[(at_cursor + 1) % len(table.sha256s)]]
+
+
+def test_a_report_sent_again_after_its_step_committed_is_told_it_was_counted() -> None:
+    make_campaign(target_batch_size=8, microbatch_size=4)
+    device, _ = make_device()
+    lease = leasing.request_lease(device.pk, None, 1000.0)
+    assert leasing.report_done(device.pk, done_for(lease.lease_id)).commits
+
+    again = leasing.report_done(device.pk, done_for(lease.lease_id))
+
+    assert not again.ack.accepted and again.ack.reason == "lease already reported"
