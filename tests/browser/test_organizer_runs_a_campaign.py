@@ -9,7 +9,7 @@ it with ``load_exported`` and recomputes its held-out loss with plain PyTorch.
 
 The form has no "validate every" field: campaigns validate every 10 steps
 (the model's default) and at the finish, so the run goes past step 10 for a
-validation loss to appear while it trains. Two agents make some 25 steps a
+validation loss to appear while it trains. Two agents make 25 to 40 steps a
 second here, so ``max_steps`` is far above what the test reaches: Finish is
 Olga's click, not the stop rule's.
 """
@@ -43,7 +43,7 @@ CORPUS_BYTES = 40 << 10
 MODEL = {"n_layer": "1", "n_head": "1", "n_embd": "16", "block_size": "16"}
 SAMPLE_LEN = 17  # block_size + 1: the input bytes and the next byte of the last one
 VALIDATE_EVERY = 10  # Campaign.validate_every's default; the form does not set it
-MAX_STEPS = 2000
+MAX_STEPS = 100_000
 TRAINING_MS = 60_000  # a generous bound: the first step usually comes some 5 s after the agents start
 
 
@@ -165,8 +165,9 @@ def test_an_organizer_trains_a_tiny_gpt_with_real_agents_and_downloads_it(
         expect(page.locator('[data-stat="val_loss"]')).to_have_text(re.compile(r"^\d+\.\d{3}$"), timeout=TRAINING_MS)
         expect(page.locator('[data-stat="contributors"]')).to_have_text("2")
         expect(page.locator("#loss-chart circle.val-point").first).to_be_visible()
-        # its weights become downloadable on the open page, without a reload
-        expect(page.get_by_test_id(f"export-weights-{VALIDATE_EVERY}")).to_be_visible(timeout=TRAINING_MS)
+        # validated weights become downloadable on the open page, without a reload (the newest ones:
+        # older versions' weights are pruned as training runs on, so version 10's may be gone already)
+        expect(page.locator('[data-testid^="export-weights-"]').first).to_be_visible(timeout=TRAINING_MS)
         shot(page, "training with a validation loss")
 
         # Paused: the leases already out come back, then the step count stands still.
