@@ -18,6 +18,7 @@ from django.db import transaction
 from django.db.models import Case, Count, F, Value, When
 from django.utils import timezone
 
+from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns import validation
 from crowdtrain.campaigns.models import Campaign, Step, shard_table
 from crowdtrain_agent.models import get_model
@@ -227,8 +228,6 @@ def _rollback(campaign: Campaign, version: int) -> None:
         state=Lease.State.REJECTED, reason=reason, finished_at=now
     )
     if taken_back:
-        from crowdtrain.accounts.models import Device
-
         back = Case(*(When(pk=d, then=Value(n)) for d, n in taken_back.items()), default=Value(0))
         Device.objects.filter(pk__in=sorted(taken_back)).update(samples_accepted=F("samples_accepted") - back)
     campaign.committed_steps = version

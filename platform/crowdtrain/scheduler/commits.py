@@ -27,7 +27,7 @@ from crowdtrain_agent.protocol import StepCommit
 from .configs import CampaignConfig
 from .hotstate import HotStateMissing, hot_state
 from .models import Lease
-from .rebuild import to_shards
+from .rebuild import load_campaign, to_shards
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +135,6 @@ def commit_full_steps(config: CampaignConfig, full: dict[str, Any]) -> list[Comm
         try:
             answer = hot_state().run("committed", config.hot_key, {"step": index})
         except HotStateMissing:  # Redis lost the keys meanwhile: the record, step included, rebuilds them
-            from .rebuild import load_campaign
-
             load_campaign(config.id)
             answer = {}
         logger.info("campaign %s: step %s committed (%s samples, %s leases)", config.id, index, num_samples, len(lease_ids))

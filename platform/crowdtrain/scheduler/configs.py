@@ -13,8 +13,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from django.db.models import Q
+from django.db.models import Exists, Q
 
+from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import DataSpec, ModelSpec, SliceRoute
@@ -137,10 +138,6 @@ def open_to(config: CampaignConfig, device_id: int) -> bool:
 
 def open_q(device_id: int) -> Q:
     """Campaigns this device may work on: public ones, and invite-only ones its volunteer owns or was invited to."""
-    from django.db.models import Exists
-
-    from crowdtrain.accounts.models import Device
-
     staff = Exists(Device.objects.filter(pk=device_id, owner__is_staff=True))
     return (
         Q(visibility=Campaign.Visibility.PUBLIC) | Q(owner__devices=device_id) | Q(invited__devices=device_id) | Q(staff)

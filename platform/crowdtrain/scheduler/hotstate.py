@@ -107,11 +107,6 @@ class HotState:
                 pipe.zadd(self.seen_key, {str(d): stamp for d in ids[start : start + 1000]})
             pipe.execute()
 
-    def forget_seen(self, device_ids: Iterable[int]) -> None:
-        ids = [str(d) for d in device_ids]
-        if ids:
-            self.client.zrem(self.seen_key, *ids)
-
     def last_seen(self, device_ids: Iterable[int]) -> dict[int, float]:
         ids = list(device_ids)
         if not ids:

@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 
+from django.conf import settings
 from django.db.models import Max, Q
 from django.utils import timezone
 
@@ -141,8 +142,6 @@ def load_campaign(campaign_id: int, *, force: bool = False) -> bool:
         # Newer than any generation a process may have cached from before Redis lost the keys.
         "lease_s": 0, "gen": time.time_ns() // 1_000_000,
     }  # fmt: skip
-    from django.conf import settings
-
     args = {"cid": campaign.pk, "meta": meta, "leases": live, "ret": redo, "force": force,
             "backup_min_s": settings.CROWDTRAIN_BACKUP_MIN_S}  # fmt: skip
     loaded = bool(hot_state().run("load", campaign.hot_key.hex, args).get("loaded"))
