@@ -47,15 +47,6 @@ DAPHNE_LISTENING = re.compile(r"Listening on TCP address ([\d.]+):(\d+)")
 BACKBONE_LISTENING = re.compile(r"crowdtrain-backbone: listening on (http://\S+)")
 WORKER_READY = re.compile(r"celery@\S+ ready")
 
-# daphne's keepalive, the bound on sockets that go quiet: a WebSocket that has sent nothing for
-# --ping-interval seconds is pinged, and one that has not answered within --ping-timeout is
-# dropped. So what daphne buffers for a client that neither reads nor sends (a hung machine, a
-# half-open TCP connection) is what the site sent it in those ~20 s at most, and its slot is freed.
-# Agents and aggregators send a heartbeat every CROWDTRAIN_HEARTBEAT_S (2 s), so they are never
-# pinged; a client that keeps sending but never reads is bounded only by what it asks for, one
-# reply per request (daphne exposes no write-buffer limit to the application). A socket that never
-# says hello is closed after CROWDTRAIN_HELLO_TIMEOUT_S by the consumers. The serve command uses these too.
-DAPHNE_KEEPALIVE_ARGS = ("--ping-interval", "10", "--ping-timeout", "10")
 
 # Stop order: lower first. Agents give leases back, aggregators drain, then the site (and its Celery),
 # then the balancer in front of several site processes, and last the engines under them (PostgreSQL, Redis).
@@ -282,7 +273,7 @@ class Swarm:
 
         daphne's default 1 MiB WebSocket limits stay: every protocol message
         is smaller (gradients go to aggregators, not through the site). Its
-        keepalive is DAPHNE_KEEPALIVE_ARGS.
+        keepalive and housekeeping are ``crowdtrain.daphne_site``'s.
 
         Args:
             name: the child's name and log file; a second site process needs another.
@@ -311,8 +302,7 @@ class Swarm:
         return [self._listening(child, timeout_s) for child in children]
 
     def _daphne_argv(self, host: str, port: int) -> list[str]:
-        return [self.python, "-m", "daphne", "-b", host, "-p", str(port), *DAPHNE_KEEPALIVE_ARGS,
-                "crowdtrain.asgi:application"]  # fmt: skip
+        return [self.python, "-m", "crowdtrain.daphne_site", "-b", host, "-p", str(port)]
 
     @staticmethod
     def _listening(child: Child, timeout_s: float) -> Site:

@@ -247,8 +247,9 @@ CROWDTRAIN_HEARTBEAT_S = env_float("CROWDTRAIN_HEARTBEAT_S", 2.0, minimum=0.1)
 # Agents' heartbeats only keep idle sockets open through NATs and proxies: the site reads an agent's
 # liveness from its open socket (daphne's pings drop dead ones), so thousands of idle volunteers
 # need not cost a message every two seconds each. Aggregators keep CROWDTRAIN_HEARTBEAT_S: theirs
-# drive the site's resends of lost commits.
-CROWDTRAIN_AGENT_HEARTBEAT_S = env_float("CROWDTRAIN_AGENT_HEARTBEAT_S", 20.0, minimum=0.1)
+# drive the site's resends of lost commits. Keep it under daphne's ping interval (30 s,
+# crowdtrain.daphne_site), or the site pings every idle agent as well.
+CROWDTRAIN_AGENT_HEARTBEAT_S = env_float("CROWDTRAIN_AGENT_HEARTBEAT_S", 25.0, minimum=0.1)
 # A lease still out this long after it was issued (at least this many seconds, or this many times the
 # campaign's measured lease time) gets a backup: its samples go to another device too, and the first
 # valid report wins. A slow or silent device then never holds a step for longer than that.

@@ -47,7 +47,7 @@ from crowdtrain_agent.protocol import (
 )
 
 from .admission import TRY_AGAIN_LATER, admission
-from .housekeeping import housekeeping
+from .housekeeping import LAST_SEEN_DB_EVERY_S, housekeeping
 from .offloop import offloop
 from .outbox import (
     ReplacedEvent,
@@ -296,7 +296,7 @@ class AgentConsumer(_ProtocolConsumer):
     async def on_hello(self, hello: AgentHello) -> None:
         self.check_version(hello.protocol_version)
         leasing.note_hardware(self.device.pk, hello.device.flops_per_s)
-        await database_sync_to_async(_record_hello)(self.device.pk, asdict(hello.device))
+        await offloop(_record_hello)(self.device, asdict(hello.device))
         self.greeted = True
         await self.send_message(
             Welcome(
@@ -495,11 +495,21 @@ def _release_after_grace(device_id: int, lease_ids: list[int]) -> None:
 _background: set[asyncio.Task[None]] = set()
 
 
-def _record_hello(device_id: int, hardware: dict[str, Any]) -> None:
-    # Merged, not replaced: the host and OS the agent reported at login stay on the devices page.
-    saved = Device.objects.filter(pk=device_id).values_list("hardware", flat=True).first()
-    merged = {**(saved if isinstance(saved, dict) else {}), **hardware}
-    Device.objects.filter(pk=device_id).update(hardware=merged, last_seen_at=timezone.now())
+def _record_hello(device: Device, hardware: dict[str, Any]) -> None:
+    """Keep what the agent says about its hardware, written only when it says something new.
+
+    Merged, not replaced: the host and OS the agent reported at login stay on
+    the devices page. An agent that reconnects with the same hardware costs no
+    write (``last_seen_at`` is stamped in batches by ``housekeeping``), unless
+    the device has not been stamped for a while, so its page says "online" at once.
+    """
+    saved = device.hardware if isinstance(device.hardware, dict) else {}
+    merged = {**saved, **hardware}
+    now = timezone.now()
+    stale = device.last_seen_at is None or (now - device.last_seen_at).total_seconds() > LAST_SEEN_DB_EVERY_S
+    if merged != saved or stale:
+        Device.objects.filter(pk=device.pk).update(hardware=merged, last_seen_at=now)
+        device.hardware, device.last_seen_at = merged, now
 
 
 def _aggregator_with_token(token: str | None) -> Aggregator | None:

@@ -8,7 +8,7 @@ The embedded default needs nothing else: SQLite in var/, the in-memory
 channel layer and Celery tasks run eagerly inside the request that queues
 them. daphne's 1 MiB WebSocket limits stay: every protocol message is smaller.
 Its keepalive drops sockets that go quiet and stop reading, as for the swarms
-the launcher starts (``crowdtrain.launcher.DAPHNE_KEEPALIVE_ARGS`` says what that bounds).
+the launcher starts (``crowdtrain.daphne_site`` says what that bounds).
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from crowdtrain.launcher import DAPHNE_KEEPALIVE_ARGS
-
-APPLICATION = "crowdtrain.asgi:application"
+from crowdtrain import daphne_site
 
 
 def free_port(host: str) -> int:
@@ -49,9 +47,6 @@ class Command(BaseCommand):
         host = options["host"]
         if port == 0:
             port = free_port(host)
-        # Imported here: daphne's CLI pulls in twisted, which the other commands do not need.
-        from daphne.cli import CommandLineInterface
-
         self.stdout.write(f"crowdtrain: serving http://{host}:{port}/ (Ctrl-C stops)")
         self.stdout.flush()
-        CommandLineInterface().run(["-b", host, "-p", str(port), *DAPHNE_KEEPALIVE_ARGS, APPLICATION])
+        daphne_site.main(["-b", host, "-p", str(port)])

@@ -1,0 +1,102 @@
+"""Run the site's ASGI application on daphne, with housekeeping paced for thousands of quiet sockets.
+
+    python -m crowdtrain.daphne_site -b 0.0.0.0 -p 8000 [more daphne options]
+
+Every way the site is served (``manage.py serve``, the launcher's swarms and
+``make cluster``, ``deploy/compose.yaml``) starts daphne through here, so they
+share two choices:
+
+- **Keepalive** (``KEEPALIVE_ARGS``): a WebSocket that has sent nothing for
+  ``--ping-interval`` seconds is pinged, and one that has not answered within
+  ``--ping-timeout`` is dropped. So what daphne buffers for a client that
+  neither reads nor sends (a hung machine, a half-open TCP connection) is
+  what the site sent it in those ~40 s at most, and its slot is freed. The
+  interval is longer than the agents' heartbeat (``CROWDTRAIN_AGENT_HEARTBEAT_S``,
+  25 s) and the aggregators' (2 s), so working peers are never pinged: at
+  10,000 idle agents a ping and its pong for each were 7% of the site's CPU.
+  A socket that never says hello is closed sooner, by the consumers
+  (``CROWDTRAIN_HELLO_TIMEOUT_S``); a client that keeps sending but never
+  reads is bounded by what it asks for, one reply per request.
+- **Walks** (``SiteServer``): daphne walks every connection once a second to
+  reap finished application instances, and every 2 s to check timeouts and
+  send keepalive pings. With 5,000 idle volunteers on a process those walks
+  cost it more than their heartbeats did; here they run every
+  ``REAP_EVERY_S`` and ``TIMEOUTS_EVERY_S`` seconds, so a closed socket's
+  record lingers a few seconds longer and a ping or a handshake timeout is
+  up to 2 s later, which the timeouts above (tens of seconds) absorb.
+
+- **Garbage collection** (``GC_THRESHOLDS``): each connection is a few
+  hundred Python objects, and CPython's collector rescans all of them each
+  time the heap grows by a quarter: while 5,000 agents joined one process,
+  passes of 0.3-1.2 s (the whole loop stopped) added up to 7.6 s, and a
+  lease request that met one waited that long. Collecting the young
+  generation every 50,000 allocations instead of 700 lets the short-lived
+  objects of each message die by reference counting before they are
+  promoted, so the full passes stop (1.3 s of collection in all for the same
+  join). The objects loaded at start (Django, the app) are frozen out of the
+  collector altogether.
+
+Options given on the command line come after ours, so they win.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+APPLICATION = "crowdtrain.asgi:application"
+KEEPALIVE_ARGS = ("--ping-interval", "30", "--ping-timeout", "10")
+REAP_EVERY_S = 5
+GC_THRESHOLDS = (50_000, 20, 100)
+TIMEOUTS_EVERY_S = 4  # a multiple of daphne's 2 s
+
+
+def server_class() -> type:
+    """daphne's ``Server`` with its walks over every connection paced by ``REAP_EVERY_S`` and ``TIMEOUTS_EVERY_S``.
+
+    Built on call: importing daphne's server installs twisted's asyncio
+    reactor, which only a process that is about to serve should do.
+    """
+    from daphne.server import Server
+    from twisted.internet import reactor
+
+    class SiteServer(Server):  # type: ignore[misc]  # daphne is untyped
+        _reap_ticks = 0
+        _timeout_ticks = 0
+
+        # daphne's checkers reschedule themselves (1 s and 2 s on); the ticks we skip do the same.
+        def application_checker(self) -> None:
+            self._reap_ticks += 1
+            if self._reap_ticks % REAP_EVERY_S:
+                reactor.callLater(1, self.application_checker)
+                return
+            super().application_checker()
+
+        def timeout_checker(self) -> None:
+            self._timeout_ticks += 1
+            if self._timeout_ticks % (TIMEOUTS_EVERY_S // 2):
+                reactor.callLater(2, self.timeout_checker)
+                return
+            super().timeout_checker()
+
+    return SiteServer
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    """Serve ``crowdtrain.asgi:application`` with daphne's command line (``argv`` without the application)."""
+    from daphne.cli import CommandLineInterface
+
+    gc.set_threshold(*GC_THRESHOLDS)
+    importlib.import_module(APPLICATION.partition(":")[0])  # daphne finds it loaded
+    gc.freeze()
+    cli = CommandLineInterface()
+    cli.server_class = server_class()
+    args = list(sys.argv[1:] if argv is None else argv)
+    return cli.run([*KEEPALIVE_ARGS, *args, APPLICATION])
+
+
+if __name__ == "__main__":
+    main()
