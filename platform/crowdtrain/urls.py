@@ -24,6 +24,7 @@ urlpatterns = [
     path("campaigns/<int:campaign_id>/edit", organizer_views.campaign_edit, name="campaign-edit"),
     path("campaigns/<int:campaign_id>/lifecycle", organizer_views.campaign_lifecycle, name="campaign-lifecycle"),
     path("campaigns/<int:campaign_id>/invite", organizer_views.campaign_rotate_invite, name="campaign-rotate-invite"),
+    path("campaigns/<int:campaign_id>/restore", organizer_views.campaign_restore, name="campaign-restore"),
     path("campaigns/invite/<str:code>", organizer_views.campaign_invite, name="campaign-invite"),
     # The trained model of a validated version: safetensors weights and the config load_exported reads.
     path("campaigns/<int:campaign_id>/export", campaign_export.campaign_export, name="campaign-export"),

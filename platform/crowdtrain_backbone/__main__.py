@@ -11,7 +11,9 @@ Run it next to a site (port 0 picks a free port; the real one is printed)::
 On start it prints exactly one line, ``crowdtrain-backbone: listening on http://HOST:PORT``,
 for launchers and tests to parse. When the site refuses it for good (an unknown token, another
 process on the same token) it exits with status 1 and a line on stderr that says what to do;
-anything else (site down, busy, restarting) is retried with backoff.
+anything else (site down, busy, restarting) is retried with backoff. A checkpoint location it
+cannot write stops it at once with status 2. SIGTERM and Ctrl-C finish the step in hand, write a
+checkpoint of every slice's current version, report it to the site and exit 0.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", help="port to bind; 0 picks a free one (default 8100)")
     parser.add_argument("--checkpoint-dir", dest="checkpoint_dir", help="checkpoint folder (default var/checkpoints)")
+    parser.add_argument(
+        "--checkpoint-url", dest="checkpoint_url",
+        help="s3://BUCKET/PREFIX: checkpoints in S3-compatible storage (CROWDTRAIN_S3_* credentials) instead",
+    )  # fmt: skip
     parser.add_argument("--public-host", dest="public_host", help="host agents use to reach this aggregator")
     parser.add_argument("--max-pending-bytes", dest="max_pending_bytes", help="cap on pending gradient bytes")
     parser.add_argument("--torch-threads", dest="torch_threads", help="PyTorch intra-op threads (default 1)")
@@ -59,11 +65,26 @@ async def _main(config: BackboneConfig) -> int:
     torch.set_num_threads(config.torch_threads)
     keep_freed_memory()  # every step allocates the same megabytes again: reuse them, no page faults
 
+    # SIGTERM (docker stop, kubectl, systemd) and Ctrl-C stop gracefully: the step in hand is
+    # finished and every slice checkpointed at its current version, so a restart loses no step.
+    # A second signal stops at once.
+    stop = asyncio.Event()
     main_task = asyncio.current_task()
-    if main_task is not None:
-        # SIGTERM (docker stop, kubectl) ends like Ctrl-C: cancel, close sockets, exit.
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
-    return await run(config, on_listening=lambda url: print(f"crowdtrain-backbone: listening on {url}", flush=True))
+    loop = asyncio.get_running_loop()
+
+    def on_signal(name: str) -> None:
+        if stop.is_set():
+            logger.warning("%s again: stopping now, without the last checkpoints", name)
+            if main_task is not None:
+                main_task.cancel()
+            return
+        logger.warning("%s: finishing the step in hand and checkpointing before exit (again to stop now)", name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    return await run(config, stop=stop,
+                     on_listening=lambda url: print(f"crowdtrain-backbone: listening on {url}", flush=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"crowdtrain-backbone: {exc}", file=sys.stderr)
         return 2
+    from .checkpoints import LocalStore, StorageUnusable
     from .site_link import SiteRefused  # imports torch: after the config is known to be good
+
+    try:
+        # Before anything else: an aggregator that cannot save checkpoints must not take slices.
+        store = config.checkpoint_store(os.environ)
+        store.check_writable()
+        if isinstance(store, LocalStore):
+            for leftover in store.remove_stale_temporaries():
+                logger.warning("removed %s, left by a checkpoint write that was cut off", leftover)
+    except StorageUnusable as exc:
+        print(f"crowdtrain-backbone: {exc}", file=sys.stderr)
+        return 2
 
     try:
         return asyncio.run(_main(config))

@@ -8,8 +8,11 @@ import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from .checkpoints import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,9 @@ class BackboneConfig:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     checkpoint_dir: Path = Path(DEFAULT_CHECKPOINT_DIR)
+    # s3://bucket/prefix: checkpoints in a bucket (credentials from the site's CROWDTRAIN_S3_* variables)
+    # instead of checkpoint_dir, so a replacement aggregator on another machine restores them.
+    checkpoint_url: str = ""
     public_host: str = DEFAULT_HOST
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
     # One intra-op thread by default: an aggregator's work is elementwise passes over its slice,
@@ -57,6 +63,14 @@ class BackboneConfig:
     # 76 ms with two while the other core was busy). Raise it on a dedicated host with large slices.
     torch_threads: int = 1
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+
+    def checkpoint_store(self, environ: Mapping[str, str]) -> CheckpointStore:
+        """The bucket of ``checkpoint_url`` if set, else the folder ``checkpoint_dir``."""
+        from .checkpoints import LocalStore, S3Store  # torch: only once the config is known to be good
+
+        if self.checkpoint_url:
+            return S3Store.from_url(self.checkpoint_url, environ)
+        return LocalStore(self.checkpoint_dir)
 
     @property
     def backbone_ws_url(self) -> str:
@@ -129,6 +143,13 @@ def _parse_path(raw: str, where: str) -> Path:
     return Path(raw)
 
 
+def _parse_bucket_url(raw: str, where: str) -> str:
+    bucket = raw.removeprefix("s3://").partition("/")[0]
+    if not raw.startswith("s3://") or not bucket:
+        raise ConfigError(f"{where}={raw!r} must be an S3 location like s3://BUCKET/checkpoints")
+    return raw
+
+
 def _parse_text(raw: str, where: str) -> str:
     if not raw.strip() or any(c.isspace() for c in raw):
         raise ConfigError(f"{where}={raw!r} must be a non-empty string without spaces")
@@ -169,6 +190,7 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str]) -> Backbon
         host=host,
         port=get("port", _parse_port, DEFAULT_PORT),
         checkpoint_dir=get("checkpoint_dir", _parse_path, Path(DEFAULT_CHECKPOINT_DIR)),
+        checkpoint_url=get("checkpoint_url", _parse_bucket_url, ""),
         public_host=get("public_host", _parse_text, default_public),
         max_pending_bytes=get("max_pending_bytes", _parse_bytes, DEFAULT_MAX_PENDING_BYTES),
         torch_threads=get("torch_threads", _parse_threads, 1),

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
+import os
 from typing import Any
 
 import torch
 from crowdtrain_agent.protocol import (
+    CheckpointComplete,
+    CheckpointSaved,
     Rollback,
     SliceAssignment,
+    SliceLost,
     SliceReady,
     SliceUnassign,
     StepApplied,
@@ -18,14 +21,21 @@ from crowdtrain_agent.protocol import (
     StepFailed,
 )
 
-from .checkpoints import CheckpointError, delete_newer, list_versions, load_checkpoint, save_checkpoint
+from .checkpoints import (
+    CheckpointError,
+    CheckpointStore,
+    delete_versions,
+    load_checkpoint,
+    save_checkpoint,
+    to_prune,
+)
 from .config import BackboneConfig
 from .slices import MemoryBudget, SliceState, StepRefused, initial_params
 
 logger = logging.getLogger(__name__)
 
-SiteOrder = SliceAssignment | StepCommit | Rollback | SliceUnassign
-Reply = SliceReady | StepApplied | StepFailed
+SiteOrder = SliceAssignment | StepCommit | Rollback | SliceUnassign | CheckpointComplete
+Reply = SliceReady | SliceLost | CheckpointSaved | StepApplied | StepFailed
 
 # Fields that fix which numbers a slice holds; a change means a different slice.
 _LAYOUT_FIELDS = ("start", "end", "param_count", "model", "seed")
@@ -35,52 +45,76 @@ def _same_layout(a: SliceAssignment, b: SliceAssignment) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in _LAYOUT_FIELDS)
 
 
-def restore(
-    assignment: SliceAssignment, root: Path, version: int
-) -> tuple[torch.Tensor, int, dict[str, Any] | None]:
-    """Find the state to hold for ``version``: its checkpoint, else the newest one below, else the seeded init.
+class SliceLostError(RuntimeError):
+    """No usable state for the versions the site offered; the message says what was tried."""
 
-    Blocking (disk and model construction): call it through ``asyncio.to_thread``.
+
+def _usable(state: dict[str, Any], assignment: SliceAssignment) -> str | None:
+    """Why a loaded checkpoint cannot serve this slice, or None if it can."""
+    saved, params = state["config"], state["params"]
+    if (
+        not isinstance(saved, dict)
+        or any(saved.get(f) != getattr(assignment, f) for f in ("start", "end", "param_count"))
+        or not isinstance(params, torch.Tensor)
+        or params.shape != (assignment.end - assignment.start,)
+    ):
+        return "it was written for a different slice layout"
+    return None
+
+
+def _load(store: CheckpointStore, assignment: SliceAssignment, version: int) -> tuple[torch.Tensor, dict[str, Any] | None]:
+    cid, idx = assignment.campaign_id, assignment.slice_index
+    state = load_checkpoint(store, cid, idx, version)
+    problem = _usable(state, assignment)
+    if problem:
+        raise CheckpointError(f"checkpoint v{version} of campaign {cid} slice {idx}: {problem}")
+    optimizer_state = state["optimizer"]
+    if (state["config"].get("optimizer") or {}).get("name") != assignment.optimizer.name:
+        # Moments of another optimizer mean nothing to this one: keep the params, restart its state.
+        logger.warning("campaign %s slice %s: the optimizer changed since v%s; its state starts fresh", cid, idx, version)
+        optimizer_state = None
+    return state["params"], optimizer_state
+
+
+def restore(
+    assignment: SliceAssignment, store: CheckpointStore, version: int, fallback: int | None
+) -> tuple[torch.Tensor, int, dict[str, Any] | None]:
+    """The state to hold: ``version``'s checkpoint, else the site's ``fallback`` (a complete version), else lost.
+
+    Never an older checkpoint of this slice alone (the other slices may not
+    have it), and never the seeded init for a campaign that has stepped unless
+    the site says so (``fallback`` 0). Blocking (storage and model
+    construction): call it through ``asyncio.to_thread``.
 
     Returns:
         params, the version they are at, and the optimizer state (None for a fresh init).
+
+    Raises:
+        SliceLostError: neither version can be loaded.
     """
     cid, idx = assignment.campaign_id, assignment.slice_index
-    for v in reversed([v for v in list_versions(root, cid, idx) if v <= version]):
-        try:
-            state = load_checkpoint(root, cid, idx, v)
-        except CheckpointError as exc:
-            logger.warning("skipping checkpoint: %s", exc)
-            continue
-        saved, params = state["config"], state["params"]
-        layout = ("start", "end", "param_count")
-        if (
-            not isinstance(saved, dict)
-            or any(saved.get(f) != getattr(assignment, f) for f in layout)
-            or not isinstance(params, torch.Tensor)
-            or params.shape != (assignment.end - assignment.start,)
-        ):
-            logger.warning(
-                "skipping checkpoint v%s of campaign %s slice %s: it was written for a different slice layout",
-                v, cid, idx,
-            )  # fmt: skip
-            continue
-        optimizer_state = state["optimizer"]
-        if (saved.get("optimizer") or {}).get("name") != assignment.optimizer.name:
-            # Moments of another optimizer mean nothing to this one: keep the params, restart its state.
-            logger.warning("campaign %s slice %s: the optimizer changed since v%s; its state starts fresh", cid, idx, v)
-            optimizer_state = None
-        if v != version:
-            logger.warning(
-                "campaign %s slice %s: no checkpoint of version %s, resuming from version %s", cid, idx, version, v
-            )
-        return params, v, optimizer_state
-    if version > 0:
-        logger.warning(
-            "campaign %s slice %s: no checkpoint at or below version %s in %s; starting from the seeded init "
-            "(version 0)", cid, idx, version, root,
-        )  # fmt: skip
-    return initial_params(assignment), 0, None
+    if version == 0:
+        return initial_params(assignment), 0, None
+    tried = []
+    try:
+        params, optimizer_state = _load(store, assignment, version)
+        return params, version, optimizer_state
+    except CheckpointError as exc:
+        tried.append(str(exc))
+    if fallback is None:
+        raise SliceLostError(f"{tried[0]}; the campaign has no complete checkpoint to fall back to")
+    if fallback == 0:
+        logger.warning("campaign %s slice %s: restarting from the seeded init (version 0), as the site asks", cid, idx)
+        return initial_params(assignment), 0, None
+    try:
+        params, optimizer_state = _load(store, assignment, fallback)
+    except CheckpointError as exc:
+        raise SliceLostError(f"{tried[0]}; and the newest complete checkpoint failed too: {exc}") from exc
+    logger.warning(
+        "campaign %s slice %s: no checkpoint of version %s, resuming from the newest complete one, version %s",
+        cid, idx, version, fallback,
+    )  # fmt: skip
+    return params, fallback, optimizer_state
 
 
 class AggregatorNode:
@@ -90,10 +124,13 @@ class AggregatorNode:
     site sent the orders; upload handlers read ``slices`` and ``ticket_key``.
     """
 
-    def __init__(self, config: BackboneConfig) -> None:
+    def __init__(self, config: BackboneConfig, store: CheckpointStore | None = None) -> None:
         self.config = config
+        self.store = store if store is not None else config.checkpoint_store(os.environ)
         self.budget = MemoryBudget(config.max_pending_bytes)
         self.slices: dict[tuple[int, int], SliceState] = {}
+        self.complete: dict[int, list[int]] = {}  # per campaign: versions every slice has a checkpoint of
+        self.saved: dict[tuple[int, int], int] = {}  # per slice: the version of its newest checkpoint here
         self.ticket_key: bytes | None = None  # set by the site's welcome; uploads wait for it
         self.aggregator_id: int | None = None
 
@@ -138,6 +175,9 @@ class AggregatorNode:
             return await self.commit(order)
         if isinstance(order, Rollback):
             return await self.rollback(order)
+        if isinstance(order, CheckpointComplete):
+            await self.note_complete(order)
+            return []
         self.unassign(order)
         return []
 
@@ -157,33 +197,60 @@ class AggregatorNode:
                 # away applied steps whose uploads are gone; say where we are and let the site decide.
                 logger.info("campaign %s slice %s re-assigned at version %s", *key, current.version)
                 return SliceReady(campaign_id=key[0], slice_index=key[1], version=current.version)
-            await self._reload(current, assignment.version)
-            return SliceReady(campaign_id=key[0], slice_index=key[1], version=current.version)
+            return await self._reload(current, assignment.version, assignment.restore_version)
         if current is not None:
             logger.warning("campaign %s slice %s re-assigned with a new layout; dropping the old one", *key)
             self.slices.pop(key).release_all()
-        params, version, optimizer_state = await asyncio.to_thread(
-            restore, assignment, self.config.checkpoint_dir, assignment.version
-        )
+        try:
+            params, version, optimizer_state = await asyncio.to_thread(
+                restore, assignment, self.store, assignment.version, assignment.restore_version
+            )
+        except SliceLostError as exc:
+            return self._lost(assignment, assignment.version, str(exc))
         state = SliceState(assignment, params, version, self.budget, optimizer_state)
         self.slices[key] = state
+        await asyncio.to_thread(self._forget_newer, state)
         logger.info(
             "holding campaign %s slice %s (elements %s:%s) at version %s",
             *key, assignment.start, assignment.end, version,
         )  # fmt: skip
         return SliceReady(campaign_id=key[0], slice_index=key[1], version=version)
 
-    async def _reload(self, state: SliceState, version: int) -> None:
-        params, loaded, optimizer_state = await asyncio.to_thread(
-            restore, state.assignment, self.config.checkpoint_dir, version
-        )
+    def _lost(self, assignment: SliceAssignment, version: int, detail: str) -> SliceLost:
+        key = (assignment.campaign_id, assignment.slice_index)
+        dropped = self.slices.pop(key, None)
+        if dropped is not None:
+            dropped.release_all()
+        logger.error("campaign %s slice %s is lost: %s", *key, detail)
+        return SliceLost(campaign_id=key[0], slice_index=key[1], version=version, detail=detail)
+
+    async def _reload(self, state: SliceState, version: int, fallback: int | None) -> SliceReady | SliceLost:
+        try:
+            params, loaded, optimizer_state = await asyncio.to_thread(
+                restore, state.assignment, self.store, version, fallback
+            )
+        except SliceLostError as exc:
+            return self._lost(state.assignment, version, str(exc))
         state.install_(params, loaded, optimizer_state)
         dropped = state.drop_newer_(loaded)
-        removed = delete_newer(self.config.checkpoint_dir, state.campaign_id, state.slice_index, loaded)
+        removed = await asyncio.to_thread(self._forget_newer, state)
         logger.info(
             "campaign %s slice %s now at version %s (dropped pending leases %s, checkpoints %s)",
             state.campaign_id, state.slice_index, loaded, dropped, removed,
         )  # fmt: skip
+        return SliceReady(campaign_id=state.campaign_id, slice_index=state.slice_index, version=loaded)
+
+    def _forget_newer(self, state: SliceState) -> list[int]:
+        """Delete this slice's checkpoints above its version: a timeline that a restore or rollback ended."""
+        key = (state.campaign_id, state.slice_index)
+        try:
+            newer = [v for v in self.store.versions(*key) if v > state.version]
+        except Exception as exc:
+            logger.warning("cannot list the checkpoints of campaign %s slice %s: %s", *key, exc)
+            return []
+        if self.saved.get(key, -1) > state.version:
+            del self.saved[key]
+        return delete_versions(self.store, *key, newer)
 
     async def commit(self, commit: StepCommit) -> list[Reply]:
         """Apply step ``commit.step`` to every slice of the campaign held here."""
@@ -197,54 +264,98 @@ class AggregatorNode:
                     "assign the slices first",
                 )  # fmt: skip
             ]
-        return [await self._commit_slice(state, commit) for state in slices]
+        replies: list[Reply] = []
+        for state in slices:
+            replies += await self._commit_slice(state, commit)
+        return replies
 
-    async def _commit_slice(self, state: SliceState, commit: StepCommit) -> Reply:
+    async def _commit_slice(self, state: SliceState, commit: StepCommit) -> list[Reply]:
         cid, idx = state.campaign_id, state.slice_index
         if commit.step < state.version:
             # The site re-sent a commit we already applied (it reconnected): same answer again.
             logger.debug("campaign %s slice %s: duplicate commit of step %s", cid, idx, commit.step)
-            return StepApplied(campaign_id=cid, slice_index=idx, step=commit.step, version=commit.step + 1)
+            return [StepApplied(campaign_id=cid, slice_index=idx, step=commit.step, version=commit.step + 1)]
         if commit.step > state.version:
-            return StepFailed(
+            return [StepFailed(
                 campaign_id=cid, slice_index=idx, step=commit.step,
                 detail=f"slice {idx} is at version {state.version}, commit is for step {commit.step}; "
                 "roll back or re-assign the slice",
-            )  # fmt: skip
+            )]  # fmt: skip
         try:
             uploads = state.collect(commit.lease_ids, commit.num_samples)
         except StepRefused as exc:
             logger.warning("campaign %s slice %s cannot apply step %s: %s", cid, idx, commit.step, exc.detail)
-            return StepFailed(
+            return [StepFailed(
                 campaign_id=cid, slice_index=idx, step=commit.step, missing_lease_ids=exc.missing, detail=exc.detail
-            )
+            )]  # fmt: skip
         # Off the event loop: uploads and heartbeats keep flowing while the optimizer runs.
         snapshot = await asyncio.to_thread(state.apply_step_, uploads, commit.num_samples)
         dropped = state.finish_step(snapshot, commit.lease_ids)
-        every = state.assignment.checkpoint_every
-        if every > 0 and state.version % every == 0:
-            await self._checkpoint(state)
         logger.info(
             "campaign %s slice %s applied step %s (%s leases, %s samples, %s stale dropped)",
             cid, idx, commit.step, len(uploads), commit.num_samples, len(dropped),
         )  # fmt: skip
-        return StepApplied(campaign_id=cid, slice_index=idx, step=commit.step, version=state.version)
+        replies: list[Reply] = [StepApplied(campaign_id=cid, slice_index=idx, step=commit.step, version=state.version)]
+        every = state.assignment.checkpoint_every
+        if every > 0 and state.version % every == 0:
+            saved = await self.checkpoint(state)
+            if saved is not None:
+                replies.append(saved)
+        return replies
 
-    async def _checkpoint(self, state: SliceState) -> None:
+    async def checkpoint(self, state: SliceState) -> CheckpointSaved | None:
+        """Write the slice's checkpoint of its current version and prune old ones; None if it failed.
+
+        A failure never stops training (the step is applied already); the
+        site then has no complete checkpoint of this version, and rollbacks
+        go to an older one.
+        """
+        key = (state.campaign_id, state.slice_index)
+        version = state.version
+        snapshot = state.checkpoint_dict()  # on the loop: the next step cannot change it while it is written
+
         def write() -> None:
-            save_checkpoint(
-                self.config.checkpoint_dir, state.campaign_id, state.slice_index, state.version,
-                state.checkpoint_dict(),
-            )  # fmt: skip
+            save_checkpoint(self.store, *key, version, snapshot)
+            self.saved[key] = version
+            delete_versions(self.store, *key, to_prune(self.store.versions(*key), version, self.complete.get(key[0], [])))
 
         try:
             await asyncio.to_thread(write)
-        except OSError:
-            # Training can go on; the site's coordinated checkpoint will be missing this slice.
-            logger.exception(
-                "cannot write checkpoint of campaign %s slice %s under %s; check the disk and permissions",
-                state.campaign_id, state.slice_index, self.config.checkpoint_dir,
+        except CheckpointError as exc:
+            logger.error(
+                "campaign %s slice %s: %s; the step itself was applied. Check the space and permissions of %s",
+                *key, exc, self.store.describe(),
             )  # fmt: skip
+            return None
+        except Exception as exc:  # listing or pruning failed after a good write: the checkpoint stands
+            logger.warning("campaign %s slice %s: checkpoint v%s written, pruning failed: %s", *key, version, exc)
+        return CheckpointSaved(campaign_id=key[0], slice_index=key[1], version=version)
+
+    async def checkpoint_all(self) -> list[Reply]:
+        """A checkpoint of every slice at its current version that has none yet (before a graceful exit)."""
+        replies: list[Reply] = []
+        for key, state in sorted(self.slices.items()):
+            if self.saved.get(key) == state.version:
+                replies.append(CheckpointSaved(campaign_id=key[0], slice_index=key[1], version=state.version))
+                continue
+            saved = await self.checkpoint(state)
+            if saved is not None:
+                replies.append(saved)
+        return replies
+
+    async def note_complete(self, order: CheckpointComplete) -> None:
+        """Remember which versions the site can restore every slice to, and prune with that in mind."""
+        self.complete[order.campaign_id] = sorted(order.versions)
+        for state in self.campaign_slices(order.campaign_id):
+            key = (state.campaign_id, state.slice_index)
+
+            def prune(key: tuple[int, int] = key, current: int = state.version) -> None:
+                delete_versions(self.store, *key, to_prune(self.store.versions(*key), current, order.versions))
+
+            try:
+                await asyncio.to_thread(prune)
+            except Exception as exc:
+                logger.warning("campaign %s slice %s: pruning checkpoints failed: %s", *key, exc)
 
     async def rollback(self, order: Rollback) -> list[Reply]:
         """Go back to the checkpoint of ``order.version`` and forget everything newer."""
@@ -252,11 +363,13 @@ class AggregatorNode:
         for state in self.campaign_slices(order.campaign_id):
             if state.version == order.version:
                 state.drop_newer_(order.version)  # already there; memory is as good as the checkpoint
+                await asyncio.to_thread(self._forget_newer, state)
+                replies.append(
+                    SliceReady(campaign_id=state.campaign_id, slice_index=state.slice_index, version=state.version)
+                )
             else:
-                await self._reload(state, order.version)
-            replies.append(
-                SliceReady(campaign_id=state.campaign_id, slice_index=state.slice_index, version=state.version)
-            )
+                # The site rolls back only to versions every slice confirmed a checkpoint of.
+                replies.append(await self._reload(state, order.version, None))
         if not replies:
             logger.warning("rollback for campaign %s, which holds no slice here", order.campaign_id)
         return replies

@@ -28,6 +28,10 @@ PING_INTERVAL_S = 20.0
 PING_TIMEOUT_S = 20.0
 WRITE_LIMIT_BYTES = 64 << 10  # receipts and rejections are a few hundred bytes each
 OPEN_TIMEOUT_S = 10.0  # the HTTP handshake itself (params GETs wait for a version up to PARAMS_WAIT_S inside it)
+# A graceful stop waits for the site's orders to go quiet this long (at most DRAIN_LIMIT_S) before
+# its last checkpoints: the commit of a step whose uploads it already received arrives within it.
+DRAIN_QUIET_S = 1.0
+DRAIN_LIMIT_S = 10.0
 
 
 def _url_host(host: str) -> str:
@@ -92,6 +96,27 @@ class BackboneServer:
         if self._link_task is not None:
             await self._link_task
 
+    async def shutdown(self) -> int:
+        """Stop gracefully: take no more uploads, finish the step in hand, checkpoint every slice, tell the site.
+
+        Returns:
+            How many slices have a confirmed checkpoint of their current version.
+        """
+        if self._server is not None:
+            self._server.close()  # agents with uploads in flight retry them elsewhere or later
+            await self._server.wait_closed()
+            self._server = None
+        saved = []
+        if self.link is not None:
+            if not await self.link.drain(DRAIN_QUIET_S, DRAIN_LIMIT_S):
+                logger.warning("the site kept sending orders for %.0f s; checkpointing anyway", DRAIN_LIMIT_S)
+            saved = await self.node.checkpoint_all()
+            for reply in saved:
+                await self.link.send(reply)
+        logger.info("stopping: %s slice checkpoint(s) of the current version written and reported", len(saved))
+        await self.stop()
+        return len(saved)
+
     async def stop(self) -> None:
         """Close the site link and the listening socket; pending uploads are lost (they are not durable)."""
         if self._link_task is not None:
@@ -107,15 +132,17 @@ class BackboneServer:
             self._server = None
 
 
-async def run(config: BackboneConfig, on_listening: Callable[[str], None] | None = None) -> int:
-    """Run the aggregator until cancelled or refused by the site.
+async def run(config: BackboneConfig, on_listening: Callable[[str], None] | None = None,
+              stop: asyncio.Event | None = None) -> int:  # fmt: skip
+    """Run the aggregator until ``stop`` is set (a graceful stop), cancelled, or refused by the site.
 
     Args:
         config: the frozen config.
         on_listening: called once with ``http://HOST:PORT`` after the port is bound.
+        stop: set it to stop gracefully (``BackboneServer.shutdown``); cancelling stops at once.
 
     Returns:
-        The process exit code, 0 (the link only ends by being cancelled or refused).
+        The process exit code, 0.
 
     Raises:
         SiteRefused: the site refused this aggregator for good; the message says what to do.
@@ -124,8 +151,16 @@ async def run(config: BackboneConfig, on_listening: Callable[[str], None] | None
     await server.start()
     if on_listening is not None:
         on_listening(server.url)
+    stop = stop if stop is not None else asyncio.Event()
+    stopping = asyncio.create_task(stop.wait())
+    linked = asyncio.create_task(server.wait())
     try:
-        await server.wait()
+        await asyncio.wait({stopping, linked}, return_when=asyncio.FIRST_COMPLETED)
+        if linked.done():
+            linked.result()  # a refusal raises here
+            return 0
+        await server.shutdown()
         return 0
     finally:
+        stopping.cancel()
         await server.stop()

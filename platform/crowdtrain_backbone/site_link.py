@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 
 from crowdtrain_agent.protocol import (
     HEARTBEAT_INTERVAL_S,
     MAX_WS_MESSAGE_BYTES,
     BackboneHello,
     BackboneWelcome,
+    CheckpointComplete,
     CloseCode,
     ErrorMessage,
     Heartbeat,
@@ -31,7 +33,9 @@ from .node import AggregatorNode, Reply, SiteOrder
 
 logger = logging.getLogger(__name__)
 
-SITE_TO_BACKBONE = (BackboneWelcome, SliceAssignment, StepCommit, Rollback, SliceUnassign, Heartbeat, ErrorMessage)
+SITE_TO_BACKBONE = (
+    BackboneWelcome, SliceAssignment, StepCommit, Rollback, SliceUnassign, CheckpointComplete, Heartbeat, ErrorMessage,
+)  # fmt: skip
 WELCOME_TIMEOUT_S = 10.0
 
 
@@ -90,6 +94,8 @@ class SiteLink:
         self._ws: ClientConnection | None = None
         self._queues: dict[int, asyncio.Queue[SiteOrder]] = {}
         self._workers: dict[int, asyncio.Task[None]] = {}
+        self._busy = 0  # orders being carried out now
+        self._last_order = time.monotonic()
         self.connected = asyncio.Event()
 
     async def run(self) -> None:
@@ -208,18 +214,40 @@ class SiteLink:
         if campaign_id not in self._queues:
             self._queues[campaign_id] = asyncio.Queue()
             self._workers[campaign_id] = asyncio.create_task(self._work(self._queues[campaign_id]))
+        self._last_order = time.monotonic()
         self._queues[campaign_id].put_nowait(message)
 
     async def _work(self, queue: asyncio.Queue[SiteOrder]) -> None:
         while True:
             order = await queue.get()
+            self._busy += 1
             try:
                 replies = await self.node.handle(order)
             except Exception:
                 logger.exception("failed to carry out %s for campaign %s", order.kind, order.campaign_id)
                 continue
+            finally:
+                self._busy -= 1
             for reply in replies:
                 await self.send(reply)
+
+    async def drain(self, quiet_s: float, limit_s: float) -> bool:
+        """Wait until no order is in hand and none came for ``quiet_s`` (at most ``limit_s``).
+
+        A stopping aggregator calls this after it stopped taking uploads: a
+        commit for the step in hand, made of uploads it already received, is
+        applied rather than lost.
+
+        Returns:
+            Whether it went quiet within the limit.
+        """
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            idle = self._busy == 0 and all(q.empty() for q in self._queues.values())
+            if idle and time.monotonic() - self._last_order >= quiet_s:
+                return True
+            await asyncio.sleep(0.05)
+        return False
 
     async def send(self, reply: Reply) -> None:
         """Send a reply if connected; a lost reply is recovered by the site's re-sent order."""

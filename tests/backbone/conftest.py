@@ -16,6 +16,7 @@ from crowdtrain_agent.codec import get_codec
 from crowdtrain_agent.protocol import (
     BackboneHello,
     BackboneWelcome,
+    CheckpointSaved,
     Heartbeat,
     ModelSpec,
     OptimizerSpec,
@@ -63,12 +64,13 @@ def assignment(
     model: ModelSpec = MLP,
     param_count: int = MLP_PARAMS,
     seed: int = 1234,
+    restore_version: int | None = None,
 ) -> SliceAssignment:
     return SliceAssignment(
         campaign_id=campaign_id, slice_index=slice_index, start=bounds[0], end=bounds[1],
         param_count=param_count, model=model, optimizer=optimizer or OptimizerSpec(name="adamw", lr=1e-2),
         seed=seed, version=version, staleness=staleness, checkpoint_every=checkpoint_every,
-        max_grad_norm=max_grad_norm,
+        max_grad_norm=max_grad_norm, restore_version=restore_version,
     )  # fmt: skip
 
 
@@ -119,6 +121,7 @@ class FakeSite:
         self.refused = 0
         self.connected = asyncio.Event()
         self.received: asyncio.Queue[Any] = asyncio.Queue()
+        self.checkpoints: list[CheckpointSaved] = []  # kept apart: they follow the replies tests wait for
 
     def process_request(self, ws: ServerConnection, request: Request) -> Response | None:
         if not self.refuse_handshakes:
@@ -143,6 +146,8 @@ class FakeSite:
                 message = decode_message(raw)
                 if isinstance(message, Heartbeat):
                     self.heartbeats += 1
+                elif isinstance(message, CheckpointSaved):
+                    self.checkpoints.append(message)
                 else:
                     self.received.put_nowait(message)
         except ConnectionClosed:

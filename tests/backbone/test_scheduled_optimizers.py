@@ -8,7 +8,7 @@ import pytest
 import torch
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import OptimizerSpec
-from crowdtrain_backbone.checkpoints import load_checkpoint, save_checkpoint
+from crowdtrain_backbone.checkpoints import LocalStore, load_checkpoint, save_checkpoint
 from crowdtrain_backbone.lamb import Lamb
 from crowdtrain_backbone.slices import MemoryBudget, PendingUpload, SliceState, initial_params, slice_segments
 
@@ -119,8 +119,8 @@ def test_the_schedule_resumes_from_a_checkpoint_where_it_stopped(tmp_path: Path)
     for leases in steps[:3]:
         _step(first, leases)
 
-    save_checkpoint(tmp_path, 1, 0, first.version, first.checkpoint_dict())
-    saved = load_checkpoint(tmp_path, 1, 0, 3)  # weights_only: LAMB's state must be plain tensors and numbers
+    save_checkpoint(LocalStore(tmp_path), 1, 0, first.version, first.checkpoint_dict())
+    saved = load_checkpoint(LocalStore(tmp_path), 1, 0, 3)  # weights_only: LAMB's state must be plain tensors and numbers
     resumed = SliceState(first.assignment, saved["params"], saved["version"], MemoryBudget(1 << 30), saved["optimizer"])
     for leases in steps[3:]:
         _step(resumed, leases)

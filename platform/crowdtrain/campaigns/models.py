@@ -181,6 +181,9 @@ class Campaign(models.Model):
     # Names the campaign's hot state in Redis: a fresh value per campaign row, so a database that was
     # reset or restored never meets the keys of a campaign that had the same id before.
     hot_key = models.UUIDField(default=uuid.uuid4, editable=False)
+    # Set when a slice lost its state and no checkpoint every slice has can replace it: the campaign
+    # waits, with this explanation on its page, until staff restore it (scheduler.recovery).
+    blocked_reason = models.CharField(max_length=1000, blank=True, default="", editable=False)
     created_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:

@@ -11,7 +11,9 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
+from asgiref.sync import async_to_sync
 from django.contrib import messages
+from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -19,6 +21,8 @@ from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from crowdtrain.accounts.models import new_invite_code
+from crowdtrain.gateway.outbox import send_outbox
+from crowdtrain.scheduler.backbone import complete_versions, restore_campaign
 
 from .export import export_context
 from .forms import CampaignForm, OrganizerRequestForm
@@ -101,8 +105,25 @@ def campaign_detail(request: HttpRequest, campaign_id: int) -> HttpResponse:
         ),
         "invited_count": campaign.invited.count(),
         "export": export_context(campaign),
+        "complete_versions": complete_versions(campaign) if campaign.blocked_reason else [],
     }
     return render(request, "campaigns/detail.html", context)
+
+
+@staff_member_required
+@require_POST
+def campaign_restore(request: HttpRequest, campaign_id: int) -> HttpResponse:
+    """Staff unblock a campaign whose slice lost its state (``manage.py restore_campaign`` does the same)."""
+    campaign = get_object_or_404(Campaign, pk=campaign_id)
+    try:
+        version = int(request.POST.get("version", ""))
+        outbox = restore_campaign(campaign.pk, version)
+    except ValueError as exc:
+        messages.error(request, f"Nothing changed: {exc}." if str(exc) else "Nothing changed: choose a version.")
+    else:
+        async_to_sync(send_outbox)(outbox)
+        messages.success(request, f"Campaign “{campaign.name}” restored to version {version}; its aggregators reload it.")
+    return redirect("campaign-detail", campaign_id=campaign.pk)
 
 
 @organizer_required

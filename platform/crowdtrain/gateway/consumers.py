@@ -28,6 +28,7 @@ from crowdtrain_agent.protocol import (
     AgentHello,
     BackboneHello,
     BackboneWelcome,
+    CheckpointSaved,
     CloseCode,
     ErrorMessage,
     Heartbeat,
@@ -38,6 +39,7 @@ from crowdtrain_agent.protocol import (
     NoLease,
     ProtocolError,
     ReleaseAck,
+    SliceLost,
     SliceReady,
     StepApplied,
     StepFailed,
@@ -578,6 +580,12 @@ class BackboneConsumer(_ProtocolConsumer):
 
     async def on_slice_ready(self, ready: SliceReady) -> None:
         await send_outbox(await database_sync_to_async(backbone.slice_ready)(self.aggregator.pk, ready))
+
+    async def on_slice_lost(self, lost: SliceLost) -> None:
+        await database_sync_to_async(backbone.slice_lost)(self.aggregator.pk, lost)
+
+    async def on_checkpoint_saved(self, saved: CheckpointSaved) -> None:
+        await send_outbox(await database_sync_to_async(backbone.checkpoint_saved)(self.aggregator.pk, saved))
 
     async def on_applied(self, applied: StepApplied) -> None:
         published = await database_sync_to_async(backbone.step_applied)(self.aggregator.pk, applied)

@@ -11,6 +11,7 @@ import itertools
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 
 from django.conf import settings
@@ -24,10 +25,13 @@ from crowdtrain.campaigns.models import Campaign, Step, shard_table
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import (
     BackboneHello,
+    CheckpointComplete,
+    CheckpointSaved,
     ModelSpec,
     OptimizerSpec,
     Rollback,
     SliceAssignment as AssignMessage,
+    SliceLost,
     SliceReady,
     StepApplied,
     StepCommit,
@@ -38,7 +42,7 @@ from crowdtrain_agent.protocol.schema import from_dict
 
 from .configs import publish_state
 from .hotstate import HotStateMissing, hot_state
-from .models import Aggregator, Lease, SliceAssignment
+from .models import Aggregator, Checkpoint, Lease, SliceAssignment
 from .rebuild import to_global
 from .records import writer
 
@@ -47,13 +51,52 @@ logger = logging.getLogger(__name__)
 Outbox = list[tuple[int, object]]
 
 
+# How many complete versions the aggregators are told to keep (the newest is the restore target;
+# an older one is an operator's choice when the newest turns out unreadable).
+COMPLETE_KEPT = 2
+
+
+def complete_versions(campaign: Campaign) -> list[int]:
+    """Versions, ascending, that every slice of the campaign has a confirmed checkpoint of, on its timeline."""
+    rows = (
+        Checkpoint.objects.filter(campaign=campaign, version__lte=campaign.committed_steps)
+        .values("version")
+        .annotate(slices=Count("slice_index", distinct=True))
+        .filter(slices__gte=campaign.num_aggregators)
+        .order_by("version")
+    )
+    return [row["version"] for row in rows]
+
+
+def restore_target(campaign: Campaign, at_most: int | None = None) -> int | None:
+    """The newest complete version at or below ``at_most`` (default: the committed steps), or None.
+
+    Version 0, the seeded init, every slice can rebuild; it counts while no
+    checkpoint has been due yet (going back to it loses fewer than
+    ``checkpoint_every`` steps, the bound any crash may cost). Past that, None
+    means a slice that lost its state cannot be replaced without an operator:
+    the campaign is never silently reset to its initial weights.
+    """
+    limit = campaign.committed_steps if at_most is None else at_most
+    complete = [v for v in complete_versions(campaign) if v <= limit]
+    if complete:
+        return complete[-1]
+    if campaign.committed_steps == 0 or 0 < campaign.checkpoint_every and limit < campaign.checkpoint_every:
+        return 0
+    return None
+
+
 def _assign_message(s: SliceAssignment, campaign: Campaign) -> AssignMessage:
+    # The slice's own version: what a gracefully stopped aggregator checkpointed last, so it resumes
+    # there without a rollback. Without that checkpoint it goes to the restore target instead.
     return AssignMessage(
         campaign_id=campaign.pk, slice_index=s.index, start=s.start, end=s.end, param_count=campaign.param_count,
         model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
-        optimizer=from_dict(OptimizerSpec, campaign.optimizer), seed=campaign.seed, version=campaign.version,
-        staleness=campaign.staleness, checkpoint_every=campaign.checkpoint_every, max_grad_norm=campaign.max_grad_norm,
-    )
+        optimizer=from_dict(OptimizerSpec, campaign.optimizer), seed=campaign.seed,
+        version=max(s.version, campaign.version), staleness=campaign.staleness,
+        checkpoint_every=campaign.checkpoint_every, max_grad_norm=campaign.max_grad_norm,
+        restore_version=restore_target(campaign),
+    )  # fmt: skip
 
 
 def slice_bounds(param_count: int, parts: int, tensor_sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:
@@ -223,6 +266,7 @@ def _rollback(campaign: Campaign, version: int) -> None:
     now = timezone.now()
     undone.update(step=None, state=Lease.State.REJECTED, reason=reason, finished_at=now)
     campaign.steps.filter(index__gte=version).delete()
+    Checkpoint.objects.filter(campaign=campaign, version__gt=version).delete()  # a timeline that ended
     # Accepted-but-uncommitted gradients lived in the lost aggregator's memory.
     campaign.leases.filter(state__in=[Lease.State.ACCEPTED, Lease.State.ACTIVE], step__isnull=True).update(
         state=Lease.State.REJECTED, reason=reason, finished_at=now
@@ -241,6 +285,39 @@ def _rollback(campaign: Campaign, version: int) -> None:
     logger.warning("campaign %s rolled back to version %s after an aggregator lost its state", campaign.pk, version)
 
 
+def _roll_back_everyone(campaign: Campaign, version: int, *, except_slice: SliceAssignment | None = None) -> Outbox:
+    """Take the campaign back to ``version`` (complete, or the version every slice holds) once.
+
+    Several paths notice one failure (a slice's ready report, its failed
+    commit, the stuck-commit resend); the first rolls back and the others
+    find the campaign there already and change nothing, so leases issued in
+    between are not retired by a second rollback.
+    """
+    outbox: Outbox = []
+    if campaign.committed_steps > version or campaign.version > version:
+        _rollback(campaign, version)
+    for other in campaign.slices.all():
+        if other.pk == getattr(except_slice, "pk", None) or other.version <= version:
+            continue  # nothing newer to forget (or a rollback already on its way to it)
+        other.ready = False
+        other.version = min(other.version, version)
+        other.save(update_fields=["ready", "version"])
+        outbox.append((other.aggregator_id, Rollback(campaign_id=campaign.pk, version=version)))
+    return outbox
+
+
+def _block(campaign: Campaign, reason: str) -> None:
+    campaign.blocked_reason = reason[:1000]
+    campaign.save(update_fields=["blocked_reason"])
+    publish_state(campaign.pk)
+    logger.error("campaign %s is blocked: %s", campaign.pk, reason)
+
+
+def _complete_text(campaign: Campaign) -> str:
+    complete = complete_versions(campaign)
+    return f"version {complete[-1]}" if complete else "none"
+
+
 def slice_ready(aggregator_id: int, ready: SliceReady) -> Outbox:
     """An aggregator holds a slice at some version: resume it, replay commits, or roll everyone back."""
     outbox: Outbox = []
@@ -251,18 +328,54 @@ def slice_ready(aggregator_id: int, ready: SliceReady) -> Outbox:
             logger.warning("aggregator %s reported a slice it does not own: %s", aggregator_id, ready)
             return outbox
         if ready.version < campaign.version:
-            _rollback(campaign, ready.version)
-            for other in campaign.slices.exclude(pk=s.pk):
-                other.ready = False
-                other.save(update_fields=["ready"])
-                outbox.append((other.aggregator_id, Rollback(campaign_id=campaign.pk, version=ready.version)))
+            # It resumed from a complete version (the aggregator never offers another below ours).
+            s.version = ready.version
+            outbox += _roll_back_everyone(campaign, ready.version, except_slice=s)
         s.ready = True
         s.version = ready.version
         s.save(update_fields=["ready", "version"])
+        if campaign.blocked_reason:
+            # It loaded a version the site vouched for: whatever blocked the campaign is behind it.
+            campaign.blocked_reason = ""
+            campaign.save(update_fields=["blocked_reason"])
         publish_state(ready.campaign_id)
         # Commits sent while it was away (or before a site restart) are sent again; it acks duplicates.
         outbox += [(aggregator_id, c) for c in _commits_since(campaign, ready.version)]
     return outbox
+
+
+def slice_lost(aggregator_id: int, lost: SliceLost) -> None:
+    """An aggregator has no usable state for a slice: the campaign waits for an operator, saying why."""
+    with transaction.atomic():
+        campaign = Campaign.objects.select_for_update(of=("self",)).filter(pk=lost.campaign_id).first()
+        s = SliceAssignment.objects.filter(campaign_id=lost.campaign_id, index=lost.slice_index, aggregator_id=aggregator_id).select_related("aggregator").first()
+        if campaign is None or s is None:
+            return
+        s.ready = False
+        s.save(update_fields=["ready"])
+        _block(campaign, f"aggregator {s.aggregator.name} lost slice {s.index} ({lost.detail}); newest complete "
+                         f"checkpoint: {_complete_text(campaign)}. Restore it from a complete checkpoint or restart "
+                         f"from scratch: `manage.py restore_campaign {campaign.pk}`, or the button on this page (staff)")
+
+
+def checkpoint_saved(aggregator_id: int, saved: CheckpointSaved) -> Outbox:
+    """Record a slice's confirmed checkpoint; when that completes a version, tell the aggregators to keep it."""
+    with transaction.atomic():
+        campaign = Campaign.objects.filter(pk=saved.campaign_id).first()
+        owns = SliceAssignment.objects.filter(campaign_id=saved.campaign_id, index=saved.slice_index, aggregator_id=aggregator_id).exists()
+        if campaign is None or not owns or saved.version > campaign.committed_steps:
+            logger.warning("aggregator %s confirmed a checkpoint the site cannot use: %s", aggregator_id, saved)
+            return []
+        Checkpoint.objects.filter(campaign=campaign, slice_index=saved.slice_index, version=saved.version).delete()
+        Checkpoint.objects.create(campaign=campaign, slice_index=saved.slice_index, version=saved.version, aggregator_id=aggregator_id)
+        complete = complete_versions(campaign)
+        if saved.version not in complete:
+            return []
+        kept = complete[-COMPLETE_KEPT:]
+        # Older confirmations stop mattering once the aggregators may prune them.
+        Checkpoint.objects.filter(campaign=campaign, version__lt=kept[0]).delete()
+        message = CheckpointComplete(campaign_id=campaign.pk, versions=kept)
+        return [(a, message) for a in sorted(set(campaign.slices.values_list("aggregator_id", flat=True)))]
 
 
 def stalled_commits(aggregator_id: int) -> Outbox:
@@ -294,13 +407,16 @@ def step_failed(aggregator_id: int, failed: StepFailed) -> Outbox:
         if campaign is None or s is None:
             return outbox
         if failed.missing_lease_ids:
-            # Its pending uploads are gone (a restart from a checkpoint): every step from the one it
-            # is at is redone from the samples up; slices already past it go back too.
-            _rollback(campaign, failed.step)
-            for other in campaign.slices.exclude(pk=s.pk).filter(version__gt=failed.step):
-                other.ready = False
-                other.save(update_fields=["ready"])
-                outbox.append((other.aggregator_id, Rollback(campaign_id=campaign.pk, version=failed.step)))
+            # Its pending uploads are gone (a restart from a checkpoint): every step from the one it is at
+            # is redone from the samples up. Slices already past it go back too, which needs a version all
+            # of them have: that one, if nobody is past it, else the newest complete checkpoint below it.
+            ahead = campaign.slices.exclude(pk=s.pk).filter(version__gt=failed.step).exists()
+            target = restore_target(campaign, failed.step) if ahead else failed.step
+            if target is None:
+                _block(campaign, f"slice {s.index} lost the uploads of step {failed.step}, other slices are past "
+                                 "it, and no checkpoint every slice has exists; restore the campaign from scratch")
+                return outbox
+            outbox += _roll_back_everyone(campaign, target, except_slice=s if target == failed.step else None)
         elif failed.step > s.version:
             # A commit overtook an earlier one (or one was lost): send everything from where it is.
             outbox += [(aggregator_id, c) for c in _commits_since(campaign, s.version)]
@@ -343,3 +459,37 @@ def step_applied(aggregator_id: int, applied: StepApplied) -> VersionPublished |
 def ticket_key_hex() -> str:
     return settings.CROWDTRAIN_TICKET_KEY.hex()
 
+
+
+def restore_campaign(campaign_id: int, version: int) -> Outbox:
+    """An operator's choice for a blocked campaign: go back to complete ``version``, or 0 to start over.
+
+    Every step from ``version`` on is forgotten (their samples are redone and
+    the credit for them taken back), and every slice is assigned again with
+    ``version`` as the version to load.
+
+    Raises:
+        ValueError: ``version`` is neither 0 nor a complete checkpoint; the message lists the choices.
+    """
+    with transaction.atomic():
+        campaign = Campaign.objects.select_for_update(of=("self",)).get(pk=campaign_id)
+        complete = complete_versions(campaign)
+        if version != 0 and version not in complete:
+            choices = ", ".join(str(v) for v in complete) or "none"
+            raise ValueError(
+                f"version {version} of campaign {campaign.pk} has no checkpoint of every slice; complete "
+                f"versions: {choices}. Choose one of them, or 0 to restart from scratch"
+            )
+        if campaign.committed_steps > version or campaign.version > version:
+            _rollback(campaign, version)
+        campaign.blocked_reason = ""
+        campaign.save(update_fields=["blocked_reason"])
+        outbox: Outbox = []
+        for s in campaign.slices.all():
+            s.ready, s.version = False, version
+            s.save(update_fields=["ready", "version"])
+            message = replace(_assign_message(s, campaign), version=version, restore_version=version)
+            outbox.append((s.aggregator_id, message))
+        publish_state(campaign.pk)
+    logger.warning("campaign %s restored to version %s by an operator", campaign_id, version)
+    return outbox

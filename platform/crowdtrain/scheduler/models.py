@@ -105,3 +105,27 @@ class SliceAssignment(models.Model):
     class Meta:
         ordering = ["campaign", "index"]
         constraints = [models.UniqueConstraint(fields=["campaign", "index"], name="unique_slice_index")]
+
+
+class Checkpoint(models.Model):
+    """An aggregator confirmed the checkpoint of one slice at one version (it is in checkpoint storage).
+
+    A version is *complete* when every slice of the campaign has one: only
+    complete versions are restore and rollback targets, so no slice is ever
+    asked for a version it lacks.
+    """
+
+    campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="checkpoints")
+    slice_index = models.PositiveSmallIntegerField()
+    version = models.PositiveIntegerField()
+    aggregator = models.ForeignKey(Aggregator, on_delete=models.SET_NULL, null=True, related_name="checkpoints")
+    saved_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["campaign", "version", "slice_index"]
+        constraints = [
+            models.UniqueConstraint(fields=["campaign", "slice_index", "version"], name="unique_slice_checkpoint")
+        ]
+
+    def __str__(self) -> str:
+        return f"campaign {self.campaign_id} slice {self.slice_index} v{self.version}"

@@ -313,10 +313,14 @@ class SliceAssignment:
     model: ModelSpec
     optimizer: OptimizerSpec
     seed: int
-    version: int  # the version the site holds as current; load it from a checkpoint if > 0
+    version: int  # the campaign's newest committed version; load its checkpoint if > 0
     staleness: int
     checkpoint_every: int
     max_grad_norm: float  # per-lease gradient norm bound per sample; 0 disables
+    # Where to go when this slice has no checkpoint of ``version``: the newest version every slice has
+    # a confirmed checkpoint of (0: the seeded init), or None when the campaign has stepped and there is
+    # none; then the slice reports itself lost rather than start the campaign over.
+    restore_version: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,6 +329,36 @@ class SliceReady:
     campaign_id: int
     slice_index: int
     version: int  # the version this slice holds now
+
+
+@dataclass(frozen=True, kw_only=True)
+class SliceLost:
+    """This slice has no usable state for the versions the site offered; the campaign waits for an operator."""
+
+    kind: Literal["slice_lost"] = "slice_lost"
+    campaign_id: int
+    slice_index: int
+    version: int  # the version it was asked for
+    detail: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSaved:
+    """The checkpoint of ``version`` of this slice is written and can be restored from."""
+
+    kind: Literal["checkpoint_saved"] = "checkpoint_saved"
+    campaign_id: int
+    slice_index: int
+    version: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointComplete:
+    """Every slice of the campaign has a checkpoint of these versions (newest last): keep them when pruning."""
+
+    kind: Literal["checkpoint_complete"] = "checkpoint_complete"
+    campaign_id: int
+    versions: list[int]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -407,8 +441,8 @@ class UploadRejected:
 Message = Union[
     AgentHello, Welcome, Heartbeat, LeaseRequest, Lease, NoLease, LeaseDone, DoneAck,
     LeaseRelease, ReleaseAck, VersionPublished, ErrorMessage,
-    BackboneHello, BackboneWelcome, SliceAssignment, SliceReady, SliceUnassign,
-    StepCommit, StepApplied, StepFailed, Rollback,
+    BackboneHello, BackboneWelcome, SliceAssignment, SliceReady, SliceLost, CheckpointSaved, CheckpointComplete,
+    SliceUnassign, StepCommit, StepApplied, StepFailed, Rollback,
     UploadBegin, UploadReceipt, UploadRejected,
 ]  # fmt: skip
 
@@ -418,7 +452,7 @@ MESSAGE_TYPES: dict[str, type] = {
 }
 
 AGENT_TO_SITE = (AgentHello, Heartbeat, LeaseRequest, LeaseDone, LeaseRelease)
-BACKBONE_TO_SITE = (BackboneHello, Heartbeat, SliceReady, StepApplied, StepFailed)
+BACKBONE_TO_SITE = (BackboneHello, Heartbeat, SliceReady, SliceLost, CheckpointSaved, StepApplied, StepFailed)
 AGENT_TO_AGGREGATOR = (UploadBegin,)
 
 
