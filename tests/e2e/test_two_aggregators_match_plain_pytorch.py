@@ -52,8 +52,8 @@ def spec(npz: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def rerun_in_pytorch(dump: dict[str, Any]) -> tuple[torch.Tensor, list[float]]:
-    """The committed steps replayed on one model: final flat parameters and each step's loss."""
+def rerun_in_pytorch(dump: dict[str, Any], steps: int = STEPS) -> tuple[torch.Tensor, list[float]]:
+    """The first ``steps`` committed steps replayed on one model: final flat parameters and each step's loss."""
     entry = get_model(dump["architecture"])
     model = entry.build(dump["model_config"], seed=dump["seed"])
     opt = dump["optimizer"]
@@ -64,7 +64,7 @@ def rerun_in_pytorch(dump: dict[str, Any]) -> tuple[torch.Tensor, list[float]]:
     data = DataSpec(kind=dump["dataset"]["kind"], sample_len=dump["dataset"]["sample_len"])
     shards = Path(dump["media_root"]) / "shards"
     losses = []
-    for step in dump["steps"][:STEPS]:
+    for step in dump["steps"][:steps]:
         batches = [
             read_samples(data, (shards / sha[:2] / sha).read_bytes(), start, count)
             for sha, start, count in step["ranges"]

@@ -60,6 +60,9 @@ def dump_campaign(campaign: Campaign) -> dict[str, Any]:
             for s in campaign.slices.select_related("aggregator").order_by("index")
         ],  # fmt: skip
         "lease_states": lease_states,
+        # Leases of steps a rollback undid: each stands for work lost to a failure.
+        "rolled_back_leases": campaign.leases.filter(reason__startswith="rolled back").count(),
+        "blocked_reason": campaign.blocked_reason,
         "steps": steps,
     }
 
