@@ -35,7 +35,7 @@ STEPS = 16
 CHECKPOINT_EVERY = 4
 
 
-def _samples_once(dump: dict[str, Any]) -> None:
+def samples_committed_once(dump: dict[str, Any]) -> None:
     """Exactly once: no sample is in two committed steps."""
     seen: set[tuple[str, int]] = set()
     for step in dump["steps"]:
@@ -86,7 +86,7 @@ def test_sigterm_loses_no_step_and_an_unusable_checkpoint_folder_is_refused(seed
 
     assert dump["rolled_back_leases"] == 0, "a graceful stop must not roll the campaign back"
     assert dump["blocked_reason"] == ""
-    _samples_once(dump)
+    samples_committed_once(dump)
     reference, _ = rerun_in_pytorch(dump, STEPS)
     platform = platform_params(dump, STEPS)
     error = float(torch.linalg.vector_norm(platform - reference) / torch.linalg.vector_norm(reference))
