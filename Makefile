@@ -18,6 +18,8 @@ BROWSER_PASS := $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:ca
 HAPROXY := /usr/sbin/haproxy
 # That test brings its own database and needs PostgreSQL and Redis: it runs in the second pass only.
 CLUSTER_TEST := tests/e2e/test_site_processes_behind_a_balancer_share_a_campaign.py
+# Brings its own PostgreSQL and Redis to kill, so the embedded-default pass would only run it twice.
+ENGINES_TEST := tests/e2e/test_site_redis_and_postgres_killed.py
 
 .PHONY: demo serve cluster test test-browser bench venv chromium haproxy clean
 
@@ -77,7 +79,7 @@ $(HAPROXY):
 # pass the test process runs Celery tasks in-process (it has no worker), while
 # the sites the end-to-end tests start get a real Celery worker on Redis.
 test: $(STAMP) $(CHROMIUM) $(HAPROXY)
-	$(BIN)/python -m pytest -p no:cacheprovider --ignore $(CLUSTER_TEST) $(ARGS)
+	$(BIN)/python -m pytest -p no:cacheprovider --ignore $(CLUSTER_TEST) --ignore $(ENGINES_TEST) $(ARGS)
 	CELERY_TASK_ALWAYS_EAGER=true $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider tests/web tests/e2e $(ARGS)
 	$(BROWSER_PASS) $(ARGS)
 

@@ -13,6 +13,7 @@ from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
+from django.db import DatabaseError
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
@@ -264,6 +265,11 @@ class AgentConsumer(_ProtocolConsumer):
         self.start_hello_deadline()
         try:
             device = await offloop(Device.authenticate)(bearer_token(self.scope["headers"]))
+        except DatabaseError as exc:
+            # The database is away (restarting, failing over): "come back later", which agents do with backoff.
+            logger.warning("cannot check an agent's token, the database is unavailable (%s); asked it to retry", exc)
+            await self.close(code=TRY_AGAIN_LATER)
+            return
         finally:
             admission.handshake_done()
         if device is None:

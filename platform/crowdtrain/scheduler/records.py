@@ -15,6 +15,7 @@ that is part of a committed step.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -124,6 +125,17 @@ class RecordWriter:
                 if self._thread is None or not self._thread.is_alive():
                     self._thread = threading.Thread(target=self._loop, name="crowdtrain-records", daemon=True)
                     self._thread.start()
+                    # A site stopped the ordinary way (SIGTERM, Ctrl-C: daphne stops its loop and Python
+                    # exits) writes what it still holds; only kill -9 leaves the last batch to the rebuild.
+                    atexit.unregister(self.flush_at_exit)  # once, however often the thread is restarted
+                    atexit.register(self.flush_at_exit)
+
+    def flush_at_exit(self) -> None:
+        try:
+            close_old_connections()
+            self.flush()
+        except Exception:
+            logger.exception("could not write the last lease records before exit")
 
     def _loop(self) -> None:
         while True:
