@@ -144,6 +144,8 @@ def _parse_path(raw: str, where: str) -> Path:
 
 
 def _parse_bucket_url(raw: str, where: str) -> str:
+    if not raw.strip():
+        return ""  # set but empty (compose passes unset variables so): the checkpoint folder then
     bucket = raw.removeprefix("s3://").partition("/")[0]
     if not raw.startswith("s3://") or not bucket:
         raise ConfigError(f"{where}={raw!r} must be an S3 location like s3://BUCKET/checkpoints")

@@ -50,3 +50,12 @@ def test_a_bad_value_names_the_variable_the_value_and_what_is_accepted(
         load_config(flags, environ)
 
     assert message in str(error.value)
+
+
+def test_a_checkpoint_url_must_name_a_bucket_and_empty_means_the_folder() -> None:
+    base = {"CROWDTRAIN_BACKBONE_TOKEN": "t"}
+    assert load_config({}, {**base, "CROWDTRAIN_BACKBONE_CHECKPOINT_URL": ""}).checkpoint_url == ""
+    url = load_config({"checkpoint_url": "s3://bucket/ckpt"}, base).checkpoint_url
+    assert url == "s3://bucket/ckpt"
+    with pytest.raises(ConfigError, match="--checkpoint-url='/var/ckpt' must be an S3 location like s3://BUCKET"):
+        load_config({"checkpoint_url": "/var/ckpt"}, base)

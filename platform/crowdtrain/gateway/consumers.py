@@ -470,8 +470,10 @@ class AgentConsumer(_ProtocolConsumer):
 
     async def on_release(self, release: LeaseRelease) -> None:
         self.leases.discard(release.lease_id)
-        await offloop(leasing.release_lease)(self.device.pk, release.lease_id)
+        released = await offloop(leasing.release_leases)(self.device.pk, [release.lease_id])
         await self.send_message(ReleaseAck(lease_id=release.lease_id))
+        for campaign_id, channels in released.woken.items():
+            await wake(campaign_id, channels)
 
     async def device_revoked(self, event: RevokedEvent) -> None:
         logger.info("device %s revoked: %s", self.device.pk, event["reason"])
@@ -488,8 +490,10 @@ def _release_after_grace(device_id: int, lease_ids: list[int]) -> None:
         except Exception:  # the deadline sweep frees them anyway
             logger.warning("could not release the leases of disconnected device %s", device_id, exc_info=True)
             return
-        if released:
-            logger.info("device %s did not come back: %s of its leases released", device_id, released)
+        if released.count:
+            logger.info("device %s did not come back: %s of its leases released", device_id, released.count)
+        for campaign_id, channels in released.woken.items():
+            await wake(campaign_id, channels)
 
     def start() -> None:
         task = loop.create_task(release())

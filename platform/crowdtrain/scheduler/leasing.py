@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -304,13 +305,20 @@ def unpark(campaign_id: int, member: str) -> None:
         _run(config, "park", {"channel": "", "ready_at": 0, "want": 0, "leave": member, "pass_on": 0})
 
 
-def pass_on_wake(campaign_id: int) -> list[str]:
-    """A woken socket had no request left to serve (it was answered meanwhile): the next waiting one
-    gets its turn, so a commit's room is never left unused while requests wait."""
+def pass_on_wake(campaign_id: int, *, any_step: bool = False) -> list[str]:
+    """Who gets a turn that would otherwise go unused: the first waiting request.
+
+    A woken socket had no request left to serve (it was answered
+    meanwhile): the next request waiting for a step that is open now gets
+    its place, so a commit's room is never left unused. With ``any_step``,
+    a released lease put samples back into the open step: the first waiting
+    request is woken whatever step it waits for.
+    """
     config = campaign_config(campaign_id)
     if config is None:
         return []
-    answer = _run(config, "park", {"channel": "", "ready_at": 0, "want": 0, "leave": "", "pass_on": 1})
+    pass_on = 2 if any_step else 1
+    answer = _run(config, "park", {"channel": "", "ready_at": 0, "want": 0, "leave": "", "pass_on": pass_on})
     return [str(c) for c in answer.get("woken") or []]  # type: ignore[union-attr]
 
 
@@ -398,19 +406,42 @@ def report_and_request(
     return outcome, answer
 
 
+@dataclass(frozen=True)
+class Released:
+    """Leases given back, and per campaign the waiting requests their samples can serve now."""
+
+    count: int = 0
+    woken: dict[int, list[str]] = field(default_factory=dict)
+
+
+def release_leases(device_id: int, lease_ids: Sequence[int], reason: str = "released by the agent") -> Released:
+    """Give unfinished leases back (the agent stops, or its socket closed for good); their samples are redone.
+
+    Requests waiting for room are woken, one per lease released (the
+    samples of one lease serve one request): otherwise they would sleep until
+    the next commit, which waits for exactly these samples.
+    """
+    count, woken = 0, {}
+    for lease_id in lease_ids:
+        config = _lease_campaign(lease_id)
+        if config is None:
+            continue
+        answer = _run(config, "release", {"id": lease_id, "device": device_id, "reason": reason, "state": "released"})
+        retired = answer.get("retired") or []
+        record_retired(retired)  # type: ignore[arg-type]
+        if retired:
+            count += 1
+            woken.setdefault(config.id, []).extend(pass_on_wake(config.id, any_step=True))
+    return Released(count, woken)
+
+
 def release_lease(device_id: int, lease_id: int, reason: str = "released by the agent") -> bool:
-    """Give an unfinished lease back (the agent is shutting down); its samples are redone."""
-    config = _lease_campaign(lease_id)
-    if config is None:
-        return False
-    answer = _run(config, "release", {"id": lease_id, "device": device_id, "reason": reason, "state": "released"})
-    retired = answer.get("retired") or []
-    record_retired(retired)  # type: ignore[arg-type]
-    return bool(retired)
+    """Give one unfinished lease back; whether it was still out (``release_leases`` also says whom to wake)."""
+    return release_leases(device_id, [lease_id], reason).count > 0
 
 
-def release_if_gone(device_id: int, lease_ids: list[int], since: float) -> int:
-    """Release a disconnected agent's leases unless it came back (seen after ``since``); returns how many.
+def release_if_gone(device_id: int, lease_ids: list[int], since: float) -> Released:
+    """Release a disconnected agent's leases unless it came back (seen after ``since``).
 
     Its socket closed, so waiting for the lease's deadline would only hold the
     step back; the short grace lets an agent whose connection merely dropped
@@ -418,8 +449,8 @@ def release_if_gone(device_id: int, lease_ids: list[int], since: float) -> int:
     """
     seen = hot_state().last_seen([device_id]).get(device_id, 0.0)
     if seen > since:
-        return 0
-    return sum(release_lease(device_id, lease_id, "agent disconnected") for lease_id in lease_ids)
+        return Released()
+    return release_leases(device_id, lease_ids, "agent disconnected")
 
 
 def sweep_campaign(campaign_id: int) -> tuple[int, list[Commit]]:

@@ -40,3 +40,20 @@ def test_a_request_that_leaves_the_queue_is_not_woken() -> None:
     commits = leasing.report_done(device.pk, done_for(first.lease_id)).commits
 
     assert commits[0].woken == ["stays"]
+
+
+def test_a_released_lease_wakes_the_first_request_waiting_for_the_next_step() -> None:
+    # Its samples are back in the open step; left asleep, the request would wait for a commit that
+    # itself waits for those samples (a dead agent's step stood still for the request's whole wait_s).
+    campaign = make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
+    holder, _ = make_device("holder")
+    waiter, _ = make_device("waiter")
+    held = leasing.request_lease(holder.pk, None, WHOLE_STEP)
+    assert leasing.park(campaign.pk, waiter.pk, WHOLE_STEP, "waiting", 1)
+    assert leasing.pass_on_wake(campaign.pk) == []  # nothing was committed: it waits for the next step
+
+    released = leasing.release_leases(holder.pk, [held.lease_id], "agent disconnected")
+
+    assert released.count == 1 and released.woken == {campaign.pk: ["waiting"]}
+    again = leasing.request_lease(waiter.pk, None, WHOLE_STEP)
+    assert again.num_samples == held.num_samples  # the released samples, at once
