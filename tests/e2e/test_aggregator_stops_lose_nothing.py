@@ -84,6 +84,8 @@ def test_sigterm_loses_no_step_and_an_unusable_checkpoint_folder_is_refused(seed
     run.wait_for_version(STEPS, timeout_s=120)
     dump = run.dump()
 
+    print(f"lost to the SIGTERM and the refused start: {dump['rolled_back_leases']} leases rolled back "
+          f"(committed {before} steps at the stop)")
     assert dump["rolled_back_leases"] == 0, "a graceful stop must not roll the campaign back"
     assert dump["blocked_reason"] == ""
     samples_committed_once(dump)

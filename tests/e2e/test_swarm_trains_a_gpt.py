@@ -38,7 +38,7 @@ def counted_samples(dump: dict[str, Any]) -> Counter[tuple[int, int, int]]:
 def test_it_trains_until_max_steps_with_falling_loss_counting_each_sample_once(seeded_run: Any) -> None:
     run = seeded_run(SPEC, SITE_ENV)
 
-    run.start()
+    run.start(agents_first=True)  # both ask from the first step: a short run must not end before one is up
     progress = run.wait_for_version(STEPS, timeout_s=90)
     dump = run.dump()
 
