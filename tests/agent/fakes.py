@@ -8,6 +8,7 @@ Both are `websockets` servers on 127.0.0.1 with a random port. Plain HTTP GETs
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -57,10 +58,12 @@ GOOD_TOKEN = "good-token"
 MLP_CONFIG = {"in_dim": 6, "hidden": [8], "classes": 3}
 
 
-def _binary(status: int, body: bytes) -> Response:
+def _binary(status: int, body: bytes, etag: str = "") -> Response:
     headers = Headers(
         [("Content-Type", "application/octet-stream"), ("Content-Length", str(len(body))), ("Connection", "close")]
     )
+    if etag:
+        headers["ETag"] = etag
     return Response(status, HTTPStatus(status).phrase, headers, body)
 
 
@@ -171,6 +174,7 @@ class FakeAggregator:
     reject_code: str | None = None
     uploads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (lease, slice) -> gradient
     param_requests: list[str] = field(default_factory=list)
+    param_downloads: int = 0  # answers with a body (a 304 to a revalidation is not one)
     param_auth: list[str | None] = field(default_factory=list)  # the Authorization header of each GET
     connections: int = 0
     server: Server | None = None
@@ -201,7 +205,13 @@ class FakeAggregator:
             self.missing_first -= 1
             return _binary(404, b'{"error": "unknown version"}')
         data = self.params.get((int(slice_index), int(version)))
-        return _binary(404, b'{"error": "unknown version"}') if data is None else _binary(200, data)
+        if data is None:
+            return _binary(404, b'{"error": "unknown version"}')
+        etag = f'"{slice_index}-{version}-{hashlib.sha256(data).hexdigest()[:16]}"'  # like the real one: per publication
+        if request.headers.get("If-None-Match") == etag:
+            return _binary(304, b"", etag)
+        self.param_downloads += 1
+        return _binary(200, data, etag)
 
     async def _handle(self, ws: ServerConnection) -> None:
         self.connections += 1

@@ -41,7 +41,9 @@ async def test_a_second_lease_at_the_same_version_downloads_nothing(world: World
 
     await Agent(config, backoff=FAST_BACKOFF, benchmark_s=0.01).run()
 
-    assert [len(agg.param_requests) for agg in world.aggregators] == [1, 1]
+    # The second lease only asks whether version 0 is still the one it holds (a 304 without a body).
+    assert [agg.param_downloads for agg in world.aggregators] == [1, 1]
+    assert [len(agg.param_requests) for agg in world.aggregators] == [2, 2]
     assert world.site.shard_requests == [world.sha]
     assert [agg.connections for agg in world.aggregators] == [1, 1]  # one data connection per aggregator, reused
 

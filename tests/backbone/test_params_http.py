@@ -158,3 +158,25 @@ async def test_healthz_shows_name_slices_and_versions(held: SliceReady, backbone
     assert health["slices"][0] | {"pending_leases": []} == {
         "campaign_id": 1, "slice_index": 0, "start": 0, "end": 40, "version": 0, "versions": [0], "pending_leases": [],
     }  # fmt: skip
+
+
+async def test_an_agent_sees_that_a_version_it_holds_was_published_again_after_a_rollback(
+    site: FakeSite, held: SliceReady, backbone: BackboneServer, agent: Agent
+) -> None:
+    from crowdtrain_agent.fetch import fetch_params, still_current
+    from crowdtrain_agent.protocol import Rollback, SliceRoute
+
+    await take_step(site, agent, version=0, lease_id=1)
+    route = SliceRoute(index=0, start=SLICE0[0], end=SLICE0[1], upload_url="ws://unused",
+                       params_url=f"{backbone.url}/params/1/0/")  # fmt: skip
+    lease_ticket = ticket(2, campaign_id=1)
+    etags: list[str] = []
+    await asyncio.to_thread(fetch_params, [route], 1, NUMEL, ticket=lease_ticket, etags=etags)
+
+    assert await asyncio.to_thread(still_current, [route], 1, etags, ticket=lease_ticket)  # a 304, no body
+    # Version 1 is made again from other gradients (a rollback to 0, then another step 0).
+    await site.call(Rollback(campaign_id=1, version=0), SliceReady)
+    await take_step(site, agent, version=0, lease_id=3)
+
+    assert not await asyncio.to_thread(still_current, [route], 1, etags, ticket=lease_ticket)
+    assert not await asyncio.to_thread(still_current, [route], 1, [], ticket=lease_ticket)  # nothing held

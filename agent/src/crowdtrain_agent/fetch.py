@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,8 @@ def http_get(url: str, *, token: str | None = None, timeout: float = HTTP_TIMEOU
             raise FetchError(f"cannot download {url}: {exc}") from None
 
 
-def http_get_into(url: str, out: memoryview, *, token: str | None = None, timeout: float = HTTP_TIMEOUT_S) -> None:
-    """GET ``url`` and read its body straight into ``out``, which it must fill exactly.
+def http_get_into(url: str, out: memoryview, *, token: str | None = None, timeout: float = HTTP_TIMEOUT_S) -> str:
+    """GET ``url`` and read its body straight into ``out``, which it must fill exactly; returns its ETag.
 
     Parameters arrive every step; reading them in place saves the copies of
     collecting the body, then converting it, then placing it.
@@ -75,12 +76,15 @@ def http_get_into(url: str, out: memoryview, *, token: str | None = None, timeou
                 filled += count
         except OSError as exc:
             raise FetchError(f"cannot download {url}: {exc}") from None
+        return str(response.headers.get("ETag") or "")
 
 
-def _open(url: str, *, token: str | None = None, timeout: float) -> Any:
+def _open(url: str, *, token: str | None = None, timeout: float, etag: str = "") -> Any:
     request = urllib.request.Request(url, headers={"User-Agent": "crowdtrain-agent"})
     if token:
         request.add_header("Authorization", f"Bearer {token}")
+    if etag:
+        request.add_header("If-None-Match", etag)
     try:
         return urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as exc:
@@ -196,7 +200,7 @@ class ShardCache:
 
 def fetch_slice(
     route: SliceRoute, version: int, out: torch.Tensor | None = None, *, ticket: str | None = None,
-    retry_for_s: float = 10.0,
+    retry_for_s: float = 10.0, etags: list[str] | None = None,
 ) -> torch.Tensor:
     """Download elements ``route.start:route.end`` of parameter version ``version`` (into ``out`` if given).
 
@@ -219,7 +223,9 @@ def fetch_slice(
     delay = 0.05
     while True:
         try:
-            http_get_into(url, memoryview(array).cast("B"), token=ticket)
+            etag = http_get_into(url, memoryview(array).cast("B"), token=ticket)
+            if etags is not None:
+                etags.append(etag)
             break
         except HttpStatusError as exc:
             if exc.code != 404 or time.monotonic() + delay > deadline:
@@ -237,8 +243,12 @@ def fetch_slice(
     return out
 
 
-def fetch_params(routes: list[SliceRoute], version: int, param_count: int, *, ticket: str | None = None) -> torch.Tensor:
+def fetch_params(routes: list[SliceRoute], version: int, param_count: int, *, ticket: str | None = None,
+                 etags: list[str] | None = None) -> torch.Tensor:  # fmt: skip
     """Assemble the flat fp32 parameter vector of ``version`` from every aggregator's slice.
+
+    Args:
+        etags: if given, each slice's ETag is appended, in route order (for ``still_current``).
 
     Raises:
         FetchError: if the slices do not tile 0..param_count exactly, or a download fails.
@@ -246,8 +256,31 @@ def fetch_params(routes: list[SliceRoute], version: int, param_count: int, *, ti
     check_routes(routes, param_count)
     flat = torch.empty(param_count, dtype=torch.float32)
     for route in routes:
-        fetch_slice(route, version, flat[route.start : route.end], ticket=ticket)
+        fetch_slice(route, version, flat[route.start : route.end], ticket=ticket, etags=etags)
     return flat
+
+
+def still_current(routes: list[SliceRoute], version: int, etags: Sequence[str], *, ticket: str | None = None) -> bool:
+    """Whether parameters of ``version`` held with these ETags are still the aggregators' (all answer 304).
+
+    A version number alone does not name parameters: after a rollback the
+    campaign makes version 9 again, from other gradients, and an agent that
+    kept the old version 9 would train on weights that no longer exist. Each
+    publication has its own ETag, so a conditional GET per slice tells (a few
+    hundred bytes when nothing changed). Any other answer means: download again.
+    """
+    if len(etags) != len(routes) or not all(etags):
+        return False
+    for route, etag in zip(routes, etags):
+        try:
+            with _open(f"{route.params_url}{version}", token=ticket, timeout=HTTP_TIMEOUT_S, etag=etag):
+                return False  # 200: a new publication of this version
+        except HttpStatusError as exc:
+            if exc.code != 304:
+                return False
+        except FetchError:
+            return False
+    return True
 
 
 def check_routes(routes: list[SliceRoute], param_count: int) -> None:

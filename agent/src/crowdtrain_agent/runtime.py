@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -21,7 +21,7 @@ from .config import AgentConfig
 from .control import AgentStopped, Backoff, ConnectionLost, ControlChannel
 from .data import ShardReader
 from .device import describe_device, select_device
-from .fetch import FetchError, ShardCache, fetch_params
+from .fetch import FetchError, ShardCache, fetch_params, still_current
 from .models import ModelConfigError
 from .progress import AgentStatus
 from .protocol import (
@@ -146,6 +146,7 @@ class Prepared:
     flat: torch.Tensor | None
     x: torch.Tensor
     y: torch.Tensor
+    etags: list[str] = field(default_factory=list)
 
 
 class LeaseFailed(RuntimeError):
@@ -299,9 +300,10 @@ class Agent:
                     break
                 if work.flat is not None:  # between computes, so the running one never sees new weights
                     if work.flat.device == trainer.model_device(work.cm):
-                        trainer.load_params_(work.cm, work.flat, lease.base_version)  # views, no copy: instant
+                        trainer.load_params_(work.cm, work.flat, lease.base_version, work.etags)  # views: instant
                     else:  # a copy to the GPU: off the event loop
-                        await self._computer.run(trainer.load_params_, work.cm, work.flat, lease.base_version)
+                        await self._computer.run(trainer.load_params_, work.cm, work.flat, lease.base_version,
+                                                 work.etags)  # fmt: skip
 
                 # ask for the next lease now: its request and downloads overlap this compute
                 following = asyncio.create_task(self._next_work()) if self._may_take_more() else None
@@ -433,14 +435,16 @@ class Agent:
                     f"builds {cm.param_count}; upgrade crowdtrain-agent (pip install -U crowdtrain-agent)"
                 )
             readers = {r.shard: self._reader(r.shard, lease.data) for r in lease.ranges}
-            flat = None
-            if not self._models.holds(lease.campaign_id, lease.model, lease.base_version):
+            flat, etags = None, []
+            held = self._models.holds(lease.campaign_id, lease.model, lease.base_version)
+            if not (held and still_current(lease.slices, lease.base_version, cm.etags, ticket=lease.ticket)):
                 started = time.perf_counter()
-                flat = fetch_params(lease.slices, lease.base_version, lease.param_count, ticket=lease.ticket)
+                flat = fetch_params(lease.slices, lease.base_version, lease.param_count, ticket=lease.ticket,
+                                    etags=etags)  # fmt: skip
                 logger.debug("lease %d: parameters of version %d in %.1f ms", lease.lease_id, lease.base_version,
                              1e3 * (time.perf_counter() - started))  # fmt: skip
             x, y = trainer.gather_samples(lease.ranges, readers)
-            return Prepared(lease=lease, cm=cm, flat=flat, x=x, y=y)
+            return Prepared(lease=lease, cm=cm, flat=flat, x=x, y=y, etags=etags)
 
         try:
             return await self._fetcher.run(blocking)

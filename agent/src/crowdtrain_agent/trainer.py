@@ -31,6 +31,7 @@ class CampaignModel:
     model: nn.Module
     param_count: int
     version: int | None = None  # None until parameters were loaded
+    etags: tuple[str, ...] = ()  # of each slice's publication of that version (a rollback republishes it)
 
 
 class ModelCache:
@@ -72,7 +73,7 @@ def model_device(cm: CampaignModel) -> torch.device:
     return next(cm.model.parameters()).device
 
 
-def load_params_(cm: CampaignModel, flat: torch.Tensor, version: int) -> None:
+def load_params_(cm: CampaignModel, flat: torch.Tensor, version: int, etags: Sequence[str] = ()) -> None:
     """Copy a flat parameter vector (parameters_to_vector order) into the model, in place."""
     if flat.numel() != cm.param_count:
         raise ValueError(
@@ -82,6 +83,7 @@ def load_params_(cm: CampaignModel, flat: torch.Tensor, version: int) -> None:
     with torch.no_grad():
         torch.nn.utils.vector_to_parameters(flat.to(model_device(cm)), cm.model.parameters())
     cm.version = version
+    cm.etags = tuple(etags)
 
 
 def gather_samples(ranges: Sequence[SampleRange], readers: dict[str, ShardReader]) -> tuple[torch.Tensor, torch.Tensor]:
