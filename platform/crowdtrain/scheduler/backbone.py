@@ -294,10 +294,15 @@ def _roll_back_everyone(campaign: Campaign, version: int, *, except_slice: Slice
     between are not retired by a second rollback.
     """
     outbox: Outbox = []
-    if campaign.committed_steps > version or campaign.version > version:
+    undoing = campaign.committed_steps > version or campaign.version > version
+    if undoing:
         _rollback(campaign, version)
     for other in campaign.slices.all():
-        if other.pk == getattr(except_slice, "pk", None) or other.version <= version:
+        if other.pk == getattr(except_slice, "pk", None):
+            continue
+        # A slice recorded at ``version`` may be applying the next step right now (its reply not in yet):
+        # when steps are undone it goes back too; it costs nothing if it was still there.
+        if other.version < version or other.version == version and not undoing:
             continue  # nothing newer to forget (or a rollback already on its way to it)
         other.ready = False
         other.version = min(other.version, version)
@@ -410,7 +415,10 @@ def step_failed(aggregator_id: int, failed: StepFailed) -> Outbox:
             # Its pending uploads are gone (a restart from a checkpoint): every step from the one it is at
             # is redone from the samples up. Slices already past it go back too, which needs a version all
             # of them have: that one, if nobody is past it, else the newest complete checkpoint below it.
-            ahead = campaign.slices.exclude(pk=s.pk).filter(version__gt=failed.step).exists()
+            others = campaign.slices.exclude(pk=s.pk)
+            # Recorded at failed.step and ready counts too: it may have applied that step already, its
+            # reply not in yet (a slice rolled back to a version it lacks would stand still for good).
+            ahead = others.filter(version__gt=failed.step).exists() or others.filter(version=failed.step, ready=True).exists()
             target = restore_target(campaign, failed.step) if ahead else failed.step
             if target is None:
                 _block(campaign, f"slice {s.index} lost the uploads of step {failed.step}, other slices are past "
@@ -429,6 +437,10 @@ def step_applied(aggregator_id: int, applied: StepApplied) -> VersionPublished |
         campaign = Campaign.objects.select_for_update(of=("self",)).filter(pk=applied.campaign_id).first()
         s = SliceAssignment.objects.filter(campaign_id=applied.campaign_id, index=applied.slice_index, aggregator_id=aggregator_id).first()
         if campaign is None or s is None:
+            return None
+        if applied.version > campaign.committed_steps:
+            # A step the site has rolled back since: the rollback order on its way to the slice undoes it.
+            logger.info("campaign %s slice %s applied step %s, rolled back since", campaign.pk, s.index, applied.step)
             return None
         if applied.version > s.version:
             s.version = applied.version

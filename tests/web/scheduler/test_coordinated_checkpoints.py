@@ -20,6 +20,7 @@ from crowdtrain_agent.protocol import (
     SliceAssignment,
     SliceLost,
     SliceReady,
+    StepApplied,
     StepFailed,
 )
 from tests.factories import done_for, make_campaign, make_device, make_user
@@ -199,3 +200,25 @@ def test_the_campaign_page_shows_the_block_and_only_staff_can_restore(client: Cl
 
 def _hello() -> BackboneHello:
     return BackboneHello(name="agg", upload_url="ws://127.0.0.1:1/upload", params_url="http://127.0.0.1:1/params/")
+
+
+def test_a_slice_whose_reply_for_the_failed_step_is_not_in_yet_is_rolled_back_too() -> None:
+    # Both slices got commit 4; slice 1 applied it but its reply is still on the way (recorded at 4),
+    # slice 0 restarted and lost the uploads. Left alone, slice 1 would stay at 5 while the campaign redoes 4.
+    campaign = stepped(5)
+    confirm(campaign, 4)
+    campaign.slices.update(version=4)
+    first, second = campaign.slices.order_by("index")
+
+    outbox = backbone.step_failed(first.aggregator_id, StepFailed(
+        campaign_id=campaign.pk, slice_index=0, step=4, missing_lease_ids=[5], detail="restarted",
+    ))  # fmt: skip
+    late = backbone.step_applied(second.aggregator_id, StepApplied(campaign_id=campaign.pk, slice_index=1, step=4,
+                                                                  version=5))  # fmt: skip
+
+    campaign.refresh_from_db()
+    assert campaign.committed_steps == 4
+    assert [(a, m) for a, m in outbox if isinstance(m, Rollback)] == [
+        (second.aggregator_id, Rollback(campaign_id=campaign.pk, version=4))
+    ]
+    assert late is None and campaign.slices.get(index=1).version == 4  # the undone step's reply changes nothing
