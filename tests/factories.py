@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from allauth.account.models import EmailAddress
-from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.utils import timezone
@@ -16,6 +15,7 @@ from crowdtrain.campaigns.models import Campaign, Dataset
 from crowdtrain.campaigns.organizers import grant_role
 from crowdtrain.campaigns.setup import create_campaign
 from crowdtrain.campaigns.sharding import create_text_dataset
+from crowdtrain.scheduler.configs import ticket_key
 from crowdtrain.scheduler.models import Aggregator, Lease, SliceAssignment
 from crowdtrain_agent.protocol import LeaseDone, Receipt, sign_receipt
 
@@ -70,7 +70,7 @@ def receipts_for(lease: Lease | int) -> list[Receipt]:
     return [
         Receipt(
             slice_index=index,
-            token=sign_receipt(settings.CROWDTRAIN_TICKET_KEY, campaign_id=lease.campaign_id, lease_id=lease.pk,
+            token=sign_receipt(ticket_key(lease.campaign_id), campaign_id=lease.campaign_id, lease_id=lease.pk,
                                slice_index=index, num_samples=lease.num_samples),
         )
         for index in lease.campaign.slices.values_list("index", flat=True)
@@ -83,6 +83,19 @@ def done_for(lease_id: int, loss: float = 1.0) -> LeaseDone:
         lease_id=lease.pk, receipts=receipts_for(lease), num_samples=lease.num_samples,
         loss_sum=loss * lease.num_samples, compute_s=0.1,
     )
+
+
+def commit_steps(campaign: Campaign, device: Device, steps: int) -> list[int]:
+    """Lease and report one microbatch per step (the campaign's batch is one microbatch); returns the lease ids."""
+    from crowdtrain.scheduler import leasing
+
+    lease_ids = []
+    for _ in range(steps):
+        lease = leasing.request_lease(device.pk, None, 1000.0)
+        leasing.report_done(device.pk, done_for(lease.lease_id))
+        lease_ids.append(lease.lease_id)
+    campaign.refresh_from_db()
+    return lease_ids
 
 
 def redo_samples(campaign: Campaign) -> int:

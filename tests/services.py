@@ -5,7 +5,7 @@
 Reads DATABASE_URL and REDIS_URL (defaults: the machine's PostgreSQL on
 127.0.0.1:5432, database ``test``, and Redis on 127.0.0.1:6379). When one does
 not answer it starts its own from the Debian binaries in a temporary folder
-(``crowdtrain.engines``, shared with ``crowdtrain.cluster``), and fails loudly,
+(``crowdtrain_launcher.engines``, shared with ``crowdtrain_launcher.cluster``), and fails loudly,
 never skipping, when it cannot.
 """
 
@@ -20,7 +20,7 @@ _PLATFORM = str(Path(__file__).resolve().parents[1] / "platform")
 if _PLATFORM not in sys.path:
     sys.path.insert(0, _PLATFORM)
 
-from crowdtrain.engines import EngineError, ensure_postgres, ensure_redis  # noqa: E402
+from crowdtrain_launcher.engines import EngineError, ensure_postgres, ensure_redis  # noqa: E402
 
 __all__ = ["ensure_postgres", "ensure_redis"]
 

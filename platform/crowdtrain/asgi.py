@@ -12,12 +12,8 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "crowdtrain.settings")
 django_asgi_app = get_asgi_application()
 
+# Static files come through Django's middleware (WhiteNoise, settings.py), with DEBUG on or off.
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402  (needs Django set up first)
-from django.conf import settings  # noqa: E402
-from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
-
-if settings.DEBUG:  # the embedded default serves static files from their sources; production uses WhiteNoise
-    django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
 from crowdtrain.gateway.routing import websocket_urlpatterns  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Production rules as Django system checks: `manage.py check --deploy` names what to fix."""
+"""Settings rules as Django system checks: every start-up refuses errors, `manage.py check --deploy` adds production's."""
 
 from __future__ import annotations
 
@@ -44,3 +44,18 @@ def check_production_settings(app_configs: Any = None, **kwargs: Any) -> list[Er
             id="crowdtrain.W002",
         ))  # fmt: skip
     return problems
+
+
+@register()
+def check_liveness_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
+    """Aggregators must be asked to beat more often than the silence after which they count as gone."""
+    heartbeat_s, gone_after_s = settings.CROWDTRAIN_HEARTBEAT_S, settings.CROWDTRAIN_GONE_AFTER_S
+    if heartbeat_s < gone_after_s:
+        return []
+    return [Error(
+        f"CROWDTRAIN_HEARTBEAT_S ({heartbeat_s:g} s) is not below CROWDTRAIN_GONE_AFTER_S ({gone_after_s:g} s): "
+        "an aggregator that beats on time would count as gone between two heartbeats, and its campaigns would pause.",
+        hint=f"Lower CROWDTRAIN_HEARTBEAT_S or raise CROWDTRAIN_GONE_AFTER_S; a heartbeat every "
+             f"{gone_after_s / 5:g} s survives a few lost ones within {gone_after_s:g} s.",
+        id="crowdtrain.E004",
+    )]  # fmt: skip

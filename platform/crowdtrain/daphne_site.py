@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import io
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -81,11 +82,28 @@ def server_class() -> type:
     return SiteServer
 
 
+def refuse_failed_checks() -> None:
+    """Run Django's system checks, as ``manage.py`` commands do, and exit on an error before listening.
+
+    daphne runs none itself, and every way of serving the site comes through here:
+    a setting that cannot work (``crowdtrain.checks``) stops the process with the check's
+    message and hint instead of failing later, one request or one aggregator at a time.
+    """
+    from django.core.management import call_command
+    from django.core.management.base import SystemCheckError
+
+    try:
+        call_command("check", stdout=io.StringIO())  # warnings still reach stderr
+    except SystemCheckError as exc:
+        sys.exit(f"crowdtrain: the site cannot start with these settings.\n{exc}")
+
+
 def main(argv: Sequence[str] | None = None) -> Any:
     """Serve ``crowdtrain.asgi:application`` with daphne's command line (``argv`` without the application)."""
     from daphne.cli import CommandLineInterface
 
     importlib.import_module(APPLICATION.partition(":")[0])  # daphne finds it loaded
+    refuse_failed_checks()
     gc.freeze()
     cli = CommandLineInterface()
     cli.server_class = server_class()

@@ -14,12 +14,16 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from crowdtrain_agent.protocol.frames import OLDEST_MINOR, PROTOCOL_MINOR
+
 from .env import env_bool, env_email_url, env_float, env_hex_bytes, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parents[2]
 VAR_DIR = Path(env_str("CROWDTRAIN_VAR_DIR", str(BASE_DIR / "var")))
 
-DEBUG = env_bool("CROWDTRAIN_DEBUG", True)
+# Off unless asked for (CROWDTRAIN_DEBUG=true): with it on, every 404 lists the URL map and every 500
+# renders a traceback page that took 5-17 s of a site process's time, long enough to halve training.
+DEBUG = env_bool("CROWDTRAIN_DEBUG", False)
 SECRET_KEY = env_str("CROWDTRAIN_SECRET_KEY", "insecure-dev-key-change-me-in-production-0123456789")
 if not SECRET_KEY.strip():  # an env file's `CROWDTRAIN_SECRET_KEY=` left unfilled (deploy/production.env.example)
     raise ImproperlyConfigured(
@@ -28,7 +32,8 @@ if not SECRET_KEY.strip():  # an env file's `CROWDTRAIN_SECRET_KEY=` left unfill
     )
 ALLOWED_HOSTS = env_list("CROWDTRAIN_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CROWDTRAIN_CSRF_TRUSTED_ORIGINS", [])
-SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = not DEBUG
+# Set below, once the HTTPS settings are read: cookies follow the scheme browsers use, not DEBUG, so
+# a plain-HTTP site on loopback (make serve, the demo) keeps its log-ins with DEBUG off.
 # Explicit although they are Django's defaults: the session cookie is never readable
 # from JavaScript and is not sent on cross-site POSTs.
 SESSION_COOKIE_HTTPONLY = True
@@ -46,6 +51,10 @@ SECURE_PROXY_SSL_HEADER = (
 SECURE_SSL_REDIRECT = env_bool("CROWDTRAIN_SECURE_SSL_REDIRECT", False)
 # The balancer's health checks speak plain HTTP to each site process; a redirect would read as "down".
 SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+# Browsers reach the site over HTTPS when it redirects them there or a trusted proxy ends TLS for it
+# (deploy/ and make cluster do both). Cookies then travel over HTTPS only, and e-mailed links say https.
+SERVED_OVER_HTTPS = SECURE_SSL_REDIRECT or SECURE_PROXY_SSL_HEADER is not None
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SERVED_OVER_HTTPS
 # For a check an operator has decided against (e.g. security.W021 when the domain is not to be preloaded).
 SILENCED_SYSTEM_CHECKS = env_list("CROWDTRAIN_SILENCED_CHECKS", [])
 
@@ -76,10 +85,8 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "allauth.account.middleware.AccountMiddleware",
 ]
-if not DEBUG:
-    # Each site process serves the collected static files itself (manage.py collectstatic), with
-    # far-future caching; the embedded default serves them from the sources instead (asgi.py).
-    MIDDLEWARE.insert(1, "whitenoise.middleware.WhiteNoiseMiddleware")
+# Each site process serves static files itself, whatever DEBUG says (see STATIC_ROOT below).
+MIDDLEWARE.insert(1, "whitenoise.middleware.WhiteNoiseMiddleware")
 
 ROOT_URLCONF = "crowdtrain.urls"
 ASGI_APPLICATION = "crowdtrain.asgi.application"
@@ -164,6 +171,10 @@ CELERY_BEAT_SCHEDULE = {
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 STATICFILES_DIRS = [BASE_DIR / "frontend" / "static"]
+# Collected (manage.py collectstatic: deploy/'s image, make cluster), static files are read once from
+# STATIC_ROOT at start-up. A checkout that never collected them serves each from its source folder,
+# looked up per request, so `make serve` and the demo need no collectstatic and show edits at once.
+WHITENOISE_USE_FINDERS = WHITENOISE_AUTOREFRESH = not STATIC_ROOT.is_dir()
 MEDIA_ROOT = Path(env_str("CROWDTRAIN_MEDIA_ROOT", str(VAR_DIR / "media")))
 MEDIA_URL = "media/"
 # Shards, uploads, checkpoints and exports: the media folder, or any S3-compatible store
@@ -223,6 +234,9 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "loggers": {
         "crowdtrain": {"handlers": ["console"], "level": env_str("CROWDTRAIN_LOG_LEVEL", "INFO"), "propagate": False},
+        # Django prints a 500's traceback only when DEBUG is on (otherwise it mails it to ADMINS, whom we
+        # have none of): with DEBUG off, this is what puts it in the site's log.
+        "django": {"handlers": ["console"], "level": "ERROR", "propagate": False},
     },
 }
 
@@ -244,6 +258,14 @@ CROWDTRAIN_LEASE_WAIT_MAX_S = env_float("CROWDTRAIN_LEASE_WAIT_MAX_S", 10.0, min
 # Agents and aggregators silent this long are gone; what they held is freed.
 CROWDTRAIN_GONE_AFTER_S = env_float("CROWDTRAIN_GONE_AFTER_S", 10.0, minimum=1.0)
 CROWDTRAIN_HEARTBEAT_S = env_float("CROWDTRAIN_HEARTBEAT_S", 2.0, minimum=0.1)
+# The newest protocol minor this site speaks (agent/PROTOCOL.md, "Versions"): during a rolling upgrade
+# of several site processes, keep the new ones at the old minor until every process is upgraded.
+CROWDTRAIN_PROTOCOL_MINOR = env_int("CROWDTRAIN_PROTOCOL_MINOR", PROTOCOL_MINOR, minimum=OLDEST_MINOR)
+if CROWDTRAIN_PROTOCOL_MINOR > PROTOCOL_MINOR:
+    raise ImproperlyConfigured(
+        f"CROWDTRAIN_PROTOCOL_MINOR is {CROWDTRAIN_PROTOCOL_MINOR}, but this site knows minors up to "
+        f"{PROTOCOL_MINOR}; upgrade the site or lower the setting"
+    )
 # Agents' heartbeats only keep idle sockets open through NATs and proxies: the site reads an agent's
 # liveness from its open socket (daphne's pings drop dead ones), so thousands of idle volunteers
 # need not cost a message every two seconds each. Aggregators keep CROWDTRAIN_HEARTBEAT_S: theirs
@@ -304,7 +326,7 @@ ACCOUNT_UNIQUE_EMAIL = True
 ACCOUNT_EMAIL_VERIFICATION = "mandatory"
 ACCOUNT_EMAIL_SUBJECT_PREFIX = "[Crowdtrain] "
 # Links in e-mails: a production site sits behind TLS.
-ACCOUNT_DEFAULT_HTTP_PROTOCOL = "http" if DEBUG else "https"
+ACCOUNT_DEFAULT_HTTP_PROTOCOL = "https" if SERVED_OVER_HTTPS else "http"
 # Merged into allauth's defaults; the counters live in CACHES.
 _LOGIN_FAILURES = env_int("CROWDTRAIN_LOGIN_FAILURES_LIMIT", 5, minimum=1)
 _LOGIN_FAILURES_WINDOW_S = env_int("CROWDTRAIN_LOGIN_FAILURES_WINDOW_S", 300, minimum=1)

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
-from crowdtrain_agent.protocol import ProtocolError, verify_ticket
+from crowdtrain_agent.protocol import ProtocolError, ticket_campaign, verify_ticket
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
@@ -85,18 +85,21 @@ def _check_ticket(node: AggregatorNode, request: Request, campaign_id: int) -> R
 
     Checked before anything else, so a refused caller learns nothing about which slices exist.
     """
-    key = node.ticket_key
-    if key is None:
+    if node.ticket_key is None:
         return json_response(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "not connected to the site yet; retry soon"})
     scheme, _, token = (request.headers.get("Authorization") or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return json_response(HTTPStatus.UNAUTHORIZED, {"error": "send a lease's ticket as Authorization: Bearer"})
     try:
-        ticket = verify_ticket(token.strip(), key)
+        named = ticket_campaign(token.strip())  # unverified: a forged campaign id fails the signature below
+        if named != campaign_id:
+            return json_response(HTTPStatus.FORBIDDEN, {"error": f"the ticket is for campaign {named}"})
+        key = node.campaign_key(campaign_id)  # each campaign has its own key, known here with a slice of it
+        if key is None:  # what a verified ticket would learn next; routes to a campaign's slices are no secret
+            return json_response(HTTPStatus.NOT_FOUND, {"error": "slice not held"})
+        verify_ticket(token.strip(), key)
     except ProtocolError as exc:
         return json_response(HTTPStatus.FORBIDDEN, {"error": str(exc)[:200]})
-    if ticket.campaign_id != campaign_id:
-        return json_response(HTTPStatus.FORBIDDEN, {"error": f"the ticket is for campaign {ticket.campaign_id}"})
     return None
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .optimizers import SliceLayout
 
 
 class Lamb(torch.optim.Optimizer):
@@ -26,7 +29,10 @@ class Lamb(torch.optim.Optimizer):
     ``segments`` gives, per parameter of the group, the element counts of the
     tensors inside it (``None`` treats each parameter as one tensor). With
     segments, a slice computes exactly the trust ratios the whole model
-    would, so slices compose to one big-machine LAMB step.
+    would, so slices compose to one big-machine LAMB step. The option
+    ``decayed`` gives, per parameter, one flag per segment: whether that
+    tensor takes weight decay (``None``: every one does), so biases and norm
+    gains can be left undecayed inside a flat slice.
 
     PyTorch ships no LAMB (``torch.optim`` has none as of 2.13), hence this class.
     """
@@ -39,12 +45,16 @@ class Lamb(torch.optim.Optimizer):
         eps: float = 1e-6,
         weight_decay: float = 0.0,
         segments: Sequence[Sequence[int] | None] | None = None,
+        decayed: Sequence[Sequence[bool] | None] | None = None,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must lie in [0, 1), got {betas}")
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "segments": segments}
+        defaults = {
+            "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "segments": segments,
+            "decayed": decayed,
+        }  # fmt: skip
         super().__init__(params, defaults)
         for group in self.param_groups:
             _check_segments(group)
@@ -59,7 +69,8 @@ class Lamb(torch.optim.Optimizer):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             segments = group["segments"] or [None] * len(group["params"])
-            for param, sizes in zip(group["params"], segments, strict=True):
+            decayed = group["decayed"] or [None] * len(group["params"])
+            for param, sizes, flags in zip(group["params"], segments, decayed, strict=True):
                 if param.grad is None:
                     continue
                 grad = param.grad
@@ -75,12 +86,15 @@ class Lamb(torch.optim.Optimizer):
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
                 denom = (exp_avg_sq / (1.0 - beta2**t)).sqrt_().add_(group["eps"])
                 update = (exp_avg / (1.0 - beta1**t)).div_(denom)
-                if group["weight_decay"] != 0:
-                    update.add_(param, alpha=group["weight_decay"])
                 flat_w, flat_u = param.reshape(-1), update.view(-1)
+                sizes = sizes if sizes is not None else [param.numel()]
+                flags = flags if flags is not None else [True] * len(sizes)
                 offset = 0
-                for size in sizes if sizes is not None else [param.numel()]:
-                    _scale_by_trust_ratio_(flat_w[offset : offset + size], flat_u[offset : offset + size])
+                for size, decay in zip(sizes, flags, strict=True):
+                    w, u = flat_w[offset : offset + size], flat_u[offset : offset + size]
+                    if decay and group["weight_decay"] != 0:
+                        u.add_(w, alpha=group["weight_decay"])  # per tensor, as a whole-model step adds it
+                    _scale_by_trust_ratio_(w, u)
                     offset += size
                 param.add_(update, alpha=-group["lr"])
         return loss
@@ -95,7 +109,13 @@ def _scale_by_trust_ratio_(weights: torch.Tensor, update: torch.Tensor) -> None:
 
 
 def _check_segments(group: dict[str, Any]) -> None:
-    segments = group["segments"]
+    segments, decayed = group["segments"], group["decayed"]
+    if decayed is not None:
+        if segments is None or len(decayed) != len(segments):
+            raise ValueError("decayed needs segments, with one list of flags per parameter")
+        for sizes, flags in zip(segments, decayed):
+            if flags is not None and (sizes is None or len(flags) != len(sizes)):
+                raise ValueError(f"decayed flags {list(flags)[:8]} must match the segments, one flag per tensor")
     if segments is None:
         return
     if len(segments) != len(group["params"]):
@@ -105,3 +125,11 @@ def _check_segments(group: dict[str, Any]) -> None:
             raise ValueError(
                 f"segments {list(sizes)[:8]} must be positive and add up to the parameter's {param.numel()} elements"
             )
+
+
+def build_lamb(param: torch.nn.Parameter, hyper: Mapping[str, Any], layout: SliceLayout) -> Lamb:
+    """The registry's builder: LAMB on one slice of whole tensors, the layout saying which ones decay."""
+    return Lamb(
+        [param], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
+        weight_decay=hyper["weight_decay"], segments=[layout.segments], decayed=[list(layout.decayed)],
+    )  # fmt: skip

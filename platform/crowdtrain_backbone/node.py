@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from crowdtrain_agent.protocol import (
@@ -35,10 +35,13 @@ from .slices import MemoryBudget, SliceState, StepRefused, initial_params
 logger = logging.getLogger(__name__)
 
 SiteOrder = SliceAssignment | StepCommit | Rollback | SliceUnassign | CheckpointComplete
+ORDERS = (SliceAssignment, StepCommit, Rollback, SliceUnassign, CheckpointComplete)  # what ``handle`` carries out
 Reply = SliceReady | SliceLost | CheckpointSaved | StepApplied | StepFailed
 
 # Fields that fix which numbers a slice holds; a change means a different slice.
 _LAYOUT_FIELDS = ("start", "end", "param_count", "model", "seed")
+# The part of an exception's text a StepFailed or SliceLost carries: the site shows it on the campaign page.
+_DETAIL_CHARS = 500
 
 
 def _same_layout(a: SliceAssignment, b: SliceAssignment) -> bool:
@@ -62,7 +65,16 @@ def _usable(state: dict[str, Any], assignment: SliceAssignment) -> str | None:
     return None
 
 
-def _load(store: CheckpointStore, assignment: SliceAssignment, version: int) -> tuple[torch.Tensor, dict[str, Any] | None]:
+class Restored(NamedTuple):
+    """What a slice resumes from: params at ``version``, the optimizer state (None: fresh) and saved uploads."""
+
+    params: torch.Tensor
+    version: int
+    optimizer_state: dict[str, Any] | None
+    pending: list[Any]
+
+
+def _load(store: CheckpointStore, assignment: SliceAssignment, version: int) -> Restored:
     cid, idx = assignment.campaign_id, assignment.slice_index
     state = load_checkpoint(store, cid, idx, version)
     problem = _usable(state, assignment)
@@ -73,55 +85,52 @@ def _load(store: CheckpointStore, assignment: SliceAssignment, version: int) -> 
         # Moments of another optimizer mean nothing to this one: keep the params, restart its state.
         logger.warning("campaign %s slice %s: the optimizer changed since v%s; its state starts fresh", cid, idx, version)
         optimizer_state = None
-    return state["params"], optimizer_state
+    pending = state.get("pending")
+    return Restored(state["params"], version, optimizer_state, pending if isinstance(pending, list) else [])
 
 
-def restore(
-    assignment: SliceAssignment, store: CheckpointStore, version: int, fallback: int | None
-) -> tuple[torch.Tensor, int, dict[str, Any] | None]:
+def restore(assignment: SliceAssignment, store: CheckpointStore, version: int, fallback: int | None) -> Restored:
     """The state to hold: ``version``'s checkpoint, else the site's ``fallback`` (a complete version), else lost.
 
     Never an older checkpoint of this slice alone (the other slices may not
     have it), and never the seeded init for a campaign that has stepped unless
-    the site says so (``fallback`` 0). Blocking (storage and model
+    the site says so (``fallback`` 0). Uploads saved by a graceful stop come
+    back only with ``version`` itself: going back to ``fallback`` means the
+    site rolled back, and rejected them. Blocking (storage and model
     construction): call it through ``asyncio.to_thread``.
-
-    Returns:
-        params, the version they are at, and the optimizer state (None for a fresh init).
 
     Raises:
         SliceLostError: neither version can be loaded.
     """
     cid, idx = assignment.campaign_id, assignment.slice_index
     if version == 0:
-        return initial_params(assignment), 0, None
+        return Restored(initial_params(assignment), 0, None, [])
     tried = []
     try:
-        params, optimizer_state = _load(store, assignment, version)
-        return params, version, optimizer_state
+        return _load(store, assignment, version)
     except CheckpointError as exc:
         tried.append(str(exc))
     if fallback is None:
         raise SliceLostError(f"{tried[0]}; the campaign has no complete checkpoint to fall back to")
     if fallback == 0:
         logger.warning("campaign %s slice %s: restarting from the seeded init (version 0), as the site asks", cid, idx)
-        return initial_params(assignment), 0, None
+        return Restored(initial_params(assignment), 0, None, [])
     try:
-        params, optimizer_state = _load(store, assignment, fallback)
+        restored = _load(store, assignment, fallback)
     except CheckpointError as exc:
         raise SliceLostError(f"{tried[0]}; and the newest complete checkpoint failed too: {exc}") from exc
     logger.warning(
         "campaign %s slice %s: no checkpoint of version %s, resuming from the newest complete one, version %s",
         cid, idx, version, fallback,
     )  # fmt: skip
-    return params, fallback, optimizer_state
+    return restored._replace(pending=[])
 
 
 class AggregatorNode:
     """The slices this process holds, keyed by (campaign id, slice index).
 
     The site link calls ``handle`` for one campaign at a time, in the order the
-    site sent the orders; upload handlers read ``slices`` and ``ticket_key``.
+    site sent the orders; upload handlers read ``slices`` and ``campaign_key``.
     """
 
     def __init__(self, config: BackboneConfig, store: CheckpointStore | None = None) -> None:
@@ -131,11 +140,28 @@ class AggregatorNode:
         self.slices: dict[tuple[int, int], SliceState] = {}
         self.complete: dict[int, list[int]] = {}  # per campaign: versions every slice has a checkpoint of
         self.saved: dict[tuple[int, int], int] = {}  # per slice: the version of its newest checkpoint here
-        self.ticket_key: bytes | None = None  # set by the site's welcome; uploads wait for it
+        # The welcome's key: a 2.0 site's one key for every campaign, b"" from a 2.1 site (each campaign's
+        # key comes with its slices). None until the welcome; uploads wait for it.
+        self.ticket_key: bytes | None = None
         self.aggregator_id: int | None = None
+        # Slices whose optimizer step raised, with what the site was told. A step that failed half-way may
+        # have changed the params or the moments already: such a slice applies no commit (a retry could apply
+        # part of a step twice) until an assignment or a rollback reloads it from a checkpoint.
+        self.broken: dict[tuple[int, int], str] = {}
 
     def get_slice(self, campaign_id: int, slice_index: int) -> SliceState | None:
         return self.slices.get((campaign_id, slice_index))
+
+    def campaign_key(self, campaign_id: int) -> bytes | None:
+        """The key that checks this campaign's tickets and signs its receipts; None without a slice of it.
+
+        A 2.1 site sends each campaign's own key with its slices, a 2.0 site one key in its welcome.
+        """
+        for (cid, _), state in self.slices.items():
+            if cid == campaign_id:
+                own = state.assignment.ticket_key
+                return bytes.fromhex(own) if own else (self.ticket_key or None)
+        return None
 
     def campaign_slices(self, campaign_id: int) -> list[SliceState]:
         return [s for (cid, _), s in sorted(self.slices.items()) if cid == campaign_id]
@@ -178,8 +204,10 @@ class AggregatorNode:
         if isinstance(order, CheckpointComplete):
             await self.note_complete(order)
             return []
-        self.unassign(order)
-        return []
+        if isinstance(order, SliceUnassign):
+            self.unassign(order)
+            return []
+        raise TypeError(f"no handler for {type(order).__name__}; add it to AggregatorNode.handle and ORDERS")
 
     async def assign(self, assignment: SliceAssignment) -> SliceReady:
         """Take (or re-take) a slice and load the state for the site's current version."""
@@ -192,6 +220,9 @@ class AggregatorNode:
                 same_kind = previous.optimizer.name == assignment.optimizer.name
                 kept = current.optimizer.state_dict() if same_kind else None
                 current.install_(current.param.detach(), current.version, kept)
+            if key in self.broken:
+                logger.info("campaign %s slice %s re-assigned after a failed step: reloading it", *key)
+                return await self._reload(current, assignment.version, assignment.restore_version)
             if current.version >= assignment.version:
                 # Ahead is normal: the site's version is the slowest slice's. Reloading would throw
                 # away applied steps whose uploads are gone; say where we are and let the site decide.
@@ -201,18 +232,23 @@ class AggregatorNode:
         if current is not None:
             logger.warning("campaign %s slice %s re-assigned with a new layout; dropping the old one", *key)
             self.slices.pop(key).release_all()
+            self.broken.pop(key, None)
         try:
-            params, version, optimizer_state = await asyncio.to_thread(
+            restored = await asyncio.to_thread(
                 restore, assignment, self.store, assignment.version, assignment.restore_version
             )
         except SliceLostError as exc:
             return self._lost(assignment, assignment.version, str(exc))
-        state = SliceState(assignment, params, version, self.budget, optimizer_state)
+        version = restored.version
+        state = SliceState(assignment, restored.params, version, self.budget, restored.optimizer_state)
+        # A graceful stop saved the uploads of the step in hand: with them that step commits here.
+        taken = state.reinstate_(restored.pending)
         self.slices[key] = state
         await asyncio.to_thread(self._forget_newer, state)
         logger.info(
-            "holding campaign %s slice %s (elements %s:%s) at version %s",
+            "holding campaign %s slice %s (elements %s:%s) at version %s%s",
             *key, assignment.start, assignment.end, version,
+            f", with {len(taken)} pending uploads saved at the stop" if taken else "",
         )  # fmt: skip
         return SliceReady(campaign_id=key[0], slice_index=key[1], version=version)
 
@@ -221,17 +257,19 @@ class AggregatorNode:
         dropped = self.slices.pop(key, None)
         if dropped is not None:
             dropped.release_all()
+        self.broken.pop(key, None)
         logger.error("campaign %s slice %s is lost: %s", *key, detail)
         return SliceLost(campaign_id=key[0], slice_index=key[1], version=version, detail=detail)
 
     async def _reload(self, state: SliceState, version: int, fallback: int | None) -> SliceReady | SliceLost:
         try:
-            params, loaded, optimizer_state = await asyncio.to_thread(
-                restore, state.assignment, self.store, version, fallback
-            )
+            restored = await asyncio.to_thread(restore, state.assignment, self.store, version, fallback)
         except SliceLostError as exc:
             return self._lost(state.assignment, version, str(exc))
-        state.install_(params, loaded, optimizer_state)
+        # Uploads saved in the file are not taken back: this process's own pending ones are newer.
+        loaded = restored.version
+        state.install_(restored.params, loaded, restored.optimizer_state)
+        self.broken.pop((state.campaign_id, state.slice_index), None)
         dropped = state.drop_newer_(loaded)
         removed = await asyncio.to_thread(self._forget_newer, state)
         logger.info(
@@ -271,6 +309,10 @@ class AggregatorNode:
 
     async def _commit_slice(self, state: SliceState, commit: StepCommit) -> list[Reply]:
         cid, idx = state.campaign_id, state.slice_index
+        broken = self.broken.get((cid, idx))
+        if broken is not None and commit.step == state.version:
+            # The site sent it again before it heard (or after it reconnected): the same answer, no second try.
+            return [StepFailed(campaign_id=cid, slice_index=idx, step=commit.step, detail=broken)]
         if commit.step < state.version:
             # The site re-sent a commit we already applied (it reconnected): same answer again.
             logger.debug("campaign %s slice %s: duplicate commit of step %s", cid, idx, commit.step)
@@ -288,9 +330,12 @@ class AggregatorNode:
             return [StepFailed(
                 campaign_id=cid, slice_index=idx, step=commit.step, missing_lease_ids=exc.missing, detail=exc.detail
             )]  # fmt: skip
-        # Off the event loop: uploads and heartbeats keep flowing while the optimizer runs.
-        snapshot = await asyncio.to_thread(state.apply_step_, uploads, commit.num_samples)
-        dropped = state.finish_step(snapshot, commit.lease_ids)
+        try:
+            # Off the event loop: uploads and heartbeats keep flowing while the optimizer runs.
+            snapshot = await asyncio.to_thread(state.apply_step_, uploads, commit.num_samples)
+            dropped = state.finish_step(snapshot, commit.lease_ids)
+        except Exception as exc:  # a torch error, out of memory, a bug: the site must hear, or it waits for ever
+            return [self._could_not_apply(state, commit.step, exc)]
         logger.info(
             "campaign %s slice %s applied step %s (%s leases, %s samples, %s stale dropped)",
             cid, idx, commit.step, len(uploads), commit.num_samples, len(dropped),
@@ -303,16 +348,52 @@ class AggregatorNode:
                 replies.append(saved)
         return replies
 
-    async def checkpoint(self, state: SliceState) -> CheckpointSaved | None:
+    def _could_not_apply(self, state: SliceState, step: int, exc: BaseException) -> StepFailed:
+        """Mark the slice broken and tell the site why, in words an organizer can act on."""
+        key = (state.campaign_id, state.slice_index)
+        detail = f"slice {key[1]} could not apply step {step}: {type(exc).__name__}: {exc}"[:_DETAIL_CHARS]
+        self.broken[key] = detail
+        logger.error(
+            "campaign %s slice %s could not apply step %s; it applies no commit until the site assigns it again "
+            "or rolls it back (both reload it from a checkpoint)", *key, step, exc_info=exc,
+        )  # fmt: skip
+        return StepFailed(campaign_id=key[0], slice_index=key[1], step=step, detail=detail)
+
+    def failure_replies(self, order: SiteOrder, exc: BaseException) -> list[Reply]:
+        """What to answer an order whose handling raised (``handle`` itself, not a step it caught).
+
+        A site that hears nothing waits, and re-sends a commit on every heartbeat: each
+        slice the order left unfinished reports the error instead. A failed commit marks
+        its slices broken; a failed assignment or rollback loses the slice, which blocks
+        the campaign until an operator restores it.
+        """
+        what = f"{type(exc).__name__}: {exc}"[:_DETAIL_CHARS]
+        if isinstance(order, StepCommit):
+            return [
+                self._could_not_apply(state, order.step, exc)
+                for state in self.campaign_slices(order.campaign_id)
+                if state.version == order.step
+            ]
+        if isinstance(order, SliceAssignment):
+            return [self._lost(order, order.version, f"could not take the slice: {what}")]
+        if isinstance(order, Rollback):
+            return [
+                self._lost(state.assignment, order.version, f"could not roll back to version {order.version}: {what}")
+                for state in self.campaign_slices(order.campaign_id)
+            ]
+        return []
+
+    async def checkpoint(self, state: SliceState, *, with_pending: bool = False) -> CheckpointSaved | None:
         """Write the slice's checkpoint of its current version and prune old ones; None if it failed.
 
         A failure never stops training (the step is applied already); the
         site then has no complete checkpoint of this version, and rollbacks
-        go to an older one.
+        go to an older one. ``with_pending``: see ``SliceState.checkpoint_dict``.
         """
         key = (state.campaign_id, state.slice_index)
         version = state.version
-        snapshot = state.checkpoint_dict()  # on the loop: the next step cannot change it while it is written
+        # On the loop: the next step cannot change it while it is written.
+        snapshot = state.checkpoint_dict(with_pending=with_pending)
 
         def write() -> None:
             save_checkpoint(self.store, *key, version, snapshot)
@@ -332,13 +413,18 @@ class AggregatorNode:
         return CheckpointSaved(campaign_id=key[0], slice_index=key[1], version=version)
 
     async def checkpoint_all(self) -> list[Reply]:
-        """A checkpoint of every slice at its current version that has none yet (before a graceful exit)."""
+        """A checkpoint of every slice at its current version, with its pending uploads (before a graceful exit).
+
+        The uploads make the difference between a stop that costs nothing and
+        one that redoes the step in hand: agents hold receipts for them, and the
+        site commits them as soon as the step is full.
+        """
         replies: list[Reply] = []
         for key, state in sorted(self.slices.items()):
-            if self.saved.get(key) == state.version:
+            if self.saved.get(key) == state.version and not state.pending:
                 replies.append(CheckpointSaved(campaign_id=key[0], slice_index=key[1], version=state.version))
                 continue
-            saved = await self.checkpoint(state)
+            saved = await self.checkpoint(state, with_pending=True)
             if saved is not None:
                 replies.append(saved)
         return replies
@@ -361,14 +447,15 @@ class AggregatorNode:
         """Go back to the checkpoint of ``order.version`` and forget everything newer."""
         replies: list[Reply] = []
         for state in self.campaign_slices(order.campaign_id):
-            if state.version == order.version:
+            if state.version == order.version and (state.campaign_id, state.slice_index) not in self.broken:
                 state.drop_newer_(order.version)  # already there; memory is as good as the checkpoint
                 await asyncio.to_thread(self._forget_newer, state)
                 replies.append(
                     SliceReady(campaign_id=state.campaign_id, slice_index=state.slice_index, version=state.version)
                 )
             else:
-                # The site rolls back only to versions every slice confirmed a checkpoint of.
+                # The site rolls back only to versions every slice confirmed a checkpoint of (a broken
+                # slice at that version reloads it too: its memory may hold half a step).
                 replies.append(await self._reload(state, order.version, None))
         if not replies:
             logger.warning("rollback for campaign %s, which holds no slice here", order.campaign_id)
@@ -379,4 +466,5 @@ class AggregatorNode:
         for state in self.campaign_slices(order.campaign_id):
             state.release_all()
             del self.slices[(state.campaign_id, state.slice_index)]
+            self.broken.pop((state.campaign_id, state.slice_index), None)
             logger.info("dropped campaign %s slice %s", state.campaign_id, state.slice_index)

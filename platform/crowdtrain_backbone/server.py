@@ -6,13 +6,15 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from crowdtrain_agent.protocol import MAX_WS_MESSAGE_BYTES
-from websockets.asyncio.server import Server, serve
+from crowdtrain_agent.backoff import Backoff
+from crowdtrain_agent.protocol import MAX_WS_MESSAGE_BYTES, choose_subprotocol
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.typing import Subprotocol
 
 from .config import WS_LOGGER_NAME, BackboneConfig
 from .http_routes import PARAMS_PREFIX, UPLOAD_PATH, make_process_request
 from .node import AggregatorNode
-from .site_link import SiteLink, SiteRefused
+from .site_link import SITE_BACKOFF, SiteLink, SiteRefused
 from .uploads import UploadHandler
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,12 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+
+def _select_subprotocol(_: ServerConnection, offered: list[Subprotocol]) -> Subprotocol | None:
+    """The newest protocol minor the agent offers and this aggregator speaks; none offered is a 2.0 agent."""
+    chosen, _minor = choose_subprotocol(list(offered))
+    return Subprotocol(chosen) if chosen else None
+
 class BackboneServer:
     """A running aggregator: the listening socket, its state, and the site link.
 
@@ -45,11 +53,11 @@ class BackboneServer:
     the CLI goes through ``run``.
     """
 
-    def __init__(self, config: BackboneConfig, *, initial_backoff_s: float = 0.5, max_backoff_s: float = 30.0) -> None:
+    def __init__(self, config: BackboneConfig, *, backoff: Backoff = SITE_BACKOFF) -> None:
         self.config = config
         self.node = AggregatorNode(config)
         self.port = 0
-        self._backoff = (initial_backoff_s, max_backoff_s)
+        self._backoff = backoff  # between tries to reach the site
         self._server: Server | None = None
         self._link_task: asyncio.Task[None] | None = None
         self.link: SiteLink | None = None
@@ -66,6 +74,7 @@ class BackboneServer:
             self.config.host,
             self.config.port,
             process_request=make_process_request(self.node),
+            select_subprotocol=_select_subprotocol,
             max_size=MAX_WS_MESSAGE_BYTES,
             write_limit=WRITE_LIMIT_BYTES,
             ping_interval=PING_INTERVAL_S,
@@ -81,8 +90,7 @@ class BackboneServer:
             self.node,
             upload_url=f"ws://{public}{UPLOAD_PATH}",
             params_url=f"http://{public}{PARAMS_PREFIX}",
-            initial_backoff_s=self._backoff[0],
-            max_backoff_s=self._backoff[1],
+            backoff=self._backoff,
         )
         self._link_task = asyncio.create_task(self.link.run())
         logger.info("aggregator %s listening on %s, site %s", self.config.name, self.url, self.config.site)
@@ -97,7 +105,11 @@ class BackboneServer:
             await self._link_task
 
     async def shutdown(self) -> int:
-        """Stop gracefully: take no more uploads, finish the step in hand, checkpoint every slice, tell the site.
+        """Stop gracefully: take no more uploads, apply the commits on their way, checkpoint every slice, tell the site.
+
+        The checkpoints carry the uploads no commit has named yet, so the step
+        in hand is committed by the restarted process (or a replacement given
+        the same storage) rather than redone.
 
         Returns:
             How many slices have a confirmed checkpoint of their current version.
@@ -113,7 +125,9 @@ class BackboneServer:
             saved = await self.node.checkpoint_all()
             for reply in saved:
                 await self.link.send(reply)
-        logger.info("stopping: %s slice checkpoint(s) of the current version written and reported", len(saved))
+        kept = sum(len(s.pending) for s in self.node.slices.values())
+        logger.info("stopping: %s slice checkpoint(s) of the current version written and reported, with %s pending "
+                    "upload(s)", len(saved), kept)  # fmt: skip
         await self.stop()
         return len(saved)
 

@@ -4,39 +4,40 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 
+from crowdtrain_agent.backoff import Backoff
 from crowdtrain_agent.protocol import (
     HEARTBEAT_INTERVAL_S,
     MAX_WS_MESSAGE_BYTES,
+    PROTOCOL_MINOR,
+    PROTOCOL_VERSION,
+    SITE_TO_BACKBONE,
     BackboneHello,
     BackboneWelcome,
-    CheckpointComplete,
     CloseCode,
     ErrorMessage,
     Heartbeat,
     ProtocolError,
-    Rollback,
-    SliceAssignment,
-    SliceUnassign,
-    StepCommit,
     decode_message,
     encode_message,
+    negotiated_minor,
+    offered_subprotocols,
     should_reconnect,
 )
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.typing import Subprotocol
 
 from .config import BackboneConfig
 from .node import AggregatorNode, Reply, SiteOrder
 
 logger = logging.getLogger(__name__)
 
-SITE_TO_BACKBONE = (
-    BackboneWelcome, SliceAssignment, StepCommit, Rollback, SliceUnassign, CheckpointComplete, Heartbeat, ErrorMessage,
-)  # fmt: skip
 WELCOME_TIMEOUT_S = 10.0
+LINK_MESSAGES = (Heartbeat, BackboneWelcome, ErrorMessage)  # taken by the link; the node carries out the rest
+# An aggregator is a service: it never gives up on the site, and waits at most 30 s between tries.
+SITE_BACKOFF = Backoff(base_s=0.5, max_s=30.0, max_tries=None)
 
 
 class SiteRefused(RuntimeError):
@@ -82,21 +83,21 @@ class SiteLink:
         *,
         upload_url: str,
         params_url: str,
-        initial_backoff_s: float = 0.5,
-        max_backoff_s: float = 30.0,
+        backoff: Backoff = SITE_BACKOFF,
     ) -> None:
         self.config = config
         self.node = node
         self.upload_url = upload_url
         self.params_url = params_url
-        self.initial_backoff_s = initial_backoff_s
-        self.max_backoff_s = max_backoff_s
+        self.backoff = backoff
         self._ws: ClientConnection | None = None
         self._queues: dict[int, asyncio.Queue[SiteOrder]] = {}
         self._workers: dict[int, asyncio.Task[None]] = {}
         self._busy = 0  # orders being carried out now
         self._last_order = time.monotonic()
         self.connected = asyncio.Event()
+        self.minor = PROTOCOL_MINOR  # the protocol minor of the current connection
+        self._unknown_noted = False
 
     async def run(self) -> None:
         """Connect, serve, reconnect with backoff, until cancelled.
@@ -115,6 +116,7 @@ class SiteLink:
                         additional_headers={"Authorization": f"Bearer {self.config.token}"},
                         max_size=MAX_WS_MESSAGE_BYTES,
                         open_timeout=WELCOME_TIMEOUT_S,
+                        subprotocols=[Subprotocol(p) for p in offered_subprotocols()],
                     )
                 except InvalidStatus as exc:
                     # Never the site's verdict on the token (it accepts every socket and refuses a token with
@@ -131,15 +133,14 @@ class SiteLink:
                         failures = 0
                     reason = f"closed with code {code}"
                 failures += 1
-                delay = min(self.max_backoff_s, self.initial_backoff_s * 2 ** (failures - 1))
-                delay *= random.uniform(0.5, 1.0)  # jitter: aggregators restarted together spread out
+                delay = self.backoff.delay(failures)
                 logger.debug(
                     "site connection to %s failed (%s), try %s; next try in %.1f s", url, reason, failures, delay
                 )
                 if failures == 1:
                     logger.warning(
                         "the site at %s is busy or unreachable (%s); retrying with growing pauses of up to %.0f s",
-                        url, reason, self.max_backoff_s,
+                        url, reason, self.backoff.max_s,
                     )  # fmt: skip
                 await asyncio.sleep(delay)
         finally:
@@ -154,12 +155,15 @@ class SiteLink:
         """
         try:
             try:
-                await ws.send(encode_message(BackboneHello(
-                    name=self.config.name, upload_url=self.upload_url, params_url=self.params_url,
-                )))  # fmt: skip
+                self.minor = negotiated_minor(ws.subprotocol)
+                hello = BackboneHello(
+                    protocol_version=PROTOCOL_VERSION, name=self.config.name, upload_url=self.upload_url,
+                    params_url=self.params_url,
+                )
+                await ws.send(encode_message(hello, self.minor))
                 async with asyncio.timeout(WELCOME_TIMEOUT_S):
                     raw = await ws.recv()
-                welcome = decode_message(raw, allowed=(BackboneWelcome,))
+                welcome = decode_message(raw, allowed=(BackboneWelcome,), unknown=self._note_unknown)
                 ticket_key = bytes.fromhex(welcome.ticket_key)
             except (ProtocolError, ValueError, TimeoutError) as exc:
                 logger.warning("the site's answer to our hello is not a welcome (%s); retrying", exc)
@@ -201,11 +205,11 @@ class SiteLink:
 
     def _dispatch(self, raw: str | bytes) -> None:
         try:
-            message = decode_message(raw, allowed=SITE_TO_BACKBONE)
+            message = decode_message(raw, allowed=SITE_TO_BACKBONE, unknown=self._note_unknown)
         except ProtocolError as exc:
             logger.warning("ignoring a bad message from the site: %s", exc)
             return
-        if isinstance(message, (Heartbeat, BackboneWelcome)):
+        if isinstance(message, (Heartbeat, BackboneWelcome)):  # LINK_MESSAGES: the link's own
             return
         if isinstance(message, ErrorMessage):
             logger.warning("the site reports an error (%s): %s", message.code, message.detail)
@@ -223,9 +227,11 @@ class SiteLink:
             self._busy += 1
             try:
                 replies = await self.node.handle(order)
-            except Exception:
+            except Exception as exc:
+                # Answered all the same: a site that hears nothing re-sends a commit on every heartbeat
+                # and the organizer sees only a stall.
                 logger.exception("failed to carry out %s for campaign %s", order.kind, order.campaign_id)
-                continue
+                replies = self.node.failure_replies(order, exc)
             finally:
                 self._busy -= 1
             for reply in replies:
@@ -256,6 +262,13 @@ class SiteLink:
             logger.debug("not connected; dropping %s", reply)
             return
         try:
-            await ws.send(encode_message(reply))
+            await ws.send(encode_message(reply, self.minor))
         except ConnectionClosed:
             logger.debug("connection closed; dropping %s", reply)
+
+    def _note_unknown(self, kind: str, fields: list[str]) -> None:
+        """A newer site sends fields this aggregator does not know: ignored, and said once per process."""
+        if not self._unknown_noted:
+            self._unknown_noted = True
+            logger.info("the site sends fields this aggregator does not know (%s: %s); upgrade it to use them",
+                        kind, ", ".join(fields[:5]))  # fmt: skip

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -21,10 +20,15 @@ from typing import Any
 import torch
 from crowdtrain_agent.codec import encode_fp32
 from crowdtrain_agent.models import get_model
-from crowdtrain_agent.protocol import OptimizerSpec, SliceAssignment
+from crowdtrain_agent.protocol import SliceAssignment
 from crowdtrain_agent.protocol.schema import to_dict
 
-from .lamb import Lamb
+from .optimizers import build_slice_optimizer, slice_segments
+
+__all__ = [
+    "AggregationRule", "MeanRule", "MemoryBudget", "PendingUpload", "SliceState", "Snapshot", "StepRefused",
+    "UploadRefused", "build_slice_optimizer", "initial_params", "make_snapshot", "slice_segments",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -125,67 +129,6 @@ class MeanRule(AggregationRule):
         return total.div_(float(num_samples))
 
 
-def build_optimizer(
-    spec: OptimizerSpec, param: torch.nn.Parameter, segments: Sequence[int] | None = None
-) -> torch.optim.Optimizer:
-    """The optimizer for one flat slice, built so that slices compose to the full model.
-
-    AdamW and SGD are elementwise. LAMB's trust ratio is per model tensor:
-    ``segments`` gives the element counts of the tensors the slice holds (see
-    ``slice_segments``). AdamW and SGD run PyTorch's fused kernels: one pass
-    over the slice instead of one per term (6.3 -> 0.9 ms for AdamW on 1.3 M
-    parameters on one core), and less memory traffic next to the agents that
-    share the machine. Fused is elementwise too, so an aggregator holding the
-    whole vector and N aggregators holding slices of it agree. The learning
-    rate set here is the base rate; ``SliceState.apply_step_`` sets each
-    step's scheduled rate.
-
-    Raises:
-        ValueError: if a LAMB slice comes without its tensor layout.
-    """
-    if spec.name == "adamw":
-        return torch.optim.AdamW(
-            [param], lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps,
-            weight_decay=spec.weight_decay, fused=True,
-        )  # fmt: skip
-    if spec.name == "lamb":
-        if segments is None:
-            raise ValueError("a LAMB slice needs the sizes of the model tensors it holds (segments)")
-        return Lamb(
-            [param], lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps,
-            weight_decay=spec.weight_decay, segments=[list(segments)],
-        )  # fmt: skip
-    return torch.optim.SGD([param], lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay, fused=True)
-
-
-def slice_segments(assignment: SliceAssignment) -> list[int]:
-    """Element counts of the model tensors that lie in elements ``start:end`` of the flat vector.
-
-    The aggregator derives the layout from the registry, as it derives the
-    initial parameters: the site and the aggregator share one registry (the
-    parameter count check in ``initial_params`` catches a mismatch), so the
-    assignment message needs no extra field.
-
-    Raises:
-        ValueError: if the slice starts or ends inside a tensor (LAMB needs whole tensors).
-    """
-    shapes = get_model(assignment.model.architecture).param_shapes(assignment.model.config)
-    sizes: list[int] = []
-    offset = 0
-    for shape in shapes:
-        numel = math.prod(shape)
-        if assignment.start <= offset and offset + numel <= assignment.end:
-            sizes.append(numel)
-        elif offset < assignment.end and assignment.start < offset + numel:
-            raise ValueError(
-                f"campaign {assignment.campaign_id} slice {assignment.slice_index} ({assignment.start}:"
-                f"{assignment.end}) cuts the tensor at {offset}:{offset + numel}; LAMB slices must hold whole "
-                "tensors, so the site has to cut slices at tensor boundaries (upgrade the site)"
-            )
-        offset += numel
-    return sizes
-
-
 def initial_params(assignment: SliceAssignment) -> torch.Tensor:
     """Elements ``start:end`` of the seeded model's flat parameter vector (the same on every aggregator).
 
@@ -201,6 +144,19 @@ def initial_params(assignment: SliceAssignment) -> torch.Tensor:
             "different model registries, upgrade crowdtrain-agent on the aggregator"
         )
     return flat[assignment.start : assignment.end].clone()
+
+
+def _saved_upload(entry: Any, numel: int) -> PendingUpload:
+    """A pending upload from a checkpoint's "pending" list; ValueError says what is wrong with it."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"expected a dict, found {type(entry).__name__}")
+    lease_id, base, n, grad = (entry.get(k) for k in ("lease_id", "base_version", "num_samples", "grad"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lease_id, base, n)) or n <= 0:
+        raise ValueError(f"lease id, base version and sample count must be integers, the count above 0; found "
+                         f"{lease_id!r:.40}, {base!r:.40}, {n!r:.40}")  # fmt: skip
+    if not isinstance(grad, torch.Tensor) or grad.dtype != torch.float32 or grad.shape != (numel,):
+        raise ValueError(f"lease {lease_id}: the gradient is not {numel} fp32 values")
+    return PendingUpload(lease_id, base, n, grad)
 
 
 def make_snapshot(campaign_id: int, slice_index: int, version: int, params: torch.Tensor) -> Snapshot:
@@ -271,15 +227,13 @@ class SliceState:
         if params.shape != (self.numel,):
             raise ValueError(f"params of shape {tuple(params.shape)} do not fit a slice of {self.numel} elements")
         self.param = torch.nn.Parameter(params.to(torch.float32).clone())
-        spec = self.assignment.optimizer
-        segments = slice_segments(self.assignment) if spec.name == "lamb" else None
-        self.optimizer = build_optimizer(spec, self.param, segments)
+        self.optimizer = build_slice_optimizer(self.assignment, self.param)
         if optimizer_state is not None:
+            current = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
             self.optimizer.load_state_dict(optimizer_state)
             # The checkpoint carries the old hyperparameters; the assignment's are current.
-            fresh = build_optimizer(spec, self.param, segments).param_groups[0]
-            for group in self.optimizer.param_groups:
-                group.update({k: v for k, v in fresh.items() if k != "params"})
+            for group, fresh in zip(self.optimizer.param_groups, current, strict=True):
+                group.update(fresh)
         self.version = version
         for v in [v for v in self.snapshots if v >= version]:
             del self.snapshots[v]
@@ -312,14 +266,50 @@ class SliceState:
                 break
         return self.snapshots.get(version)
 
-    def checkpoint_dict(self) -> dict[str, Any]:
-        """A plain dict of the current state for ``torch.save``; loadable with ``weights_only=True``."""
-        return {
+    def checkpoint_dict(self, *, with_pending: bool = False) -> dict[str, Any]:
+        """A plain dict of the current state for ``torch.save``; loadable with ``weights_only=True``.
+
+        ``with_pending`` adds the uploads no commit has named yet (a graceful
+        stop): the step in hand then commits on the restarted process instead
+        of being redone. Their tensors are shared, not copied: a pending
+        upload's gradient is never changed in place.
+        """
+        state: dict[str, Any] = {
             "config": to_dict(self.assignment),
             "version": self.version,
             "params": self.param.detach().clone(),
             "optimizer": self.optimizer.state_dict(),
         }
+        if with_pending:
+            state["pending"] = [
+                {"lease_id": u.lease_id, "base_version": u.base_version, "num_samples": u.num_samples, "grad": u.grad}
+                for _, u in sorted(self.pending.items())
+            ]
+        return state
+
+    def reinstate_(self, saved: Sequence[Any]) -> list[int]:
+        """Hold again the uploads a graceful stop saved with this version; returns the lease ids taken back.
+
+        Each one is checked as a new upload would be (shape, sample count,
+        version window, memory budget); one that fails is skipped with a
+        warning, and the site redoes its step if a commit names it.
+        """
+        taken: list[int] = []
+        for entry in saved:
+            try:
+                upload = _saved_upload(entry, self.numel)
+                self.check_upload(upload.lease_id, upload.base_version)
+            except (UploadRefused, ValueError) as exc:
+                logger.warning("campaign %s slice %s: a saved upload is not taken back: %s",
+                               self.campaign_id, self.slice_index, exc)  # fmt: skip
+                continue
+            if not self.budget.try_reserve(upload.nbytes):
+                logger.warning("campaign %s slice %s: no memory left to take back saved upload of lease %s",
+                               self.campaign_id, self.slice_index, upload.lease_id)  # fmt: skip
+                continue
+            self.pending[upload.lease_id] = upload
+            taken.append(upload.lease_id)
+        return taken
 
     # ------------------------------------------------------------ uploads
 
@@ -444,7 +434,7 @@ class SliceState:
         spec = self.assignment.optimizer
         for group in self.optimizer.param_groups:
             group["lr"] = spec.lr * spec.lr_multiplier(self.version)
-        self.optimizer.step()
+        self.optimizer.step()  # weight decay included: a pre-hook applies it (see optimizers.py)
         self.param.grad = None
         return make_snapshot(self.campaign_id, self.slice_index, self.version + 1, self.param.detach())
 

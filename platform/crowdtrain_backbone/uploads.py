@@ -17,14 +17,15 @@ the socket (with a ``protocol.CloseCode``).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 
 import numpy as np
+import msgspec
 import torch
 from crowdtrain_agent.codec import CODECS, Codec, get_codec
 from crowdtrain_agent.protocol import (
+    AGENT_TO_AGGREGATOR,
     CHUNK_PAYLOAD_BYTES,
     CloseCode,
     ProtocolError,
@@ -35,10 +36,11 @@ from crowdtrain_agent.protocol import (
     decode_chunk,
     decode_message,
     encode_message,
+    negotiated_minor,
     sign_receipt,
+    ticket_campaign,
     verify_ticket,
 )
-from crowdtrain_agent.protocol.messages import AGENT_TO_AGGREGATOR
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
@@ -73,12 +75,12 @@ def _message_error_code(text: str | bytes, exc: ProtocolError) -> str:
     if exc.close_code == CloseCode.TOO_LARGE:
         return "too large"
     try:
-        data = json.loads(text)
-    except (ValueError, UnicodeDecodeError):
+        data = msgspec.json.decode(text)
+    except (msgspec.DecodeError, RecursionError):
         return "malformed json"
     if not isinstance(data, dict):
         return "malformed message"
-    if data.get("kind") != UploadBegin.__dataclass_fields__["kind"].default:
+    if data.get("kind") != UploadBegin.__struct_config__.tag:
         return "unknown message"
     codec = data.get("codec")
     if codec is not None and (not isinstance(codec, str) or codec not in CODECS):
@@ -130,6 +132,9 @@ class UploadSession:
         self.node = node
         self.ws = ws
         self._next_text: str | None = None  # a text frame that arrived where a chunk was due
+        # The protocol minor the agent and this aggregator agreed on (serve's select_subprotocol).
+        self.minor = negotiated_minor(ws.subprotocol)
+        self._unknown_noted = False
 
     async def run(self) -> None:
         """Serve uploads until the agent hangs up or breaks the framing."""
@@ -177,12 +182,18 @@ class UploadSession:
             else:
                 rejections = 0
             try:
-                await self.ws.send(encode_message(reply))
+                await self.ws.send(encode_message(reply, self.minor))
             except ConnectionClosed:
                 return
             if rejections >= MAX_REJECTIONS_IN_A_ROW:
                 await self._close(CloseCode.TOO_MANY_ERRORS, f"{rejections} rejected uploads in a row")
                 return
+
+    def _note_unknown(self, kind: str, fields: list[str]) -> None:
+        if not self._unknown_noted:  # once per connection: a newer agent, worth a line, not one per upload
+            self._unknown_noted = True
+            logger.info("an agent at %s sends fields this aggregator does not know (%s: %s); ignored",
+                        self.ws.remote_address, kind, ", ".join(fields[:5]))  # fmt: skip
 
     async def _close(self, code: int, reason: str) -> None:
         await self.ws.close(code, reason.encode()[:120].decode(errors="ignore"))
@@ -196,15 +207,21 @@ class UploadSession:
         """
         # 1. the header and its ticket
         try:
-            begin = decode_message(text, allowed=AGENT_TO_AGGREGATOR)
+            begin = decode_message(text, allowed=AGENT_TO_AGGREGATOR, unknown=self._note_unknown)
         except ProtocolError as exc:
             raise Rejected(_message_error_code(text, exc), str(exc)) from None
         index = begin.slice_index
-        key = self.node.ticket_key
-        if key is None:
+        if self.node.ticket_key is None:
             raise Rejected("busy", "aggregator is not connected to the site yet; retry in a few seconds",
                            slice_index=index)  # fmt: skip
         try:
+            # Each campaign has its own key: the ticket's unverified campaign id only picks which.
+            campaign_id = ticket_campaign(begin.ticket)
+            key = self.node.campaign_key(campaign_id)
+            if key is None:
+                raise Rejected("slice not held", f"this aggregator holds no slice of campaign {campaign_id}, "
+                               "so it cannot check its tickets; check the lease's slice routes",
+                               slice_index=index)  # fmt: skip
             ticket = verify_ticket(begin.ticket, key)
         except ProtocolError as exc:
             raise Rejected("bad ticket", str(exc), slice_index=index) from None
@@ -219,6 +236,10 @@ class UploadSession:
         if state is None:
             raise reject("slice not held", f"this aggregator holds no slice {index} of campaign "
                          f"{ticket.campaign_id}; check the lease's slice routes")  # fmt: skip
+        wanted = state.assignment.codec
+        if wanted is not None and begin.codec != wanted:
+            raise reject("wrong codec", f"campaign {ticket.campaign_id} takes {wanted} gradients, this upload is "
+                         f"{begin.codec}; send it with the lease's codec")  # fmt: skip
         codec = get_codec(begin.codec)
         if begin.num_elements != state.numel:
             raise reject("wrong shape", f"slice {index} has {state.numel} elements, upload announces "

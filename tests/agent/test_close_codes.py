@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,18 @@ async def test_revoked_device_stops_without_reconnecting_and_says_so(
     assert code == cli.EXIT_STOPPED
     assert world.site.connections == 1
     assert "this device was revoked in the browser" in capsys.readouterr().err
+
+
+async def test_a_fatal_close_leaves_no_task_failure_unread(
+    world: World, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """asyncio logs an unread task failure whenever the garbage collector frees the task, inside whatever code
+    runs then; once that was the middle of an ``ast.parse`` in another test, which it broke."""
+    world.site.close_code = CloseCode.REVOKED
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        for _ in range(3):
+            assert await _run_cli(world, tmp_path, "good-token") == cli.EXIT_STOPPED
+            gc.collect()
+
+    assert "never retrieved" not in caplog.text

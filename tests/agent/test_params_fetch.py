@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+from msgspec.structs import replace
 
 import pytest
 import torch

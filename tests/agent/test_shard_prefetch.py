@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
+import msgspec
 import numpy as np
 
 from crowdtrain_agent.config import AgentConfig
@@ -27,7 +27,7 @@ def _another_shard(world: World) -> tuple[str, bytes]:
 async def test_it_fetches_the_shards_a_lease_names_for_the_next_leases(world: World, config: AgentConfig) -> None:
     sha, shard = _another_shard(world)
     world.site.shards[sha] = shard
-    world.site.replies = [dataclasses.replace(world.lease(1, [(0, 4)]), prefetch=[sha, "not-a-digest"])]
+    world.site.replies = [msgspec.structs.replace(world.lease(1, [(0, 4)]), prefetch=[sha, "not-a-digest"])]
     agent = Agent(AgentConfig(**{**config.__dict__, "max_leases": 1}), backoff=FAST_BACKOFF, benchmark_s=0.01)
 
     code = await asyncio.wait_for(agent.run(), 10)
@@ -43,7 +43,7 @@ async def test_it_fetches_the_shards_a_lease_names_for_the_next_leases(world: Wo
 
 async def test_a_shard_that_fails_to_prefetch_does_not_stop_the_work(world: World, config: AgentConfig) -> None:
     missing = "0" * 64
-    world.site.replies = [dataclasses.replace(world.lease(1, [(0, 4)]), prefetch=[missing])]
+    world.site.replies = [msgspec.structs.replace(world.lease(1, [(0, 4)]), prefetch=[missing])]
     agent = Agent(AgentConfig(**{**config.__dict__, "max_leases": 1}), backoff=FAST_BACKOFF, benchmark_s=0.01)
 
     code = await asyncio.wait_for(agent.run(), 10)

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import pytest
 import torch
+from crowdtrain_agent.backoff import Backoff
 from crowdtrain_agent.codec import get_codec
 from crowdtrain_agent.protocol import (
     BackboneHello,
@@ -28,6 +29,7 @@ from crowdtrain_agent.protocol import (
     UploadBegin,
     UploadReceipt,
     UploadRejected,
+    campaign_key,
     decode_message,
     encode_message,
     sign_ticket,
@@ -48,6 +50,8 @@ SITE_TOKEN = "site-token"
 MLP = ModelSpec(architecture="mlp", config={"in_dim": 4, "hidden": [8], "classes": 3})
 MLP_PARAMS = 4 * 8 + 8 + 8 * 3 + 3  # 67
 SLICE0 = (0, 40)
+# Reconnects within a test's patience; like the real aggregator's, it never gives up.
+FAST_BACKOFF = Backoff(base_s=0.02, max_s=0.1, max_tries=None)
 SLICE1 = (40, MLP_PARAMS)
 
 
@@ -71,6 +75,7 @@ def assignment(
         param_count=param_count, model=model, optimizer=optimizer or OptimizerSpec(name="adamw", lr=1e-2),
         seed=seed, version=version, staleness=staleness, checkpoint_every=checkpoint_every,
         max_grad_norm=max_grad_norm, restore_version=restore_version,
+        ticket_key=campaign_key(KEY, campaign_id).hex(),  # as a 2.1 site sends it
     )  # fmt: skip
 
 
@@ -81,12 +86,13 @@ def ticket(
     base_version: int = 0,
     num_samples: int = 4,
     expires_in: float = 60.0,
-    key: bytes = KEY,
+    key: bytes | None = None,
 ) -> str:
+    """A ticket signed as the site signs it: with the campaign's key (``key`` overrides it)."""
     return sign_ticket(
         Ticket(lease_id=lease_id, campaign_id=campaign_id, device_id=1, base_version=base_version,
                num_samples=num_samples, expires_at=time.time() + expires_in),
-        key,
+        campaign_key(KEY, campaign_id) if key is None else key,
     )  # fmt: skip
 
 
@@ -101,6 +107,16 @@ def set_mean_gradient(params: list[torch.nn.Parameter], leases: dict[int, tuple[
     for p in params:
         p.grad = total[offset : offset + p.numel()].view_as(p).clone()
         offset += p.numel()
+
+
+def decay_groups(model: torch.nn.Module, weight_decay: float, *, decay_all: bool = False) -> list[dict[str, Any]]:
+    """Plain PyTorch param groups with the aggregators' weight-decay rule (nanoGPT's): matrices and
+    embeddings decay, biases and norm gains (fewer than 2 dimensions) do not, unless ``decay_all``."""
+    params = list(model.parameters())
+    decayed = [p for p in params if decay_all or p.dim() >= 2]
+    kept = [p for p in params if not (decay_all or p.dim() >= 2)]
+    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": kept, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def gradient(numel: int, seed: int) -> torch.Tensor:
@@ -119,6 +135,7 @@ class FakeSite:
         self.close_with: int | None = None  # close new connections with this code instead of welcoming
         self.refuse_handshakes: list[int] = []  # answer the next handshakes with these HTTP statuses
         self.refused = 0
+        self.welcome_key = b""  # what the welcome's ticket_key carries: nothing, as from a 2.1 site
         self.connected = asyncio.Event()
         self.received: asyncio.Queue[Any] = asyncio.Queue()
         self.checkpoints: list[CheckpointSaved] = []  # kept apart: they follow the replies tests wait for
@@ -138,7 +155,8 @@ class FakeSite:
             await ws.close(self.close_with, "test says no")
             return
         self.hello = decode_message(await ws.recv(), allowed=(BackboneHello,))
-        await ws.send(encode_message(BackboneWelcome(aggregator_id=7, ticket_key=KEY.hex(), heartbeat_s=0.2)))
+        welcome = BackboneWelcome(aggregator_id=7, ticket_key=self.welcome_key.hex(), heartbeat_s=0.2)
+        await ws.send(encode_message(welcome))
         self.ws = ws
         self.connected.set()
         try:
@@ -191,7 +209,7 @@ class Agent:
         chunks = split_payload(payload)
         begin = UploadBegin(ticket=ticket_text, slice_index=slice_index, codec=codec,  # type: ignore[arg-type]
                             num_elements=grad.numel(), num_chunks=len(chunks))  # fmt: skip
-        begin = dataclasses.replace(begin, **header)
+        begin = msgspec.structs.replace(begin, **header)
         await self.ws.send(encode_message(begin))
         for chunk in chunks:
             await self.ws.send(chunk)
@@ -206,7 +224,7 @@ class Agent:
                                   gradient(numel, lease_id))  # fmt: skip
         if not isinstance(reply, UploadReceipt):
             raise AssertionError(f"good upload of lease {lease_id} rejected: {reply!r}")
-        if not verify_receipt(reply.token, KEY, campaign_id=1, lease_id=lease_id, slice_index=0,
+        if not verify_receipt(reply.token, campaign_key(KEY, 1), campaign_id=1, lease_id=lease_id, slice_index=0,
                               num_samples=num_samples):  # fmt: skip
             raise AssertionError("receipt does not verify")
         return reply
@@ -229,8 +247,7 @@ async def site() -> AsyncIterator[FakeSite]:
 
 @asynccontextmanager
 async def running_backbone(site: FakeSite, checkpoint_dir: Path, **overrides: Any) -> AsyncIterator[BackboneServer]:
-    server = BackboneServer(backbone_config(site.url, checkpoint_dir, **overrides), initial_backoff_s=0.02,
-                            max_backoff_s=0.1)  # fmt: skip
+    server = BackboneServer(backbone_config(site.url, checkpoint_dir, **overrides), backoff=FAST_BACKOFF)
     await server.start()
     try:
         await asyncio.wait_for(site.connected.wait(), 10)

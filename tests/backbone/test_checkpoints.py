@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from crowdtrain_agent.protocol import CheckpointComplete, CheckpointSaved, Rollback, SliceLost, SliceReady
+from crowdtrain_agent.protocol import (
+    CheckpointComplete,
+    CheckpointSaved,
+    Rollback,
+    SliceLost,
+    SliceReady,
+    StepApplied,
+    StepCommit,
+)
 from crowdtrain_backbone.checkpoints import (
     CheckpointError,
     LocalStore,
@@ -16,7 +24,8 @@ from crowdtrain_backbone.checkpoints import (
     save_checkpoint,
     to_prune,
 )
-from crowdtrain_backbone.slices import initial_params
+from crowdtrain_backbone.node import restore
+from crowdtrain_backbone.slices import MemoryBudget, SliceState, initial_params
 
 from .conftest import FakeSite, agent_connection, assignment, running_backbone, take_step
 
@@ -137,6 +146,65 @@ async def test_rollback_restores_the_checkpoint_and_drops_everything_newer(site:
             assert sorted(state.snapshots) == [0, 1]  # older versions are still the same timeline
             applied = await site.commit(1, [5], 4)  # training goes on from the restored version
             assert applied.version == 2
+
+
+async def test_a_graceful_stop_keeps_the_uploads_of_the_step_in_hand(site: FakeSite, tmp_path: Path) -> None:
+    async with running_backbone(site, tmp_path) as first:
+        await site.assign(assignment(staleness=2))
+        async with agent_connection(first) as agent:
+            await take_step(site, agent, 0, lease_id=1)
+            await agent.good_upload(2, base_version=1)
+            await agent.good_upload(3, base_version=0)  # one version stale, inside the window
+        assert await first.shutdown() == 1
+        # What the stopped process would have made of step 1: the restarted one must make the same.
+        state = first.node.get_slice(1, 0)
+        await first.node.commit(StepCommit(campaign_id=1, step=1, lease_ids=[2, 3], num_samples=8))
+        reference = state.param.detach().clone()
+
+    saved = load_checkpoint(LocalStore(tmp_path), 1, 0, 1)
+    assert [(p["lease_id"], p["base_version"], p["num_samples"]) for p in saved["pending"]] == [(2, 1, 4), (3, 0, 4)]
+    async with running_backbone(site, tmp_path) as second:
+        ready = await site.assign(assignment(staleness=2, version=1))
+        assert ready.version == 1
+        assert sorted(second.node.get_slice(1, 0).pending) == [2, 3]
+        applied = await site.commit(1, [2, 3], 8)
+        assert isinstance(applied, StepApplied) and applied.version == 2
+        assert torch.equal(second.node.get_slice(1, 0).param.detach(), reference)
+
+
+def test_saved_uploads_come_back_only_with_their_own_version_and_only_when_sound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = LocalStore(tmp_path)
+    spec = assignment(staleness=1)
+    numel = spec.end - spec.start
+    state = SliceState(spec, initial_params(spec), 3, MemoryBudget(3 * numel * 4))
+
+    def upload(lease_id: int, base: int, grad: object = None, n: object = 4) -> dict[str, object]:
+        grad = torch.ones(numel) if grad is None else grad
+        return {"lease_id": lease_id, "base_version": base, "num_samples": n, "grad": grad}
+
+    saved = [
+        upload(1, 3), upload(2, 2),
+        upload(3, 1),  # below the window [2, 3]
+        upload(4, 3, grad=torch.ones(numel + 1)), upload(5, 3, grad=torch.ones(numel, dtype=torch.float64)),
+        upload(6, 3, n=0), upload(7, 3, n="4"), "not an upload",
+        upload(1, 3),  # a replay of one already held
+        upload(8, 3), upload(9, 3),  # the budget holds three
+    ]  # fmt: skip
+    assert state.reinstate_(saved) == [1, 2, 8]
+    assert sorted(state.pending) == [1, 2, 8] and state.budget.used == 3 * numel * 4
+    for why in ("lease 3 trained on version 1", f"lease 4: the gradient is not {numel} fp32 values",
+                f"lease 5: the gradient is not {numel}", "the count above 0; found 6, 3, 0",
+                "the count above 0; found 7, 3, '4'", "expected a dict, found str", "lease 1 already uploaded",
+                "no memory left to take back saved upload of lease 9"):  # fmt: skip
+        assert why in caplog.text
+
+    save_checkpoint(store, 1, 0, 3, state.checkpoint_dict(with_pending=True))
+    assert len(restore(spec, store, 3, None).pending) == 3
+    # Back to a complete version instead: the site rolled back and rejected those leases.
+    assert restore(spec, store, 5, 3).pending == []
+    assert "pending" not in state.checkpoint_dict()  # a scheduled checkpoint carries none
 
 
 class DiskFull(LocalStore):

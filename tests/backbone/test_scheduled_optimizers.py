@@ -12,7 +12,7 @@ from crowdtrain_backbone.checkpoints import LocalStore, load_checkpoint, save_ch
 from crowdtrain_backbone.lamb import Lamb
 from crowdtrain_backbone.slices import MemoryBudget, PendingUpload, SliceState, initial_params, slice_segments
 
-from .conftest import MLP, MLP_PARAMS, SLICE0, SLICE1, assignment, gradient, set_mean_gradient
+from .conftest import MLP, MLP_PARAMS, SLICE0, SLICE1, assignment, decay_groups, gradient, set_mean_gradient
 
 # The MLP's tensors are 32 + 8 + 24 + 3 elements; these three slices hold whole tensors.
 LAMB_SLICES = [(0, 32), (32, 40), (40, MLP_PARAMS)]
@@ -65,9 +65,7 @@ def _train(states: list[SliceState]) -> torch.Tensor:
 def test_adamw_slices_with_warmup_and_cosine_match_the_full_model() -> None:
     spec = OptimizerSpec(name="adamw", lr=1e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, **SCHEDULE)
     model = get_model("mlp").build(MLP.config, seed=1234)
-    full = torch.optim.AdamW(
-        model.parameters(), lr=spec.lr, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, foreach=False
-    )
+    full = torch.optim.AdamW(decay_groups(model, 0.1), lr=spec.lr, betas=(0.8, 0.99), eps=1e-6, foreach=False)
 
     got = _train(_slices(spec, [SLICE0, SLICE1]))
 
@@ -77,7 +75,7 @@ def test_adamw_slices_with_warmup_and_cosine_match_the_full_model() -> None:
 def test_sgd_momentum_slices_with_warmup_and_cosine_match_the_full_model() -> None:
     spec = OptimizerSpec(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.01, **SCHEDULE)
     model = get_model("mlp").build(MLP.config, seed=1234)
-    full = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9, weight_decay=0.01, foreach=False)
+    full = torch.optim.SGD(decay_groups(model, 0.01), lr=spec.lr, momentum=0.9, foreach=False)
 
     got = _train(_slices(spec, [SLICE0, SLICE1]))
 
@@ -87,7 +85,7 @@ def test_sgd_momentum_slices_with_warmup_and_cosine_match_the_full_model() -> No
 def test_lamb_slices_compute_the_trust_ratio_of_each_whole_tensor() -> None:
     spec = OptimizerSpec(name="lamb", lr=5e-2, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.01, **SCHEDULE)
     model = get_model("mlp").build(MLP.config, seed=1234)
-    full = Lamb(model.parameters(), lr=spec.lr, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
+    full = Lamb(decay_groups(model, 0.01), lr=spec.lr, betas=(0.9, 0.99), eps=1e-6)
 
     got = _train(_slices(spec, LAMB_SLICES))
 
@@ -96,13 +94,13 @@ def test_lamb_slices_compute_the_trust_ratio_of_each_whole_tensor() -> None:
 
 def test_lamb_with_one_trust_ratio_per_slice_would_not_match() -> None:
     # Guards the test above: if segments were ignored, the slices would drift from the reference.
-    spec = OptimizerSpec(name="lamb", lr=5e-2, weight_decay=0.01, **SCHEDULE)
+    spec = OptimizerSpec(name="lamb", lr=5e-2, **SCHEDULE)  # no weight decay: each slice is one piece
     model = get_model("mlp").build(MLP.config, seed=1234)
-    full = Lamb(model.parameters(), lr=spec.lr, weight_decay=0.01, eps=spec.eps)
+    full = Lamb(model.parameters(), lr=spec.lr, eps=spec.eps)
     states = _slices(spec, [SLICE0, SLICE1])
-    for state in states:
-        group = state.optimizer.param_groups[0]
-        group["segments"] = [[state.numel]]
+    for state in states:  # one trust ratio for the whole slice (two tensors) instead of one per tensor
+        for group in state.optimizer.param_groups:
+            group["segments"], group["decayed"] = [[param.numel()] for param in group["params"]], None
 
     got = _train(states)
 

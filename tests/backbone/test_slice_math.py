@@ -7,7 +7,7 @@ from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import OptimizerSpec
 from crowdtrain_backbone.slices import MemoryBudget, PendingUpload, SliceState, initial_params
 
-from .conftest import MLP, MLP_PARAMS, SLICE0, SLICE1, assignment, gradient, set_mean_gradient
+from .conftest import MLP, MLP_PARAMS, SLICE0, SLICE1, assignment, decay_groups, gradient, set_mean_gradient
 
 
 def _slice(bounds: tuple[int, int], optimizer: OptimizerSpec, slice_index: int = 0) -> SliceState:
@@ -56,7 +56,7 @@ def test_two_slices_compose_to_exactly_one_aggregator_holding_the_whole_vector()
 def test_sliced_adamw_steps_match_plain_pytorch_adamw_on_the_whole_model() -> None:
     spec = OptimizerSpec(name="adamw", lr=1e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1)
     model = get_model("mlp").build(MLP.config, seed=1234)
-    full_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    full_optimizer = torch.optim.AdamW(decay_groups(model, 0.1), lr=1e-2, betas=(0.8, 0.99), eps=1e-6)
     first, second = _slice(SLICE0, spec), _slice(SLICE1, spec, slice_index=1)
 
     for leases in _steps():
@@ -71,7 +71,7 @@ def test_sliced_adamw_steps_match_plain_pytorch_adamw_on_the_whole_model() -> No
 def test_two_slices_compose_to_the_full_model_sgd_momentum_step() -> None:
     spec = OptimizerSpec(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.01)
     model = get_model("mlp").build(MLP.config, seed=1234)
-    full_optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    full_optimizer = torch.optim.SGD(decay_groups(model, 0.01), lr=0.1, momentum=0.9)
     first, second = _slice(SLICE0, spec), _slice(SLICE1, spec, slice_index=1)
 
     for leases in _steps():

@@ -18,14 +18,14 @@ from crowdtrain_agent.protocol import CloseCode
 from crowdtrain_backbone.server import BackboneServer
 from crowdtrain_backbone.site_link import SiteRefused
 
-from .conftest import FakeSite, backbone_config, running_backbone
+from .conftest import FAST_BACKOFF, FakeSite, backbone_config, running_backbone
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_an_unknown_token_stops_the_link_with_what_to_do(site: FakeSite, tmp_path: Path) -> None:
     site.close_with = int(CloseCode.UNAUTHORIZED)
-    server = BackboneServer(backbone_config(site.url, tmp_path), initial_backoff_s=0.01)
+    server = BackboneServer(backbone_config(site.url, tmp_path), backoff=FAST_BACKOFF)
     await server.start()
 
     with pytest.raises(SiteRefused) as refused:
@@ -42,7 +42,7 @@ async def test_a_newer_process_on_the_same_token_stops_the_older_with_what_to_do
     site: FakeSite, tmp_path: Path
 ) -> None:
     site.close_with = int(CloseCode.REPLACED)
-    server = BackboneServer(backbone_config(site.url, tmp_path), initial_backoff_s=0.01)
+    server = BackboneServer(backbone_config(site.url, tmp_path), backoff=FAST_BACKOFF)
     await server.start()
 
     with pytest.raises(SiteRefused, match="Run one process per token"):

@@ -1,7 +1,7 @@
 """Aggregator intake: fp32 gradient slices with valid tickets, uploaded straight to one aggregator and timed.
 
 The bench knows the site's ticket key (it sets CROWDTRAIN_TICKET_KEY for the
-site it starts), so it can sign tickets for made-up leases; the aggregator
+site it starts and derives the campaign's key from it), so it can sign tickets for made-up leases; the aggregator
 checks them exactly as it checks an agent's. The uploads go through the
 agent's own ``Uploader``, so this measures the real client and server path:
 chunking, WebSocket frames, decoding, finiteness checks and the receipt.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from crowdtrain_agent.codec import encode_fp32
-from crowdtrain_agent.protocol import Ticket, UploadBegin, chunk_fragments, sign_ticket
+from crowdtrain_agent.protocol import Ticket, UploadBegin, campaign_key, chunk_fragments, sign_ticket
 from crowdtrain_agent.uploader import Uploader
 
 # Lease ids far above anything the site has issued, so they never collide with real leases.
@@ -48,7 +48,8 @@ async def _upload_all(url: str, key: bytes, *, campaign_id: int, slice_index: in
                 lease_id=FIRST_FAKE_LEASE + i, campaign_id=campaign_id, device_id=1, base_version=version,
                 num_samples=1024, expires_at=time.time() + 3600,
             )  # fmt: skip
-            begin = UploadBegin(ticket=sign_ticket(ticket, key), slice_index=slice_index, codec="fp32",
+            signed = sign_ticket(ticket, campaign_key(key, campaign_id))  # the campaign's own key, as the site signs
+            begin = UploadBegin(ticket=signed, slice_index=slice_index, codec="fp32",
                                 num_elements=numel, num_chunks=len(chunks))  # fmt: skip
             await uploader.upload(url, begin, chunks)  # raises UploadError on any rejection
             sent += len(payload)

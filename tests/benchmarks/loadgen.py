@@ -65,6 +65,7 @@ if str(REPO_ROOT / "agent" / "src") not in sys.path:
 from crowdtrain_agent import __version__  # noqa: E402
 from crowdtrain_agent.control import AgentStopped, Backoff, ConnectionLost, ControlChannel  # noqa: E402
 from crowdtrain_agent.protocol import (  # noqa: E402
+    PROTOCOL_VERSION,
     AgentHello,
     DeviceInfo,
     DoneAck,
@@ -96,6 +97,7 @@ BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2}
 LAG_PROBE_S = 0.1
 
 HELLO = AgentHello(
+    protocol_version=PROTOCOL_VERSION,
     agent_version=__version__,
     device=DeviceInfo(kind="cpu", name="simulated agent (tests.benchmarks.loadgen)", threads=1),
 )

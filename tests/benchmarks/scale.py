@@ -85,7 +85,7 @@ for _folder in (REPO_ROOT / "platform", REPO_ROOT / "agent" / "src"):  # as mana
 
 import numpy as np  # noqa: E402
 
-from crowdtrain.launcher import Child, LaunchError, Swarm, get_json  # noqa: E402
+from crowdtrain_launcher import Child, LaunchError, Swarm, get_json  # noqa: E402
 
 from .cpu_time import cpu_between, sample_cpu  # noqa: E402
 from .figures import figure_line, format_value, percentile, skipped_line, spread_pct  # noqa: E402

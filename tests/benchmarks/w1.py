@@ -59,7 +59,7 @@ for _folder in (REPO_ROOT / "platform", REPO_ROOT / "agent" / "src"):  # as mana
 
 import numpy as np  # noqa: E402
 
-from crowdtrain.launcher import Swarm, get_json  # noqa: E402
+from crowdtrain_launcher import Swarm, get_json  # noqa: E402
 
 from .baseline import W1, measure_in_process, make_data  # noqa: E402
 from .figures import BaselinePair, between_baselines, figure_line, format_value, ratio_or_unstable  # noqa: E402

@@ -30,7 +30,7 @@ import redis
 from playwright.sync_api import Page, Playwright, expect
 from slugify import slugify
 
-from crowdtrain.launcher import REPO_ROOT, Swarm
+from crowdtrain_launcher import REPO_ROOT, Swarm
 from tests.browser.live_site import LiveSite, Outbox, Shot, site_database_url
 
 # Sync Playwright keeps an event loop running in this thread, and Django refuses ORM calls

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 from playwright.sync_api import Page, expect
 
-from crowdtrain.launcher import Swarm
+from crowdtrain_launcher import Swarm
 
 MAIL_SEPARATOR = b"\n" + b"-" * 79 + b"\n"  # what Django's file-based backend writes after each message
 LINK = re.compile(r"https?://[^\s<>\"')]+")

@@ -41,7 +41,7 @@ def test_an_organizer_creates_a_campaign_and_moves_it_through_its_life(page: Pag
     page.get_by_label("Microbatch size").fill("4")
     page.get_by_label("Max steps").fill("3")
     page.get_by_role("button", name="Create campaign").click()
-    expect(page.locator('[data-field="lr"] .errorlist')).to_contain_text("Learning rate must be above 0")
+    expect(page.locator('[data-field="lr"] .errorlist')).to_contain_text("Learning rate (optimizer.lr) must be above 0")
     shot(page, "inline error")
     assert not Campaign.objects.exists()
 

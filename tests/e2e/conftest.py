@@ -24,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from crowdtrain.launcher import LaunchError, Site, Swarm, get_json
+from crowdtrain_launcher import LaunchError, Site, Swarm, get_json
 
 # What an agent logs while the campaign waits for its aggregators (it has connected and asked).
 WAITING_AGENT = re.compile(r"no lease from the site")

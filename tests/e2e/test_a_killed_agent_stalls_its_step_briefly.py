@@ -19,19 +19,20 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_aggregator_stops_lose_nothing import samples_committed_once
-from tests.e2e.test_two_aggregators_match_plain_pytorch import SITE_ENV, spec, write_dataset
+from tests.e2e.datasets import write_projection_dataset
+from tests.e2e.test_two_aggregators_match_plain_pytorch import MODEL, SITE_ENV, spec
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 GRACE_S = 2.0
 ENV = {**SITE_ENV, "CROWDTRAIN_DISCONNECT_GRACE_S": str(GRACE_S), "CROWDTRAIN_GONE_AFTER_S": "30",
        "CROWDTRAIN_BACKUP_MIN_S": "60"}  # fmt: skip
-STEPS = 30
+STEPS = 150  # long enough that the campaign is still running through every kill below, however fast
 
 
 def test_a_killed_agents_lease_is_redone_after_the_grace(seeded_run: Any, tmp_path: Path) -> None:
     npz = tmp_path / "projection.npz"
-    write_dataset(npz)
+    write_projection_dataset(npz, 100 * STEPS, MODEL)  # one epoch holds every step: each sample counts once
     campaign_spec = spec(npz)
     campaign_spec["campaigns"][0].update(max_steps=STEPS, num_aggregators=1)
     campaign_spec["aggregators"] = ["agg-1"]
@@ -49,13 +50,15 @@ def test_a_killed_agents_lease_is_redone_after_the_grace(seeded_run: Any, tmp_pa
         killed_at = time.time()
         victim.signal(signal.SIGKILL)
         time.sleep(GRACE_S + 2.0)
-        released = run.dump()["lease_states"].get("released", 0)
+        state = run.dump()
+        assert state["committed_steps"] < STEPS, "the campaign finished before a kill caught a lease; raise STEPS"
+        released = state["lease_states"].get("released", 0)
         if released:
             break
         run.swarm.start_agent(run.site, token=run.seed["agents"]["agent-1"], name="agent-1", threads=1,
                               campaign_id=run.campaign_id)  # fmt: skip
     assert released, "no kill caught the agent holding a lease"
-    run.wait_for_version(STEPS, timeout_s=120)
+    run.wait_for_version(STEPS, timeout_s=200)
     dump = run.dump()
 
     commits = [datetime.fromisoformat(s["committed_at"]).timestamp() for s in dump["steps"]]

@@ -16,7 +16,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from crowdtrain.launcher import Site, Swarm
+from crowdtrain_launcher import Site, Swarm
 from crowdtrain_agent import login
 from crowdtrain_agent.protocol import (
     PROTOCOL_VERSION,

@@ -1,6 +1,6 @@
 """The production topology on loopback: two daphne processes behind HAProxy train a campaign, and survive losing one.
 
-``crowdtrain.cluster`` starts what ``make cluster`` starts, at small scale: HAProxy
+``crowdtrain_launcher.cluster`` starts what ``make cluster`` starts, at small scale: HAProxy
 ending TLS in front of two site processes with production settings, on this
 machine's PostgreSQL (a database of the test's own) and Redis, one Celery worker,
 beat and one aggregator. Two agents and the aggregator reach the site only through
@@ -22,15 +22,15 @@ from typing import Any
 
 import pytest
 
-from crowdtrain import engines
-from crowdtrain.cluster import Cluster
+from crowdtrain_launcher import engines
+from crowdtrain_launcher.cluster import Cluster
 from tests.e2e.test_swarm_trains_a_gpt import counted_samples
 from tests.services import DEFAULT_DATABASE_URL, DEFAULT_REDIS_URL
 from tests.e2e.datasets import write_projection_dataset
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
-STEPS = 40
+STEPS = 60
 STOP_AT_VERSION = 2  # early, so that most steps are committed after the stop
 MODEL = {"in_dim": 16, "hidden": [32], "classes": 4}
 # Leases of at most one microbatch and idle agents asking again soon: every step is made of
@@ -118,8 +118,8 @@ def test_two_site_processes_behind_haproxy_train_a_campaign_and_survive_losing_o
     served = {site.child.name: (logs / f"{site.child.name}.access.log").read_text() for site in cluster.site_processes}
     busiest = max((1, 2), key=lambda i: open_agent_sockets(logs / f"site-{i}.access.log"))
     moved = open_agent_sockets(logs / f"site-{busiest}.access.log")
+    at_stop = progress(cluster, campaign_id)  # before the stop: stopping may take longer than the rest of the run
     cluster.stop_site(busiest)
-    at_stop = progress(cluster, campaign_id)
     done = wait_for_version(cluster, campaign_id, STEPS, timeout_s=60)
     dump = json.loads(cluster.swarm.manage("dump_run", "--campaign", str(campaign_id)))
 

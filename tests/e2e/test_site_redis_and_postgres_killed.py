@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from crowdtrain import engines
-from crowdtrain.launcher import Child, Swarm
+from crowdtrain_launcher import engines
+from crowdtrain_launcher import Child, Swarm
 from tests.e2e.conftest import Run, seed
 from tests.e2e.test_aggregator_stops_lose_nothing import samples_committed_once
 from tests.e2e.test_two_aggregators_match_plain_pytorch import (

@@ -2,7 +2,8 @@
 
 The rerun takes, for each committed step, exactly the sample ranges the site
 recorded, reads them from the shard files in storage, takes the mean loss over
-the step's samples and one AdamW step with the campaign's hyperparameters.
+the step's samples and one AdamW step with the campaign's hyperparameters
+(weight decay on matrices only, as the aggregators apply it).
 Only fp32 summation order differs (microbatches, leases, slices), so the
 parameters agree to float rounding.
 """
@@ -20,7 +21,8 @@ import torch
 
 from crowdtrain_agent.data import read_samples
 from crowdtrain_agent.models import get_model
-from crowdtrain_agent.protocol import DataSpec, Ticket, sign_ticket
+from crowdtrain_agent.optimizers import stored_value
+from crowdtrain_agent.protocol import DataSpec, Ticket, campaign_key, sign_ticket
 from tests.e2e.datasets import write_projection_dataset
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -57,9 +59,17 @@ def rerun_in_pytorch(dump: dict[str, Any], steps: int = STEPS) -> tuple[torch.Te
     entry = get_model(dump["architecture"])
     model = entry.build(dump["model_config"], seed=dump["seed"])
     opt = dump["optimizer"]
+    # The aggregators' weight-decay rule (nanoGPT's): matrices and embeddings decay, biases and norm
+    # gains (fewer than 2 dimensions) do not, unless the campaign decays every tensor.
+    decay_all = bool(stored_value(opt, "decay_all", False))
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if decay_all or p.dim() >= 2], "weight_decay": opt["weight_decay"]},
+        {"params": [p for p in params if not (decay_all or p.dim() >= 2)], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=opt["lr"], betas=(opt["beta1"], opt["beta2"]), eps=opt["eps"],
-        weight_decay=opt["weight_decay"], foreach=False,
+        [g for g in groups if g["params"]], lr=opt["lr"], betas=(opt["beta1"], opt["beta2"]), eps=opt["eps"],
+        foreach=False,
     )  # fmt: skip
     data = DataSpec(kind=dump["dataset"]["kind"], sample_len=dump["dataset"]["sample_len"])
     shards = Path(dump["media_root"]) / "shards"
@@ -79,11 +89,16 @@ def rerun_in_pytorch(dump: dict[str, Any], steps: int = STEPS) -> tuple[torch.Te
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach(), losses
 
 
-def platform_params(dump: dict[str, Any], version: int) -> torch.Tensor:
-    """Every slice of ``version`` from the aggregator that holds it, raw little-endian fp32, in slice order."""
+def platform_params(dump: dict[str, Any], version: int, key: bytes | None = None) -> torch.Tensor:
+    """Every slice of ``version`` from the aggregator that holds it, raw little-endian fp32, in slice order.
+
+    ``key`` signs the ticket that asks for them: by default the campaign's own (a site pinned to protocol
+    2.0 signs with the one site-wide key instead).
+    """
     parts = []
+    key = campaign_key(TICKET_KEY, dump["id"]) if key is None else key
     ticket = sign_ticket(Ticket(lease_id=0, campaign_id=dump["id"], device_id=0, base_version=version, num_samples=1,
-                                expires_at=time.time() + 60), TICKET_KEY)  # fmt: skip
+                                expires_at=time.time() + 60), key)  # fmt: skip
     for s in sorted(dump["slices"], key=lambda s: s["index"]):
         url = f"{s['params_url']}{dump['id']}/{s['index']}/{version}"
         request = urllib.request.Request(url, headers={"Authorization": f"Bearer {ticket}"})

@@ -1,16 +1,38 @@
+"""Messages: every kind round-trips, decoding is total, bounds hold, and minors stay compatible both ways."""
+
 from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from crowdtrain_agent.protocol import MESSAGE_TYPES, LeaseDone, ProtocolError, decode_message, encode_message
+from crowdtrain_agent.protocol import (
+    MESSAGE_TYPES,
+    PROTOCOL_MINOR,
+    LeaseDone,
+    ProtocolError,
+    choose_subprotocol,
+    decode_message,
+    encode_message,
+    negotiated_minor,
+    offered_subprotocols,
+)
+from crowdtrain_agent.protocol.messages import (
+    AGENT_TO_SITE,
+    ALL_MESSAGES,
+    BACKBONE_TO_SITE,
+    SliceAssignment,
+)
+from crowdtrain_agent.protocol.schema import newest_field
 
-from .strategies import strategy_for
+from .strategies import ANY_JSON, strategy_for
+
+KINDS = sorted(MESSAGE_TYPES)
 
 
-@pytest.mark.parametrize("kind", sorted(MESSAGE_TYPES))
+@pytest.mark.parametrize("kind", KINDS)
 @given(data=st.data())
 def test_every_message_survives_a_round_trip(kind: str, data: st.DataObject) -> None:
     message = data.draw(strategy_for(MESSAGE_TYPES[kind]))
@@ -24,33 +46,127 @@ def test_every_message_survives_a_round_trip(kind: str, data: st.DataObject) -> 
     ("frame", "problem"),
     [
         ("{", "malformed json"),
-        ("[1, 2]", "expected a JSON object"),
+        ("[1, 2]", "expected a JSON object, got an array"),
         ('{"kind": "nope"}', "unknown message kind 'nope'"),
-        ('{"kind": "done", "lease_id": 1}', "missing field 'receipts'"),
-        ('{"kind": "heartbeat", "extra": 1}', "unknown field 'extra'"),
+        ('{"kind": "done", "lease_id": 1}', "LeaseDone: missing field 'receipts'"),
         ('{"kind": "done", "lease_id": true, "receipts": [], "num_samples": 1, "loss_sum": 1, "compute_s": 1}',
-         "lease_id: expected an integer"),
+         "LeaseDone.lease_id: expected int, got bool"),
         ('{"kind": "done", "lease_id": 1, "receipts": [], "num_samples": 1, "loss_sum": NaN, "compute_s": 1}',
-         "expected a finite number"),
-        ('{"kind": "no_lease", "reason": "bored", "detail": "", "retry_after_s": 1}', "expected one of"),
+         "malformed json"),
+        ('{"kind": "no_lease", "reason": "bored", "detail": "", "retry_after_s": 1}', "NoLease.reason: invalid enum"),
+        # What a fuzzer sent: each was an exception (close 1011) or a 500 before, now a named refusal.
+        ('{"kind": "lease_request", "wait_s": ' + "9" * 400 + "}", "LeaseRequest.wait_s: number out of range"),
+        ('{"kind": "lease_request", "samples_per_s": 1e308}', "LeaseRequest.samples_per_s: expected float <="),
+        ('{"kind": "lease_request", "samples_per_s": 1e999}', "Number out of range"),
+        ('{"kind": "lease_request", "request_id": "\\ud800"}', "malformed json"),
+        ('{"kind": "lease_request", "request_id": "' + "x" * 65 + '"}', "LeaseRequest.request_id: expected str of length <= 64"),
+        ('{"kind": "done", "lease_id": -1, "receipts": [], "num_samples": 1, "loss_sum": 1, "compute_s": 1}',
+         "LeaseDone.lease_id: expected int >= 0"),
+        ('{"kind": "hello", "agent_version": "x", "device": {"kind": "cpu", "name": "n"}}',
+         "AgentHello: missing field 'protocol_version'"),
+        ('{"kind": "hello", "protocol_version": 2, "agent_version": "x", "device": {"kind": "cpu", "name": "n", '
+         '"memory_bytes": 1' + "0" * 400 + "}}", "AgentHello.device.memory_bytes: expected int <="),
+        ('{"kind": "hello", "protocol_version": 2, "agent_version": "x", "device": ' + "[" * 5000 + "]" * 5000 + "}",
+         "message.device: expected object, got array"),
+        ("[" * 30000 + "]" * 30000, "message: expected object, got array"),
+        ('{"kind": "hello", "x": ' + "[" * 30000 + "]" * 30000 + "}", "malformed json: nested deeper than any message"),
     ],
-)
+)  # fmt: skip
 def test_it_names_what_is_wrong_with_a_bad_frame(frame: str, problem: str) -> None:
-    with pytest.raises(ProtocolError, match=problem):
+    with pytest.raises(ProtocolError, match=problem.replace("[", r"\[")) as info:
         decode_message(frame)
+
+    assert not info.value.fatal
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(frame=st.one_of(st.binary(max_size=300), st.text(max_size=300), ANY_JSON.map(json.dumps)))
+def test_decoding_is_total_for_any_bytes_or_json(frame: str | bytes) -> None:
+    # A message or the protocol's own error: never another exception.
+    for allowed in (None, AGENT_TO_SITE, BACKBONE_TO_SITE):
+        try:
+            message = decode_message(frame, allowed)
+        except ProtocolError:
+            continue
+        assert isinstance(message, ALL_MESSAGES)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), kind=st.sampled_from(KINDS))
+def test_any_json_in_any_field_of_any_message_is_a_message_or_a_named_error(data: st.DataObject, kind: str) -> None:
+    # A valid message with one field replaced by arbitrary JSON: the decoder stays total and names that field.
+    fields = msgspec.to_builtins(data.draw(strategy_for(MESSAGE_TYPES[kind])))
+    names = [name for name in fields if name != "kind"]
+    if not names:
+        return
+    name = data.draw(st.sampled_from(names))
+    fields[name] = data.draw(ANY_JSON)
+    try:
+        decode_message(json.dumps(fields))
+    except ProtocolError as exc:
+        assert f".{name}" in str(exc) or "missing field" in str(exc) or "malformed json" in str(exc), str(exc)
+
+
+def test_fields_of_a_newer_minor_are_ignored_and_reported() -> None:
+    frame = json.dumps({
+        "kind": "done", "lease_id": 1, "receipts": [{"slice_index": 0, "token": "t", "proof": "from 2.9"}],
+        "num_samples": 1, "loss_sum": 1.0, "compute_s": 0.5, "flavour": "new",
+    })  # fmt: skip
+    reported: list[tuple[str, list[str]]] = []
+
+    message = decode_message(frame, AGENT_TO_SITE, unknown=lambda kind, fields: reported.append((kind, fields)))
+
+    assert isinstance(message, LeaseDone) and message.receipts[0].token == "t"
+    assert reported == [("done", ["flavour", "receipts[0].proof"])]
 
 
 def test_it_refuses_a_message_kind_not_meant_for_the_channel() -> None:
     frame = encode_message(LeaseDone(lease_id=1, receipts=[], num_samples=1, loss_sum=0.0, compute_s=0.0))
 
     with pytest.raises(ProtocolError, match="not accepted on this channel"):
-        decode_message(frame, allowed=[])
+        decode_message(frame, allowed=BACKBONE_TO_SITE)
 
 
-def test_it_refuses_oversized_control_messages_before_parsing() -> None:
-    frame = json.dumps({"kind": "heartbeat", "pad": "x" * (1 << 17)})
+def test_oversized_control_messages_are_refused_by_bytes_and_close_the_connection() -> None:
+    ascii_frame = json.dumps({"kind": "heartbeat", "pad": "x" * (1 << 17)})
+    # 30,000 three-byte characters: 90 KB on the wire, although only 30,000 characters long.
+    wide_frame = json.dumps({"kind": "heartbeat", "pad": "€" * 30_000}, ensure_ascii=False)
 
-    with pytest.raises(ProtocolError, match="over the 65536 byte limit") as info:
-        decode_message(frame)
+    for frame in (ascii_frame, wide_frame):
+        with pytest.raises(ProtocolError, match="over the 65536 byte limit") as info:
+            decode_message(frame)
+        assert info.value.close_code == 4008 and info.value.fatal
 
-    assert info.value.close_code == 4008
+
+def test_a_field_a_minor_added_is_left_out_for_a_peer_of_an_older_minor() -> None:
+    assert SliceAssignment.since == {"codec": 1, "ticket_key": 1} and newest_field(SliceAssignment) == 1
+    message = msgspec.convert({
+        "campaign_id": 1, "slice_index": 0, "start": 0, "end": 4, "param_count": 8,
+        "model": {"architecture": "mlp", "config": {"hidden": [4]}}, "optimizer": {}, "seed": 1, "version": 0,
+        "staleness": 1, "checkpoint_every": 0, "max_grad_norm": 0.0, "codec": "fp16",
+    }, SliceAssignment)  # fmt: skip
+
+    for_old = json.loads(encode_message(message, minor=0))
+    for_new = json.loads(encode_message(message, minor=1))
+
+    assert "codec" not in for_old and for_new["codec"] == "fp16"
+    # A 2.0 peer refused unknown fields: what it gets decodes strictly, with no field ignored.
+    reported: list[object] = []
+    assert decode_message(json.dumps(for_old), unknown=lambda *a: reported.append(a)).codec is None
+    assert reported == []
+
+
+def test_both_sides_pick_the_newest_minor_they_share() -> None:
+    assert offered_subprotocols() == [f"crowdtrain.2.{PROTOCOL_MINOR}", f"crowdtrain.2.{PROTOCOL_MINOR - 1}"]
+    # A site of the same minor; a site pinned one minor back (a rolling upgrade); a 2.0 site, which picks none.
+    assert choose_subprotocol(offered_subprotocols()) == (f"crowdtrain.2.{PROTOCOL_MINOR}", PROTOCOL_MINOR)
+    assert choose_subprotocol(offered_subprotocols(), newest=PROTOCOL_MINOR - 1)[1] == PROTOCOL_MINOR - 1
+    assert negotiated_minor(None) == 0
+    # An agent of 2.0 offers none; one from the future offers only minors this site does not know.
+    assert choose_subprotocol([]) == (None, 0)
+    assert choose_subprotocol(["crowdtrain.2.99", "crowdtrain.3.0", "chat"]) == (None, 0)
+
+
+def test_every_kind_has_exactly_one_class_and_one_tag() -> None:
+    assert len(MESSAGE_TYPES) == len(ALL_MESSAGES)
+    assert all(MESSAGE_TYPES[cls.__struct_config__.tag] is cls for cls in ALL_MESSAGES)

@@ -1,4 +1,10 @@
-"""glibc malloc settings for a process that allocates the same large buffers every lease."""
+"""glibc malloc settings for the processes that allocate the same large tensors over and over: agents and aggregators.
+
+It lives in the agent package because that is the one package both programs import
+(the aggregator depends on crowdtrain-agent; the agent never imports the platform's).
+Each program's entry point calls it (``crowdtrain_agent.cli``, ``crowdtrain_backbone.__main__``),
+never an import: it changes the whole process.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ def keep_freed_memory() -> bool:
     """Make glibc keep freed buffers of up to 32 MiB for reuse instead of unmapping them.
 
     Every lease allocates megabytes (gradients, the parameters it downloads,
-    shard bytes, upload frames) and frees them again. With glibc's defaults
+    shard bytes, upload frames) and frees them again, as does every step of an
+    aggregator (the mean gradient, the optimizer's temporaries, the published params). With glibc's defaults
     most of these are fresh mmaps, and each first touch of a page is a page
     fault that zeroes it: measured at 3-4 % of the compute core during a W1
     run. Reused heap memory costs none of that.

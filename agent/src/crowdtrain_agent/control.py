@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.typing import Subprotocol
 
+from .backoff import Backoff  # also reached as control.Backoff (runtime, tests, load generator)
 from .protocol import (
     HEARTBEAT_INTERVAL_S,
     MAX_WS_MESSAGE_BYTES,
+    PROTOCOL_MINOR,
+    SITE_TO_AGENT,
     AgentHello,
     CloseCode,
     DoneAck,
@@ -29,12 +31,13 @@ from .protocol import (
     Welcome,
     decode_message,
     encode_message,
+    negotiated_minor,
+    offered_subprotocols,
     should_reconnect,
 )
 
 logger = logging.getLogger(__name__)
 
-SITE_TO_AGENT = (Welcome, Lease, NoLease, DoneAck, ReleaseAck, VersionPublished, ErrorMessage)
 # The websockets library's own keepalive: a ping every PING_INTERVAL_S, and a site that has not
 # answered within PING_TIMEOUT_S is taken for gone (the connection is closed and retried). It finds a
 # site that vanished without closing TCP (a half-open connection); a site that dies closes the socket
@@ -50,22 +53,6 @@ class ConnectionLost(ConnectionError):
 
 class AgentStopped(RuntimeError):
     """The site refused this agent for good (or could not be reached); the message says what to do."""
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """Reconnect delays: ``base * factor**(try-1)``, capped, with +-``jitter`` spread, for ``max_tries``."""
-
-    base_s: float = 0.5
-    factor: float = 2.0
-    max_s: float = 60.0
-    jitter: float = 0.5  # fraction of the delay; spreads a crowd of agents after a site restart
-    max_tries: int = 30  # about 25 minutes of retrying with the defaults
-
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before connection attempt number ``attempt`` (1-based)."""
-        raw = min(self.max_s, self.base_s * self.factor ** max(0, attempt - 1))
-        return raw * (1.0 + self.jitter * (2.0 * random.random() - 1.0))
 
 
 def close_hint(code: int, url: str) -> str:
@@ -88,6 +75,12 @@ def close_hint(code: int, url: str) -> str:
             "token, or log in again on the second machine"
         )
     return f"the site closed the control connection with code {code}"
+
+
+# How the channel takes each kind the site sends (SITE_TO_AGENT): the welcome ends the handshake,
+# replies go to the request that waits for them, pushes to the agent's on_push.
+REPLIES = (Lease, NoLease, DoneAck, ReleaseAck)
+PUSHES = (VersionPublished, ErrorMessage)
 
 
 def _reply_slot(message: Any) -> str | None:
@@ -146,6 +139,8 @@ class ControlChannel:
         self.fatal: AgentStopped | None = None
         self.welcome: Welcome | None = None
         self.connections = 0
+        self.minor = PROTOCOL_MINOR  # the protocol minor of the current connection
+        self._unknown_noted = False
 
     # ------------------------------------------------------------ public calls
 
@@ -188,9 +183,16 @@ class ControlChannel:
         ws = self._ws
         if ws is not None:
             try:
-                await ws.send(encode_message(message))
+                await ws.send(encode_message(message, self.minor))
             except ConnectionClosed:
                 pass
+
+    def _note_unknown(self, kind: str, fields: list[str]) -> None:
+        """A newer site sends fields this agent does not know: ignored, and said once per connection."""
+        if not self._unknown_noted:
+            self._unknown_noted = True
+            logger.info("the site sends fields this agent does not know (%s: %s); it still works, and an upgrade "
+                        "(pip install -U crowdtrain-agent) will use them", kind, ", ".join(fields[:5]))  # fmt: skip
 
     async def close(self) -> None:
         """Close for good; run() returns."""
@@ -228,7 +230,7 @@ class ControlChannel:
                 raise self.fatal  # type: ignore[misc]
             if self.welcome is not None:
                 tries = 0  # that connection worked; a drop starts a fresh count
-            elif tries >= self._backoff.max_tries:
+            elif self._backoff.exhausted(tries):
                 logger.warning("giving up on %s after %d tries", self.url, tries)
                 self._fail(
                     AgentStopped(
@@ -259,9 +261,13 @@ class ControlChannel:
             open_timeout=10,
             ping_interval=PING_INTERVAL_S,
             ping_timeout=PING_TIMEOUT_S,
+            subprotocols=[Subprotocol(p) for p in offered_subprotocols()],
         ) as ws:
-            await ws.send(encode_message(self._hello))
-            first = decode_message(await asyncio.wait_for(ws.recv(), 15), allowed=SITE_TO_AGENT)
+            self.minor = negotiated_minor(ws.subprotocol)  # 0: a site from before minors were negotiated
+            self._unknown_noted = False
+            await ws.send(encode_message(self._hello, self.minor))
+            raw = await asyncio.wait_for(ws.recv(), 15)
+            first = decode_message(raw, allowed=SITE_TO_AGENT, unknown=self._note_unknown)
             if not isinstance(first, Welcome):
                 raise ProtocolError(f"expected a welcome from the site, got {first!r}")
             self.welcome = first
@@ -292,7 +298,7 @@ class ControlChannel:
         try:
             async for raw in ws:
                 try:
-                    message = decode_message(raw, allowed=SITE_TO_AGENT)
+                    message = decode_message(raw, allowed=SITE_TO_AGENT, unknown=self._note_unknown)
                 except ProtocolError as exc:
                     logger.warning("ignoring a malformed message from the site: %s", exc)
                     continue

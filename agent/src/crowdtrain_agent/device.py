@@ -100,7 +100,7 @@ def describe_device(device: torch.device, *, benchmark_s: float = 0.2) -> Device
         name=name,
         memory_bytes=memory,
         threads=torch.get_num_threads(),
-        torch_version=torch.__version__,
+        torch_version=str(torch.__version__),  # a str subclass the encoder does not know
         flops_per_s=flops,
     )
 

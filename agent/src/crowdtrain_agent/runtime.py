@@ -25,6 +25,7 @@ from .fetch import FetchError, ShardCache, fetch_params, still_current
 from .models import ModelConfigError
 from .progress import AgentStatus
 from .protocol import (
+    PROTOCOL_VERSION,
     AgentHello,
     DataSpec,
     Lease,
@@ -228,7 +229,7 @@ class Agent:
         self._control = ControlChannel(
             self.config.control_url,
             self.config.token,
-            AgentHello(agent_version=__version__, device=info),
+            AgentHello(protocol_version=PROTOCOL_VERSION, agent_version=__version__, device=info),
             on_push=self._on_push,
             on_state=self._on_connection_state,
             backoff=self._backoff,
@@ -335,7 +336,7 @@ class Agent:
                 await report
         finally:
             if following is not None:
-                following.cancel()
+                _drop(following)
         self.status.set_status("stopped")
         return EXIT_OK
 
@@ -384,9 +385,8 @@ class Agent:
                 # Ctrl-C must not wait for a site that is down; a lease answered late is released by the channel.
                 await asyncio.wait({call, stopping}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                stopping.cancel()
-                if not call.done():
-                    call.cancel()
+                _drop(stopping)
+                _drop(call)  # a finished call is still read below, unless this coroutine was cancelled
             if not call.done() or call.cancelled():
                 return None
             try:
@@ -592,6 +592,24 @@ class Agent:
         # "connected" only replaces a connection status; it must not hide "computing lease 7".
         if text != "connected" or self.status.status.startswith(("starting", "reconnecting", "disconnected")):
             self.status.set_status(text)
+
+
+def _drop(task: asyncio.Future[Any]) -> None:
+    """Cancel a task no one will await, and read its failure when it ends.
+
+    asyncio logs an unread failure when the garbage collector frees the task, inside whatever
+    code runs at that moment: a stop must not leave one behind.
+    """
+    if task.done():
+        _read_outcome(task)
+    else:
+        task.add_done_callback(_read_outcome)
+        task.cancel()
+
+
+def _read_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def _wait_any(events: tuple[asyncio.Event, ...], timeout: float) -> None:

@@ -8,23 +8,29 @@ from collections.abc import Sequence
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
+from websockets.typing import Subprotocol
 
 from .protocol import (
+    AGGREGATOR_TO_AGENT,
     MAX_WS_MESSAGE_BYTES,
     CloseCode,
-    ErrorMessage,
     ProtocolError,
     UploadBegin,
     UploadReceipt,
     UploadRejected,
     decode_message,
     encode_message,
+    negotiated_minor,
+    offered_subprotocols,
 )
 
 logger = logging.getLogger(__name__)
 
-AGGREGATOR_TO_AGENT = (UploadReceipt, UploadRejected, ErrorMessage)
 UPLOAD_WRITE_LIMIT_BYTES = 8 << 20  # buffered before send() waits: a few MiB slice in one go
+
+
+def _ignore_newer_fields(kind: str, fields: list[str]) -> None:
+    logger.debug("a newer aggregator's %s carries fields this agent does not know: %s", kind, ", ".join(fields))
 
 
 class UploadError(RuntimeError):
@@ -67,7 +73,7 @@ class Uploader:
             for attempt in (1, 2):
                 try:
                     ws = await self._connection(url)
-                    await ws.send(encode_message(begin))
+                    await ws.send(encode_message(begin, negotiated_minor(ws.subprotocol)))
                     for chunk in chunks:
                         await ws.send(list(chunk))
                     raw = await asyncio.wait_for(ws.recv(), self._reply_timeout_s)
@@ -95,7 +101,7 @@ class Uploader:
 
     def _check_reply(self, url: str, begin: UploadBegin, raw: str | bytes) -> UploadReceipt:
         try:
-            reply = decode_message(raw, allowed=AGGREGATOR_TO_AGENT)
+            reply = decode_message(raw, allowed=AGGREGATOR_TO_AGENT, unknown=_ignore_newer_fields)
         except ProtocolError as exc:
             raise UploadError(
                 f"aggregator {url} answered slice {begin.slice_index} with a bad message: {exc}"
@@ -121,7 +127,8 @@ class Uploader:
             # chunks go to the kernel without waiting for the aggregator to drain each one (the default
             # 32 KiB write limit meant a context switch per chunk), and gradients do not compress.
             ws = await connect(url, max_size=MAX_WS_MESSAGE_BYTES, open_timeout=10, compression=None,
-                               write_limit=UPLOAD_WRITE_LIMIT_BYTES)  # fmt: skip
+                               write_limit=UPLOAD_WRITE_LIMIT_BYTES,
+                               subprotocols=[Subprotocol(p) for p in offered_subprotocols()])  # fmt: skip
             self._connections[url] = ws
             self.connects += 1
         return ws

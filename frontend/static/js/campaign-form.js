@@ -8,8 +8,9 @@
   if (!form) return;
   const architecture = form.querySelector("select[name=architecture]");
   const optimizer = form.querySelector("select[name=optimizer]");
+  // {optimizer: [its hyperparameters]}, from the optimizer registry (CampaignForm.optimizer_field_map).
   const optimizerFields = JSON.parse(document.getElementById("optimizer-fields").textContent);
-  const tunable = ["lr", "beta1", "beta2", "eps", "weight_decay", "momentum"];
+  const tunable = [...new Set(Object.values(optimizerFields).flat())];
 
   function showArchitecture() {
     for (const set of form.querySelectorAll("fieldset.config-set")) {

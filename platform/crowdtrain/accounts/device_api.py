@@ -12,6 +12,8 @@ from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
+from crowdtrain.text import not_text
+
 from . import device_grant, devices, throttle
 from .models import Device
 from .names import account_name
@@ -60,6 +62,9 @@ def _params(request: HttpRequest) -> dict[str, Any]:
             raise _BadRequest("the body is not valid JSON") from None
         if not isinstance(data, dict):
             raise _BadRequest("the body must be a JSON object")
+        bad = next(not_text(data), None)
+        if bad is not None:
+            raise _BadRequest(f"{bad} is not text (it holds a lone surrogate); send UTF-8 strings")
         return data
     repeated = [key for key, values in request.POST.lists() if len(values) > 1]
     if repeated:  # RFC 6749 §3.2: parameters must not be included more than once

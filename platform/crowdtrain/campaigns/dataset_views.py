@@ -11,9 +11,10 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
+from crowdtrain_agent.models import max_text_sample_len
+
 from .models import Dataset, Shard, Upload
 from .permissions import is_organizer, visible_datasets, visible_uploads
-from .uploads import MAX_SAMPLE_LEN
 
 
 def _organizer(request: HttpRequest) -> None:
@@ -66,7 +67,7 @@ def dataset_upload_page(request: HttpRequest) -> HttpResponse:
         "formats": Dataset.Format.choices,
         "max_upload_bytes": settings.CROWDTRAIN_MAX_UPLOAD_BYTES,
         "chunk_bytes": settings.CROWDTRAIN_UPLOAD_CHUNK_BYTES,
-        "max_sample_len": MAX_SAMPLE_LEN,
+        "max_sample_len": max_text_sample_len(),
         "validation_percent": settings.CROWDTRAIN_VALIDATION_FRACTION * 100,
     })  # fmt: skip
 

@@ -1,56 +1,41 @@
-"""The organizer's campaign form: model config fields come from the agent's registry schema.
+"""The organizer's campaign form, derived from the model registry, the optimizer registry and the settings table.
 
-Every architecture's config fields are in the form (named ``<architecture>__<field>``);
-the page shows the selected architecture's set and only that set is read. Values are
-checked by the registry's own ``validate`` and by ``validate_campaign``, and each
-error is put next to the field it names.
+Every architecture's config fields are in the form (named ``<architecture>__<field>``),
+and every optimizer's hyperparameters (named as in the optimizer registry); the
+page shows the chosen architecture's and optimizer's, and only those are read.
+Values are checked by the same code ``create_campaign`` runs, so the form and
+every other way in accept the same campaigns, and each error carries the
+field it belongs to.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
-import typing
 from typing import Any
 
 from django import forms
+from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.db.models import QuerySet
 
 from crowdtrain.accounts.models import new_invite_code
-from crowdtrain_agent.codec import CODECS
+from crowdtrain_agent.fields import ConfigError, ConfigField
 from crowdtrain_agent.models import REGISTRY, ModelConfigError
-from crowdtrain_agent.models.registry import ConfigField
-from crowdtrain_agent.protocol import OptimizerSpec
+from crowdtrain_agent.optimizers import (
+    DEFAULT_OPTIMIZER, HYPERPARAMETERS, OPTIMIZERS, SCHEDULE, OptimizerConfigError, setting_name, stored_value,
+    wire_fields,
+)  # fmt: skip
 
-from .lifecycle import LOCK_REASON, LOCKED_FIELDS, config_locked
+from .lifecycle import LOCK_REASON, config_locked
 from .models import Campaign, Dataset
 from .permissions import visible_datasets
-from .setup import CampaignConfigError, validate_campaign
+from .settings_table import GROUPS, SETTINGS, Group, locked_fields
+from .setup import CampaignConfigError, config_field_name, validate_campaign
 
-# The hyperparameters each optimizer reads; the page shows only these for the chosen one.
-OPTIMIZER_FIELDS = {
-    "adamw": ("lr", "beta1", "beta2", "eps", "weight_decay"),
-    "lamb": ("lr", "beta1", "beta2", "eps", "weight_decay"),
-    "sgd": ("lr", "momentum", "weight_decay"),
-}
-OPTIMIZER_LABELS = {"adamw": "AdamW", "sgd": "SGD with momentum", "lamb": "LAMB"}
+ABOUT_FIELDS = ("name", "description", "visibility")
+# The schedule fields an organizer sets; total_steps follows max steps (``validate_optimizer``).
 SCHEDULE_FIELDS = ("warmup_steps", "schedule", "min_lr_ratio")
-MAX_BATCH = 1 << 24
 
-
-def config_field_name(architecture: str, field: str) -> str:
-    return f"{architecture}__{field}"
-
-
-def optimizer_names() -> list[str]:
-    """The optimizers the shared protocol (and so every aggregator) knows."""
-    hint = typing.get_type_hints(OptimizerSpec)["name"]
-    return list(typing.get_args(hint))
-
-
-def _spec_fields() -> set[str]:
-    return {f.name for f in dataclasses.fields(OptimizerSpec)}
+__all__ = ["CampaignForm", "OrganizerRequestForm", "config_field_name", "datasets_for"]
 
 
 def datasets_for(user: Any) -> QuerySet[Dataset]:
@@ -70,34 +55,44 @@ def _messages(label: str, **extra: str) -> dict[str, str]:
     }
 
 
-def _int(label: str, help_text: str = "", **kwargs: Any) -> forms.IntegerField:
-    return forms.IntegerField(
-        label=label, help_text=help_text, error_messages=_messages(label, invalid=f"{label}: enter a whole number."),
-        **kwargs,
-    )
+def spec_field(spec: ConfigField, label: str, *, required: bool, attrs: dict[str, str] | None = None,
+               initial: Any = None, named: str = "") -> forms.Field:  # fmt: skip
+    """The form field for a registry or settings-table spec.
 
-
-def _float(label: str, help_text: str = "", **kwargs: Any) -> forms.FloatField:
-    return forms.FloatField(label=label, help_text=help_text, error_messages=_messages(label), **kwargs)
-
-
-def _registry_field(architecture: str, name: str, spec: ConfigField) -> forms.Field:
-    label = f"{name}"
-    help_text = f"{spec.help} ({spec.minimum:g} to {spec.maximum:g})".strip()
-    attrs = {"data-architecture": architecture}
+    Bounds are not Django validators: ``clean`` checks them with the spec
+    itself, so the message is the one ``create_campaign`` gives. The widget
+    still carries them, for the browser's number input.
+    """
+    attrs = dict(attrs or {})
+    named = named or label  # how error messages name the field
+    help_text = spec.help
+    if spec.kind in ("int", "float", "int_list"):  # a checkbox or a list of choices shows its own range
+        help_text = f"{spec.help} ({spec.bounds_text()})" if spec.help else spec.bounds_text()
+    initial = spec.default if initial is None else initial
+    common: dict[str, Any] = {"label": label, "help_text": help_text, "required": required}
+    if spec.kind == "bool":  # unticked is False, never missing
+        common["required"] = False
+        return forms.BooleanField(initial=initial, widget=forms.CheckboxInput(attrs=attrs), **common)
+    if spec.kind == "choice":
+        return forms.ChoiceField(
+            choices=[(c, c) for c in spec.choices], initial=initial, error_messages=_messages(named),
+            widget=forms.Select(attrs=attrs), **common,
+        )  # fmt: skip
     if spec.kind == "int_list":
         return forms.CharField(
-            label=label, help_text=f"{help_text}; comma-separated", initial=", ".join(str(v) for v in spec.default),
-            required=False,
-            error_messages=_messages(f"{architecture}.{name}"), widget=forms.TextInput(attrs=attrs),
-        )
-    field_class = forms.IntegerField if spec.kind == "int" else forms.FloatField
-    # Bounds are left to the registry's validate, whose messages name the field and the range.
-    return field_class(
-        label=label, help_text=help_text, initial=spec.default, error_messages=_messages(f"{architecture}.{name}"),
-        required=False,
-        widget=forms.NumberInput(attrs={**attrs, "step": "1" if spec.kind == "int" else "any"}),
-    )
+            initial=", ".join(str(v) for v in initial or ()), error_messages=_messages(named),
+            widget=forms.TextInput(attrs=attrs), **{**common, "help_text": f"{help_text}; comma-separated"},
+        )  # fmt: skip
+    integer = spec.kind == "int"
+    attrs.update(step="1" if integer else "any", min=_attr(spec.minimum), max=_attr(spec.maximum))
+    field_class = forms.IntegerField if integer else forms.FloatField
+    messages = _messages(named, invalid=f"{named}: enter a whole number.") if integer else _messages(named)
+    return field_class(initial=initial, error_messages=messages, widget=forms.NumberInput(attrs=attrs), **common)
+
+
+def _attr(bound: float) -> str:
+    # An HTML number input's min/max: 1048576 rather than 1.04858e+06, 1e+30 rather than 31 digits.
+    return str(int(bound)) if float(bound).is_integer() and abs(bound) < 1e15 else f"{bound:g}"
 
 
 class DatasetChoiceField(forms.ModelChoiceField):
@@ -121,54 +116,8 @@ class CampaignForm(forms.Form):
         queryset=Dataset.objects.none(), error_messages=_messages("Dataset"),
         help_text="One of your datasets that has finished splitting into shards.",
     )
-    architecture = forms.ChoiceField(
-        choices=[(name, f"{name}: {entry.description}") for name, entry in REGISTRY.items()],
-        error_messages=_messages("Architecture"),
-    )
-    optimizer = forms.ChoiceField(choices=[], initial="adamw", error_messages=_messages("Optimizer"))
-    lr = _float("Learning rate", "peak learning rate", initial=1e-3)
-    beta1 = _float("beta1", "first-moment decay, in [0, 1)", required=False, initial=0.9)
-    beta2 = _float("beta2", "second-moment decay, in [0, 1)", required=False, initial=0.999)
-    eps = _float("eps", "added to the denominator, > 0", required=False, initial=1e-8)
-    weight_decay = _float("Weight decay", "decoupled weight decay, >= 0", required=False, initial=0.0)
-    momentum = _float("Momentum", "SGD momentum, in [0, 1)", required=False, initial=0.9)
-    warmup_steps = _int(
-        "Warmup steps", "linear warmup from 0 over this many steps", required=False, initial=0, min_value=0
-    )
-    schedule = forms.ChoiceField(
-        choices=[("constant", "constant"), ("cosine", "cosine")], initial="constant",
-        error_messages=_messages("Schedule"), help_text="after warmup: constant, or cosine decay until max steps",
-    )
-    min_lr_ratio = _float("Minimum LR ratio", "the cosine ends at lr × this, in [0, 1]", required=False, initial=0.0)
-    target_batch_size = _int(
-        "Target batch size", "samples in one global step", initial=256, min_value=1, max_value=MAX_BATCH
-    )
-    microbatch_size = _int(
-        "Microbatch size", "samples an agent computes at once", initial=16, min_value=1, max_value=MAX_BATCH
-    )
-    codec = forms.ChoiceField(
-        choices=[(name, name) for name in CODECS], initial="fp32", error_messages=_messages("Gradient codec"),
-        label="Gradient codec", help_text="how agents encode gradients on the wire",
-    )
-    max_steps = _int("Max steps", "finish after this many steps", required=False, min_value=1)
-    target_val_loss = _float(
-        "Target validation loss", "finish once the held-out loss is at most this", required=False, min_value=1e-12
-    )
-    seed = _int("Seed", "initial weights are the same on every machine", initial=0, min_value=0, max_value=2**62)
-    num_aggregators = _int("Aggregators", "slices the parameters are split into", initial=1, min_value=1, max_value=64)
-    staleness = _int("Staleness", "0 = fully synchronous", initial=1, min_value=0, max_value=4)
-    checkpoint_every = _int("Checkpoint every", "steps between checkpoints", initial=10, min_value=1, max_value=1 << 20)
-    validate_every = _int(
-        "Validate every", "steps between held-out losses (and exportable versions); 0 = only at the finish",
-        initial=10, min_value=0, max_value=1 << 20, required=False,
-    )
-
-    field_order = [
-        "name", "description", "visibility", "dataset", "architecture", "optimizer", "lr", "beta1", "beta2", "eps",
-        "weight_decay", "momentum", "warmup_steps", "schedule", "min_lr_ratio", "target_batch_size", "microbatch_size",
-        "codec", "max_steps", "target_val_loss", "validate_every", "seed", "num_aggregators", "staleness",
-        "checkpoint_every",
-    ]
+    architecture = forms.ChoiceField(choices=[], error_messages=_messages("Architecture"))
+    optimizer = forms.ChoiceField(choices=[], initial=DEFAULT_OPTIMIZER, error_messages=_messages("Optimizer"))
 
     def __init__(self, *args: Any, user: Any, instance: Campaign | None = None, **kwargs: Any) -> None:
         if instance is not None:
@@ -179,16 +128,21 @@ class CampaignForm(forms.Form):
         self.locked = instance is not None and config_locked(instance)
         self.lock_reason = LOCK_REASON if self.locked else ""
         self.model_config: dict[str, Any] = {}
+        self.optimizer_config: dict[str, Any] = {}
         self.optimizer_spec: dict[str, Any] = {}
         self.param_count = 0
         datasets = datasets_for(user)
         if instance is not None:  # keep the current dataset selectable even if it is not the user's own
             datasets = datasets | Dataset.objects.filter(pk=instance.dataset_id)
         self.fields["dataset"].queryset = datasets
-        self.fields["optimizer"].choices = [(n, OPTIMIZER_LABELS.get(n, n)) for n in optimizer_names()]
-        for architecture, entry in REGISTRY.items():
-            for name, spec in entry.fields.items():
-                self.fields[config_field_name(architecture, name)] = _registry_field(architecture, name, spec)
+        self.fields["architecture"].choices = [(name, f"{name}: {e.description}") for name, e in REGISTRY.items()]
+        self.fields["optimizer"].choices = [(name, entry.label) for name, entry in OPTIMIZERS.items()]
+        self._add_registry_fields()
+        self.order_fields([
+            *ABOUT_FIELDS, "dataset", "architecture",
+            *(config_field_name(a, f) for a, e in REGISTRY.items() for f in e.fields),
+            "optimizer", *HYPERPARAMETERS, *SCHEDULE_FIELDS, *SETTINGS,
+        ])  # fmt: skip
         if self.locked:
             for name, field in self.fields.items():
                 if self._is_locked(name):
@@ -197,13 +151,34 @@ class CampaignForm(forms.Form):
             if total:  # the aggregators hold the schedule: its length stays what it was at the start
                 self.fields["max_steps"].help_text += f"; the learning-rate schedule still ends at step {total}"
 
+    def _add_registry_fields(self) -> None:
+        taken = set(self.fields) | set(SETTINGS)
+        for architecture, entry in REGISTRY.items():
+            for name, spec in entry.fields.items():
+                self.fields[config_field_name(architecture, name)] = spec_field(
+                    spec, name, required=False, attrs={"data-architecture": architecture},
+                    named=f"{architecture}.{name}",
+                )
+        carried = wire_fields()
+        for name, spec in {**HYPERPARAMETERS, **{k: SCHEDULE[k] for k in SCHEDULE_FIELDS}}.items():
+            if name in taken:
+                raise ImproperlyConfigured(f"optimizer hyperparameter {name!r} clashes with a campaign form field")
+            field = spec_field(spec, spec.label or name, required=False)
+            if name not in carried and "extra" not in carried:
+                # Until the protocol carries it, it keeps its default: the aggregators could not receive another.
+                field.disabled = True
+                field.help_text += "; needs aggregators that speak a newer protocol"
+            self.fields[name] = field
+        for name, setting in SETTINGS.items():
+            # Never required: left empty, an optional setting is unset, any other keeps its value (see clean).
+            self.fields[name] = spec_field(setting.spec, setting.label, required=False, initial=setting.default)
+
     # --------------------------------------------------------------- layout helpers for the template
 
     def _is_locked(self, name: str) -> bool:
         if "__" in name:
             return True  # model config
-        optimizer_part = name in ("optimizer", *OPTIMIZER_FIELDS["adamw"], "momentum", *SCHEDULE_FIELDS)
-        return optimizer_part or name in LOCKED_FIELDS
+        return name in ("optimizer", *HYPERPARAMETERS, *SCHEDULE_FIELDS) or name in locked_fields()
 
     def config_sets(self) -> list[tuple[str, str, list[forms.BoundField]]]:
         """(architecture, description, its bound config fields) for each registry entry."""
@@ -212,23 +187,35 @@ class CampaignForm(forms.Form):
             for arch, entry in REGISTRY.items()
         ]
 
+    def hyperparameter_fields(self) -> list[forms.BoundField]:
+        return [self[name] for name in HYPERPARAMETERS]
+
+    def schedule_fields(self) -> list[forms.BoundField]:
+        return [self[name] for name in SCHEDULE_FIELDS]
+
+    def setting_groups(self) -> list[tuple[Group, list[forms.BoundField], bool]]:
+        """(group, its bound fields, whether any has an error) in the table's order."""
+        groups = []
+        for key, group in GROUPS.items():
+            fields = [self[name] for name, setting in SETTINGS.items() if setting.group == key]
+            groups.append((group, fields, any(f.errors for f in fields)))
+        return groups
+
     def optimizer_field_map(self) -> dict[str, list[str]]:
-        return {name: list(OPTIMIZER_FIELDS.get(name, OPTIMIZER_FIELDS["adamw"])) for name in optimizer_names()}
+        """The hyperparameters each optimizer reads; the page shows only the chosen one's."""
+        return {name: list(entry.hyperparameters) for name, entry in OPTIMIZERS.items()}
 
     @staticmethod
     def _initial_from(campaign: Campaign) -> dict[str, Any]:
-        initial: dict[str, Any] = {
-            name: getattr(campaign, name)
-            for name in ("name", "description", "visibility", "architecture", "target_batch_size", "microbatch_size",
-                         "codec", "max_steps", "target_val_loss", "validate_every", "seed", "num_aggregators",
-                         "staleness", "checkpoint_every")
-        }  # fmt: skip
+        initial: dict[str, Any] = {name: getattr(campaign, name) for name in (*ABOUT_FIELDS, *SETTINGS)}
         initial["dataset"] = campaign.dataset_id
+        initial["architecture"] = campaign.architecture
         optimizer = dict(campaign.optimizer or {})
-        initial["optimizer"] = optimizer.get("name", "adamw")
-        for key in ("lr", "beta1", "beta2", "eps", "weight_decay", "momentum", *SCHEDULE_FIELDS):
-            if key in optimizer:
-                initial[key] = optimizer[key]
+        initial["optimizer"] = optimizer.get("name", DEFAULT_OPTIMIZER)
+        for key in (*HYPERPARAMETERS, *SCHEDULE_FIELDS):
+            value = stored_value(optimizer, key)
+            if value is not None:
+                initial[key] = value
         for name, value in (campaign.model_config or {}).items():
             initial[config_field_name(campaign.architecture, name)] = (
                 ", ".join(str(v) for v in value) if isinstance(value, list) else value
@@ -242,17 +229,13 @@ class CampaignForm(forms.Form):
         self._drop_unused_errors(data)
         if self.instance is not None and self.instance.state != Campaign.State.DRAFT:
             self._clean_started(data)
+        self._clean_settings(data)
         if self.locked:
             return data  # a started campaign may also lose its stop rule: its organizer finishes it by hand
         if data.get("max_steps") is None and data.get("target_val_loss") is None and "max_steps" not in self.errors:
             self.add_error("max_steps", "Set a stop rule: max steps, a target validation loss, or both.")
         self._clean_model_config(data)
         self._clean_optimizer(data)
-        target, micro = data.get("target_batch_size"), data.get("microbatch_size")
-        if target is not None and micro is not None and micro > target:
-            self.add_error(
-                "microbatch_size", f"Microbatch size ({micro}) must not exceed the target batch size ({target})."
-            )
         if not self.errors:
             self._clean_together(data)
         return data
@@ -260,10 +243,10 @@ class CampaignForm(forms.Form):
     def _drop_unused_errors(self, data: dict[str, Any]) -> None:
         # Hidden fields of another architecture or optimizer are not read, so their values cannot be wrong.
         architecture = data.get("architecture") or self.data.get("architecture")
-        used = set(OPTIMIZER_FIELDS.get(data.get("optimizer") or "", ()))
+        chosen = OPTIMIZERS.get(data.get("optimizer") or "")
         for key in list(self._errors):
             other_arch = "__" in key and not key.startswith(f"{architecture}__")
-            unused_hyper = key in ("beta1", "beta2", "eps", "weight_decay", "momentum") and used and key not in used
+            unused_hyper = key in HYPERPARAMETERS and chosen is not None and key not in chosen.hyperparameters
             if other_arch or unused_hyper:
                 del self._errors[key]
 
@@ -272,6 +255,19 @@ class CampaignForm(forms.Form):
         max_steps = data.get("max_steps")
         if max_steps is not None and max_steps <= done:
             self.add_error("max_steps", f"Max steps must be more than the {done} steps already made.")
+
+    def _clean_settings(self, data: dict[str, Any]) -> None:
+        # The table's bounds, as create_campaign checks them (disabled fields keep the stored values).
+        for name, setting in SETTINGS.items():
+            if name not in data or name in self.errors or self.fields[name].disabled:
+                continue
+            if data[name] in (None, "") and not setting.spec.optional:
+                # Left empty: the campaign's current value, or the default for a new one.
+                data[name] = getattr(self.instance, name) if self.instance is not None else setting.default
+            try:
+                data[name] = setting.spec.check(data[name], setting.describe(), field=name)
+            except ConfigError as exc:
+                self.add_error(name, str(exc))
 
     def _clean_model_config(self, data: dict[str, Any]) -> None:
         architecture = data.get("architecture")
@@ -301,83 +297,40 @@ class CampaignForm(forms.Form):
         try:
             self.model_config = entry.validate(config)
         except ModelConfigError as exc:
-            self.add_error(self._field_named_in(str(exc), architecture), str(exc))
-
-    @staticmethod
-    def _field_named_in(message: str, architecture: str) -> str | None:
-        match = re.search(rf"\b{re.escape(architecture)}\.(\w+)", message)
-        if match and match.group(1) in REGISTRY[architecture].fields:
-            return config_field_name(architecture, match.group(1))
-        return "architecture"
+            field = config_field_name(architecture, exc.field) if exc.field in entry.fields else "architecture"
+            self.add_error(field, str(exc))
 
     def _clean_optimizer(self, data: dict[str, Any]) -> None:
-        name = data.get("optimizer")
-        if name is None:
+        # Each of the chosen optimizer's fields is checked on its own, so every bad one shows at once;
+        # validate_campaign then checks them together (the schedule against max steps...).
+        entry = OPTIMIZERS.get(data.get("optimizer") or "")
+        if entry is None:
             return
-        checks = {
-            "lr": (lambda v: 0 < v <= 10, "Learning rate must be above 0 and at most 10"),
-            "beta1": (lambda v: 0 <= v < 1, "beta1 must be in [0, 1)"),
-            "beta2": (lambda v: 0 <= v < 1, "beta2 must be in [0, 1)"),
-            "eps": (lambda v: 0 < v <= 1, "eps must be above 0 and at most 1"),
-            "weight_decay": (lambda v: 0 <= v <= 1, "Weight decay must be in [0, 1]"),
-            "momentum": (lambda v: 0 <= v < 1, "Momentum must be in [0, 1)"),
-            "min_lr_ratio": (lambda v: 0 <= v <= 1, "Minimum LR ratio must be in [0, 1]"),
-        }
-        used = set(OPTIMIZER_FIELDS.get(name, ())) | {"min_lr_ratio"}
-        for key in used:
-            value = data.get(key)
-            check, message = checks[key]
-            if value is not None and not check(value):
-                self.add_error(key, f"{message}, got {value:g}.")
-        spec_fields = _spec_fields()
-        schedule, warmup, max_steps = data.get("schedule"), data.get("warmup_steps"), data.get("max_steps")
-        if not {"warmup_steps", "schedule"} <= spec_fields and (warmup or schedule == "cosine"):
-            self.add_error("schedule", "This site's aggregators cannot schedule the learning rate yet; use constant.")
-        if schedule == "cosine" and max_steps is None:
-            self.add_error("schedule", "A cosine schedule decays until max steps: set max steps too.")
-        if warmup and max_steps is not None and warmup >= max_steps:
-            self.add_error("warmup_steps", f"Warmup steps ({warmup}) must be fewer than max steps ({max_steps}).")
-        spec: dict[str, Any] = {"name": name}
-        for key in (*used, "warmup_steps", "schedule"):
-            if key in spec_fields and data.get(key) is not None:
-                spec[key] = data[key]
+        config: dict[str, Any] = {"name": entry.name}
+        for name in (*entry.hyperparameters, *SCHEDULE_FIELDS):
+            value = data.get(name)
+            if value in (None, "") or name in self.errors or self.fields[name].disabled:
+                continue  # left empty: the registry's default
+            spec = entry.hyperparameters.get(name) or SCHEDULE[name]
+            try:
+                config[name] = spec.check(value, setting_name(name), field=name, error=OptimizerConfigError)
+            except OptimizerConfigError as exc:
+                self.add_error(name, str(exc))
         # validate_campaign sets total_steps (the end of a cosine) from max steps; editing max steps later keeps it.
-        self.optimizer_spec = spec
+        self.optimizer_config = config
 
     def _clean_together(self, data: dict[str, Any]) -> None:
         try:
             config, optimizer, count = validate_campaign(
                 dataset=data["dataset"], architecture=data["architecture"], model_config=self.model_config,
-                optimizer=self.optimizer_spec, target_batch_size=data["target_batch_size"],
+                optimizer=self.optimizer_config, target_batch_size=data["target_batch_size"],
                 microbatch_size=data["microbatch_size"], codec=data["codec"], max_steps=data.get("max_steps"),
                 num_aggregators=data["num_aggregators"],
             )
         except CampaignConfigError as exc:
-            self.add_error(self._field_for(str(exc), data["architecture"]), str(exc))
+            self.add_error(exc.field if exc.field in self.fields else None, str(exc))
             return
         self.model_config, self.optimizer_spec, self.param_count = config, optimizer, count
-
-    @staticmethod
-    def _field_for(message: str, architecture: str) -> str | None:
-        if "sample length" in message:
-            has_block = "block_size" in REGISTRY[architecture].fields
-            return config_field_name(architecture, "block_size") if has_block else "dataset"
-        if " trains on " in message:
-            return "dataset"
-        if message.startswith("optimizer.total_steps"):
-            return "max_steps"
-        if message.startswith("optimizer.name: LAMB"):
-            return "num_aggregators"
-        match = re.match(r"optimizer(?:\.|: OptimizerSpec\.)(\w+)", message)
-        if match:
-            return match.group(1) if match.group(1) in CampaignForm.base_fields else "optimizer"
-        if message.startswith("optimizer"):
-            return "optimizer"
-        if "codec" in message:
-            return "codec"
-        if "batch size" in message:
-            return "target_batch_size"
-        return None
 
     # --------------------------------------------------------------- saving
 
@@ -386,19 +339,17 @@ class CampaignForm(forms.Form):
         data = self.cleaned_data
         with transaction.atomic():
             campaign = self.instance or Campaign(owner=self.user)
-            for name in ("name", "description", "visibility", "max_steps", "target_val_loss"):
+            for name in ABOUT_FIELDS:
                 setattr(campaign, name, data[name])
-            if data.get("validate_every") is not None:  # left empty: the model's default
-                campaign.validate_every = data["validate_every"]
+            for name, setting in SETTINGS.items():
+                if not (self.locked and setting.locks):
+                    setattr(campaign, name, data[name])
             if not self.locked:
                 campaign.dataset = data["dataset"]
                 campaign.architecture = data["architecture"]
                 campaign.model_config = self.model_config
                 campaign.optimizer = self.optimizer_spec
                 campaign.param_count = self.param_count
-                for name in ("target_batch_size", "microbatch_size", "codec", "seed", "num_aggregators", "staleness",
-                             "checkpoint_every"):  # fmt: skip
-                    setattr(campaign, name, data[name])
             if campaign.visibility == Campaign.Visibility.INVITE and not campaign.invite_code:
                 campaign.invite_code = new_invite_code()
             campaign.save()

@@ -21,6 +21,7 @@ from crowdtrain.scheduler.backbone import assign_waiting_campaigns
 from crowdtrain_agent.protocol import VersionPublished
 
 from .models import Campaign, Dataset
+from .settings_table import SETTINGS, check_settings, locked_fields
 from .setup import CampaignConfigError, validate_campaign
 from .validation import schedule_validation
 
@@ -55,10 +56,7 @@ MOVES: dict[str, Move] = {
 
 # What agents and aggregators built the model from: changing any of it after the start
 # would make new gradients disagree with the parameters and optimizer state already held.
-LOCKED_FIELDS = (
-    "dataset", "architecture", "model_config", "optimizer", "target_batch_size", "microbatch_size", "codec", "seed",
-    "staleness", "num_aggregators", "checkpoint_every", "max_grad_norm",
-)
+LOCKED_FIELDS = locked_fields()
 LOCK_REASON = (
     "Locked since the campaign started: the aggregators hold parameters and optimizer state built from these "
     "settings and the agents compute with them, so changing one would break the model. "
@@ -77,6 +75,7 @@ def available_moves(campaign: Campaign) -> list[tuple[str, Move]]:
 def _check_trainable(campaign: Campaign) -> None:
     # The form validated it, but the admin and code can save any JSON: check once more before agents see it.
     try:
+        check_settings({name: getattr(campaign, name) for name in SETTINGS}, error=CampaignConfigError)
         validate_campaign(
             dataset=campaign.dataset, architecture=campaign.architecture, model_config=campaign.model_config,
             optimizer=campaign.optimizer, target_batch_size=campaign.target_batch_size,

@@ -32,6 +32,9 @@ from django.http import HttpRequest, JsonResponse
 from django.urls import reverse
 from django.views.decorators.http import require_http_methods
 
+from crowdtrain.text import is_text
+from crowdtrain_agent.models import max_text_sample_len
+
 from .models import Dataset, Upload, UploadChunk
 from .permissions import is_organizer, visible_uploads
 
@@ -41,7 +44,6 @@ logger = logging.getLogger(__name__)
 _BYTE_COUNT = re.compile(r"[0-9]{1,19}")
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-MAX_SAMPLE_LEN = 8193  # the registry's longest GPT context (block_size 8192) plus the shifted target
 
 
 class UploadError(ValueError):
@@ -96,6 +98,8 @@ def _field(body: dict[str, Any], name: str, kind: type, default: Any = None) -> 
     # bool is an int in Python; a size of true is still a mistake.
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise UploadError(f"{name} must be {'an integer' if kind is int else 'a string'}, got {value!r}")
+    if isinstance(value, str) and not is_text(value):
+        raise UploadError(f"{name} is not text (it holds a lone surrogate); send UTF-8")
     return value
 
 
@@ -126,9 +130,11 @@ def create_upload(owner: Any, body: dict[str, Any]) -> Upload:
     sample_len, text_field = 0, "text"
     if fmt in (Dataset.Format.TEXT, Dataset.Format.JSONL):
         sample_len = _field(body, "sample_len", int)
-        if not 2 <= sample_len <= MAX_SAMPLE_LEN:
+        longest = max_text_sample_len()
+        if not 2 <= sample_len <= longest:
             raise UploadError(
-                f"sample_len must be between 2 and {MAX_SAMPLE_LEN} bytes (block_size + 1), got {sample_len}"
+                f"sample_len must be between 2 and {longest} bytes, the longest sample a text model here trains on "
+                f"(for gpt, block_size + 1), got {sample_len}"
             )
     if fmt == Dataset.Format.JSONL:
         text_field = _field(body, "text_field", str, "text").strip()

@@ -32,6 +32,8 @@ from crowdtrain_agent.fetch import FetchError, fetch_params
 from crowdtrain_agent.models import ModelEntry, export_bytes, get_model, model_from_flat
 from crowdtrain_agent.protocol import DataSpec, ProtocolError, SliceRoute, Ticket, sign_ticket
 
+from crowdtrain.scheduler.configs import ticket_key
+
 from .models import Campaign, Dataset, ValidationResult
 
 logger = logging.getLogger(__name__)
@@ -65,7 +67,7 @@ def fetch_campaign_params(campaign: Campaign, version: int) -> torch.Tensor:
     ticket = sign_ticket(
         Ticket(lease_id=0, campaign_id=campaign.pk, device_id=0, base_version=version, num_samples=1,
                expires_at=time.time() + PARAMS_TICKET_S),
-        settings.CROWDTRAIN_TICKET_KEY,
+        ticket_key(campaign.pk),
     )  # fmt: skip
     try:
         return fetch_params(routes, version, campaign.param_count, ticket=ticket)

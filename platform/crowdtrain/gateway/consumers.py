@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
+import msgspec
 from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
@@ -25,6 +25,7 @@ from crowdtrain.scheduler.models import Aggregator
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
     BACKBONE_TO_SITE,
+    OLDEST_MINOR,
     PROTOCOL_VERSION,
     AgentHello,
     BackboneHello,
@@ -45,6 +46,7 @@ from crowdtrain_agent.protocol import (
     StepApplied,
     StepFailed,
     Welcome,
+    choose_subprotocol,
     decode_message,
     encode_message,
 )
@@ -70,7 +72,6 @@ logger = logging.getLogger(__name__)
 
 # A peer that keeps sending bad messages is cut off; a few mistakes are answered and forgiven.
 MAX_ERRORS = 20
-MAX_REQUEST_ID = 64  # the column that stores it
 MAX_WATCHED_CAMPAIGNS = 16  # campaigns one connection hears version pushes of
 LAST_SEEN_EVERY_S = 60.0  # an aggregator's heartbeats reach the database this seldom
 # A site process this busy gives no backups of late leases: its own backlog is what makes them late.
@@ -96,6 +97,8 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
     accepts: tuple[type, ...] = ()
     errors = 0
     greeted = False
+    minor = 0  # the protocol minor negotiated with the peer (0: it offered none, a 2.0 peer)
+    unknown_logged = False
     closed = False  # once we closed: frames still on their way are dropped, events ignored
     _hello_timer: asyncio.TimerHandle | None = None
 
@@ -136,7 +139,7 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
             await self.reject(ProtocolError("binary frames are not accepted on this channel; send JSON text"))
             return
         try:
-            message = decode_message(text_data, self.accepts)
+            message = decode_message(text_data, self.accepts, unknown=self.note_unknown)
             if not self.greeted and message.kind not in {"hello", "backbone_hello"}:
                 raise ProtocolError(f"send hello before {message.kind!r}")
             await getattr(self, f"on_{message.kind}")(message)
@@ -153,17 +156,42 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
         elif self.errors > MAX_ERRORS:
             await self.close(code=CloseCode.TOO_MANY_ERRORS)
 
+    async def accept_protocol(self) -> None:
+        """Accept the socket with the newest protocol minor both sides speak (the WebSocket subprotocol)."""
+        offered = self.scope.get("subprotocols") or []
+        chosen, self.minor = choose_subprotocol(list(offered), settings.CROWDTRAIN_PROTOCOL_MINOR)
+        await self.accept(subprotocol=chosen)
+
+    def note_unknown(self, kind: str, fields: list[str]) -> None:
+        """Fields of a newer minor are ignored; said once per connection, so an operator knows who is ahead."""
+        if not self.unknown_logged:
+            self.unknown_logged = True
+            logger.info("%s: ignoring fields this site does not know (first: %s %s); the peer speaks a newer "
+                        "protocol minor", self.__class__.__name__, kind, ", ".join(fields[:5]))  # fmt: skip
+
     async def send_message(self, message: Any) -> None:
-        await self.send(text_data=encode_message(message))
+        await self.send(text_data=encode_message(message, self.minor))
 
     async def socket_send(self, event: SendEvent) -> None:
-        await self.send(text_data=event["text"])
+        unsendable = event.get("unsendable")
+        if unsendable and str(self.minor) in unsendable:
+            # It would read the message without those fields and act on something else (a campaign's
+            # weight decay, say): it must be upgraded instead.
+            detail = (f"protocol {PROTOCOL_VERSION}.{self.minor} cannot carry {unsendable[str(self.minor)]}, which a "
+                      f"campaign needs; upgrade to speak {PROTOCOL_VERSION}.{self.minor + 1} or newer")  # fmt: skip
+            logger.error("%s: %s", self.__class__.__name__, detail)
+            await self.send_message(ErrorMessage(code="unsupported version", detail=detail))
+            await self.close(code=CloseCode.UNSUPPORTED_VERSION)
+            return
+        older = event.get("older")
+        await self.send(text_data=older.get(str(self.minor), event["text"]) if older else event["text"])
 
     def check_version(self, version: int) -> None:
-        if version != PROTOCOL_VERSION:
+        if version != PROTOCOL_VERSION or self.minor < OLDEST_MINOR:
+            speaks = f"{PROTOCOL_VERSION}.{OLDEST_MINOR} to {PROTOCOL_VERSION}.{settings.CROWDTRAIN_PROTOCOL_MINOR}"
+            sent = f"{version}" if version != PROTOCOL_VERSION else f"{version}.{self.minor}"
             raise ProtocolError(
-                f"protocol version {version} is not supported (this site speaks {PROTOCOL_VERSION}); "
-                "upgrade crowdtrain-agent",
+                f"protocol version {sent} is not supported (this site speaks {speaks}); upgrade crowdtrain-agent",
                 close_code=CloseCode.UNSUPPORTED_VERSION,
                 fatal=True,
             )
@@ -256,7 +284,7 @@ class AgentConsumer(_ProtocolConsumer):
         # not accepted within its connect timeout (5 s): under load the token lookup waited that long
         # for a database thread, and agents read the 403 as a rejected token and quit. Now a bad token
         # is a close code on an open socket (4001, 4003), and an HTTP error only ever means "busy".
-        await self.accept()
+        await self.accept_protocol()
         if not admission.admit_socket():
             # Too many sockets or handshakes in hand: turned away before any lookup; agents back off and retry.
             await self.close(code=TRY_AGAIN_LATER)
@@ -304,7 +332,7 @@ class AgentConsumer(_ProtocolConsumer):
     async def on_hello(self, hello: AgentHello) -> None:
         self.check_version(hello.protocol_version)
         leasing.note_hardware(self.device.pk, hello.device.flops_per_s)
-        await offloop(_record_hello)(self.device, asdict(hello.device))
+        await offloop(_record_hello)(self.device, msgspec.structs.asdict(hello.device))
         self.greeted = True
         await self.send_message(
             Welcome(
@@ -322,10 +350,8 @@ class AgentConsumer(_ProtocolConsumer):
         """Nothing to do: the open socket is the liveness (``hotstate.Presence`` publishes it in batches)."""
 
     async def on_lease_request(self, request: LeaseRequest) -> None:
-        if len(request.request_id) > MAX_REQUEST_ID:
-            raise ProtocolError(f"request_id of {len(request.request_id)} characters; at most {MAX_REQUEST_ID}")
-        if not (math.isfinite(request.wait_s) and request.wait_s >= 0):
-            raise ProtocolError(f"wait_s must be a number of seconds >= 0, got {request.wait_s!r}")
+        # request_id (at most 64 characters, the column that stores it) and wait_s (seconds >= 0) are
+        # bounded by the message's own field types.
         await self._stop_waiting()  # a new request replaces one still waiting (the agent sent it again)
         if not admission.admit_lease_request():
             busy = NoLease(
@@ -435,7 +461,7 @@ class AgentConsumer(_ProtocolConsumer):
         if isinstance(answer.message, NoLease) and admission.load > 0:
             # A busy site spreads the next requests out: the refusal's wait grows with the load.
             stretched = admission.retry_after(answer.message.retry_after_s)
-            answer = leasing.LeaseAnswer(replace(answer.message, retry_after_s=stretched), answer.campaign_id)
+            answer = leasing.LeaseAnswer(msgspec.structs.replace(answer.message, retry_after_s=stretched), answer.campaign_id)
         await self._watch(answer)
         return answer
 
@@ -542,7 +568,7 @@ class BackboneConsumer(_ProtocolConsumer):
     last_touched = 0.0
 
     async def connect(self) -> None:
-        await self.accept()  # before the token lookup, as AgentConsumer.connect explains
+        await self.accept_protocol()  # before the token lookup, as AgentConsumer.connect explains
         self.start_hello_deadline()
         aggregator = await database_sync_to_async(_aggregator_with_token)(bearer_token(self.scope["headers"]))
         if aggregator is None:
@@ -568,7 +594,7 @@ class BackboneConsumer(_ProtocolConsumer):
         await self.take_over(backbone_group(self.aggregator.pk))
         await self.send_message(
             BackboneWelcome(
-                aggregator_id=self.aggregator.pk, ticket_key=backbone.ticket_key_hex(),
+                aggregator_id=self.aggregator.pk, ticket_key=backbone.welcome_ticket_key(self.minor),
                 heartbeat_s=settings.CROWDTRAIN_HEARTBEAT_S,
             )
         )

@@ -16,12 +16,37 @@ from typing import Any, TypedDict
 from channels.layers import get_channel_layer
 
 from crowdtrain.scheduler.commits import Commit
-from crowdtrain_agent.protocol import encode_message
+from crowdtrain_agent.protocol import OLDEST_MINOR, PROTOCOL_MINOR, encode_message
+from crowdtrain_agent.protocol.schema import lost_in
 
 
-class SendEvent(TypedDict):
+class SendEvent(TypedDict, total=False):
     type: str  # "socket.send": the consumer writes ``text`` to its socket as is
-    text: str
+    text: str  # the message as this site's own protocol minor encodes it
+    # The same message for peers of older minors, when it differs (fields their minor lacks left out);
+    # keyed by the minor as a string (channel layers carry msgpack maps).
+    older: dict[str, str]
+    # Minors that cannot carry the message at all (fields set that they lack), with those fields.
+    unsendable: dict[str, str]
+
+
+def send_event(message: Any) -> SendEvent:
+    """A socket.send event for ``message``, readable by every protocol minor a consumer may speak."""
+    text = encode_message(message)
+    event: SendEvent = {"type": "socket.send", "text": text}
+    older: dict[str, str] = {}
+    unsendable: dict[str, str] = {}
+    for minor in range(OLDEST_MINOR, PROTOCOL_MINOR):
+        lost = lost_in(message, minor)
+        if lost:
+            unsendable[str(minor)] = ", ".join(lost)
+        elif (older_text := encode_message(message, minor)) != text:
+            older[str(minor)] = older_text
+    if older:
+        event["older"] = older
+    if unsendable:
+        event["unsendable"] = unsendable
+    return event
 
 
 class RevokedEvent(TypedDict):
@@ -47,8 +72,7 @@ def device_group(device_id: int) -> str:
 
 
 async def send_to_group(group: str, message: Any) -> None:
-    event: SendEvent = {"type": "socket.send", "text": encode_message(message)}
-    await get_channel_layer().group_send(group, event)
+    await get_channel_layer().group_send(group, send_event(message))
 
 
 async def send_outbox(outbox: Iterable[tuple[int, Any]]) -> None:

@@ -13,12 +13,13 @@ import threading
 import time
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.db.models import Exists, Q
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
 from crowdtrain_agent.models import get_model
-from crowdtrain_agent.protocol import DataSpec, ModelSpec, SliceRoute
+from crowdtrain_agent.protocol import DataSpec, ModelSpec, SliceRoute, campaign_key
 
 from .hotstate import HotStateMissing, hot_state
 from .models import SliceAssignment
@@ -51,6 +52,7 @@ class CampaignConfig:
     table: ShardTable
     slices: tuple[SliceRoute, ...]
     aggregator_ids: tuple[int, ...]
+    ticket_key: bytes  # signs the campaign's tickets and checks its receipts (``ticket_key``)
 
 
 _cache: dict[int, CampaignConfig] = {}
@@ -93,7 +95,20 @@ def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
             for s in slices
         ),
         aggregator_ids=tuple(s.aggregator_id for s in slices),
+        ticket_key=ticket_key(campaign.pk),
     )  # fmt: skip
+
+
+def ticket_key(campaign_id: int) -> bytes:
+    """The key of a campaign's tickets and receipts: its own (``protocol.campaign_key`` of the site's key).
+
+    Aggregators learn it with a slice of the campaign (``assign.ticket_key``), so a leaked aggregator token
+    signs only for that aggregator's campaigns. A site pinned to protocol 2.0 (CROWDTRAIN_PROTOCOL_MINOR=0)
+    cannot send it and signs every campaign with CROWDTRAIN_TICKET_KEY itself, which its welcome carries.
+    """
+    if settings.CROWDTRAIN_PROTOCOL_MINOR < 1:
+        return settings.CROWDTRAIN_TICKET_KEY
+    return campaign_key(settings.CROWDTRAIN_TICKET_KEY, campaign_id)
 
 
 def campaign_config(campaign_id: int, *, gen: int | None = None) -> CampaignConfig | None:

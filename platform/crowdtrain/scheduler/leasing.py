@@ -188,7 +188,7 @@ def lease_message(lease: Lease, config: CampaignConfig) -> LeaseMessage:
         lease_id=lease.pk, campaign_id=config.id, base_version=lease.base_version,
         ranges=[SampleRange(shard=shards[s], start=start, count=count) for _, s, start, count in lease.ranges],
         num_samples=lease.num_samples, microbatch_size=config.microbatch_size, deadline_s=seconds,
-        ticket=sign_ticket(ticket, settings.CROWDTRAIN_TICKET_KEY), codec=config.codec,  # type: ignore[arg-type]
+        ticket=sign_ticket(ticket, config.ticket_key), codec=config.codec,  # type: ignore[arg-type]
         model=config.model, data=config.data, param_count=config.param_count,
         prefetch=_upcoming_shards(config, lease), slices=list(config.slices),
     )  # fmt: skip
@@ -343,7 +343,7 @@ def _receipt_problem(config: CampaignConfig, done: LeaseDone) -> str:
     for route in config.slices:
         token = tokens.get(route.index)
         valid = token is not None and verify_receipt(
-            token, settings.CROWDTRAIN_TICKET_KEY, campaign_id=config.id, lease_id=done.lease_id,
+            token, config.ticket_key, campaign_id=config.id, lease_id=done.lease_id,
             slice_index=route.index, num_samples=done.num_samples,
         )
         if not valid:

@@ -11,27 +11,9 @@ from django.test import Client
 
 from crowdtrain.campaigns.models import Campaign, Dataset
 from crowdtrain.campaigns.sharding import create_tensor_dataset
-from tests.factories import make_campaign, make_organizer, make_text_dataset
+from tests.factories import make_campaign, make_organizer
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def olga() -> AbstractBaseUser:
-    return make_organizer("olga")
-
-
-@pytest.fixture
-def organizer_client(client: Client, olga: AbstractBaseUser) -> Client:
-    client.force_login(olga)
-    return client
-
-
-@pytest.fixture
-def text_dataset(olga: AbstractBaseUser) -> Dataset:
-    dataset = make_text_dataset()  # samples of 9 bytes: a gpt with block_size 8
-    Dataset.objects.filter(pk=dataset.pk).update(owner=olga)
-    return Dataset.objects.get(pk=dataset.pk)
 
 
 def valid_post(dataset: Dataset, **overrides: Any) -> dict[str, Any]:
@@ -42,7 +24,8 @@ def valid_post(dataset: Dataset, **overrides: Any) -> dict[str, Any]:
         "optimizer": "adamw", "lr": 0.003, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
         "momentum": 0.9, "warmup_steps": 0, "schedule": "constant", "min_lr_ratio": 0.0,
         "target_batch_size": 32, "microbatch_size": 4, "codec": "fp32", "max_steps": 20, "target_val_loss": "",
-        "seed": 7, "num_aggregators": 1, "staleness": 1, "checkpoint_every": 10,
+        "seed": 7, "num_aggregators": 1, "staleness": 1, "checkpoint_every": 10, "validate_every": 10,
+        "max_grad_norm": 1e4,
     }
     data.update(overrides)
     return data
@@ -122,31 +105,34 @@ BAD_FIELDS = [
     ("gpt__block_size", {"gpt__block_size": 16}, "dataset's sample length 9"),
     ("dataset", {"architecture": "mlp"}, "mlp trains on tensors data"),
     ("optimizer", {"optimizer": "adam"}, "Optimizer"),
-    ("lr", {"lr": 0}, "Learning rate must be above 0"),
+    ("lr", {"lr": 0}, "Learning rate (optimizer.lr) must be above 0 and at most 10, got 0.0"),
+    ("lr", {"lr": 100}, "Learning rate (optimizer.lr) must be above 0 and at most 10, got 100.0"),
     ("lr", {"lr": "fast"}, "Learning rate: enter a number"),
     ("lr", {"lr": "inf"}, "Learning rate"),
-    ("beta1", {"beta1": 1.0}, "beta1 must be in [0, 1)"),
-    ("beta2", {"beta2": -0.1}, "beta2 must be in [0, 1)"),
-    ("eps", {"eps": 0}, "eps must be above 0"),
-    ("weight_decay", {"weight_decay": -1}, "Weight decay must be in [0, 1]"),
-    ("momentum", {"optimizer": "sgd", "momentum": 1.5}, "Momentum must be in [0, 1)"),
-    ("warmup_steps", {"warmup_steps": -1}, "Warmup steps must be at least 0"),
-    ("warmup_steps", {"warmup_steps": 20}, "Warmup steps (20) must be fewer than max steps (20)"),
-    ("schedule", {"schedule": "cosine", "max_steps": "", "target_val_loss": 1.0}, "A cosine schedule"),
+    ("beta1", {"beta1": 1.0}, "optimizer.beta1 must be at least 0 and below 1"),
+    ("beta2", {"beta2": -0.1}, "optimizer.beta2 must be at least 0 and below 1"),
+    ("eps", {"eps": 0}, "optimizer.eps must be above 0"),
+    ("weight_decay", {"weight_decay": -1}, "Weight decay (optimizer.weight_decay) must be between 0 and 1"),
+    ("momentum", {"optimizer": "sgd", "momentum": 1.5}, "Momentum (optimizer.momentum) must be at least 0 and below 1"),
+    ("warmup_steps", {"warmup_steps": -1}, "Warmup steps (optimizer.warmup_steps) must be between 0 and"),
+    ("warmup_steps", {"warmup_steps": 20}, "(optimizer.warmup_steps) is 20, but must be fewer than max steps (20)"),
+    ("schedule", {"schedule": "cosine", "max_steps": "", "target_val_loss": 1.0}, "a cosine schedule decays until"),
     ("schedule", {"schedule": "step"}, "Schedule"),
-    ("min_lr_ratio", {"min_lr_ratio": 2}, "Minimum LR ratio must be in [0, 1]"),
-    ("target_batch_size", {"target_batch_size": 0}, "Target batch size must be at least 1"),
-    ("microbatch_size", {"microbatch_size": 64}, "Microbatch size (64) must not exceed the target batch size (32)"),
+    ("min_lr_ratio", {"min_lr_ratio": 2}, "Minimum LR ratio (optimizer.min_lr_ratio) must be between 0 and 1"),
+    ("target_batch_size", {"target_batch_size": 0}, "Target batch size (target_batch_size) must be between 1 and"),
+    ("microbatch_size", {"microbatch_size": 64}, "Microbatch size (64) must be at least 1 and must not exceed the"),
     ("codec", {"codec": "int4"}, "Gradient codec"),
     ("max_steps", {"max_steps": "", "target_val_loss": ""}, "Set a stop rule"),
-    ("max_steps", {"max_steps": 0}, "Max steps must be at least 1"),
-    ("target_val_loss", {"target_val_loss": -1}, "Target validation loss must be at least"),
+    ("max_steps", {"max_steps": 0}, "Max steps (max_steps) must be between 1 and"),
+    ("target_val_loss", {"target_val_loss": -1}, "Target validation loss (target_val_loss) must be above 0"),
     ("target_val_loss", {"target_val_loss": "nan"}, "Target validation loss"),
-    ("seed", {"seed": -3}, "Seed must be at least 0"),
-    ("num_aggregators", {"num_aggregators": 0}, "Aggregators must be at least 1"),
+    ("validate_every", {"validate_every": -1}, "Validate every (validate_every) must be between 0 and"),
+    ("seed", {"seed": -3}, "Seed (seed) must be between 0 and"),
+    ("num_aggregators", {"num_aggregators": 0}, "Aggregators (num_aggregators) must be between 1 and 64"),
     ("num_aggregators", {"optimizer": "lamb", "num_aggregators": 64}, "LAMB gives each aggregator whole parameter"),
-    ("staleness", {"staleness": 9}, "Staleness must be at most 4"),
-    ("checkpoint_every", {"checkpoint_every": 0}, "Checkpoint every must be at least 1"),
+    ("staleness", {"staleness": 9}, "Staleness (staleness) must be between 0 and 4"),
+    ("checkpoint_every", {"checkpoint_every": 0}, "Checkpoint every (checkpoint_every) must be between 1 and"),
+    ("max_grad_norm", {"max_grad_norm": -1}, "Max gradient norm (max_grad_norm) must be between 0 and"),
 ]
 
 

@@ -7,7 +7,14 @@ import pytest
 from channels.testing import WebsocketCommunicator
 
 from crowdtrain.asgi import application
-from crowdtrain_agent.protocol import PROTOCOL_VERSION, AgentHello, DeviceInfo, decode_message, encode_message
+from crowdtrain_agent.protocol import (
+    PROTOCOL_VERSION,
+    AgentHello,
+    DeviceInfo,
+    decode_message,
+    encode_message,
+    offered_subprotocols,
+)
 
 Connect = Callable[..., Any]
 
@@ -47,7 +54,8 @@ async def connect() -> AsyncIterator[Connect]:
 
     async def _connect(path: str, token: str | None) -> tuple[WebsocketCommunicator, bool, int | None]:
         headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-        communicator = WebsocketCommunicator(application, path, headers=headers)
+        # Offers this code's protocol minor, as our agent and aggregator do (2.0 peers have their own tests).
+        communicator = WebsocketCommunicator(application, path, headers=headers, subprotocols=offered_subprotocols())
         connected, code = await communicator.connect()
         opened.append(communicator)
         return communicator, connected, code

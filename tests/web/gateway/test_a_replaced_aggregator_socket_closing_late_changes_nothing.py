@@ -15,7 +15,7 @@ from channels.testing import WebsocketCommunicator
 
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler.models import Aggregator, SliceAssignment
-from crowdtrain_agent.protocol import BackboneHello, SliceAssignment as AssignMessage, SliceReady
+from crowdtrain_agent.protocol import PROTOCOL_VERSION, BackboneHello, SliceAssignment as AssignMessage, SliceReady
 from tests.factories import make_campaign
 
 from .conftest import Connect, receive, send
@@ -31,7 +31,7 @@ async def _join(connect: Connect, campaign: Campaign) -> WebsocketCommunicator:
     """Connect as the campaign's aggregator, take its slice back, and wait until the site counts it ready."""
     aggregator = await sync_to_async(lambda: SliceAssignment.objects.get(campaign=campaign, index=0).aggregator)()
     communicator, _, _ = await connect("/ws/backbone/", f"token-{aggregator.name}")
-    hello = BackboneHello(name=aggregator.name, upload_url="ws://x/upload", params_url="http://x/params/")
+    hello = BackboneHello(protocol_version=PROTOCOL_VERSION, name=aggregator.name, upload_url="ws://x/upload", params_url="http://x/params/")
     await send(communicator, hello)
     await receive(communicator)  # welcome
     assignment = await receive(communicator)

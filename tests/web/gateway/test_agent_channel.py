@@ -32,7 +32,7 @@ async def test_it_answers_bad_messages_and_keeps_the_connection(connect: Connect
         json.dumps({"kind": "launch_missiles"}),
         json.dumps({"kind": "lease_request", "campaign_id": "seven"}),
         json.dumps({"kind": "hello", "agent_version": "x"}),
-        json.dumps({"kind": "heartbeat", "padding": "x" * 70000}),
+        json.dumps({"kind": "lease_request", "wait_s": int("9" * 400)}),
     ]
     replies = []
 
@@ -46,10 +46,23 @@ async def test_it_answers_bad_messages_and_keeps_the_connection(connect: Connect
     assert all(isinstance(r, ErrorMessage) for r in replies)
     assert "malformed json" in replies[0].detail
     assert "unknown message kind 'launch_missiles'" in replies[1].detail
-    assert "campaign_id: expected an integer" in replies[2].detail
-    assert "missing field 'device'" in replies[3].detail
-    assert replies[4].code == "too large"
+    assert "LeaseRequest.campaign_id: expected int" in replies[2].detail
+    assert "missing field" in replies[3].detail
+    assert "LeaseRequest.wait_s: number out of range" in replies[4].detail
     assert isinstance(welcome, Welcome)
+
+
+async def test_a_message_over_the_size_limit_is_answered_and_closes_with_4008(connect: Connect) -> None:
+    _, token = await sync_to_async(make_device)()
+    communicator, _, _ = await connect("/ws/agent/", token)
+    # 30,000 three-byte characters: under the limit in characters, over it in bytes.
+    await communicator.send_to(text_data=json.dumps({"kind": "heartbeat", "pad": "€" * 30_000}, ensure_ascii=False))
+
+    reply = await receive(communicator)
+    closed = await communicator.receive_output(timeout=5)
+
+    assert isinstance(reply, ErrorMessage) and reply.code == "too large"
+    assert (closed["type"], closed["code"]) == ("websocket.close", 4008)
 
 
 async def test_it_wants_hello_before_anything_else(connect: Connect) -> None:
@@ -156,7 +169,7 @@ async def test_it_refuses_a_request_id_longer_than_it_can_store(connect: Connect
     reply = await receive(communicator)
 
     assert isinstance(reply, ErrorMessage)
-    assert "request_id of 65 characters; at most 64" in reply.detail
+    assert "LeaseRequest.request_id: expected str of length <= 64" in reply.detail
 
 
 async def test_a_stranger_asking_for_an_invite_only_campaign_hears_nothing_of_it(connect: Connect) -> None:

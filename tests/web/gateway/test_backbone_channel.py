@@ -4,22 +4,29 @@ import asyncio
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.conf import settings
 
 from crowdtrain.accounts.tokens import hash_token
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler.models import Aggregator
 from crowdtrain_agent.protocol import (
+    PROTOCOL_VERSION,
     BackboneHello,
     BackboneWelcome,
     DoneAck,
     Heartbeat,
+    LeaseDone,
     LeaseRequest,
+    Receipt,
     SliceAssignment,
     SliceReady,
     StepApplied,
     StepCommit,
+    campaign_key,
+    sign_receipt,
+    verify_ticket,
 )
-from tests.factories import TINY_GPT, done_for, make_device, make_text_dataset, make_user
+from tests.factories import TINY_GPT, make_device, make_text_dataset, make_user
 from crowdtrain.campaigns.setup import create_campaign
 
 from .conftest import HELLO, Connect, receive, send
@@ -46,7 +53,7 @@ async def test_a_step_goes_from_agent_report_to_aggregator_commit_to_published_v
     campaign = await sync_to_async(_running_campaign)()
     token = await sync_to_async(_aggregator)("agg-1")
     aggregator, _, _ = await connect("/ws/backbone/", token)
-    await send(aggregator, BackboneHello(name="agg-1", upload_url="ws://127.0.0.1:9/upload", params_url="http://127.0.0.1:9/params/"))
+    await send(aggregator, BackboneHello(protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://127.0.0.1:9/upload", params_url="http://127.0.0.1:9/params/"))
     welcome = await receive(aggregator)
     assignment = await receive(aggregator)
     await send(aggregator, SliceReady(campaign_id=campaign.pk, slice_index=0, version=0))
@@ -57,7 +64,13 @@ async def test_a_step_goes_from_agent_report_to_aggregator_commit_to_published_v
 
     await send(agent, LeaseRequest())
     lease = await receive(agent)
-    await send(agent, await sync_to_async(done_for)(lease.lease_id))
+    # The agent hands back receipts signed as the aggregator signs them: with the key its assignment carried.
+    key = bytes.fromhex(assignment.ticket_key)
+    ticket = verify_ticket(lease.ticket, key)
+    receipt = Receipt(slice_index=0, token=sign_receipt(key, campaign_id=campaign.pk, lease_id=lease.lease_id,
+                                                        slice_index=0, num_samples=lease.num_samples))  # fmt: skip
+    await send(agent, LeaseDone(lease_id=lease.lease_id, receipts=[receipt], num_samples=lease.num_samples,
+                                loss_sum=float(lease.num_samples), compute_s=0.1))  # fmt: skip
     ack = await receive(agent)
     commit = await receive(aggregator)
     await send(aggregator, StepApplied(campaign_id=campaign.pk, slice_index=0, step=0, version=1))
@@ -67,8 +80,11 @@ async def test_a_step_goes_from_agent_report_to_aggregator_commit_to_published_v
         if campaign.version == 1:
             break
 
-    assert isinstance(welcome, BackboneWelcome) and len(bytes.fromhex(welcome.ticket_key)) == 32
+    # A 2.1 aggregator gets no key in the welcome, and its campaign's own key (not the site's) with the slice.
+    assert isinstance(welcome, BackboneWelcome) and welcome.ticket_key == ""
     assert isinstance(assignment, SliceAssignment)
+    assert key == campaign_key(settings.CROWDTRAIN_TICKET_KEY, campaign.pk) != settings.CROWDTRAIN_TICKET_KEY
+    assert ticket.campaign_id == campaign.pk
     assert (assignment.start, assignment.end, assignment.version) == (0, campaign.param_count, 0)
     assert assignment.max_grad_norm > 0  # absurd gradients are refused unless the organizer opts out
     assert isinstance(ack, DoneAck) and ack.accepted
@@ -87,7 +103,7 @@ async def test_two_aggregators_split_the_parameters_between_them(connect: Connec
     for name in ("agg-a", "agg-b"):
         token = await sync_to_async(_aggregator)(name)
         communicator, _, _ = await connect("/ws/backbone/", token)
-        await send(communicator, BackboneHello(name=name, upload_url=f"ws://{name}/upload", params_url=f"http://{name}/params/"))
+        await send(communicator, BackboneHello(protocol_version=PROTOCOL_VERSION, name=name, upload_url=f"ws://{name}/upload", params_url=f"http://{name}/params/"))
         await receive(communicator)
         sockets.append(communicator)
     # The campaign is assigned once both are live: each gets its slice then.
@@ -101,7 +117,7 @@ async def test_an_aggregator_that_lost_its_state_rolls_the_campaign_back(connect
     campaign = await sync_to_async(_running_campaign)()
     token = await sync_to_async(_aggregator)("agg-1")
     aggregator, _, _ = await connect("/ws/backbone/", token)
-    await send(aggregator, BackboneHello(name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"))
+    await send(aggregator, BackboneHello(protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"))
     await receive(aggregator)
     await receive(aggregator)
     await sync_to_async(Campaign.objects.filter(pk=campaign.pk).update)(version=3, committed_steps=3)
@@ -119,7 +135,7 @@ async def test_an_aggregator_that_lost_its_state_rolls_the_campaign_back(connect
 async def test_a_campaign_started_after_its_aggregator_joined_gets_its_slice_on_the_next_heartbeat(connect: Connect) -> None:
     token = await sync_to_async(_aggregator)("agg-1")
     aggregator, _, _ = await connect("/ws/backbone/", token)
-    await send(aggregator, BackboneHello(name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"))
+    await send(aggregator, BackboneHello(protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"))
     await receive(aggregator)
     campaign = await sync_to_async(_running_campaign)()
 

@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 from crowdtrain import daphne_site
-from crowdtrain.launcher import PYTHONPATH
+from crowdtrain_launcher import PYTHONPATH
 
 CHILD = textwrap.dedent(
     """

@@ -85,7 +85,7 @@ async def test_it_refuses_a_negative_wait(connect: Connect, wait_s: float) -> No
     await send(agent, LeaseRequest(wait_s=wait_s))
     reply = await receive(agent)
 
-    assert isinstance(reply, ErrorMessage) and "wait_s must be a number of seconds >= 0" in reply.detail
+    assert isinstance(reply, ErrorMessage) and "LeaseRequest.wait_s: expected float >= 0.0" in reply.detail
 
 
 async def test_a_commit_wakes_only_as_many_waiting_requests_as_its_room_serves(

@@ -10,9 +10,10 @@ from django.test import Client
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.organizers import grant_role
-from crowdtrain.scheduler import backbone, leasing
+from crowdtrain.scheduler import backbone
 from crowdtrain.scheduler.models import Checkpoint
 from crowdtrain_agent.protocol import (
+    PROTOCOL_VERSION,
     BackboneHello,
     CheckpointComplete,
     CheckpointSaved,
@@ -23,19 +24,9 @@ from crowdtrain_agent.protocol import (
     StepApplied,
     StepFailed,
 )
-from tests.factories import done_for, make_campaign, make_device, make_user
+from tests.factories import commit_steps, make_campaign, make_device, make_user
 
 pytestmark = pytest.mark.django_db
-
-
-def commit_steps(campaign: Campaign, device: Device, steps: int) -> list[int]:
-    lease_ids = []
-    for _ in range(steps):
-        lease = leasing.request_lease(device.pk, None, 1000.0)
-        leasing.report_done(device.pk, done_for(lease.lease_id))
-        lease_ids.append(lease.lease_id)
-    campaign.refresh_from_db()
-    return lease_ids
 
 
 def confirm(campaign: Campaign, version: int, slices: list[int] | None = None) -> list[tuple[int, object]]:
@@ -199,7 +190,7 @@ def test_the_campaign_page_shows_the_block_and_only_staff_can_restore(client: Cl
 
 
 def _hello() -> BackboneHello:
-    return BackboneHello(name="agg", upload_url="ws://127.0.0.1:1/upload", params_url="http://127.0.0.1:1/params/")
+    return BackboneHello(protocol_version=PROTOCOL_VERSION, name="agg", upload_url="ws://127.0.0.1:1/upload", params_url="http://127.0.0.1:1/params/")
 
 
 def test_a_slice_whose_reply_for_the_failed_step_is_not_in_yet_is_rolled_back_too() -> None:

@@ -153,7 +153,7 @@ def _report(campaign: Campaign, device_id: int, lease_id: int) -> None:
             leasing.report_done(device_id, done_for(lease_id))
         return
     receipts = [
-        Receipt(slice_index=i, token=sign_receipt(leasing.settings.CROWDTRAIN_TICKET_KEY, campaign_id=campaign.pk,
+        Receipt(slice_index=i, token=sign_receipt(configs.ticket_key(campaign.pk), campaign_id=campaign.pk,
                                                   lease_id=lease_id, slice_index=i, num_samples=record["n"]))
         for i in range(campaign.num_aggregators)
     ]  # fmt: skip

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 
+import msgspec
 import pytest
 from django.test import override_settings
 
 from crowdtrain.campaigns.models import Campaign, shard_table
 from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler.configs import ticket_key
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import Lease as LeaseMessage, LeaseDone, NoLease, Receipt, verify_ticket
 from tests.conftest import FakeClock
@@ -23,7 +25,7 @@ def test_it_leases_whole_microbatches_with_a_verifiable_ticket() -> None:
     assert isinstance(lease, LeaseMessage)
     assert lease.num_samples == 2 * campaign.microbatch_size
     assert sum(r.count for r in lease.ranges) == lease.num_samples
-    ticket = verify_ticket(lease.ticket, leasing.settings.CROWDTRAIN_TICKET_KEY)
+    ticket = verify_ticket(lease.ticket, ticket_key(campaign.pk))
     assert (ticket.lease_id, ticket.device_id, ticket.num_samples) == (lease.lease_id, device.pk, lease.num_samples)
 
 
@@ -290,7 +292,7 @@ def test_it_rejects_a_report_with_an_impossible_loss(loss: float) -> None:
     lease = leasing.request_lease(device.pk, None, None)
     report = done_for(lease.lease_id)
 
-    outcome = leasing.report_done(device.pk, LeaseDone(**{**report.__dict__, "loss_sum": loss}))
+    outcome = leasing.report_done(device.pk, msgspec.structs.replace(report, loss_sum=loss))
 
     assert not outcome.ack.accepted
     assert "is outside 0..1e+06 per sample" in outcome.ack.reason
@@ -306,7 +308,7 @@ def test_a_resent_request_gets_the_same_lease_back() -> None:
     other = leasing.request_lease(device.pk, None, 1.0, request_id="r-2")
 
     assert again.lease_id == first.lease_id and again.ranges == first.ranges
-    assert verify_ticket(again.ticket, leasing.settings.CROWDTRAIN_TICKET_KEY).lease_id == first.lease_id
+    assert verify_ticket(again.ticket, ticket_key(again.campaign_id)).lease_id == first.lease_id
     assert other.lease_id != first.lease_id
     assert Lease.objects.count() == 2
 
@@ -345,7 +347,7 @@ def test_a_reported_compute_time_longer_than_the_lease_was_held_is_cut_to_it() -
     lease = leasing.request_lease(device.pk, None, None)
     report = done_for(lease.lease_id)
 
-    leasing.report_done(device.pk, LeaseDone(**{**report.__dict__, "compute_s": 1e9}))
+    leasing.report_done(device.pk, msgspec.structs.replace(report, compute_s=1e9))
 
     stored = Lease.objects.get(pk=lease.lease_id)
     assert 0.0 <= stored.compute_s <= (stored.finished_at - stored.issued_at).total_seconds()

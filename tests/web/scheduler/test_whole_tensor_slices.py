@@ -36,8 +36,22 @@ def test_each_cut_takes_the_boundary_nearest_the_even_split() -> None:
     assert bounds == [(0, 32), (32, 67)]
 
 
-def test_without_tensor_sizes_slices_are_even() -> None:
-    assert backbone.slice_bounds(67, 2) == [(0, 33), (33, 67)]
+def test_without_tensor_sizes_slices_are_even_and_cut_at_multiples_of_16() -> None:
+    assert backbone.slice_bounds(67, 2) == [(0, 32), (32, 67)]
+    assert backbone.slice_bounds(6532, 2) == [(0, 3264), (3264, 6532)]
+
+
+@given(st.integers(min_value=1, max_value=10**7), st.integers(min_value=1, max_value=16))
+def test_elementwise_slices_are_contiguous_nearly_even_and_aligned(count: int, parts: int) -> None:
+    parts = min(parts, count)
+
+    bounds = backbone.slice_bounds(count, parts)
+
+    assert bounds[0][0] == 0 and bounds[-1][1] == count and len(bounds) == parts
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])) and all(s < e for s, e in bounds)
+    if count >= backbone.SLICE_ALIGN * parts * 2:
+        assert all(start % backbone.SLICE_ALIGN == 0 for start, _ in bounds)
+        assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 2 * backbone.SLICE_ALIGN
 
 
 def test_more_slices_than_tensors_is_refused() -> None:

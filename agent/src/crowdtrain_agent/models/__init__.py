@@ -8,9 +8,10 @@ validate campaign configs and count parameters.
 from __future__ import annotations
 
 from .exported import export_bytes, load_exported, model_from_flat
-from .registry import REGISTRY, ModelEntry, get_model
+from .registry import REGISTRY, ModelEntry, get_model, max_text_sample_len
 from .registry import ModelConfigError
 
 __all__ = [
-    "REGISTRY", "ModelConfigError", "ModelEntry", "export_bytes", "get_model", "load_exported", "model_from_flat",
+    "REGISTRY", "ModelConfigError", "ModelEntry", "export_bytes", "get_model", "load_exported", "max_text_sample_len",
+    "model_from_flat",
 ]  # fmt: skip

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -11,23 +10,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..fields import ConfigError, ConfigField
 from .gpt import GPT
 from .mlp import MLP
 
 
-class ModelConfigError(ValueError):
-    """A campaign's model config that the registry cannot build; the message names the field."""
-
-
-@dataclass(frozen=True)
-class ConfigField:
-    """One keyword argument of an architecture, as forms and validators see it."""
-
-    kind: Literal["int", "float", "int_list"]
-    default: Any
-    minimum: float = 1
-    maximum: float = 1 << 20
-    help: str = ""
+class ModelConfigError(ConfigError):
+    """A campaign's model config that the registry cannot build; ``field`` names the config key, if one is at fault."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +36,15 @@ class ModelEntry:
     _flops_forward: Callable[[dict[str, Any]], int]
     _loss_sum: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     _check: Callable[[dict[str, Any]], None] = field(default=lambda config: None)
+    # Text architectures only: the bytes per sample a validated config trains on, and the most any
+    # config allows. A text dataset is cut into samples of one such length, so uploads and campaign
+    # checks ask these instead of assuming a field of one architecture (GPT's block_size).
+    _sample_len: Callable[[dict[str, Any]], int] | None = None
+    max_sample_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.data_kind == "text" and (self._sample_len is None or self.max_sample_len < 2):
+            raise TypeError(f"text architecture {self.name!r} needs _sample_len and a max_sample_len of at least 2")
 
     def validate(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """Fill defaults and check every field.
@@ -62,7 +60,7 @@ class ModelEntry:
         clean: dict[str, Any] = {}
         for name, spec in self.fields.items():
             value = config.get(name, spec.default)
-            clean[name] = _check_field(self.name, name, spec, value)
+            clean[name] = spec.check(value, f"{self.name}.{name}", field=name, error=ModelConfigError)
         self._check(clean)
         return clean
 
@@ -96,37 +94,31 @@ class ModelEntry:
         return 3 * self._flops_forward(self.validate(config))
 
     def sample_len(self, config: Mapping[str, Any]) -> int:
-        """Bytes per sample of a text dataset this model can train on (0 for tensor data)."""
-        return int(self.validate(config)["block_size"]) + 1 if self.data_kind == "text" else 0
+        """Bytes per sample of a text dataset this model trains on with ``config``.
+
+        Returns:
+            The length, at most ``max_sample_len``; 0 for architectures that train on tensor data.
+
+        Raises:
+            ModelConfigError: if ``config`` is not valid for this architecture.
+        """
+        clean = self.validate(config)
+        return 0 if self._sample_len is None else int(self._sample_len(clean))
 
     def loss_sum(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self._loss_sum(model, x, y)
 
 
-def _check_field(model: str, name: str, spec: ConfigField, value: Any) -> Any:
-    where = f"{model}.{name}"
-    if spec.kind == "int_list":
-        if not isinstance(value, (list, tuple)) or not value:
-            raise ModelConfigError(f"{where} must be a non-empty list of integers, got {value!r}")
-        return [_check_number(where, spec, v, integer=True) for v in value]
-    return _check_number(where, spec, value, integer=spec.kind == "int")
-
-
-def _check_number(where: str, spec: ConfigField, value: Any, *, integer: bool) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
-        raise ModelConfigError(f"{where} must be {'an integer' if integer else 'a number'}, got {value!r}")
-    if not math.isfinite(value) or not spec.minimum <= value <= spec.maximum:
-        raise ModelConfigError(f"{where} must be between {spec.minimum} and {spec.maximum}, got {value!r}")
-    return int(value) if integer else float(value)
-
-
 # ----------------------------------------------------------------------- gpt
+
+GPT_MAX_BLOCK_SIZE = 8192  # bytes of context
+
 
 
 def _gpt_check(config: dict[str, Any]) -> None:
     if config["n_embd"] % config["n_head"]:
         raise ModelConfigError(
-            f"gpt.n_embd ({config['n_embd']}) must be divisible by gpt.n_head ({config['n_head']})"
+            f"gpt.n_embd ({config['n_embd']}) must be divisible by gpt.n_head ({config['n_head']})", "n_embd"
         )
 
 
@@ -162,12 +154,15 @@ REGISTRY: dict[str, ModelEntry] = {
             "n_layer": ConfigField("int", 4, 1, 96, "transformer blocks"),
             "n_head": ConfigField("int", 4, 1, 128, "attention heads per block"),
             "n_embd": ConfigField("int", 128, 8, 16384, "embedding width; a multiple of n_head"),
-            "block_size": ConfigField("int", 64, 2, 8192, "context length in bytes"),
+            "block_size": ConfigField("int", 64, 2, GPT_MAX_BLOCK_SIZE, "context length in bytes"),
         },
         _build=lambda c: GPT(c["n_layer"], c["n_head"], c["n_embd"], c["block_size"]),
         _flops_forward=_gpt_flops,
         _loss_sum=_gpt_loss_sum,
         _check=_gpt_check,
+        # A sample is the context plus one byte: the targets are the inputs shifted by one.
+        _sample_len=lambda c: c["block_size"] + 1,
+        max_sample_len=GPT_MAX_BLOCK_SIZE + 1,
     ),
     "mlp": ModelEntry(
         name="mlp",
@@ -183,6 +178,11 @@ REGISTRY: dict[str, ModelEntry] = {
         _loss_sum=_mlp_loss_sum,
     ),
 }
+
+
+def max_text_sample_len() -> int:
+    """The longest sample any text architecture here trains on: the most an uploaded text dataset may use."""
+    return max((entry.max_sample_len for entry in REGISTRY.values() if entry.data_kind == "text"), default=0)
 
 
 def get_model(name: str) -> ModelEntry:

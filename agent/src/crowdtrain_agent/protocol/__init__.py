@@ -1,4 +1,4 @@
-"""The Crowdtrain wire protocol: messages, binary frames, tickets. Standard library only."""
+"""The Crowdtrain wire protocol: messages, binary frames, tickets. The standard library and msgspec only."""
 
 from __future__ import annotations
 
@@ -9,21 +9,28 @@ from .frames import (
     HEARTBEAT_INTERVAL_S,
     MAX_CONTROL_MESSAGE_BYTES,
     MAX_WS_MESSAGE_BYTES,
+    OLDEST_MINOR,
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     CloseCode,
+    choose_subprotocol,
     chunk_fragments,
     decode_chunk,
     encode_chunk,
+    negotiated_minor,
+    offered_subprotocols,
     should_reconnect,
     split_payload,
 )
 from .messages import *  # noqa: F403  (messages.__all__ lists the message classes)
 from .messages import MESSAGE_TYPES, decode_message, encode_message
-from .tickets import Ticket, sign_receipt, sign_ticket, verify_receipt, verify_ticket
+from .tickets import Ticket, campaign_key, sign_receipt, sign_ticket, ticket_campaign, verify_receipt, verify_ticket
 
 __all__ = [
     "CHUNK_PAYLOAD_BYTES", "GONE_AFTER_S", "HEARTBEAT_INTERVAL_S", "MAX_CONTROL_MESSAGE_BYTES",
-    "MAX_WS_MESSAGE_BYTES", "MESSAGE_TYPES", "PROTOCOL_VERSION", "CloseCode", "ProtocolError", "Ticket",
-    "chunk_fragments", "decode_chunk", "decode_message", "encode_chunk", "encode_message", "should_reconnect",
-    "sign_receipt", "sign_ticket", "split_payload", "verify_receipt", "verify_ticket",
+    "MAX_WS_MESSAGE_BYTES", "MESSAGE_TYPES", "OLDEST_MINOR", "PROTOCOL_MINOR", "PROTOCOL_VERSION", "CloseCode",
+    "ProtocolError", "Ticket", "campaign_key", "choose_subprotocol", "chunk_fragments", "decode_chunk",
+    "decode_message",
+    "encode_chunk", "encode_message", "negotiated_minor", "offered_subprotocols", "should_reconnect",
+    "sign_receipt", "sign_ticket", "split_payload", "ticket_campaign", "verify_receipt", "verify_ticket",
 ]  # fmt: skip

@@ -6,7 +6,17 @@ import enum
 import struct
 from dataclasses import dataclass
 
-PROTOCOL_VERSION = 2  # 2: lease_request.wait_s, no_lease.ready_at_step, lease.prefetch (strict decoders refuse new fields)
+# The major version: peers of different majors cannot talk (close code 4004, "upgrade").
+PROTOCOL_VERSION = 2
+# The minor version, negotiated per connection as the WebSocket subprotocol "crowdtrain.<major>.<minor>";
+# a peer that offers none (every 2.0 agent and site) speaks minor 0. Each side speaks its own minor
+# and the one before, decodes fields it does not know by ignoring them, and leaves out of what it
+# sends the fields its peer's minor lacks. History (agent/PROTOCOL.md has the rule):
+#   2.0  lease_request.wait_s, no_lease.ready_at_step, lease.prefetch; decoders refuse unknown fields
+#   2.1  decoders ignore unknown fields; every number bounded; hello.protocol_version required
+PROTOCOL_MINOR = 1
+OLDEST_MINOR = max(0, PROTOCOL_MINOR - 1)
+SUBPROTOCOL_PREFIX = f"crowdtrain.{PROTOCOL_VERSION}."
 
 # Every WebSocket message either side sends stays under 1 MiB: daphne and the
 # `websockets` client both drop larger ones by default (../shared/STACK.md).
@@ -25,6 +35,37 @@ GONE_AFTER_S = 10.0
 _CHUNK_MAGIC = b"CTGC"
 _CHUNK_HEADER = struct.Struct("!4sIII")
 CHUNK_HEADER_BYTES = _CHUNK_HEADER.size
+
+
+def subprotocol(minor: int) -> str:
+    return f"{SUBPROTOCOL_PREFIX}{minor}"
+
+
+def offered_subprotocols(newest: int = PROTOCOL_MINOR) -> list[str]:
+    """What a client offers, preferred first: its own minor, then the one before (a site not upgraded yet)."""
+    return [subprotocol(m) for m in range(newest, max(0, newest - 1) - 1, -1)]
+
+
+def choose_subprotocol(offered: list[str], newest: int = PROTOCOL_MINOR) -> tuple[str | None, int]:
+    """A server's pick among a client's offered subprotocols: the newest minor both speak.
+
+    Returns:
+        The subprotocol to accept with (None: none offered that we speak; the
+        client then speaks minor 0, a 2.0 peer) and the minor in use.
+    """
+    minors = sorted(
+        (int(m) for m in (o.removeprefix(SUBPROTOCOL_PREFIX) for o in offered if o.startswith(SUBPROTOCOL_PREFIX))
+         if m.isdigit() and int(m) <= newest),
+        reverse=True,
+    )  # fmt: skip
+    return (subprotocol(minors[0]), minors[0]) if minors else (None, 0)
+
+
+def negotiated_minor(chosen: str | None) -> int:
+    """The minor a client speaks with a server that accepted ``chosen`` (None: a 2.0 server, minor 0)."""
+    if chosen and chosen.startswith(SUBPROTOCOL_PREFIX) and chosen.removeprefix(SUBPROTOCOL_PREFIX).isdigit():
+        return int(chosen.removeprefix(SUBPROTOCOL_PREFIX))
+    return 0
 
 
 class CloseCode(enum.IntEnum):

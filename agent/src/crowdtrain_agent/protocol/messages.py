@@ -6,51 +6,74 @@ Three channels carry them (see agent/PROTOCOL.md):
 - backbone, aggregator <-> site, ``/ws/backbone/``: slice assignments, step commits;
 - data, agent -> aggregator: an ``upload`` header followed by binary chunks.
 
-Each message is a frozen dataclass whose ``kind`` field is its wire tag.
+Each message is a frozen msgspec Struct whose ``kind`` is its wire tag; the
+field types carry the bounds (``schema``). Which side may send which message
+is declared once, in ``directions``.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, Union
+from collections.abc import Callable, Iterable
+from functools import cache
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
+
+import msgspec
 
 from .errors import ProtocolError
-from .frames import MAX_CONTROL_MESSAGE_BYTES, PROTOCOL_VERSION, CloseCode
-from .schema import from_dict, to_dict
+from .frames import MAX_CONTROL_MESSAGE_BYTES, PROTOCOL_MINOR, CloseCode
+from .schema import (
+    Bytes,
+    ConfigValue,
+    Count,
+    Id,
+    Message,
+    Name,
+    Part,
+    Rate,
+    Real,
+    Seconds,
+    SliceIndex,
+    Text,
+    Token,
+    Url,
+    Version,
+    explain,
+    newest_field,
+    strip_unknown,
+    to_wire,
+)
 
 M = TypeVar("M")
 
 CodecName = Literal["fp32", "fp16"]
 DeviceKind = Literal["cpu", "cuda", "mps"]
+Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+HexKey = Annotated[str, msgspec.Meta(pattern="^(?:[0-9a-f]{64})?$")]  # a 32-byte HMAC key in hex, or "" for none
+RequestId = Annotated[str, msgspec.Meta(max_length=64)]
 
 # ---------------------------------------------------------------- shared parts
 
 
-@dataclass(frozen=True, kw_only=True)
-class DeviceInfo:
+class DeviceInfo(Part, kw_only=True):
     """Hardware an agent reports; shown on the volunteer's device page."""
 
     kind: DeviceKind
-    name: str
-    memory_bytes: int = 0
-    threads: int = 1
-    torch_version: str = ""
-    flops_per_s: float = 0.0  # measured by a short matmul benchmark at start-up
+    name: Name
+    memory_bytes: Bytes = 0
+    threads: Count = 1
+    torch_version: Name = ""
+    flops_per_s: Rate = 0.0  # measured by a short matmul benchmark at start-up
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
+class ModelSpec(Part, kw_only=True):
     """An architecture from the agent's model registry and its keyword arguments."""
 
-    architecture: str
-    config: dict[str, Any]
+    architecture: Name
+    config: dict[Name, ConfigValue]
 
 
-@dataclass(frozen=True, kw_only=True)
-class DataSpec:
+class DataSpec(Part, kw_only=True):
     """How to turn a shard's bytes into samples.
 
     ``text``: raw bytes, ``sample_len`` bytes per sample (inputs are the first
@@ -59,31 +82,28 @@ class DataSpec:
     """
 
     kind: Literal["text", "tensors"]
-    sample_len: int = 0
+    sample_len: Count = 0
 
 
-@dataclass(frozen=True, kw_only=True)
-class SampleRange:
+class SampleRange(Part, kw_only=True):
     """``count`` consecutive samples of one shard, starting at sample ``start``."""
 
-    shard: str  # sha256 hex of the shard's bytes
-    start: int
-    count: int
+    shard: Sha256  # sha256 hex of the shard's bytes
+    start: Count
+    count: Count
 
 
-@dataclass(frozen=True, kw_only=True)
-class SliceRoute:
+class SliceRoute(Part, kw_only=True):
     """Where slice ``index`` (elements ``start:end`` of the flat parameter vector) lives."""
 
-    index: int
-    start: int
-    end: int
-    upload_url: str  # ws:// URL of the aggregator's data channel
-    params_url: str  # http:// URL prefix; GET {params_url}{version} returns the slice
+    index: Count
+    start: Count
+    end: Count
+    upload_url: Url  # ws:// URL of the aggregator's data channel
+    params_url: Url  # http:// URL prefix; GET {params_url}{version} returns the slice
 
 
-@dataclass(frozen=True, kw_only=True)
-class OptimizerSpec:
+class OptimizerSpec(Part, kw_only=True):
     """The optimizer the aggregators apply to their slices, and its learning-rate schedule.
 
     AdamW and SGD are elementwise, so slices compose to the full model. LAMB
@@ -96,17 +116,23 @@ class OptimizerSpec:
     reaches ``lr * min_lr_ratio`` at ``total_steps`` and stays there.
     """
 
-    name: Literal["adamw", "sgd", "lamb"] = "adamw"
-    lr: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    momentum: float = 0.0
-    warmup_steps: int = 0
+    # A key of crowdtrain_agent.optimizers.OPTIMIZERS: the site and the aggregator both check it there.
+    name: Name = "adamw"
+    lr: Real = 1e-3
+    beta1: Real = 0.9
+    beta2: Real = 0.999
+    eps: Real = 1e-8
+    weight_decay: Real = 0.0
+    momentum: Real = 0.0
+    warmup_steps: Count = 0
     schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = 0.0
-    total_steps: int | None = None  # the site fills it from the campaign's max_steps
+    min_lr_ratio: Real = 0.0
+    total_steps: Version | None = None  # the site fills it from the campaign's max_steps
+    decay_all: bool = False  # weight decay on every tensor (default: tensors of 2 or more dimensions only)
+    # Hyperparameters of registered optimizers that have no field of their own, by registry name.
+    extra: dict[Name, Real] = {}
+
+    since: ClassVar[dict[str, int]] = {"decay_all": 1, "extra": 1}
 
     def lr_multiplier(self, step: int) -> float:
         """The factor on ``lr`` for step ``step`` (0-based; the step that makes version ``step + 1``).
@@ -135,76 +161,65 @@ class OptimizerSpec:
         return max(0.0, self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Receipt:
+class Receipt(Part, kw_only=True):
     """An aggregator's signed proof that it holds one slice of a lease's gradient."""
 
-    slice_index: int
-    token: str
+    slice_index: SliceIndex
+    token: Token
 
 
 # ------------------------------------------------------ control: agent <-> site
 
 
-@dataclass(frozen=True, kw_only=True)
-class AgentHello:
-    kind: Literal["hello"] = "hello"
-    protocol_version: int = PROTOCOL_VERSION
-    agent_version: str
+class AgentHello(Message, tag="hello", kw_only=True):
+    protocol_version: Version  # the major version; the minor is negotiated as the WebSocket subprotocol
+    agent_version: Name
     device: DeviceInfo
 
 
-@dataclass(frozen=True, kw_only=True)
-class Welcome:
-    kind: Literal["welcome"] = "welcome"
-    device_id: int
-    device_name: str
-    volunteer: str
-    heartbeat_s: float
-    gone_after_s: float
+class Welcome(Message, tag="welcome", kw_only=True):
+    device_id: Id
+    device_name: Name
+    volunteer: Name
+    heartbeat_s: Seconds
+    gone_after_s: Seconds
 
 
-@dataclass(frozen=True, kw_only=True)
-class Heartbeat:
+class Heartbeat(Message, tag="heartbeat", kw_only=True):
     """Sent every HEARTBEAT_INTERVAL_S by agents and aggregators; no reply."""
 
-    kind: Literal["heartbeat"] = "heartbeat"
 
 
-@dataclass(frozen=True, kw_only=True)
-class LeaseRequest:
-    kind: Literal["lease_request"] = "lease_request"
-    campaign_id: int | None = None  # None: any running campaign
-    samples_per_s: float | None = None  # measured on that campaign's model; None until known
-    request_id: str = ""  # the same for a resent request, so the site answers with the same lease (max 64)
+class LeaseRequest(Message, tag="lease_request", kw_only=True):
+    campaign_id: Id | None = None  # None: any running campaign
+    samples_per_s: Rate | None = None  # measured on that campaign's model; None until known
+    request_id: RequestId = ""  # the same for a resent request, so the site answers with the same lease (max 64)
     # How long the site may hold the request when every step this device may work on is full: it
     # answers the moment a commit makes room, instead of the agent asking again and again. 0: at once.
-    wait_s: float = 0.0
+    wait_s: Seconds = 0.0
 
 
-@dataclass(frozen=True, kw_only=True)
-class Lease:
+class Lease(Message, tag="lease", kw_only=True):
     """One assignment of sample ranges to one agent, with a deadline."""
 
-    kind: Literal["lease"] = "lease"
-    lease_id: int
-    campaign_id: int
+    lease_id: Id
+    campaign_id: Id
     # Parameter version to compute the gradient against: the newest committed step's, which the
     # aggregators may still be applying (their parameter downloads wait for it a few seconds).
-    base_version: int
+    base_version: Version
     ranges: list[SampleRange]
-    num_samples: int
-    microbatch_size: int
-    deadline_s: float  # seconds from now; relative so clock skew does not matter
-    ticket: str
+    num_samples: Count
+    microbatch_size: Count
+    deadline_s: Seconds  # seconds from now; relative so clock skew does not matter
+    ticket: Token
     codec: CodecName
     model: ModelSpec
     data: DataSpec
-    param_count: int
+    param_count: Count
     slices: list[SliceRoute]
     # Shards the campaign's next leases will read (sha256): fetched ahead, while this lease computes,
     # so a lease seldom waits for its data. Agents take the first few.
-    prefetch: list[str] = field(default_factory=list)
+    prefetch: list[Annotated[str, msgspec.Meta(max_length=64)]] = []
 
 
 NoLeaseReason = Literal[
@@ -216,287 +231,317 @@ NoLeaseReason = Literal[
 ]
 
 
-@dataclass(frozen=True, kw_only=True)
-class NoLease:
+class NoLease(Message, tag="no_lease", kw_only=True):
     """Why no lease was given, and when to ask again."""
 
-    kind: Literal["no_lease"] = "no_lease"
     reason: NoLeaseReason
-    detail: str
-    retry_after_s: float
+    detail: Text
+    retry_after_s: Seconds
     # For "step_full": asking again can succeed once the campaign has committed this many steps.
-    ready_at_step: int | None = None
+    ready_at_step: Version | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
-class LeaseDone:
-    kind: Literal["done"] = "done"
-    lease_id: int
+class LeaseDone(Message, tag="done", kw_only=True):
+    lease_id: Id
     receipts: list[Receipt]
-    num_samples: int
-    loss_sum: float  # sum over samples of each sample's mean token loss
-    compute_s: float
+    num_samples: Count
+    loss_sum: Real  # sum over samples of each sample's mean token loss
+    compute_s: Seconds
 
 
-@dataclass(frozen=True, kw_only=True)
-class DoneAck:
-    kind: Literal["done_ack"] = "done_ack"
-    lease_id: int
+class DoneAck(Message, tag="done_ack", kw_only=True):
+    lease_id: Id
     accepted: bool
-    step: int | None = None  # the step the samples count in, when accepted
-    reason: str = ""  # why not, when rejected ("lease expired", "stale version", ...)
+    step: Version | None = None  # the step the samples count in, when accepted
+    reason: Text = ""  # why not, when rejected ("lease expired", "stale version", ...)
 
 
-@dataclass(frozen=True, kw_only=True)
-class LeaseRelease:
+class LeaseRelease(Message, tag="release", kw_only=True):
     """The agent gives a lease back unfinished (Ctrl-C); its samples are requeued."""
 
-    kind: Literal["release"] = "release"
-    lease_id: int
+    lease_id: Id
 
 
-@dataclass(frozen=True, kw_only=True)
-class ReleaseAck:
-    kind: Literal["release_ack"] = "release_ack"
-    lease_id: int
+class ReleaseAck(Message, tag="release_ack", kw_only=True):
+    lease_id: Id
 
 
-@dataclass(frozen=True, kw_only=True)
-class VersionPublished:
+class VersionPublished(Message, tag="version", kw_only=True):
     """Pushed to agents when every slice of a new parameter version is ready."""
 
-    kind: Literal["version"] = "version"
-    campaign_id: int
-    version: int
-    loss: float | None = None  # mean training loss of the step that made it
+    campaign_id: Id
+    version: Version
+    loss: Real | None = None  # mean training loss of the step that made it
 
 
-@dataclass(frozen=True, kw_only=True)
-class ErrorMessage:
+class ErrorMessage(Message, tag="error", kw_only=True):
     """A rejected message; the connection stays open unless a close follows."""
 
-    kind: Literal["error"] = "error"
-    code: str  # short, lower-case: "malformed json", "unknown message", ...
-    detail: str
+    code: Name  # short, lower-case: "malformed json", "unknown message", ...
+    detail: Text
 
 
 # ------------------------------------------------ backbone: aggregator <-> site
 
 
-@dataclass(frozen=True, kw_only=True)
-class BackboneHello:
-    kind: Literal["backbone_hello"] = "backbone_hello"
-    protocol_version: int = PROTOCOL_VERSION
-    name: str  # stable across restarts, so the site gives it back its slices
-    upload_url: str
-    params_url: str
+class BackboneHello(Message, tag="backbone_hello", kw_only=True):
+    protocol_version: Version  # the major version; the minor is negotiated as the WebSocket subprotocol
+    name: Name  # stable across restarts, so the site gives it back its slices
+    upload_url: Url
+    params_url: Url
 
 
-@dataclass(frozen=True, kw_only=True)
-class BackboneWelcome:
-    kind: Literal["backbone_welcome"] = "backbone_welcome"
-    aggregator_id: int
-    ticket_key: str  # hex HMAC key for tickets and receipts
-    heartbeat_s: float
+class BackboneWelcome(Message, tag="backbone_welcome", kw_only=True):
+    aggregator_id: Id
+    # Hex HMAC key for tickets and receipts of every campaign, for a 2.0 aggregator; "" to 2.1 ones,
+    # which get each campaign's key with its slices (assign.ticket_key).
+    ticket_key: Token
+    heartbeat_s: Seconds
 
 
-@dataclass(frozen=True, kw_only=True)
-class SliceAssignment:
+class SliceAssignment(Message, tag="assign", kw_only=True):
     """Own elements ``start:end`` of a campaign's flat parameter vector."""
 
-    kind: Literal["assign"] = "assign"
-    campaign_id: int
-    slice_index: int
-    start: int
-    end: int
-    param_count: int
+    campaign_id: Id
+    slice_index: SliceIndex
+    start: Count
+    end: Count
+    param_count: Count
     model: ModelSpec
     optimizer: OptimizerSpec
-    seed: int
-    version: int  # the campaign's newest committed version; load its checkpoint if > 0
-    staleness: int
-    checkpoint_every: int
-    max_grad_norm: float  # per-lease gradient norm bound per sample; 0 disables
+    seed: Id
+    version: Version  # the campaign's newest committed version; load its checkpoint if > 0
+    staleness: Count
+    checkpoint_every: Count
+    max_grad_norm: Real  # per-lease gradient norm bound per sample; 0 disables
     # Where to go when this slice has no checkpoint of ``version``: the newest version every slice has
     # a confirmed checkpoint of (0: the seeded init), or None when the campaign has stepped and there is
     # none; then the slice reports itself lost rather than start the campaign over.
-    restore_version: int | None = None
+    restore_version: Version | None = None
+    # The codec the campaign's agents upload with; the aggregator refuses any other (None: any, as
+    # a 2.0 site does not say).
+    codec: CodecName | None = None
+    # The campaign's own key for tickets and receipts, hex (tickets.campaign_key); "" from a 2.0 site,
+    # which signs every campaign with the welcome's key. Not advisory: a 2.0 aggregator would check
+    # this campaign's tickets with the wrong key, so the site tells it to upgrade instead.
+    ticket_key: HexKey = ""
+
+    since: ClassVar[dict[str, int]] = {"codec": 1, "ticket_key": 1}
+    advisory: ClassVar[frozenset[str]] = frozenset({"codec"})
 
 
-@dataclass(frozen=True, kw_only=True)
-class SliceReady:
-    kind: Literal["slice_ready"] = "slice_ready"
-    campaign_id: int
-    slice_index: int
-    version: int  # the version this slice holds now
+class SliceReady(Message, tag="slice_ready", kw_only=True):
+    campaign_id: Id
+    slice_index: SliceIndex
+    version: Version  # the version this slice holds now
 
 
-@dataclass(frozen=True, kw_only=True)
-class SliceLost:
+class SliceLost(Message, tag="slice_lost", kw_only=True):
     """This slice has no usable state for the versions the site offered; the campaign waits for an operator."""
 
-    kind: Literal["slice_lost"] = "slice_lost"
-    campaign_id: int
-    slice_index: int
-    version: int  # the version it was asked for
-    detail: str
+    campaign_id: Id
+    slice_index: SliceIndex
+    version: Version  # the version it was asked for
+    detail: Text
 
 
-@dataclass(frozen=True, kw_only=True)
-class CheckpointSaved:
+class CheckpointSaved(Message, tag="checkpoint_saved", kw_only=True):
     """The checkpoint of ``version`` of this slice is written and can be restored from."""
 
-    kind: Literal["checkpoint_saved"] = "checkpoint_saved"
-    campaign_id: int
-    slice_index: int
-    version: int
+    campaign_id: Id
+    slice_index: SliceIndex
+    version: Version
 
 
-@dataclass(frozen=True, kw_only=True)
-class CheckpointComplete:
+class CheckpointComplete(Message, tag="checkpoint_complete", kw_only=True):
     """Every slice of the campaign has a checkpoint of these versions (newest last): keep them when pruning."""
 
-    kind: Literal["checkpoint_complete"] = "checkpoint_complete"
-    campaign_id: int
-    versions: list[int]
+    campaign_id: Id
+    versions: list[Version]
 
 
-@dataclass(frozen=True, kw_only=True)
-class SliceUnassign:
-    kind: Literal["unassign"] = "unassign"
-    campaign_id: int
+class SliceUnassign(Message, tag="unassign", kw_only=True):
+    campaign_id: Id
 
 
-@dataclass(frozen=True, kw_only=True)
-class StepCommit:
+class StepCommit(Message, tag="commit", kw_only=True):
     """Step ``step`` is exactly these leases; apply it to make version ``step + 1``."""
 
-    kind: Literal["commit"] = "commit"
-    campaign_id: int
-    step: int
-    lease_ids: list[int]
-    num_samples: int
+    campaign_id: Id
+    step: Version
+    lease_ids: list[Id]
+    num_samples: Count
 
 
-@dataclass(frozen=True, kw_only=True)
-class StepApplied:
-    kind: Literal["applied"] = "applied"
-    campaign_id: int
-    slice_index: int
-    step: int
-    version: int
+class StepApplied(Message, tag="applied", kw_only=True):
+    campaign_id: Id
+    slice_index: SliceIndex
+    step: Version
+    version: Version
 
 
-@dataclass(frozen=True, kw_only=True)
-class StepFailed:
-    kind: Literal["step_failed"] = "step_failed"
-    campaign_id: int
-    slice_index: int
-    step: int
-    missing_lease_ids: list[int] = field(default_factory=list)
-    detail: str
+class StepFailed(Message, tag="step_failed", kw_only=True):
+    campaign_id: Id
+    slice_index: SliceIndex
+    step: Version
+    missing_lease_ids: list[Id] = []
+    detail: Text
 
 
-@dataclass(frozen=True, kw_only=True)
-class Rollback:
+class Rollback(Message, tag="rollback", kw_only=True):
     """Load the coordinated checkpoint of ``version`` and drop everything newer."""
 
-    kind: Literal["rollback"] = "rollback"
-    campaign_id: int
-    version: int
+    campaign_id: Id
+    version: Version
 
 
 # ------------------------------------------------------- data: agent -> aggregator
 
 
-@dataclass(frozen=True, kw_only=True)
-class UploadBegin:
+class UploadBegin(Message, tag="upload", kw_only=True):
     """Announces one slice of one lease's gradient; ``num_chunks`` binary frames follow."""
 
-    kind: Literal["upload"] = "upload"
-    ticket: str
-    slice_index: int
+    ticket: Token
+    slice_index: SliceIndex
     codec: CodecName
-    num_elements: int
-    num_chunks: int
+    num_elements: Count
+    num_chunks: Count
 
 
-@dataclass(frozen=True, kw_only=True)
-class UploadReceipt:
-    kind: Literal["receipt"] = "receipt"
-    lease_id: int
-    slice_index: int
-    token: str
+class UploadReceipt(Message, tag="receipt", kw_only=True):
+    lease_id: Id
+    slice_index: SliceIndex
+    token: Token
 
 
-@dataclass(frozen=True, kw_only=True)
-class UploadRejected:
-    kind: Literal["upload_rejected"] = "upload_rejected"
-    lease_id: int | None
-    slice_index: int | None
-    code: str  # "bad ticket", "replayed upload", "stale version", "not finite", ...
-    detail: str
+class UploadRejected(Message, tag="upload_rejected", kw_only=True):
+    lease_id: Id | None
+    slice_index: SliceIndex | None
+    code: Name  # "bad ticket", "replayed upload", "stale version", "not finite", ...
+    detail: Text
 
 
-Message = Union[
+ALL_MESSAGES: tuple[type[Message], ...] = (
     AgentHello, Welcome, Heartbeat, LeaseRequest, Lease, NoLease, LeaseDone, DoneAck,
     LeaseRelease, ReleaseAck, VersionPublished, ErrorMessage,
     BackboneHello, BackboneWelcome, SliceAssignment, SliceReady, SliceLost, CheckpointSaved, CheckpointComplete,
     SliceUnassign, StepCommit, StepApplied, StepFailed, Rollback,
     UploadBegin, UploadReceipt, UploadRejected,
-]  # fmt: skip
+)  # fmt: skip
 
-MESSAGE_TYPES: dict[str, type] = {
-    cls.__dataclass_fields__["kind"].default: cls  # type: ignore[attr-defined]
-    for cls in Message.__args__  # type: ignore[attr-defined]
-}
+MESSAGE_TYPES: dict[str, type[Message]] = {str(cls.__struct_config__.tag): cls for cls in ALL_MESSAGES}
 
+# Which side sends what, once for every receiver: a message of any other kind is refused.
 AGENT_TO_SITE = (AgentHello, Heartbeat, LeaseRequest, LeaseDone, LeaseRelease)
+SITE_TO_AGENT = (Welcome, Lease, NoLease, DoneAck, ReleaseAck, VersionPublished, ErrorMessage)
 BACKBONE_TO_SITE = (BackboneHello, Heartbeat, SliceReady, SliceLost, CheckpointSaved, StepApplied, StepFailed)
+SITE_TO_BACKBONE = (
+    BackboneWelcome, Heartbeat, SliceAssignment, StepCommit, Rollback, SliceUnassign, CheckpointComplete, ErrorMessage,
+)  # fmt: skip
 AGENT_TO_AGGREGATOR = (UploadBegin,)
+AGGREGATOR_TO_AGENT = (UploadReceipt, UploadRejected, ErrorMessage)
 
 
-def encode_message(message: Any) -> str:
-    """Serialize a message dataclass to its JSON text frame."""
-    return json.dumps(to_dict(message), separators=(",", ":"), allow_nan=False)
+def encode_message(message: Message, minor: int = PROTOCOL_MINOR) -> str:
+    """Serialize a message to its JSON text frame, for a peer that speaks protocol minor ``minor``.
+
+    Fields a later minor added are left out for an older peer: its decoder
+    may be strict (2.0 refused unknown fields), and it could not use them.
+    """
+    if newest_field(type(message)) <= minor:
+        return _ENCODER.encode(message).decode()
+    return _ENCODER.encode(to_wire(message, minor)).decode()
 
 
-def decode_message(text: str | bytes, allowed: Iterable[type[M]] | None = None) -> M:
-    """Parse and validate one JSON text frame.
+_ENCODER = msgspec.json.Encoder()
+
+
+@cache
+def _decoder(allowed: tuple[type[Message], ...]) -> msgspec.json.Decoder[Any]:
+    return msgspec.json.Decoder(Union[allowed])  # type: ignore[valid-type]  # noqa: UP007
+
+
+Unknown = Callable[[str, list[str]], None]
+
+
+def decode_message(text: str | bytes, allowed: Iterable[type[M]] | None = None, *, unknown: Unknown | None = None) -> M:
+    """Parse and validate one JSON text frame; total: any input gives a message or a ProtocolError.
 
     Args:
         text: the frame as received.
-        allowed: the message classes this receiver accepts; None accepts any.
+        allowed: the message classes this receiver accepts (one of the
+            direction tuples above); None accepts any.
+        unknown: called with the message kind and the field paths it ignored
+            when the frame carries fields this version does not know (a newer
+            minor sent them); receivers log that once per connection.
 
     Returns:
-        The message dataclass, every field checked.
+        The message, every field checked against its type and bounds.
 
     Raises:
-        ProtocolError: malformed JSON, a frame over the size limit, an unknown
-            or unexpected ``kind``, or a field of the wrong type.
+        ProtocolError: malformed JSON (or nested deeper than any message), a
+            frame over the size limit (fatal, close code 4008), an unknown or
+            unexpected ``kind``, a missing field, or a value of the wrong type
+            or out of bounds; the message names the field.
     """
-    if len(text) > MAX_CONTROL_MESSAGE_BYTES:
+    size = len(text)
+    if size > MAX_CONTROL_MESSAGE_BYTES // 4 and isinstance(text, str):
+        size = len(text.encode("utf-8", "surrogatepass"))  # the limit is in bytes, and a character is up to 4
+    if size > MAX_CONTROL_MESSAGE_BYTES:
         raise ProtocolError(
-            f"control message of {len(text)} bytes is over the {MAX_CONTROL_MESSAGE_BYTES} byte limit",
+            f"control message of {size} bytes is over the {MAX_CONTROL_MESSAGE_BYTES} byte limit",
             close_code=CloseCode.TOO_LARGE,
+            fatal=True,
         )
+    accepted = ALL_MESSAGES if allowed is None else tuple(allowed)  # type: ignore[arg-type]
     try:
-        data = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
+        return _decoder(accepted).decode(text)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as exc:
+        return _decode_slowly(text, accepted, unknown, exc)  # type: ignore[return-value]
+    except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed json: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("malformed json: nested deeper than any message") from None
+
+
+def _decode_slowly(
+    text: str | bytes, accepted: tuple[type[Message], ...], unknown: Unknown | None, exc: msgspec.ValidationError
+) -> Message:
+    """The fast decoder refused the frame: say exactly why, or accept it without the fields it does not know."""
+    try:
+        data = msgspec.json.decode(text)
+    except msgspec.DecodeError as error:
+        raise ProtocolError(f"malformed json: {error}") from None
+    except RecursionError:  # the typed decoder stopped early; a plain parse goes all the way down, too deep
+        if "unknown field" in str(exc):
+            raise ProtocolError("malformed json: nested deeper than any message") from None
+        raise explain(exc, "message") from None
     if not isinstance(data, dict):
-        raise ProtocolError(f"expected a JSON object, got {type(data).__name__}")
+        raise ProtocolError(f"expected a JSON object, got {_json_type(data)}")
     kind = data.get("kind")
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message kind {kind!r}")
-    if allowed is not None and cls not in tuple(allowed):
+        raise ProtocolError(f"unknown message kind {str(kind)[:40]!r}")
+    if cls not in accepted:
         raise ProtocolError(f"message kind {kind!r} is not accepted on this channel")
-    return from_dict(cls, data)  # type: ignore[return-value]
+    ignored = strip_unknown(cls, data)
+    try:
+        message = msgspec.convert(data, cls)
+    except msgspec.ValidationError as error:
+        raise explain(error, cls.__name__, cls) from None
+    if ignored and unknown is not None:
+        unknown(str(kind), ignored)
+    return message
+
+
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
+
 
 __all__ = [
-    "AGENT_TO_AGGREGATOR", "AGENT_TO_SITE", "BACKBONE_TO_SITE", "MESSAGE_TYPES", "CodecName", "DataSpec",
-    "DeviceInfo", "Message", "ModelSpec", "NoLeaseReason", "OptimizerSpec", "Receipt", "SampleRange",
-    "SliceRoute", "decode_message", "encode_message",
+    "AGENT_TO_AGGREGATOR", "AGENT_TO_SITE", "AGGREGATOR_TO_AGENT", "ALL_MESSAGES", "BACKBONE_TO_SITE",
+    "MESSAGE_TYPES", "SITE_TO_AGENT", "SITE_TO_BACKBONE", "CodecName", "DataSpec", "DeviceInfo", "Message",
+    "ModelSpec", "NoLeaseReason", "OptimizerSpec", "Receipt", "SampleRange", "SliceRoute", "decode_message",
+    "encode_message",
     *(cls.__name__ for cls in MESSAGE_TYPES.values()),
 ]  # fmt: skip

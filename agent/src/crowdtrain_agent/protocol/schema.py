@@ -1,110 +1,234 @@
-"""Strict decoding of JSON objects into frozen message dataclasses.
+"""Typed, bounded message structs and the strict-but-forward-compatible checks behind them.
 
-The protocol must import only the standard library (the server, the agent and
-the aggregator all share it), so this is a small checker for the handful of
-field types messages use: int, float, str, bool, ``X | None``, ``list[X]``,
-``dict[str, X]`` and nested dataclasses.
+Messages are msgspec Structs: msgspec parses and validates a frame in one C
+pass (about 40x faster than the hand-written checker this replaced: 0.9 µs
+against 38 µs for a ``done`` report, per the measurement in PROTOCOL.md), and
+it is *total*: for any input it returns a struct or raises one of its own
+errors, which this module turns into ``ProtocolError`` naming the field.
+
+Every number a peer sends is bounded where it is read (the aliases below), so
+``10**400``, ``1e308`` or a negative count never reach code that would choke
+on them. Fields a newer minor version of the protocol added are *ignored*
+(and reported to the caller, which logs them once per connection), never
+refused: that is what lets volunteers upgrade at their own pace.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import types
-import typing
+import copy
+import re
 from functools import cache
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Annotated, Any, ClassVar, TypeVar
+
+import msgspec
 
 from .errors import ProtocolError
 
 T = TypeVar("T")
 
+# ------------------------------------------------------------------ bounded types
+
+MAX_SAFE_INT = 2**53  # what every JSON reader (JavaScript's included) keeps exact
+
+Id = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)]
+Version = Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)]
+SliceIndex = Annotated[int, msgspec.Meta(ge=-1, le=1 << 16)]  # -1: "no slice of that campaign here"
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
+Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1e21)]  # samples/s, FLOP/s
+Real = Annotated[float, msgspec.Meta(ge=-1e30, le=1e30)]  # a finite measurement (a loss sum)
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+Name = Annotated[str, msgspec.Meta(max_length=200)]
+Text = Annotated[str, msgspec.Meta(max_length=8192)]
+Token = Annotated[str, msgspec.Meta(max_length=4096)]
+Url = Annotated[str, msgspec.Meta(max_length=2048)]
+ConfigScalar = int | float | str | bool | None
+# Model and optimizer configs are flat: nothing a peer sends can nest deeper than this.
+ConfigValue = ConfigScalar | list[ConfigScalar]
+
+
+class Part(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A structured field inside messages (device info, sample ranges...).
+
+    ``since`` maps fields to the protocol minor version that added them: an
+    encoder speaking an older minor leaves them out (see ``to_wire``).
+    """
+
+    since: ClassVar[dict[str, int]] = {}
+    # Fields an older peer may go without even when set (it only loses a check, never a meaning).
+    advisory: ClassVar[frozenset[str]] = frozenset()
+
+
+class Message(Part, tag_field="kind"):
+    """A protocol message; its wire tag is the ``kind`` key."""
+
+    @property
+    def kind(self) -> str:
+        return str(self.__struct_config__.tag)
+
+
+# ------------------------------------------------------------------ errors
+
+_AT = re.compile(r" - at `\$(.*)`$")
+
+
+def explain(exc: msgspec.MsgspecError, where: str, cls: type | None = None) -> ProtocolError:
+    """msgspec's error as a ProtocolError that names ``where`` and the field path (and the choices, for a choice)."""
+    text = str(exc)
+    match = _AT.search(text)
+    path = ""
+    if match:
+        text, path = text[: match.start()], match.group(1)
+    if text.startswith("Object missing required field"):
+        text = "missing field " + text.removeprefix("Object missing required field ").replace("`", "'")
+    text = text.replace("`", "")
+    if text.startswith("Invalid enum value") and cls is not None:
+        choices = _choices(cls, path)
+        if choices:
+            text += f"; expected one of {choices}"
+    return ProtocolError(f"{where}{path}: {text[:1].lower()}{text[1:]}")
+
+
+def _choices(cls: type, path: str) -> list[Any] | None:
+    """The values a Literal field at ``path`` (".a.b[0].c") of ``cls`` allows, if that is what it is."""
+    kind: Any = msgspec.inspect.type_info(cls)
+    for name in re.findall(r"\.(\w+)", path):
+        while isinstance(kind, (msgspec.inspect.ListType, msgspec.inspect.UnionType)):
+            kind = kind.item_type if isinstance(kind, msgspec.inspect.ListType) else next(
+                (t for t in kind.types if not isinstance(t, msgspec.inspect.NoneType)), None)
+        if not isinstance(kind, msgspec.inspect.StructType):
+            return None
+        kind = next((f.type for f in kind.fields if f.encode_name == name), None)
+    if isinstance(kind, msgspec.inspect.UnionType):
+        kind = next((t for t in kind.types if isinstance(t, msgspec.inspect.LiteralType)), None)
+    return list(kind.values) if isinstance(kind, msgspec.inspect.LiteralType) else None
+
+
+# ------------------------------------------------------------------ forward compatibility
+
 
 @cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _fields(cls: type) -> dict[str, Any]:
+    """A struct's field names and their types, as msgspec sees them."""
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    return {f.encode_name: f.type for f in info.fields}
 
 
-def _check(value: Any, hint: Any, where: str) -> Any:
-    origin = get_origin(hint)
-    if hint is Any:
-        return value
-    if origin is Literal:
-        if value not in get_args(hint):
-            raise ProtocolError(f"{where}: expected one of {list(get_args(hint))}, got {value!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _check(value, arg, where)
-            except ProtocolError as exc:
-                errors.append(str(exc))
-        raise ProtocolError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {args}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = get_args(hint)
-        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected an object, got {type(value).__name__}")
-        _, item = get_args(hint)
-        return {str(k): _check(v, item, f"{where}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, where)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ProtocolError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ProtocolError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"{where}: expected a number, got {value!r}")
-        if not math.isfinite(value):
-            raise ProtocolError(f"{where}: expected a finite number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ProtocolError(f"{where}: expected a string, got {value!r}")
-        return value
-    raise TypeError(f"{where}: unsupported field type {hint!r} in a protocol dataclass")
+def _struct_of(kind: msgspec.inspect.Type) -> type | None:
+    """The struct class a field holds (directly, in a list, or in an optional), if any."""
+    if isinstance(kind, msgspec.inspect.StructType):
+        return kind.cls
+    if isinstance(kind, msgspec.inspect.ListType):
+        return _struct_of(kind.item_type)
+    if isinstance(kind, msgspec.inspect.UnionType):
+        for member in kind.types:
+            found = _struct_of(member)
+            if found is not None:
+                return found
+    return None
 
 
-def from_dict(cls: type[T], data: Any, where: str | None = None) -> T:
-    """Build dataclass ``cls`` from a decoded JSON object, checking every field.
+def strip_unknown(cls: type, data: Any, path: str = "") -> list[str]:
+    """Remove, in place, the keys of ``data`` that ``cls`` (and its nested structs) do not declare.
 
-    Unknown keys are rejected so that a typo on either side fails loudly
-    instead of being ignored.
+    Returns:
+        The paths removed, for the caller to log.
+    """
+    if not isinstance(data, dict):
+        return []
+    fields = _fields(cls)
+    tag = getattr(cls.__struct_config__, "tag_field", None)
+    removed = [f"{path}.{k}" if path else str(k) for k in data if k not in fields and k != tag]
+    for key in [k for k in data if k not in fields and k != tag]:
+        del data[key]
+    for name, kind in fields.items():
+        nested = _struct_of(kind)
+        if nested is None or name not in data:
+            continue
+        value = data[name]
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            where = f"{path}.{name}" if path else name
+            removed += strip_unknown(nested, item, f"{where}[{i}]" if isinstance(value, list) else where)
+    return removed
+
+
+def from_dict(cls: type[T], data: Any, where: str | None = None, *, unknown: list[str] | None = None) -> T:
+    """Build struct ``cls`` from plain JSON data (a campaign's stored optimizer, a ticket), checking every field.
+
+    Keys ``cls`` does not declare are dropped and listed in ``unknown`` when
+    given (data written by a newer version); otherwise they are an error.
 
     Raises:
-        ProtocolError: naming the first field that is missing, unknown or of the wrong type.
+        ProtocolError: naming the first field that is missing or of the wrong type.
     """
     where = where or cls.__name__
     if not isinstance(data, dict):
         raise ProtocolError(f"{where}: expected an object, got {type(data).__name__}")
-    hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ProtocolError(f"{where}: unknown field {unknown[0]!r}")
-    kwargs = {}
-    for name, field in fields.items():
-        if name in data:
-            kwargs[name] = _check(data[name], hints[name], f"{where}.{name}")
-        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{where}: missing field {name!r}")
-    return cls(**kwargs)
+    if unknown is not None:
+        data = copy.deepcopy(data)  # stripped in place: not the caller's
+        unknown += strip_unknown(cls, data)
+    try:
+        return msgspec.convert(data, cls)
+    except msgspec.ValidationError as exc:
+        raise explain(exc, where, cls) from None
 
 
 def to_dict(obj: Any) -> dict[str, Any]:
-    """The JSON-ready form of a message dataclass."""
-    return dataclasses.asdict(obj)
+    """The JSON-ready form of a struct (every field, defaults included)."""
+    result = msgspec.to_builtins(obj)
+    assert isinstance(result, dict)
+    return result
+
+
+def to_wire(obj: Any, minor: int) -> Any:
+    """The JSON-ready form of a struct for a peer that speaks ``minor``: fields added later are left out."""
+    data = msgspec.to_builtins(obj)
+    _drop_newer(type(obj), data, minor)
+    return data
+
+
+def _drop_newer(cls: type, data: Any, minor: int) -> None:
+    if not isinstance(data, dict):
+        return
+    for name, added in cls.since.items():  # type: ignore[attr-defined]
+        if added > minor:
+            data.pop(name, None)
+    for name, kind in _fields(cls).items():
+        nested = _struct_of(kind)
+        if nested is not None and name in data:
+            value = data[name]
+            for item in value if isinstance(value, list) else [value]:
+                _drop_newer(nested, item, minor)
+
+
+def lost_in(obj: Any, minor: int, path: str = "") -> list[str]:
+    """Fields a peer speaking ``minor`` would not get although they are set: the message means something else to it.
+
+    Leaving out a field at its default changes nothing, nor does leaving out
+    an ``advisory`` one; anything else must not be sent to that peer.
+    """
+    cls = type(obj)
+    lost = []
+    for info in msgspec.structs.fields(cls):
+        value = getattr(obj, info.name)
+        if cls.since.get(info.name, 0) > minor and info.name not in cls.advisory:
+            default = info.default_factory() if info.default is msgspec.NODEFAULT else info.default
+            if info.required or value != default:
+                lost.append(f"{path}{info.name}")
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, Part):
+                lost += lost_in(item, minor, f"{path}{info.name}.")
+    return lost
+
+
+@cache
+def newest_field(cls: type) -> int:
+    """The newest minor that added a field to ``cls`` or any struct inside it (0: none since the first)."""
+    newest = max(cls.since.values(), default=0)  # type: ignore[attr-defined]
+    for kind in _fields(cls).values():
+        nested = _struct_of(kind)
+        if nested is not None and nested is not cls:
+            newest = max(newest, newest_field(nested))
+    return newest

@@ -6,6 +6,12 @@ aggregators), so an aggregator can check it without asking the site. A
 *receipt* is the aggregator's signed answer that it holds one slice of that
 lease; the agent hands receipts back to the site in its ``done`` report, so
 the site never counts samples whose gradient no aggregator holds.
+
+Each campaign has its own key (``campaign_key``): the site tells an
+aggregator the key of a campaign only with a slice of it (``assign.ticket_key``,
+protocol 2.1), so a leaked aggregator token signs for that aggregator's
+campaigns alone. A 2.0 site signs every campaign with one key, sent in the
+welcome.
 """
 
 from __future__ import annotations
@@ -15,21 +21,19 @@ import hashlib
 import hmac
 import json
 import time
-from dataclasses import dataclass
 
 from .errors import ProtocolError
 from .frames import CloseCode
-from .schema import from_dict, to_dict
+from .schema import Count, Id, Part, Real, Version, from_dict, to_dict
 
 
-@dataclass(frozen=True, kw_only=True)
-class Ticket:
-    lease_id: int
-    campaign_id: int
-    device_id: int
-    base_version: int
-    num_samples: int
-    expires_at: float  # unix time; a little after the lease deadline
+class Ticket(Part, kw_only=True):
+    lease_id: Id
+    campaign_id: Id
+    device_id: Id
+    base_version: Version
+    num_samples: Count
+    expires_at: Real  # unix time; a little after the lease deadline
 
 
 def _b64(data: bytes) -> str:
@@ -42,6 +46,31 @@ def _unb64(text: str) -> bytes:
 
 def _mac(key: bytes, payload: bytes) -> bytes:
     return hmac.new(key, payload, hashlib.sha256).digest()
+
+
+def campaign_key(root: bytes, campaign_id: int) -> bytes:
+    """The key that signs campaign ``campaign_id``'s tickets and receipts, derived from the site's root key.
+
+    HMAC-SHA256 of a fixed label and the id: knowing one campaign's key tells
+    nothing about another's, nor about the root (which never leaves the site).
+    """
+    return _mac(root, b"crowdtrain ticket key, campaign %d" % campaign_id)
+
+
+def ticket_campaign(token: str) -> int:
+    """The campaign a ticket names, read *before* its signature is checked, only to pick the key to check it with.
+
+    Raises:
+        ProtocolError: with close code BAD_TICKET if the token is not a ticket.
+    """
+    try:
+        payload = json.loads(_unb64(token.split(".")[0]))
+        campaign_id = payload["campaign_id"]
+    except (ValueError, TypeError, KeyError, RecursionError):
+        raise ProtocolError("bad ticket: not a Crowdtrain ticket", close_code=CloseCode.BAD_TICKET) from None
+    if type(campaign_id) is not int or campaign_id < 0:
+        raise ProtocolError("bad ticket: campaign_id is not an id", close_code=CloseCode.BAD_TICKET)
+    return campaign_id
 
 
 def sign_ticket(ticket: Ticket, key: bytes) -> str:
@@ -65,8 +94,8 @@ def verify_ticket(token: str, key: bytes, *, now: float | None = None) -> Ticket
     if not hmac.compare_digest(signature, _mac(key, payload)):
         raise ProtocolError("bad ticket: signature does not verify", close_code=CloseCode.BAD_TICKET)
     try:
-        ticket = from_dict(Ticket, json.loads(payload))
-    except ValueError as exc:
+        ticket = from_dict(Ticket, json.loads(payload), unknown=[])  # a newer site may add fields
+    except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"bad ticket: {exc}", close_code=CloseCode.BAD_TICKET) from None
     if ticket.expires_at < (time.time() if now is None else now):
         raise ProtocolError(f"ticket for lease {ticket.lease_id} has expired", close_code=CloseCode.BAD_TICKET)

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.live import Live
 
 from crowdtrain.campaigns.terminal import ProgressView
-from crowdtrain.launcher import LaunchError, Site, Swarm, get_json
+from crowdtrain_launcher import LaunchError, Site, Swarm, get_json
 
 # A lease should take ~2 s, so every step of a few hundred samples is shared by several agents.
 DEMO_SITE_ENV = {"CROWDTRAIN_LEASE_TARGET_S": "2"}
@@ -53,7 +53,7 @@ class Command(BaseCommand):
         if (steps is not None and steps < 1) or options["agents"] < 1 or options["batch"] < DEMO_MICROBATCH:
             raise CommandError(f"--steps and --agents must be at least 1 and --batch at least {DEMO_MICROBATCH}")
         # Our own start/stop lines would scroll the live panel away; the log files have them.
-        logging.getLogger("crowdtrain.launcher").setLevel(logging.WARNING)
+        logging.getLogger("crowdtrain_launcher").setLevel(logging.WARNING)
         console = Console(stderr=False)
         run_dir = settings.VAR_DIR / "demo"
         shutil.rmtree(run_dir, ignore_errors=True)

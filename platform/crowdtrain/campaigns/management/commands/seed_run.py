@@ -41,15 +41,13 @@ from crowdtrain.accounts.models import Device, Profile
 from crowdtrain.accounts.tokens import hash_token, new_token
 from crowdtrain.campaigns.demo import seed_demo_campaign
 from crowdtrain.campaigns.models import Campaign, Dataset
+from crowdtrain.campaigns.settings_table import SETTINGS
 from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign
 from crowdtrain.campaigns.sharding import DatasetError, create_npz_dataset, create_text_dataset, stdlib_corpus
 from crowdtrain.scheduler.models import Aggregator
 
-CAMPAIGN_FIELDS = {
-    "name", "architecture", "model_config", "optimizer", "target_batch_size", "microbatch_size", "codec",
-    "staleness", "num_aggregators", "max_steps", "checkpoint_every", "seed", "max_grad_norm", "validate_every",
-    "target_val_loss",
-}  # fmt: skip
+# Every setting of the table, with the bounds the campaign form enforces (create_campaign checks them).
+CAMPAIGN_FIELDS = {"name", "architecture", "model_config", "optimizer", *SETTINGS}
 
 
 def _dataset(spec: dict[str, Any]) -> Dataset:

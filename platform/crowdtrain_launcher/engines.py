@@ -1,8 +1,8 @@
 """The engines under the site (PostgreSQL, Redis, HAProxy): find running ones, or start private ones from Debian's.
 
-``tests/services.py`` (the test suite's second pass) and ``crowdtrain.cluster``
-(several site processes on one machine) both use these. Like the launcher, this
-module never imports Django: it runs before any settings exist.
+``tests/services.py`` (the test suite's second pass) and ``crowdtrain_launcher.cluster``
+(several site processes on one machine) both use these. Like the rest of the
+launcher, this module never imports Django: it runs before any settings exist.
 """
 
 from __future__ import annotations

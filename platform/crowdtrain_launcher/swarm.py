@@ -14,9 +14,9 @@ Every child gets its own log file under ``run_dir/logs`` (stdout and stderr
 together) and its own process group, so a terminal's Ctrl-C reaches only the
 parent, which then stops the children in order: agents first (they hand back
 their leases), then aggregators, then the site (it must see them go), and last
-what ``crowdtrain.cluster`` puts around several site processes (the balancer,
-then the engines). This module never imports Django, so benchmarks can use it
-before settings exist.
+what ``crowdtrain_launcher.cluster`` puts around several site processes (the
+balancer, then the engines). This module never imports Django, so benchmarks can
+use it before settings exist.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Several site processes behind one address on one machine, without Docker: deploy/compose.yaml's topology.
 
-    python -m crowdtrain.cluster                    # 2 site processes behind https://127.0.0.1:8443/
-    python -m crowdtrain.cluster --sites 3 --aggregators 2 --port 9443
+    python -m crowdtrain_launcher.cluster           # 2 site processes behind https://127.0.0.1:8443/
+    python -m crowdtrain_launcher.cluster --sites 3 --aggregators 2 --port 9443
     make cluster ARGS="--sites 3"
 
 PostgreSQL and Redis are the ones at DATABASE_URL and REDIS_URL (defaults: this
@@ -13,7 +13,7 @@ The sites run with production settings (``manage.py check --deploy`` is clean):
 DEBUG off, a secret key kept in the run folder, secure cookies, HSTS, HTTPS
 redirects, the proxy's X-Forwarded-For and X-Forwarded-Proto trusted. Everything
 stays up until Ctrl-C, then stops in order: aggregators, sites and Celery, HAProxy,
-then any private engine. Like the launcher, this module never imports Django.
+then any private engine. Like the rest of the launcher, this module never imports Django.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from crowdtrain import engines
-from crowdtrain.launcher import REPO_ROOT, WORKER_READY, Child, LaunchError, Site, Swarm
+from . import engines
+from .swarm import REPO_ROOT, WORKER_READY, Child, LaunchError, Site, Swarm
 
 logger = logging.getLogger(__name__)
 
@@ -334,7 +334,7 @@ class Cluster:
         return site
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Everything, in order (see launcher.ORDER); idempotent."""
+        """Everything, in order (see swarm.ORDER); idempotent."""
         self.swarm.stop(grace_s)
 
     def __enter__(self) -> Cluster:
@@ -350,7 +350,7 @@ def _create_backbone_tokens(cluster: Cluster, names: Sequence[str]) -> dict[str,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m crowdtrain.cluster", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m crowdtrain_launcher.cluster", description=__doc__.split("\n")[0])
     parser.add_argument("--sites", type=int, default=2, help="daphne processes behind the balancer (default 2)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"HTTPS port (default {DEFAULT_PORT})")
     parser.add_argument("--aggregators", type=int, default=1, help="aggregators to start (default 1)")

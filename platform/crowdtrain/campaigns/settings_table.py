@@ -1,0 +1,154 @@
+"""Every plain campaign setting, declared once: the form, the lock list, the detail page and the aggregators read it.
+
+A setting here is a column of ``Campaign`` that organizers choose (the model,
+dataset and optimizer have registries of their own). Its default is the
+model field's, since Django needs it for the column; everything else (group,
+label, help, bounds, whether it locks once the campaign starts, whether
+aggregators get it) is here. Adding a setting is a model field, its
+migration, and one line in ``SETTINGS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from crowdtrain_agent.codec import CODECS
+from crowdtrain_agent.fields import ConfigError, ConfigField
+
+from .models import Campaign
+
+MAX_BATCH = 1 << 24
+
+
+@dataclass(frozen=True)
+class Group:
+    """A section of the campaign form and of the detail page's settings."""
+
+    title: str
+    hint: str = ""
+    folded: bool = False  # shown under "Advanced" until one of its fields has an error
+
+
+GROUPS: dict[str, Group] = {
+    "batch": Group("Batches and codec"),
+    "stop": Group(
+        "Stop rule and validation",
+        "Training stops at max steps, or once the validation loss reaches the target: set one or both.",
+    ),
+    "advanced": Group("Advanced", folded=True),
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One campaign setting: its column name, its form group, its spec (bounds, label, help).
+
+    ``locks``: agents or aggregators were built from it, so it cannot change
+    once the campaign has started. ``to_aggregator``: it travels in every
+    slice assignment (a field of ``SliceAssignment`` of the same name).
+    """
+
+    name: str
+    group: str
+    spec: ConfigField
+    locks: bool = True
+    to_aggregator: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.spec.label or self.name
+
+    @property
+    def default(self) -> Any:
+        """The model field's default: the column's, so the form and ``create_campaign`` agree on it."""
+        return Campaign._meta.get_field(self.name).get_default()
+
+    def describe(self) -> str:
+        """How messages name it: the label a person reads, the key a JSON spec uses."""
+        return f"{self.label} ({self.name})" if self.label != self.name else self.name
+
+
+def _int(default_label: str, minimum: int, maximum: int, help: str, **options: Any) -> ConfigField:
+    return ConfigField("int", None, minimum, maximum, help, default_label, **options)
+
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in [
+    Setting("target_batch_size", "batch", _int("Target batch size", 1, MAX_BATCH, "samples in one global step")),
+    Setting("microbatch_size", "batch", _int("Microbatch size", 1, MAX_BATCH, "samples an agent computes at once")),
+    Setting("codec", "batch", ConfigField(
+        "choice", help="how agents encode gradients on the wire", label="Gradient codec", choices=tuple(CODECS),
+    ), to_aggregator=True),
+    Setting("max_steps", "stop", _int("Max steps", 1, 1 << 30, "finish after this many steps", optional=True),
+            locks=False),
+    Setting("target_val_loss", "stop", ConfigField(
+        "float", None, 0.0, 1e30, "finish once the held-out loss is at most this", "Target validation loss",
+        open_minimum=True, optional=True,
+    ), locks=False),
+    Setting("validate_every", "stop", _int(
+        "Validate every", 0, 1 << 20, "steps between held-out losses (and exportable versions); 0 = only at the finish"
+    ), locks=False),
+    Setting("seed", "advanced", _int("Seed", 0, 2**62, "initial weights are the same on every machine"),
+            to_aggregator=True),
+    Setting("num_aggregators", "advanced", _int("Aggregators", 1, 64, "slices the parameters are split into")),
+    Setting("staleness", "advanced", _int("Staleness", 0, 4, "0 = fully synchronous"), to_aggregator=True),
+    Setting("checkpoint_every", "advanced", _int("Checkpoint every", 1, 1 << 20, "steps between checkpoints"),
+            to_aggregator=True),
+    Setting("max_grad_norm", "advanced", ConfigField(
+        "float", None, 0.0, 1e30, "uploads whose gradient norm per sample is above this are refused; 0 disables",
+        "Max gradient norm",
+    ), to_aggregator=True),
+]}  # fmt: skip
+
+# What agents and aggregators built the model from, besides the plain settings that lock.
+LOCKED_CONFIG = ("dataset", "architecture", "model_config", "optimizer")
+
+
+def locked_fields() -> tuple[str, ...]:
+    """Campaign fields that cannot change once the campaign has started."""
+    return (*LOCKED_CONFIG, *(s.name for s in SETTINGS.values() if s.locks))
+
+
+def check_settings(values: Mapping[str, Any], *, error: type[Exception] = ConfigError) -> dict[str, Any]:
+    """``values`` with every setting of the table checked against its bounds; other keys pass through.
+
+    Args:
+        values: campaign fields as a spec or a form gives them.
+        error: the exception class to raise, called as ``error(message, field)``.
+
+    Raises:
+        error: naming the first setting out of bounds, with its value and the accepted range.
+    """
+    checked = dict(values)
+    for name, value in values.items():
+        setting = SETTINGS.get(name)
+        if setting is None:
+            continue
+        try:
+            checked[name] = setting.spec.check(value, setting.describe(), field=name)
+        except ConfigError as exc:
+            raise error(str(exc), name) from None
+    return checked
+
+
+def aggregator_settings(campaign: Campaign) -> dict[str, Any]:
+    """The settings every slice assignment carries, by their ``SliceAssignment`` field names."""
+    return {s.name: getattr(campaign, s.name) for s in SETTINGS.values() if s.to_aggregator}
+
+
+def summary(campaign: Campaign) -> list[tuple[Group, list[tuple[Setting, str]]]]:
+    """The campaign's settings by group, each value as the detail page shows it."""
+    return [
+        (group, [(s, display(getattr(campaign, s.name))) for s in SETTINGS.values() if s.group == key])
+        for key, group in GROUPS.items()
+    ]
+
+
+def display(value: Any) -> str:
+    """A setting's value in words: ``none`` for an unset optional one, floats without trailing zeros."""
+    if value is None:
+        return "none"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
