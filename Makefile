@@ -21,7 +21,7 @@ CLUSTER_TEST := tests/e2e/test_site_processes_behind_a_balancer_share_a_campaign
 # Brings its own PostgreSQL and Redis to kill: it runs in the second pass only.
 ENGINES_TEST := tests/e2e/test_site_redis_and_postgres_killed.py
 
-.PHONY: demo serve cluster test test-browser bench venv chromium haproxy clean
+.PHONY: demo serve cluster lint test test-browser bench venv chromium haproxy clean
 
 venv: $(STAMP)
 
@@ -72,13 +72,19 @@ $(CHROMIUM):
 $(HAPROXY):
 	$(call debian_package,$@,haproxy,the cluster)
 
-# Three passes: everything on the embedded defaults (SQLite, in-memory channel
+# The house rules a machine checks: lint findings, formatting, types (settings in pyproject.toml).
+lint: $(STAMP)
+	$(BIN)/ruff check platform agent
+	$(BIN)/ruff format --check platform agent
+	$(BIN)/mypy
+
+# Lint first, then three passes: everything on the embedded defaults (SQLite, in-memory channel
 # layer), then what touches the database and the channel layer on PostgreSQL
 # and Redis (tests/services.py finds them or starts private ones), then the
 # browser tests, which the first pass skips (tests/conftest.py). In the second
 # pass the test process runs Celery tasks in-process (it has no worker), while
 # the sites the end-to-end tests start get a real Celery worker on Redis.
-test: $(STAMP) $(CHROMIUM) $(HAPROXY)
+test: lint $(STAMP) $(CHROMIUM) $(HAPROXY)
 	$(BIN)/python -m pytest -p no:cacheprovider --ignore $(CLUSTER_TEST) --ignore $(ENGINES_TEST) $(ARGS)
 	CELERY_TASK_ALWAYS_EAGER=true $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider tests/web tests/e2e $(ARGS)
 	$(BROWSER_PASS) $(ARGS)

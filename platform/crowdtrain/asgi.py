@@ -1,6 +1,6 @@
 """ASGI entry point: HTTP through Django, WebSockets through the gateway's consumers.
 
-    daphne -b 127.0.0.1 -p 8000 crowdtrain.asgi:application
+daphne -b 127.0.0.1 -p 8000 crowdtrain.asgi:application
 """
 
 from __future__ import annotations

@@ -57,7 +57,9 @@ def env_hex_bytes(name: str, default: bytes) -> bytes:
     try:
         value = bytes.fromhex(raw)
     except ValueError:
-        raise ImproperlyConfigured(f"{name} must be hexadecimal (e.g. from `openssl rand -hex 32`), got {raw!r}") from None
+        raise ImproperlyConfigured(
+            f"{name} must be hexadecimal (e.g. from `openssl rand -hex 32`), got {raw!r}"
+        ) from None
     if len(value) < 16:
         raise ImproperlyConfigured(f"{name} must hold at least 16 bytes (32 hex digits), got {len(value)}")
     return value

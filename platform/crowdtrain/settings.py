@@ -143,12 +143,27 @@ CHANNEL_LAYER_MAX_CONNECTIONS = env_int("CROWDTRAIN_CHANNEL_LAYER_MAX_CONNECTION
 # The cache holds allauth's rate-limit counters: with several site processes they
 # must share one Redis, or each process would count failed logins on its own.
 if REDIS_URL:
-    CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {
-        "hosts": [{"address": REDIS_URL, "socket_timeout": CHANNEL_LAYER_READ_TIMEOUT_S,
-                   "max_connections": CHANNEL_LAYER_MAX_CONNECTIONS}],
-    }}}  # fmt: skip
-    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
-                          "KEY_PREFIX": "crowdtrain"}}
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {
+                "hosts": [
+                    {
+                        "address": REDIS_URL,
+                        "socket_timeout": CHANNEL_LAYER_READ_TIMEOUT_S,
+                        "max_connections": CHANNEL_LAYER_MAX_CONNECTIONS,
+                    }
+                ],
+            },
+        }
+    }
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": "crowdtrain",
+        }
+    }
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}

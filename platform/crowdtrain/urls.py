@@ -4,10 +4,9 @@ from django.contrib import admin
 from django.urls import include, path
 
 from crowdtrain.accounts import profile_views, team_views
-from crowdtrain.campaigns import dataset_views, uploads
+from crowdtrain.campaigns import dataset_views, organizer_views, role_views, uploads
 from crowdtrain.campaigns import export as campaign_export
 from crowdtrain.campaigns import join as campaign_join
-from crowdtrain.campaigns import organizer_views, role_views
 from crowdtrain.campaigns import views as campaign_views
 
 urlpatterns = [
@@ -28,8 +27,11 @@ urlpatterns = [
     path("campaigns/invite/<str:code>", organizer_views.campaign_invite, name="campaign-invite"),
     # The trained model of a validated version: safetensors weights and the config load_exported reads.
     path("campaigns/<int:campaign_id>/export", campaign_export.campaign_export, name="campaign-export"),
-    path("campaigns/<int:campaign_id>/export/config.json", campaign_export.campaign_export_config,
-         name="campaign-export-config"),
+    path(
+        "campaigns/<int:campaign_id>/export/config.json",
+        campaign_export.campaign_export_config,
+        name="campaign-export-config",
+    ),
     path("organizers/request", role_views.organizer_request, name="organizer-request"),
     path("organizers/requests", role_views.organizer_requests, name="organizer-requests"),
     path("organizers/requests/<int:request_id>/decide", role_views.organizer_decide, name="organizer-decide"),

@@ -42,22 +42,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", help="port to bind; 0 picks a free one (default 8100)")
     parser.add_argument("--checkpoint-dir", dest="checkpoint_dir", help="checkpoint folder (default var/checkpoints)")
     parser.add_argument(
-        "--checkpoint-url", dest="checkpoint_url",
+        "--checkpoint-url",
+        dest="checkpoint_url",
         help="s3://BUCKET/PREFIX: checkpoints in S3-compatible storage (CROWDTRAIN_S3_* credentials) instead",
-    )  # fmt: skip
+    )
     parser.add_argument("--public-host", dest="public_host", help="host agents use to reach this aggregator")
     parser.add_argument("--max-pending-bytes", dest="max_pending_bytes", help="cap on pending gradient bytes")
     parser.add_argument("--torch-threads", dest="torch_threads", help="PyTorch intra-op threads (default 1)")
     parser.add_argument(
-        "--header-timeout-s", dest="header_timeout_s",
+        "--header-timeout-s",
+        dest="header_timeout_s",
         help="seconds an upload socket has to send its first upload header before it is closed (default 5)",
-    )  # fmt: skip
+    )
     parser.add_argument("--log-level", default=os.getenv(ENV_PREFIX + "LOG_LEVEL", "INFO"), help="default INFO")
     return parser
 
 
 async def _main(config: BackboneConfig) -> int:
     import torch  # loads here, after the config is known to be good
+
     from crowdtrain_agent.allocator import keep_freed_memory
 
     from .server import run
@@ -83,8 +86,9 @@ async def _main(config: BackboneConfig) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
-    return await run(config, stop=stop,
-                     on_listening=lambda url: print(f"crowdtrain-backbone: listening on {url}", flush=True))
+    return await run(
+        config, stop=stop, on_listening=lambda url: print(f"crowdtrain-backbone: listening on {url}", flush=True)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

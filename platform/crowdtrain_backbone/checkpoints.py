@@ -217,8 +217,9 @@ def encode_state(state: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def save_checkpoint(store: CheckpointStore, campaign_id: int, slice_index: int, version: int,
-                    state: dict[str, Any]) -> str:  # fmt: skip
+def save_checkpoint(
+    store: CheckpointStore, campaign_id: int, slice_index: int, version: int, state: dict[str, Any]
+) -> str:
     """Write one checkpoint; any failure (a full disk shows up as torch's RuntimeError too) is a CheckpointError.
 
     Returns:
@@ -272,5 +273,7 @@ def delete_versions(store: CheckpointStore, campaign_id: int, slice_index: int, 
             store.delete(campaign_id, slice_index, v)
             deleted.append(v)
         except Exception as exc:
-            logger.warning("could not delete checkpoint v%s of campaign %s slice %s: %s", v, campaign_id, slice_index, exc)
+            logger.warning(
+                "could not delete checkpoint v%s of campaign %s slice %s: %s", v, campaign_id, slice_index, exc
+            )
     return deleted

@@ -10,10 +10,11 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
-from crowdtrain_agent.protocol import ProtocolError, ticket_campaign, verify_ticket
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
+
+from crowdtrain_agent.protocol import ProtocolError, ticket_campaign, verify_ticket
 
 from .node import AggregatorNode
 

@@ -52,9 +52,13 @@ class Lamb(torch.optim.Optimizer):
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must lie in [0, 1), got {betas}")
         defaults = {
-            "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "segments": segments,
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "segments": segments,
             "decayed": decayed,
-        }  # fmt: skip
+        }
         super().__init__(params, defaults)
         for group in self.param_groups:
             _check_segments(group)
@@ -113,14 +117,14 @@ def _check_segments(group: dict[str, Any]) -> None:
     if decayed is not None:
         if segments is None or len(decayed) != len(segments):
             raise ValueError("decayed needs segments, with one list of flags per parameter")
-        for sizes, flags in zip(segments, decayed):
+        for sizes, flags in zip(segments, decayed, strict=True):
             if flags is not None and (sizes is None or len(flags) != len(sizes)):
                 raise ValueError(f"decayed flags {list(flags)[:8]} must match the segments, one flag per tensor")
     if segments is None:
         return
     if len(segments) != len(group["params"]):
         raise ValueError(f"segments lists {len(segments)} parameters but the group holds {len(group['params'])}")
-    for param, sizes in zip(group["params"], segments):
+    for param, sizes in zip(group["params"], segments, strict=True):
         if sizes is not None and (sum(sizes) != param.numel() or any(s <= 0 for s in sizes)):
             raise ValueError(
                 f"segments {list(sizes)[:8]} must be positive and add up to the parameter's {param.numel()} elements"
@@ -130,6 +134,11 @@ def _check_segments(group: dict[str, Any]) -> None:
 def build_lamb(param: torch.nn.Parameter, hyper: Mapping[str, Any], layout: SliceLayout) -> Lamb:
     """The registry's builder: LAMB on one slice of whole tensors, the layout saying which ones decay."""
     return Lamb(
-        [param], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
-        weight_decay=hyper["weight_decay"], segments=[layout.segments], decayed=[list(layout.decayed)],
-    )  # fmt: skip
+        [param],
+        lr=hyper["lr"],
+        betas=(hyper["beta1"], hyper["beta2"]),
+        eps=hyper["eps"],
+        weight_decay=hyper["weight_decay"],
+        segments=[layout.segments],
+        decayed=[list(layout.decayed)],
+    )

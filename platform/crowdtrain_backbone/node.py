@@ -8,6 +8,7 @@ import os
 from typing import Any, NamedTuple
 
 import torch
+
 from crowdtrain_agent.protocol import (
     CheckpointComplete,
     CheckpointSaved,
@@ -83,7 +84,9 @@ def _load(store: CheckpointStore, assignment: SliceAssignment, version: int) -> 
     optimizer_state = state["optimizer"]
     if (state["config"].get("optimizer") or {}).get("name") != assignment.optimizer.name:
         # Moments of another optimizer mean nothing to this one: keep the params, restart its state.
-        logger.warning("campaign %s slice %s: the optimizer changed since v%s; its state starts fresh", cid, idx, version)
+        logger.warning(
+            "campaign %s slice %s: the optimizer changed since v%s; its state starts fresh", cid, idx, version
+        )
         optimizer_state = None
     pending = state.get("pending")
     return Restored(state["params"], version, optimizer_state, pending if isinstance(pending, list) else [])
@@ -121,8 +124,11 @@ def restore(assignment: SliceAssignment, store: CheckpointStore, version: int, f
         raise SliceLostError(f"{tried[0]}; and the newest complete checkpoint failed too: {exc}") from exc
     logger.warning(
         "campaign %s slice %s: no checkpoint of version %s, resuming from the newest complete one, version %s",
-        cid, idx, version, fallback,
-    )  # fmt: skip
+        cid,
+        idx,
+        version,
+        fallback,
+    )
     return restored._replace(pending=[])
 
 
@@ -209,7 +215,7 @@ class AggregatorNode:
             return []
         raise TypeError(f"no handler for {type(order).__name__}; add it to AggregatorNode.handle and ORDERS")
 
-    async def assign(self, assignment: SliceAssignment) -> SliceReady:
+    async def assign(self, assignment: SliceAssignment) -> SliceReady | SliceLost:
         """Take (or re-take) a slice and load the state for the site's current version."""
         key = (assignment.campaign_id, assignment.slice_index)
         current = self.slices.get(key)
@@ -247,9 +253,12 @@ class AggregatorNode:
         await asyncio.to_thread(self._forget_newer, state)
         logger.info(
             "holding campaign %s slice %s (elements %s:%s) at version %s%s",
-            *key, assignment.start, assignment.end, version,
+            *key,
+            assignment.start,
+            assignment.end,
+            version,
             f", with {len(taken)} pending uploads saved at the stop" if taken else "",
-        )  # fmt: skip
+        )
         return SliceReady(campaign_id=key[0], slice_index=key[1], version=version)
 
     def _lost(self, assignment: SliceAssignment, version: int, detail: str) -> SliceLost:
@@ -274,8 +283,12 @@ class AggregatorNode:
         removed = await asyncio.to_thread(self._forget_newer, state)
         logger.info(
             "campaign %s slice %s now at version %s (dropped pending leases %s, checkpoints %s)",
-            state.campaign_id, state.slice_index, loaded, dropped, removed,
-        )  # fmt: skip
+            state.campaign_id,
+            state.slice_index,
+            loaded,
+            dropped,
+            removed,
+        )
         return SliceReady(campaign_id=state.campaign_id, slice_index=state.slice_index, version=loaded)
 
     def _forget_newer(self, state: SliceState) -> list[int]:
@@ -297,10 +310,12 @@ class AggregatorNode:
             logger.warning("commit for campaign %s, which holds no slice here", commit.campaign_id)
             return [
                 StepFailed(
-                    campaign_id=commit.campaign_id, slice_index=-1, step=commit.step,
+                    campaign_id=commit.campaign_id,
+                    slice_index=-1,
+                    step=commit.step,
                     detail=f"aggregator {self.config.name} holds no slice of campaign {commit.campaign_id}; "
                     "assign the slices first",
-                )  # fmt: skip
+                )
             ]
         replies: list[Reply] = []
         for state in slices:
@@ -318,18 +333,24 @@ class AggregatorNode:
             logger.debug("campaign %s slice %s: duplicate commit of step %s", cid, idx, commit.step)
             return [StepApplied(campaign_id=cid, slice_index=idx, step=commit.step, version=commit.step + 1)]
         if commit.step > state.version:
-            return [StepFailed(
-                campaign_id=cid, slice_index=idx, step=commit.step,
-                detail=f"slice {idx} is at version {state.version}, commit is for step {commit.step}; "
-                "roll back or re-assign the slice",
-            )]  # fmt: skip
+            return [
+                StepFailed(
+                    campaign_id=cid,
+                    slice_index=idx,
+                    step=commit.step,
+                    detail=f"slice {idx} is at version {state.version}, commit is for step {commit.step}; "
+                    "roll back or re-assign the slice",
+                )
+            ]
         try:
             uploads = state.collect(commit.lease_ids, commit.num_samples)
         except StepRefused as exc:
             logger.warning("campaign %s slice %s cannot apply step %s: %s", cid, idx, commit.step, exc.detail)
-            return [StepFailed(
-                campaign_id=cid, slice_index=idx, step=commit.step, missing_lease_ids=exc.missing, detail=exc.detail
-            )]  # fmt: skip
+            return [
+                StepFailed(
+                    campaign_id=cid, slice_index=idx, step=commit.step, missing_lease_ids=exc.missing, detail=exc.detail
+                )
+            ]
         try:
             # Off the event loop: uploads and heartbeats keep flowing while the optimizer runs.
             snapshot = await asyncio.to_thread(state.apply_step_, uploads, commit.num_samples)
@@ -338,8 +359,13 @@ class AggregatorNode:
             return [self._could_not_apply(state, commit.step, exc)]
         logger.info(
             "campaign %s slice %s applied step %s (%s leases, %s samples, %s stale dropped)",
-            cid, idx, commit.step, len(uploads), commit.num_samples, len(dropped),
-        )  # fmt: skip
+            cid,
+            idx,
+            commit.step,
+            len(uploads),
+            commit.num_samples,
+            len(dropped),
+        )
         replies: list[Reply] = [StepApplied(campaign_id=cid, slice_index=idx, step=commit.step, version=state.version)]
         every = state.assignment.checkpoint_every
         if every > 0 and state.version % every == 0:
@@ -355,8 +381,11 @@ class AggregatorNode:
         self.broken[key] = detail
         logger.error(
             "campaign %s slice %s could not apply step %s; it applies no commit until the site assigns it again "
-            "or rolls it back (both reload it from a checkpoint)", *key, step, exc_info=exc,
-        )  # fmt: skip
+            "or rolls it back (both reload it from a checkpoint)",
+            *key,
+            step,
+            exc_info=exc,
+        )
         return StepFailed(campaign_id=key[0], slice_index=key[1], step=step, detail=detail)
 
     def failure_replies(self, order: SiteOrder, exc: BaseException) -> list[Reply]:
@@ -398,15 +427,19 @@ class AggregatorNode:
         def write() -> None:
             save_checkpoint(self.store, *key, version, snapshot)
             self.saved[key] = version
-            delete_versions(self.store, *key, to_prune(self.store.versions(*key), version, self.complete.get(key[0], [])))
+            delete_versions(
+                self.store, *key, to_prune(self.store.versions(*key), version, self.complete.get(key[0], []))
+            )
 
         try:
             await asyncio.to_thread(write)
         except CheckpointError as exc:
             logger.error(
                 "campaign %s slice %s: %s; the step itself was applied. Check the space and permissions of %s",
-                *key, exc, self.store.describe(),
-            )  # fmt: skip
+                *key,
+                exc,
+                self.store.describe(),
+            )
             return None
         except Exception as exc:  # listing or pruning failed after a good write: the checkpoint stands
             logger.warning("campaign %s slice %s: checkpoint v%s written, pruning failed: %s", *key, version, exc)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.optimizers import OptimizerEntry, get_optimizer, hyperparameters_of
 from crowdtrain_agent.protocol import SliceAssignment
@@ -168,9 +169,11 @@ def build_slice_optimizer(assignment: SliceAssignment, param: torch.nn.Parameter
 
 
 def add_weight_decay(
-    optimizer: torch.optim.Optimizer, ranges: Sequence[tuple[int, int]], weight_decay: float,
+    optimizer: torch.optim.Optimizer,
+    ranges: Sequence[tuple[int, int]],
+    weight_decay: float,
     rule: Literal["decoupled", "l2"],
-) -> None:  # fmt: skip
+) -> None:
     """Decay elements ``ranges`` of the optimizer's one flat parameter before each step.
 
     ``decoupled`` (AdamW): ``w *= 1 - lr * weight_decay``, at the step's
@@ -209,9 +212,13 @@ def add_weight_decay(
 def build_adamw(param: torch.nn.Parameter, hyper: Mapping[str, Any], layout: SliceLayout) -> torch.optim.Optimizer:
     """AdamW on one slice; decoupled weight decay on the layout's decayed spans."""
     optimizer = torch.optim.AdamW(
-        [param], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"], weight_decay=0.0,
+        [param],
+        lr=hyper["lr"],
+        betas=(hyper["beta1"], hyper["beta2"]),
+        eps=hyper["eps"],
+        weight_decay=0.0,
         fused=True,
-    )  # fmt: skip
+    )
     add_weight_decay(optimizer, layout.decayed_ranges(), hyper["weight_decay"], "decoupled")
     return optimizer
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.typing import Subprotocol
 
 from crowdtrain_agent.backoff import Backoff
 from crowdtrain_agent.protocol import MAX_WS_MESSAGE_BYTES, choose_subprotocol
-from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.typing import Subprotocol
 
 from .config import WS_LOGGER_NAME, BackboneConfig
 from .http_routes import PARAMS_PREFIX, UPLOAD_PATH, make_process_request
@@ -40,11 +41,11 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-
-def _select_subprotocol(_: ServerConnection, offered: list[Subprotocol]) -> Subprotocol | None:
+def _select_subprotocol(_: ServerConnection, offered: Sequence[Subprotocol]) -> Subprotocol | None:
     """The newest protocol minor the agent offers and this aggregator speaks; none offered is a 2.0 agent."""
     chosen, _minor = choose_subprotocol(list(offered))
     return Subprotocol(chosen) if chosen else None
+
 
 class BackboneServer:
     """A running aggregator: the listening socket, its state, and the site link.
@@ -126,8 +127,11 @@ class BackboneServer:
             for reply in saved:
                 await self.link.send(reply)
         kept = sum(len(s.pending) for s in self.node.slices.values())
-        logger.info("stopping: %s slice checkpoint(s) of the current version written and reported, with %s pending "
-                    "upload(s)", len(saved), kept)  # fmt: skip
+        logger.info(
+            "stopping: %s slice checkpoint(s) of the current version written and reported, with %s pending upload(s)",
+            len(saved),
+            kept,
+        )
         await self.stop()
         return len(saved)
 
@@ -146,8 +150,9 @@ class BackboneServer:
             self._server = None
 
 
-async def run(config: BackboneConfig, on_listening: Callable[[str], None] | None = None,
-              stop: asyncio.Event | None = None) -> int:  # fmt: skip
+async def run(
+    config: BackboneConfig, on_listening: Callable[[str], None] | None = None, stop: asyncio.Event | None = None
+) -> int:
     """Run the aggregator until ``stop`` is set (a graceful stop), cancelled, or refused by the site.
 
     Args:

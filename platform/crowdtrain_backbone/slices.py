@@ -15,9 +15,10 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
+
 from crowdtrain_agent.codec import encode_fp32
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import SliceAssignment
@@ -26,9 +27,19 @@ from crowdtrain_agent.protocol.schema import to_dict
 from .optimizers import build_slice_optimizer, slice_segments
 
 __all__ = [
-    "AggregationRule", "MeanRule", "MemoryBudget", "PendingUpload", "SliceState", "Snapshot", "StepRefused",
-    "UploadRefused", "build_slice_optimizer", "initial_params", "make_snapshot", "slice_segments",
-]  # fmt: skip
+    "AggregationRule",
+    "MeanRule",
+    "MemoryBudget",
+    "PendingUpload",
+    "SliceState",
+    "Snapshot",
+    "StepRefused",
+    "UploadRefused",
+    "build_slice_optimizer",
+    "initial_params",
+    "make_snapshot",
+    "slice_segments",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -151,12 +162,18 @@ def _saved_upload(entry: Any, numel: int) -> PendingUpload:
     if not isinstance(entry, dict):
         raise ValueError(f"expected a dict, found {type(entry).__name__}")
     lease_id, base, n, grad = (entry.get(k) for k in ("lease_id", "base_version", "num_samples", "grad"))
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lease_id, base, n)) or n <= 0:
-        raise ValueError(f"lease id, base version and sample count must be integers, the count above 0; found "
-                         f"{lease_id!r:.40}, {base!r:.40}, {n!r:.40}")  # fmt: skip
+    if not (_is_int(lease_id) and _is_int(base) and _is_int(n)) or n <= 0:
+        raise ValueError(
+            f"lease id, base version and sample count must be integers, the count above 0; found "
+            f"{lease_id!r:.40}, {base!r:.40}, {n!r:.40}"
+        )
     if not isinstance(grad, torch.Tensor) or grad.dtype != torch.float32 or grad.shape != (numel,):
         raise ValueError(f"lease {lease_id}: the gradient is not {numel} fp32 values")
     return PendingUpload(lease_id, base, n, grad)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def make_snapshot(campaign_id: int, slice_index: int, version: int, params: torch.Tensor) -> Snapshot:
@@ -300,12 +317,20 @@ class SliceState:
                 upload = _saved_upload(entry, self.numel)
                 self.check_upload(upload.lease_id, upload.base_version)
             except (UploadRefused, ValueError) as exc:
-                logger.warning("campaign %s slice %s: a saved upload is not taken back: %s",
-                               self.campaign_id, self.slice_index, exc)  # fmt: skip
+                logger.warning(
+                    "campaign %s slice %s: a saved upload is not taken back: %s",
+                    self.campaign_id,
+                    self.slice_index,
+                    exc,
+                )
                 continue
             if not self.budget.try_reserve(upload.nbytes):
-                logger.warning("campaign %s slice %s: no memory left to take back saved upload of lease %s",
-                               self.campaign_id, self.slice_index, upload.lease_id)  # fmt: skip
+                logger.warning(
+                    "campaign %s slice %s: no memory left to take back saved upload of lease %s",
+                    self.campaign_id,
+                    self.slice_index,
+                    upload.lease_id,
+                )
                 continue
             self.pending[upload.lease_id] = upload
             taken.append(upload.lease_id)

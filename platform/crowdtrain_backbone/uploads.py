@@ -20,9 +20,12 @@ import asyncio
 import logging
 import math
 
-import numpy as np
 import msgspec
+import numpy as np
 import torch
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
 from crowdtrain_agent.codec import CODECS, Codec, get_codec
 from crowdtrain_agent.protocol import (
     AGENT_TO_AGGREGATOR,
@@ -41,8 +44,6 @@ from crowdtrain_agent.protocol import (
     ticket_campaign,
     verify_ticket,
 )
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
 
 from .node import AggregatorNode
 from .slices import PendingUpload, UploadRefused
@@ -60,8 +61,15 @@ CHUNK_TIMEOUT_S = 60.0
 class Rejected(Exception):
     """An upload refused with ``code``; ``discard`` says whether its remaining chunks are still coming."""
 
-    def __init__(self, code: str, detail: str, *, lease_id: int | None = None, slice_index: int | None = None,
-                 discard: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        code: str,
+        detail: str,
+        *,
+        lease_id: int | None = None,
+        slice_index: int | None = None,
+        discard: bool = True,
+    ) -> None:
         super().__init__(detail)
         self.code = code
         self.detail = detail
@@ -108,8 +116,12 @@ def decode_gradient(
     values = grad.numpy()  # numpy's checks are several times faster than torch's on one thread
     if not np.isfinite(values).all():
         bad = int(values.size - np.count_nonzero(np.isfinite(values)))
-        raise Rejected("not finite", f"lease {ticket.lease_id}: {bad} gradient values are NaN or infinite; "
-                       "lower the learning rate or use fp32 if fp16 overflows", lease_id=ticket.lease_id)  # fmt: skip
+        raise Rejected(
+            "not finite",
+            f"lease {ticket.lease_id}: {bad} gradient values are NaN or infinite; "
+            "lower the learning rate or use fp32 if fp16 overflows",
+            lease_id=ticket.lease_id,
+        )
     if max_grad_norm > 0:
         norm = float(torch.linalg.vector_norm(grad))
         if not math.isfinite(norm):  # squares of huge fp32 values overflow; float64 gives the true figure
@@ -155,8 +167,11 @@ class UploadSession:
                 except ConnectionClosed:
                     return
                 except TimeoutError:
-                    logger.info("closing upload connection from %s: no upload header within %g s",
-                                self.ws.remote_address, timeout)  # fmt: skip
+                    logger.info(
+                        "closing upload connection from %s: no upload header within %g s",
+                        self.ws.remote_address,
+                        timeout,
+                    )
                     await self._close(CloseCode.BAD_MESSAGE, f"no upload header within {timeout:g} s of connecting")
                     return
             first = False
@@ -166,14 +181,16 @@ class UploadSession:
                 await self._close(CloseCode.BAD_MESSAGE, "binary frame with no upload announced")
                 return
             discarding = False
+            reply: UploadReceipt | UploadRejected
             try:
                 reply = await self._upload(raw)
             except Rejected as rej:
                 rejections += 1
                 discarding = rej.discard
                 logger.debug("upload rejected (%s): %s", rej.code, rej.detail)
-                reply = UploadRejected(lease_id=rej.lease_id, slice_index=rej.slice_index, code=rej.code,
-                                       detail=rej.detail)  # fmt: skip
+                reply = UploadRejected(
+                    lease_id=rej.lease_id, slice_index=rej.slice_index, code=rej.code, detail=rej.detail
+                )
             except ProtocolError as exc:
                 # The chunk framing itself is broken: nothing after it can be trusted.
                 logger.info("closing upload connection from %s: %s", self.ws.remote_address, exc)
@@ -192,8 +209,12 @@ class UploadSession:
     def _note_unknown(self, kind: str, fields: list[str]) -> None:
         if not self._unknown_noted:  # once per connection: a newer agent, worth a line, not one per upload
             self._unknown_noted = True
-            logger.info("an agent at %s sends fields this aggregator does not know (%s: %s); ignored",
-                        self.ws.remote_address, kind, ", ".join(fields[:5]))  # fmt: skip
+            logger.info(
+                "an agent at %s sends fields this aggregator does not know (%s: %s); ignored",
+                self.ws.remote_address,
+                kind,
+                ", ".join(fields[:5]),
+            )
 
     async def _close(self, code: int, reason: str) -> None:
         await self.ws.close(code, reason.encode()[:120].decode(errors="ignore"))
@@ -212,16 +233,20 @@ class UploadSession:
             raise Rejected(_message_error_code(text, exc), str(exc)) from None
         index = begin.slice_index
         if self.node.ticket_key is None:
-            raise Rejected("busy", "aggregator is not connected to the site yet; retry in a few seconds",
-                           slice_index=index)  # fmt: skip
+            raise Rejected(
+                "busy", "aggregator is not connected to the site yet; retry in a few seconds", slice_index=index
+            )
         try:
             # Each campaign has its own key: the ticket's unverified campaign id only picks which.
             campaign_id = ticket_campaign(begin.ticket)
             key = self.node.campaign_key(campaign_id)
             if key is None:
-                raise Rejected("slice not held", f"this aggregator holds no slice of campaign {campaign_id}, "
-                               "so it cannot check its tickets; check the lease's slice routes",
-                               slice_index=index)  # fmt: skip
+                raise Rejected(
+                    "slice not held",
+                    f"this aggregator holds no slice of campaign {campaign_id}, "
+                    "so it cannot check its tickets; check the lease's slice routes",
+                    slice_index=index,
+                )
             ticket = verify_ticket(begin.ticket, key)
         except ProtocolError as exc:
             raise Rejected("bad ticket", str(exc), slice_index=index) from None
@@ -234,23 +259,35 @@ class UploadSession:
             raise reject("bad ticket", f"ticket for lease {lease} has {ticket.num_samples} samples")
         state = self.node.get_slice(ticket.campaign_id, index)
         if state is None:
-            raise reject("slice not held", f"this aggregator holds no slice {index} of campaign "
-                         f"{ticket.campaign_id}; check the lease's slice routes")  # fmt: skip
+            raise reject(
+                "slice not held",
+                f"this aggregator holds no slice {index} of campaign "
+                f"{ticket.campaign_id}; check the lease's slice routes",
+            )
         wanted = state.assignment.codec
         if wanted is not None and begin.codec != wanted:
-            raise reject("wrong codec", f"campaign {ticket.campaign_id} takes {wanted} gradients, this upload is "
-                         f"{begin.codec}; send it with the lease's codec")  # fmt: skip
+            raise reject(
+                "wrong codec",
+                f"campaign {ticket.campaign_id} takes {wanted} gradients, this upload is "
+                f"{begin.codec}; send it with the lease's codec",
+            )
         codec = get_codec(begin.codec)
         if begin.num_elements != state.numel:
-            raise reject("wrong shape", f"slice {index} has {state.numel} elements, upload announces "
-                         f"{begin.num_elements}; the agent may run an older model definition, upgrade "
-                         "crowdtrain-agent")  # fmt: skip
+            raise reject(
+                "wrong shape",
+                f"slice {index} has {state.numel} elements, upload announces "
+                f"{begin.num_elements}; the agent may run an older model definition, upgrade "
+                "crowdtrain-agent",
+            )
         nbytes = state.numel * codec.bytes_per_element
         expected_chunks = max(1, -(-nbytes // CHUNK_PAYLOAD_BYTES))
         if begin.num_chunks != expected_chunks:
-            raise reject("wrong chunk count", f"{nbytes} payload bytes make {expected_chunks} chunks of "
-                         f"{CHUNK_PAYLOAD_BYTES} bytes, upload announces {begin.num_chunks}; cut the payload "
-                         "with protocol.split_payload")  # fmt: skip
+            raise reject(
+                "wrong chunk count",
+                f"{nbytes} payload bytes make {expected_chunks} chunks of "
+                f"{CHUNK_PAYLOAD_BYTES} bytes, upload announces {begin.num_chunks}; cut the payload "
+                "with protocol.split_payload",
+            )
         try:
             state.begin_upload(lease, ticket.base_version)
         except UploadRefused as exc:
@@ -258,8 +295,11 @@ class UploadSession:
         held_bytes = state.numel * 4  # kept as fp32 whatever the wire codec
         if not self.node.budget.try_reserve(held_bytes):
             state.abort_upload(lease)
-            raise reject("busy", f"aggregator holds {self.node.budget.used} pending bytes (limit "
-                         f"{self.node.budget.limit}); retry after the next step")  # fmt: skip
+            raise reject(
+                "busy",
+                f"aggregator holds {self.node.budget.used} pending bytes (limit "
+                f"{self.node.budget.limit}); retry after the next step",
+            )
 
         # 2. the chunks, 3. the gradient checks; any failure gives the reservation back
         try:
@@ -273,8 +313,11 @@ class UploadSession:
             else:
                 grad = decode_gradient(codec, data, state.numel, ticket, max_norm)
             if self.node.get_slice(ticket.campaign_id, index) is not state:
-                raise reject("slice not held", f"slice {index} of campaign {ticket.campaign_id} was unassigned "
-                             "during the upload", discard=False)  # fmt: skip
+                raise reject(
+                    "slice not held",
+                    f"slice {index} of campaign {ticket.campaign_id} was unassigned during the upload",
+                    discard=False,
+                )
             try:
                 state.add_pending(PendingUpload(lease, ticket.base_version, ticket.num_samples, grad))
             except UploadRefused as exc:
@@ -286,10 +329,12 @@ class UploadSession:
                 exc.lease_id, exc.slice_index = lease, index
             raise
 
-        logger.debug("campaign %s slice %s: lease %s pending (%s samples)", ticket.campaign_id, index, lease,
-                     ticket.num_samples)  # fmt: skip
-        token = sign_receipt(key, campaign_id=ticket.campaign_id, lease_id=lease, slice_index=index,
-                             num_samples=ticket.num_samples)  # fmt: skip
+        logger.debug(
+            "campaign %s slice %s: lease %s pending (%s samples)", ticket.campaign_id, index, lease, ticket.num_samples
+        )
+        token = sign_receipt(
+            key, campaign_id=ticket.campaign_id, lease_id=lease, slice_index=index, num_samples=ticket.num_samples
+        )
         return UploadReceipt(lease_id=lease, slice_index=index, token=token)
 
     async def _receive(self, ticket: Ticket, begin: UploadBegin, nbytes: int) -> bytearray:
@@ -304,12 +349,17 @@ class UploadSession:
             except ConnectionClosed:
                 raise Rejected("incomplete upload", "connection closed mid-upload", discard=False) from None
             except TimeoutError:
-                raise Rejected("incomplete upload", f"lease {lease}: no chunk {i} within {CHUNK_TIMEOUT_S:.0f} s; "
-                               "upload the slice again") from None  # fmt: skip
+                raise Rejected(
+                    "incomplete upload",
+                    f"lease {lease}: no chunk {i} within {CHUNK_TIMEOUT_S:.0f} s; upload the slice again",
+                ) from None
             if isinstance(raw, str):
                 self._next_text = raw  # the agent gave up on this upload and started the next one
-                raise Rejected("incomplete upload", f"lease {lease}: expected chunk {i} of {begin.num_chunks}, "
-                               "got a text message", discard=False)  # fmt: skip
+                raise Rejected(
+                    "incomplete upload",
+                    f"lease {lease}: expected chunk {i} of {begin.num_chunks}, got a text message",
+                    discard=False,
+                )
             header, payload = decode_chunk(raw)  # ProtocolError: broken framing, closes the socket
             if header.chunk_index != i or header.num_chunks != begin.num_chunks:
                 raise Rejected(
@@ -319,8 +369,9 @@ class UploadSession:
                 )
             want = min(CHUNK_PAYLOAD_BYTES, nbytes - offset)
             if header.payload_len != want:
-                raise Rejected("wrong chunk size", f"lease {lease}: chunk {i} carries {header.payload_len} "
-                               f"bytes, expected {want}")  # fmt: skip
+                raise Rejected(
+                    "wrong chunk size", f"lease {lease}: chunk {i} carries {header.payload_len} bytes, expected {want}"
+                )
             data[offset : offset + want] = payload
             offset += want
         return data

@@ -1,4 +1,6 @@
-"""Run Crowdtrain's real programs on this machine: the harness of the demo, the tests, the benchmarks and ``make cluster``.
+"""Run Crowdtrain's real programs on this machine.
+
+The harness of the demo, the tests, the benchmarks and ``make cluster``.
 
 Not part of the site, the aggregator or the agent: it starts them as child processes
 (``swarm``), puts several site processes behind HAProxy (``cluster``), and finds or

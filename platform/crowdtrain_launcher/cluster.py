@@ -49,13 +49,18 @@ COMPOSE_SITE_SLOTS = 16  # the most site replicas deploy/haproxy.cfg balances ac
 # Variables the caller's environment may set for the sites instead of the cluster's choice; the
 # others describe the topology itself (which engines, which proxy) and are always the cluster's.
 OVERRIDABLE = (
-    "CROWDTRAIN_SECRET_KEY", "CROWDTRAIN_ALLOWED_HOSTS", "CROWDTRAIN_EMAIL_URL", "CROWDTRAIN_HSTS_SECONDS",
-    "CROWDTRAIN_HSTS_INCLUDE_SUBDOMAINS", "CROWDTRAIN_HSTS_PRELOAD",
-)  # fmt: skip
+    "CROWDTRAIN_SECRET_KEY",
+    "CROWDTRAIN_ALLOWED_HOSTS",
+    "CROWDTRAIN_EMAIL_URL",
+    "CROWDTRAIN_HSTS_SECONDS",
+    "CROWDTRAIN_HSTS_INCLUDE_SUBDOMAINS",
+    "CROWDTRAIN_HSTS_PRELOAD",
+)
 
 
-def render_haproxy_config(*, binds: Sequence[str], servers: Sequence[str], health_host: str,
-                          server_options: str = "", resolvers: str = "") -> str:  # fmt: skip
+def render_haproxy_config(
+    *, binds: Sequence[str], servers: Sequence[str], health_host: str, server_options: str = "", resolvers: str = ""
+) -> str:
     """deploy/haproxy.cfg.template filled in.
 
     Args:
@@ -69,9 +74,10 @@ def render_haproxy_config(*, binds: Sequence[str], servers: Sequence[str], healt
     return template.substitute(
         binds="\n".join(f"    bind {bind}" for bind in binds),
         servers="\n".join(f"    {line}" for line in servers),
-        health_host=health_host, server_options=f" {server_options}" if server_options else "",
+        health_host=health_host,
+        server_options=f" {server_options}" if server_options else "",
         resolvers=f"\n{resolvers.strip()}\n" if resolvers else "",
-    )  # fmt: skip
+    )
 
 
 def compose_haproxy_config(cert_dir: str = "/usr/local/etc/haproxy/certs/") -> str:
@@ -89,7 +95,7 @@ def compose_haproxy_config(cert_dir: str = "/usr/local/etc/haproxy/certs/") -> s
         resolvers="\n    ".join(
             ["resolvers docker", "nameserver dns 127.0.0.11:53", "accepted_payload_size 8192", "hold valid 10s"]
         ),
-    )  # fmt: skip
+    )
 
 
 def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
@@ -105,11 +111,29 @@ def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
     cert, key, pem = folder / "cert.pem", folder / "key.pem", folder / "site.pem"
     if not pem.exists():
         result = subprocess.run(
-            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-days", "825", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
-             "-keyout", str(key), "-out", str(cert)],
-            capture_output=True, text=True,
-        )  # fmt: skip
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-days",
+                "825",
+                "-subj",
+                "/CN=localhost",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if result.returncode != 0:
             raise LaunchError(f"openssl could not make a certificate for the balancer:\n{result.stderr[-2000:]}")
         _write_private(pem, cert.read_text() + key.read_text())
@@ -186,10 +210,14 @@ class Cluster:
         _write_private(self.run_dir / "site.env", "".join(f"{k}={v}\n" for k, v in sorted(self.swarm.env.items())))
         # Three Django start-ups at once: the checks and collectstatic need no migrated database.
         with ThreadPoolExecutor(3) as pool:
-            jobs = [pool.submit(self.swarm.manage, *args, timeout_s=300) for args in (
-                ("migrate", "--noinput"), ("check", "--deploy", "--fail-level", "WARNING"),
-                ("collectstatic", "--noinput", "--verbosity", "0"),
-            )]  # fmt: skip
+            jobs = [
+                pool.submit(self.swarm.manage, *args, timeout_s=300)
+                for args in (
+                    ("migrate", "--noinput"),
+                    ("check", "--deploy", "--fail-level", "WARNING"),
+                    ("collectstatic", "--noinput", "--verbosity", "0"),
+                )
+            ]
             for job in jobs:
                 job.result()
 
@@ -259,8 +287,9 @@ class Cluster:
 
     def start_agent(self, *, token: str, name: str, campaign_id: int | None = None) -> Child:
         """A one-thread CPU agent that talks to the site through the balancer."""
-        return self.swarm.start_agent(self.public_site, token=token, name=name, campaign_id=campaign_id,
-                                      env=self.client_env())  # fmt: skip
+        return self.swarm.start_agent(
+            self.public_site, token=token, name=name, campaign_id=campaign_id, env=self.client_env()
+        )
 
     def _postgres(self, url: str) -> str:
         if engines.answers(url, 5432):
@@ -294,11 +323,13 @@ class Cluster:
         except engines.EngineError as exc:
             raise LaunchError(str(exc)) from None
         config = self.run_dir / "haproxy.cfg"
-        config.write_text(render_haproxy_config(
-            binds=[f"127.0.0.1:{self.port} ssl crt {self.cert} alpn h2,http/1.1"],
-            servers=[f"server {s.child.name} {s.url.removeprefix('http://')}" for s in self.site_processes],
-            health_host="127.0.0.1",
-        ))  # fmt: skip
+        config.write_text(
+            render_haproxy_config(
+                binds=[f"127.0.0.1:{self.port} ssl crt {self.cert} alpn h2,http/1.1"],
+                servers=[f"server {s.child.name} {s.url.removeprefix('http://')}" for s in self.site_processes],
+                health_host="127.0.0.1",
+            )
+        )
         checked = subprocess.run([haproxy, "-c", "-q", "-f", str(config)], capture_output=True, text=True)
         if checked.returncode != 0:
             raise LaunchError(f"haproxy rejects {config}:\n{(checked.stdout + checked.stderr)[-3000:]}")
@@ -319,8 +350,10 @@ class Cluster:
             except (urllib.error.URLError, OSError) as exc:
                 last = exc
             if time.monotonic() > deadline:
-                raise LaunchError(f"{self.url}/healthz did not answer within {timeout_s:.0f} s ({last}); "
-                                  f"see {self.swarm.logs}/haproxy.log")  # fmt: skip
+                raise LaunchError(
+                    f"{self.url}/healthz did not answer within {timeout_s:.0f} s ({last}); "
+                    f"see {self.swarm.logs}/haproxy.log"
+                )
             time.sleep(0.2)
 
     # ------------------------------------------------------------ stop
@@ -356,8 +389,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--aggregators", type=int, default=1, help="aggregators to start (default 1)")
     parser.add_argument("--run-dir", type=Path, default=REPO_ROOT / "var" / "cluster", help="default var/cluster")
     parser.add_argument("--cert", type=Path, help="HAProxy's PEM, certificate and key (default: a self-signed one)")
-    parser.add_argument("--print-compose-haproxy", action="store_true",
-                        help="print deploy/haproxy.cfg as rendered for compose.yaml and exit")  # fmt: skip
+    parser.add_argument(
+        "--print-compose-haproxy",
+        action="store_true",
+        help="print deploy/haproxy.cfg as rendered for compose.yaml and exit",
+    )
     args = parser.parse_args(argv)
     if args.sites < 1 or args.aggregators < 0:
         parser.error(f"--sites must be at least 1 and --aggregators at least 0, got {args.sites}, {args.aggregators}")
@@ -366,17 +402,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="cluster: %(message)s")
     cluster = Cluster(
-        args.run_dir, database_url=os.environ.get("DATABASE_URL") or DEFAULT_DATABASE_URL,
-        redis_url=os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL, sites=args.sites, port=args.port, cert=args.cert,
-    )  # fmt: skip
+        args.run_dir,
+        database_url=os.environ.get("DATABASE_URL") or DEFAULT_DATABASE_URL,
+        redis_url=os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL,
+        sites=args.sites,
+        port=args.port,
+        cert=args.cert,
+    )
     try:
         with cluster:
             url = cluster.start()
             names = [f"agg-{i}" for i in range(1, args.aggregators + 1)]
             cluster.start_aggregators(_create_backbone_tokens(cluster, names))
             print(f"cluster: {url}/ ({args.sites} site processes behind HAProxy, {len(names)} aggregator(s))")
-            print(f"cluster: logs in {cluster.swarm.logs}; manage.py with these settings: "
-                  f"set -a; . {cluster.run_dir / 'site.env'}; python manage.py createsuperuser")  # fmt: skip
+            print(
+                f"cluster: logs in {cluster.swarm.logs}; manage.py with these settings: "
+                f"set -a; . {cluster.run_dir / 'site.env'}; python manage.py createsuperuser"
+            )
             print("cluster: Ctrl-C stops everything", flush=True)
             while True:
                 cluster.swarm.check()

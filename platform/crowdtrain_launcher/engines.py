@@ -69,8 +69,19 @@ def redis_argv(port: int, *, daemonize: bool = False) -> list[str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise EngineError("redis-server is not installed: apt-get install redis-server")
-    return [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-            "--daemonize", "yes" if daemonize else "no"]  # fmt: skip
+    return [
+        binary,
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--daemonize",
+        "yes" if daemonize else "no",
+    ]
 
 
 def ensure_redis(url: str) -> str:
@@ -112,15 +123,28 @@ def init_postgres(folder: Path) -> tuple[str, Path]:
     if os.geteuid() == 0:
         shutil.chown(folder, "postgres")
     data = folder / "data"
-    subprocess.run([*_as_postgres(), f"{bindir}/initdb", "-D", str(data), "-A", "trust", "-U", "postgres"],
-                   check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [*_as_postgres(), f"{bindir}/initdb", "-D", str(data), "-A", "trust", "-U", "postgres"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return bindir, data
 
 
 def postgres_argv(bindir: str, data: Path, port: int) -> list[str]:
     """The server of an ``init_postgres`` cluster in the foreground, on loopback, its socket next to its data."""
-    return [*_as_postgres(), f"{bindir}/postgres", "-D", str(data), "-p", str(port), "-k", str(data.parent),
-            "-c", "listen_addresses=127.0.0.1"]  # fmt: skip
+    return [
+        *_as_postgres(),
+        f"{bindir}/postgres",
+        "-D",
+        str(data),
+        "-p",
+        str(port),
+        "-k",
+        str(data.parent),
+        "-c",
+        "listen_addresses=127.0.0.1",
+    ]
 
 
 def ensure_postgres(url: str) -> str:
@@ -132,8 +156,20 @@ def ensure_postgres(url: str) -> str:
     folder = Path(tempfile.mkdtemp(prefix="crowdtrain-pg-"))
     bindir, data = init_postgres(folder)
     port = free_port()
-    subprocess.run([*_as_postgres(), f"{bindir}/pg_ctl", "-D", str(data), "-l", str(folder / "log"), "-o",
-                    f"-p {port} -k {folder} -c listen_addresses=127.0.0.1", "start"], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            *_as_postgres(),
+            f"{bindir}/pg_ctl",
+            "-D",
+            str(data),
+            "-l",
+            str(folder / "log"),
+            "-o",
+            f"-p {port} -k {folder} -c listen_addresses=127.0.0.1",
+            "start",
+        ],
+        check=True,
+    )
     own = f"postgres://postgres@127.0.0.1:{port}/postgres"
     wait_until_answers(own, port, "PostgreSQL")
     logger.info("started a private PostgreSQL at %s", own)

@@ -91,12 +91,17 @@ def _die_with_parent() -> None:
 # Variables that would point a local run at shared services (CI exports a PostgreSQL DATABASE_URL):
 # an isolated swarm drops them, so its children use the embedded defaults in their own var folder.
 SHARED_SERVICE_VARS = (
-    "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "CELERY_TASK_ALWAYS_EAGER", "CROWDTRAIN_MEDIA_ROOT",
-)  # fmt: skip
+    "DATABASE_URL",
+    "REDIS_URL",
+    "CELERY_BROKER_URL",
+    "CELERY_TASK_ALWAYS_EAGER",
+    "CROWDTRAIN_MEDIA_ROOT",
+)
 
 
-def child_env(extra: Mapping[str, str] | None = None, *, threads: int | None = None,
-              isolated: bool = True) -> dict[str, str]:  # fmt: skip
+def child_env(
+    extra: Mapping[str, str] | None = None, *, threads: int | None = None, isolated: bool = True
+) -> dict[str, str]:
     """The environment every child gets: our import paths, unbuffered output, optional thread caps."""
     env = dict(os.environ)
     if isolated:
@@ -231,9 +236,17 @@ class Swarm:
 
     # ------------------------------------------------------------------ start
 
-    def start(self, name: str, argv: Sequence[str], *, role: str = "other", env: Mapping[str, str] | None = None,
-              cpus: Sequence[int] | None = None, threads: int | None = None,
-              expected_exit: bool = False) -> Child:  # fmt: skip
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        role: str = "other",
+        env: Mapping[str, str] | None = None,
+        cpus: Sequence[int] | None = None,
+        threads: int | None = None,
+        expected_exit: bool = False,
+    ) -> Child:
         """Start one child with its output going to ``logs/<name>.log``."""
         log_path = self.logs / f"{name}.log"
         command = pinned(argv, cpus)
@@ -242,11 +255,16 @@ class Swarm:
             log.flush()
             offset = log.tell()
             popen = subprocess.Popen(
-                command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                command,
+                cwd=REPO_ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 env=child_env({**self.env, **(env or {})}, threads=threads, isolated=self.isolated),
                 # Own session: a terminal's Ctrl-C reaches only us, and we stop the children in order.
-                start_new_session=True, preexec_fn=_die_with_parent,
-            )  # fmt: skip
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         child = Child(name, role, popen, log_path, time.monotonic(), expected_exit, offset)
         self.children.append(child)
         logger.info("started %s (pid %s), log %s", name, popen.pid, log_path)
@@ -259,16 +277,28 @@ class Swarm:
             LaunchError: if it fails; the message carries its stderr.
         """
         result = subprocess.run(
-            [self.python, str(REPO_ROOT / "manage.py"), *args], cwd=REPO_ROOT, capture_output=True, text=True,
-            env=child_env({**self.env, **(env or {})}, isolated=self.isolated), timeout=timeout_s,
-        )  # fmt: skip
+            [self.python, str(REPO_ROOT / "manage.py"), *args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            env=child_env({**self.env, **(env or {})}, isolated=self.isolated),
+            timeout=timeout_s,
+        )
         if result.returncode != 0:
             raise LaunchError(f"manage.py {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
         return result.stdout
 
-    def start_site(self, *, host: str = "127.0.0.1", port: int = 0, env: Mapping[str, str] | None = None,
-                   cpus: Sequence[int] | None = None, timeout_s: float = 60.0, name: str = "site",
-                   worker: bool = True) -> Site:  # fmt: skip
+    def start_site(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        env: Mapping[str, str] | None = None,
+        cpus: Sequence[int] | None = None,
+        timeout_s: float = 60.0,
+        name: str = "site",
+        worker: bool = True,
+    ) -> Site:
         """Start daphne with the site's ASGI app and wait for its port.
 
         daphne's default 1 MiB WebSocket limits stay: every protocol message
@@ -286,8 +316,14 @@ class Swarm:
             self.start_worker(env=env, cpus=cpus, timeout_s=timeout_s)
         return self._listening(child, timeout_s)
 
-    def start_sites(self, count: int, *, env: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None,
-                    timeout_s: float = 60.0) -> list[Site]:  # fmt: skip
+    def start_sites(
+        self,
+        count: int,
+        *,
+        env: Mapping[str, str] | None = None,
+        cpus: Sequence[int] | None = None,
+        timeout_s: float = 60.0,
+    ) -> list[Site]:
         """Start ``count`` daphne processes ``site-1`` ... on free loopback ports at once, then wait for each.
 
         These are the site processes behind a balancer: no Celery worker comes with them (start one
@@ -295,10 +331,15 @@ class Swarm:
         ``logs/<name>.access.log``, which shows the WebSocket connections it served.
         """
         children = [
-            self.start(f"site-{i}", [*self._daphne_argv("127.0.0.1", 0), "--access-log",
-                                     str(self.logs / f"site-{i}.access.log")], role="site", env=env, cpus=cpus)
+            self.start(
+                f"site-{i}",
+                [*self._daphne_argv("127.0.0.1", 0), "--access-log", str(self.logs / f"site-{i}.access.log")],
+                role="site",
+                env=env,
+                cpus=cpus,
+            )
             for i in range(1, count + 1)
-        ]  # fmt: skip
+        ]
         return [self._listening(child, timeout_s) for child in children]
 
     def _daphne_argv(self, host: str, port: int) -> list[str]:
@@ -315,8 +356,15 @@ class Swarm:
         eager = merged.get("CELERY_TASK_ALWAYS_EAGER", "").strip().lower() in ("1", "true", "yes", "on")
         return bool(merged.get("REDIS_URL")) and not eager
 
-    def start_worker(self, *, env: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None,
-                     timeout_s: float = 60.0, beat: bool = True, wait: bool = True) -> Child:  # fmt: skip
+    def start_worker(
+        self,
+        *,
+        env: Mapping[str, str] | None = None,
+        cpus: Sequence[int] | None = None,
+        timeout_s: float = 60.0,
+        beat: bool = True,
+        wait: bool = True,
+    ) -> Child:
         """Start a Celery worker for the site's broker (one process: these are short tasks).
 
         Args:
@@ -324,8 +372,20 @@ class Swarm:
                 ``start_beat`` process passes False (there must be exactly one beat).
             wait: return only once the worker says it is ready.
         """
-        argv = [self.python, "-m", "celery", "-A", "crowdtrain", "worker", "--pool", "solo",
-                "--without-gossip", "--without-mingle", "--loglevel", "INFO"]  # fmt: skip
+        argv = [
+            self.python,
+            "-m",
+            "celery",
+            "-A",
+            "crowdtrain",
+            "worker",
+            "--pool",
+            "solo",
+            "--without-gossip",
+            "--without-mingle",
+            "--loglevel",
+            "INFO",
+        ]
         if beat:
             argv += ["--beat", "--schedule", str(self.run_dir / "celerybeat-schedule")]
         child = self.start("worker", argv, role="site", env=env, cpus=cpus)
@@ -335,17 +395,42 @@ class Swarm:
 
     def start_beat(self, *, env: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None) -> Child:
         """Start Celery beat on its own: it queues the periodic tasks (lease expiry) for whichever worker is free."""
-        argv = [self.python, "-m", "celery", "-A", "crowdtrain", "beat", "--loglevel", "INFO",
-                "--schedule", str(self.run_dir / "celerybeat-schedule")]  # fmt: skip
+        argv = [
+            self.python,
+            "-m",
+            "celery",
+            "-A",
+            "crowdtrain",
+            "beat",
+            "--loglevel",
+            "INFO",
+            "--schedule",
+            str(self.run_dir / "celerybeat-schedule"),
+        ]
         return self.start("beat", argv, role="site", env=env, cpus=cpus)
 
-    def start_aggregator(self, site: Site, *, token: str, name: str, cpus: Sequence[int] | None = None,
-                         env: Mapping[str, str] | None = None, timeout_s: float = 60.0) -> str:  # fmt: skip
+    def start_aggregator(
+        self,
+        site: Site,
+        *,
+        token: str,
+        name: str,
+        cpus: Sequence[int] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = 60.0,
+    ) -> str:
         """Start ``python -m crowdtrain_backbone`` on a free loopback port; returns its base URL."""
         return self.start_aggregators(site, {name: token}, cpus=cpus, env=env, timeout_s=timeout_s)[0]
 
-    def start_aggregators(self, site: Site, tokens: Mapping[str, str], *, cpus: Sequence[int] | None = None,
-                          env: Mapping[str, str] | None = None, timeout_s: float = 60.0) -> list[str]:  # fmt: skip
+    def start_aggregators(
+        self,
+        site: Site,
+        tokens: Mapping[str, str],
+        *,
+        cpus: Sequence[int] | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = 60.0,
+    ) -> list[str]:
         """Start one aggregator per (name, token) at once, then wait for each; returns their base URLs.
 
         Each checkpoints to ``run_dir/checkpoints/<name>``.
@@ -353,30 +438,62 @@ class Swarm:
         children = []
         for name, token in tokens.items():
             argv = [
-                self.python, "-m", "crowdtrain_backbone", "--site", site.url, "--name", name,
-                "--host", "127.0.0.1", "--port", "0", "--checkpoint-dir", str(self.run_dir / "checkpoints" / name),
-            ]  # fmt: skip
+                self.python,
+                "-m",
+                "crowdtrain_backbone",
+                "--site",
+                site.url,
+                "--name",
+                name,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--checkpoint-dir",
+                str(self.run_dir / "checkpoints" / name),
+            ]
             # Tokens travel in the environment: argv is visible to every user in `ps`.
             child_vars = {"CROWDTRAIN_BACKBONE_TOKEN": token, **(env or {})}
             children.append(self.start(name, argv, role="aggregator", env=child_vars, cpus=cpus))
         return [child.wait_for_line(BACKBONE_LISTENING, timeout_s).group(1) for child in children]
 
-    def start_agent(self, site: Site, *, token: str, name: str | None = None, threads: int = 1,
-                    campaign_id: int | None = None, max_leases: int | None = None,
-                    cpus: Sequence[int] | None = None, env: Mapping[str, str] | None = None) -> Child:  # fmt: skip
+    def start_agent(
+        self,
+        site: Site,
+        *,
+        token: str,
+        name: str | None = None,
+        threads: int = 1,
+        campaign_id: int | None = None,
+        max_leases: int | None = None,
+        cpus: Sequence[int] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Child:
         """Start a CPU agent with ``threads`` torch threads (the token travels in the environment, not argv)."""
         name = name or f"agent-{sum(c.role == 'agent' for c in self.children) + 1}"
         argv = [
-            self.python, "-m", "crowdtrain_agent.cli", "run", "--server", site.url, "--device", "cpu",
-            "--threads", str(threads), "--no-progress", "--cache-dir", str(self.run_dir / "cache" / name),
-        ]  # fmt: skip
+            self.python,
+            "-m",
+            "crowdtrain_agent.cli",
+            "run",
+            "--server",
+            site.url,
+            "--device",
+            "cpu",
+            "--threads",
+            str(threads),
+            "--no-progress",
+            "--cache-dir",
+            str(self.run_dir / "cache" / name),
+        ]
         if campaign_id is not None:
             argv += ["--campaign", str(campaign_id)]
         if max_leases is not None:
             argv += ["--max-leases", str(max_leases)]
         agent_env = {"CROWDTRAIN_AGENT_TOKEN": token, **(env or {})}
-        return self.start(name, argv, role="agent", env=agent_env, cpus=cpus, threads=threads,
-                          expected_exit=max_leases is not None)  # fmt: skip
+        return self.start(
+            name, argv, role="agent", env=agent_env, cpus=cpus, threads=threads, expected_exit=max_leases is not None
+        )
 
     # ------------------------------------------------------------------ watch
 
@@ -433,8 +550,9 @@ class Swarm:
     def __enter__(self) -> Swarm:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
 

@@ -170,3 +170,12 @@ def test_both_sides_pick_the_newest_minor_they_share() -> None:
 def test_every_kind_has_exactly_one_class_and_one_tag() -> None:
     assert len(MESSAGE_TYPES) == len(ALL_MESSAGES)
     assert all(MESSAGE_TYPES[cls.__struct_config__.tag] is cls for cls in ALL_MESSAGES)
+
+
+def test_every_message_class_is_exported_by_the_protocol_package() -> None:
+    import crowdtrain_agent.protocol as package
+    from crowdtrain_agent.protocol import messages
+
+    for cls in MESSAGE_TYPES.values():
+        assert cls.__name__ in messages.__all__
+        assert getattr(package, cls.__name__) is cls

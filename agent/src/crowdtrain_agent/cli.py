@@ -123,9 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     login.add_argument("-v", "--verbose", action="count", default=0, help="more detail: -v debug lines")
     whoami = commands.add_parser("whoami", help="show the account and device the saved token belongs to")
     whoami.add_argument("-v", "--verbose", action="count", default=0, help="more detail: -v debug lines")
-    logout = commands.add_parser(
-        "logout", help="revoke this device's token on the site and delete it here"
-    )
+    logout = commands.add_parser("logout", help="revoke this device's token on the site and delete it here")
     logout.add_argument("-v", "--verbose", action="count", default=0, help="more detail: -v debug lines")
     return parser
 

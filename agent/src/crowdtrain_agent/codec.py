@@ -8,8 +8,8 @@ an fp16 overflow only shows after decoding.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +26,7 @@ def encode_fp32(flat: torch.Tensor) -> bytes:
 def view_fp32(flat: torch.Tensor) -> memoryview:
     """``encode_fp32``'s bytes without copying them where the tensor already is contiguous CPU fp32."""
     array = flat.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4", copy=False)
-    return memoryview(array).cast("B")  # the view keeps the array alive
+    return array.data.cast("B")  # the view keeps the array alive
 
 
 def decode_fp32(data: bytes | bytearray | memoryview, num_elements: int) -> torch.Tensor:

@@ -82,9 +82,7 @@ def read_config_file(path: Path) -> dict[str, str]:
     except ValueError:
         data = None
     if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
-        raise ConfigError(
-            f"the agent config file {path} is not a JSON object of strings; delete it and log in again"
-        )
+        raise ConfigError(f"the agent config file {path} is not a JSON object of strings; delete it and log in again")
     return {k: v for k, v in data.items() if k in ("server", "token")}
 
 

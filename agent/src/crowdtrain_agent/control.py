@@ -191,8 +191,12 @@ class ControlChannel:
         """A newer site sends fields this agent does not know: ignored, and said once per connection."""
         if not self._unknown_noted:
             self._unknown_noted = True
-            logger.info("the site sends fields this agent does not know (%s: %s); it still works, and an upgrade "
-                        "(pip install -U crowdtrain-agent) will use them", kind, ", ".join(fields[:5]))  # fmt: skip
+            logger.info(
+                "the site sends fields this agent does not know (%s: %s); it still works, and an upgrade "
+                "(pip install -U crowdtrain-agent) will use them",
+                kind,
+                ", ".join(fields[:5]),
+            )
 
     async def close(self) -> None:
         """Close for good; run() returns."""
@@ -248,8 +252,11 @@ class ControlChannel:
         if tries == 1:
             logger.warning(
                 "the site at %s is busy or unreachable (%s); the agent keeps trying, with growing pauses of up "
-                "to %.0f s", self.url, reason, self._backoff.max_s,
-            )  # fmt: skip
+                "to %.0f s",
+                self.url,
+                reason,
+                self._backoff.max_s,
+            )
 
     async def _connect_once(self, attempt: int) -> int | None:
         """One connection's life; returns the close code (None if the TCP connection just dropped)."""

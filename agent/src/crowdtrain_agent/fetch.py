@@ -11,8 +11,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -199,8 +199,13 @@ class ShardCache:
 
 
 def fetch_slice(
-    route: SliceRoute, version: int, out: torch.Tensor | None = None, *, ticket: str | None = None,
-    retry_for_s: float = 10.0, etags: list[str] | None = None,
+    route: SliceRoute,
+    version: int,
+    out: torch.Tensor | None = None,
+    *,
+    ticket: str | None = None,
+    retry_for_s: float = 10.0,
+    etags: list[str] | None = None,
 ) -> torch.Tensor:
     """Download elements ``route.start:route.end`` of parameter version ``version`` (into ``out`` if given).
 
@@ -223,7 +228,7 @@ def fetch_slice(
     delay = 0.05
     while True:
         try:
-            etag = http_get_into(url, memoryview(array).cast("B"), token=ticket)
+            etag = http_get_into(url, array.data.cast("B"), token=ticket)
             if etags is not None:
                 etags.append(etag)
             break
@@ -236,15 +241,22 @@ def fetch_slice(
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
         except FetchError as exc:
-            raise FetchError(f"parameters of version {version}, slice {route.index} (fp32 elements "
-                             f"{route.start}:{route.end}): {exc}") from None  # fmt: skip
+            raise FetchError(
+                f"parameters of version {version}, slice {route.index} (fp32 elements {route.start}:{route.end}): {exc}"
+            ) from None
     if sys.byteorder == "big":  # the wire is little-endian
         array.byteswap(inplace=True)
     return out
 
 
-def fetch_params(routes: list[SliceRoute], version: int, param_count: int, *, ticket: str | None = None,
-                 etags: list[str] | None = None) -> torch.Tensor:  # fmt: skip
+def fetch_params(
+    routes: list[SliceRoute],
+    version: int,
+    param_count: int,
+    *,
+    ticket: str | None = None,
+    etags: list[str] | None = None,
+) -> torch.Tensor:
     """Assemble the flat fp32 parameter vector of ``version`` from every aggregator's slice.
 
     Args:
@@ -271,7 +283,7 @@ def still_current(routes: list[SliceRoute], version: int, etags: Sequence[str], 
     """
     if len(etags) != len(routes) or not all(etags):
         return False
-    for route, etag in zip(routes, etags):
+    for route, etag in zip(routes, etags, strict=True):
         try:
             with _open(f"{route.params_url}{version}", token=ticket, timeout=HTTP_TIMEOUT_S, etag=etag):
                 return False  # 200: a new publication of this version

@@ -80,14 +80,20 @@ BETA2 = ConfigField("float", 0.999, 0.0, 1.0, "second-moment decay", "beta2", op
 EPS = ConfigField("float", 1e-8, 0.0, 1.0, "added to the denominator", "eps", open_minimum=True)
 MOMENTUM = ConfigField("float", 0.0, 0.0, 1.0, "heavy-ball momentum; 0 is plain SGD", "Momentum", open_maximum=True)
 WEIGHT_DECAY = ConfigField(
-    "float", 0.0, 0.0, 1.0, "on matrices and embeddings; biases and norm gains only with Decay every tensor",
+    "float",
+    0.0,
+    0.0,
+    1.0,
+    "on matrices and embeddings; biases and norm gains only with Decay every tensor",
     "Weight decay",
 )
 # nanoGPT's rule, and most trainers': biases and norm gains (tensors of fewer than 2 dimensions) are not
 # decayed. The aggregator applies it per model tensor from the registry's parameter shapes, so slices
 # compose with the full model; this switch decays every tensor instead.
 DECAY_ALL = ConfigField(
-    "bool", False, help="decay biases and norm gains too (default: only tensors of 2 or more dimensions)",
+    "bool",
+    False,
+    help="decay biases and norm gains too (default: only tensors of 2 or more dimensions)",
     label="Decay every tensor",
 )
 
@@ -95,7 +101,10 @@ DECAY_ALL = ConfigField(
 SCHEDULE: dict[str, ConfigField] = {
     "warmup_steps": ConfigField("int", 0, 0, 1 << 30, "linear warmup from 0 over this many steps", "Warmup steps"),
     "schedule": ConfigField(
-        "choice", "constant", help="after warmup: constant, or cosine decay until max steps", label="Schedule",
+        "choice",
+        "constant",
+        help="after warmup: constant, or cosine decay until max steps",
+        label="Schedule",
         choices=("constant", "cosine"),
     ),
     "min_lr_ratio": ConfigField("float", 0.0, 0.0, 1.0, "the cosine ends at lr × this", "Minimum LR ratio"),
@@ -220,8 +229,9 @@ def validate_config(config: Mapping[str, Any]) -> tuple[OptimizerEntry, dict[str
         for name, spec in HYPERPARAMETERS.items()
         if name not in entry.hyperparameters and stored_value(config, name) is not None
     }
-    hyper = entry.validate({name: stored_value(config, name, spec.default) for name, spec in
-                            entry.hyperparameters.items()})  # fmt: skip
+    hyper = entry.validate(
+        {name: stored_value(config, name, spec.default) for name, spec in entry.hyperparameters.items()}
+    )
     schedule = {
         name: spec.check(config.get(name, spec.default), setting_name(name), field=name, error=OptimizerConfigError)
         for name, spec in SCHEDULE.items()
@@ -259,20 +269,45 @@ def to_wire(name: str, values: Mapping[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- the optimizers
 
-register(OptimizerEntry(
-    name="adamw", label="AdamW", description="Adam with decoupled weight decay (Loshchilov and Hutter, 2019).",
-    hyperparameters={"lr": LR, "beta1": BETA1, "beta2": BETA2, "eps": EPS, "weight_decay": WEIGHT_DECAY,
-                     "decay_all": DECAY_ALL},
-    builder="crowdtrain_backbone.optimizers:build_adamw",
-))  # fmt: skip
-register(OptimizerEntry(
-    name="sgd", label="SGD with momentum", description="Stochastic gradient descent with heavy-ball momentum.",
-    hyperparameters={"lr": LR, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY, "decay_all": DECAY_ALL},
-    builder="crowdtrain_backbone.optimizers:build_sgd",
-))  # fmt: skip
-register(OptimizerEntry(
-    name="lamb", label="LAMB", description="Layer-wise adaptive large-batch optimizer (You et al., 2019).",
-    hyperparameters={"lr": LR, "beta1": BETA1, "beta2": BETA2, "eps": EPS, "weight_decay": WEIGHT_DECAY,
-                     "decay_all": DECAY_ALL},
-    builder="crowdtrain_backbone.lamb:build_lamb", per_tensor=True,
-))  # fmt: skip
+register(
+    OptimizerEntry(
+        name="adamw",
+        label="AdamW",
+        description="Adam with decoupled weight decay (Loshchilov and Hutter, 2019).",
+        hyperparameters={
+            "lr": LR,
+            "beta1": BETA1,
+            "beta2": BETA2,
+            "eps": EPS,
+            "weight_decay": WEIGHT_DECAY,
+            "decay_all": DECAY_ALL,
+        },
+        builder="crowdtrain_backbone.optimizers:build_adamw",
+    )
+)
+register(
+    OptimizerEntry(
+        name="sgd",
+        label="SGD with momentum",
+        description="Stochastic gradient descent with heavy-ball momentum.",
+        hyperparameters={"lr": LR, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY, "decay_all": DECAY_ALL},
+        builder="crowdtrain_backbone.optimizers:build_sgd",
+    )
+)
+register(
+    OptimizerEntry(
+        name="lamb",
+        label="LAMB",
+        description="Layer-wise adaptive large-batch optimizer (You et al., 2019).",
+        hyperparameters={
+            "lr": LR,
+            "beta1": BETA1,
+            "beta2": BETA2,
+            "eps": EPS,
+            "weight_decay": WEIGHT_DECAY,
+            "decay_all": DECAY_ALL,
+        },
+        builder="crowdtrain_backbone.lamb:build_lamb",
+        per_tensor=True,
+    )
+)

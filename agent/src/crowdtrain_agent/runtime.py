@@ -65,8 +65,13 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_result(result)
 
 
-def _call_and_hand_back(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], fn: Callable[..., Any],
-                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:  # fmt: skip
+def _call_and_hand_back(
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future[Any],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
     try:
         result, error = fn(*args, **kwargs), None
     except BaseException as exc:  # handed to the awaiting coroutine, which decides
@@ -87,9 +92,11 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
     threading.Thread(
-        target=_call_and_hand_back, args=(loop, future, fn, args, kwargs),
-        name=f"crowdtrain-{getattr(fn, '__name__', 'work')}", daemon=True,
-    ).start()  # fmt: skip
+        target=_call_and_hand_back,
+        args=(loop, future, fn, args, kwargs),
+        name=f"crowdtrain-{getattr(fn, '__name__', 'work')}",
+        daemon=True,
+    ).start()
     return await future
 
 
@@ -259,8 +266,8 @@ class Agent:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
             self._abort.set()
-            for task in (work, stop_now, *self._reports):
-                task.cancel()
+            for pending in (work, stop_now, *self._reports):
+                pending.cancel()
             await self._control.close()
             control.cancel()
             await asyncio.gather(control, work, *self._reports, return_exceptions=True)
@@ -303,8 +310,9 @@ class Agent:
                     if work.flat.device == trainer.model_device(work.cm):
                         trainer.load_params_(work.cm, work.flat, lease.base_version, work.etags)  # views: instant
                     else:  # a copy to the GPU: off the event loop
-                        await self._computer.run(trainer.load_params_, work.cm, work.flat, lease.base_version,
-                                                 work.etags)  # fmt: skip
+                        await self._computer.run(
+                            trainer.load_params_, work.cm, work.flat, lease.base_version, work.etags
+                        )
 
                 # ask for the next lease now: its request and downloads overlap this compute
                 following = asyncio.create_task(self._next_work()) if self._may_take_more() else None
@@ -313,10 +321,14 @@ class Agent:
                 self.status.set_status(f"computing lease {lease.lease_id} ({lease.num_samples} samples)")
                 compute_start = time.perf_counter()
                 if compute_end is not None:
-                    logger.debug("lease %d: %.1f ms idle between computes", lease.lease_id, 1e3 * (compute_start - compute_end))
-                compute = asyncio.ensure_future(self._computer.run(
-                    trainer.compute_gradient, work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort
-                ))  # fmt: skip
+                    logger.debug(
+                        "lease %d: %.1f ms idle between computes", lease.lease_id, 1e3 * (compute_start - compute_end)
+                    )
+                compute = asyncio.ensure_future(
+                    self._computer.run(
+                        trainer.compute_gradient, work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort
+                    )
+                )
                 if unsent is not None:
                     # Sent once this compute runs: the upload's CPU then overlaps it instead of delaying its start.
                     report = await self._start_report(report, *unsent)
@@ -377,7 +389,9 @@ class Agent:
             self._version_pushed.clear()  # before asking, so a push during the request still wakes us
             campaign = self.config.campaign_id
             speed = self._speed.get(campaign if campaign is not None else self._last_campaign or -1)
-            request = LeaseRequest(campaign_id=campaign, samples_per_s=speed, request_id=request_id, wait_s=LEASE_WAIT_S)
+            request = LeaseRequest(
+                campaign_id=campaign, samples_per_s=speed, request_id=request_id, wait_s=LEASE_WAIT_S
+            )
             self.status.set_status("asking for work")
             call = asyncio.create_task(self._control.call(request, "lease", timeout=LEASE_WAIT_S + 30.0, retries=3))
             stopping = asyncio.create_task(self._stopping.wait())
@@ -435,14 +449,20 @@ class Agent:
                     f"builds {cm.param_count}; upgrade crowdtrain-agent (pip install -U crowdtrain-agent)"
                 )
             readers = {r.shard: self._reader(r.shard, lease.data) for r in lease.ranges}
-            flat, etags = None, []
+            flat: torch.Tensor | None = None
+            etags: list[str] = []
             held = self._models.holds(lease.campaign_id, lease.model, lease.base_version)
             if not (held and still_current(lease.slices, lease.base_version, cm.etags, ticket=lease.ticket)):
                 started = time.perf_counter()
-                flat = fetch_params(lease.slices, lease.base_version, lease.param_count, ticket=lease.ticket,
-                                    etags=etags)  # fmt: skip
-                logger.debug("lease %d: parameters of version %d in %.1f ms", lease.lease_id, lease.base_version,
-                             1e3 * (time.perf_counter() - started))  # fmt: skip
+                flat = fetch_params(
+                    lease.slices, lease.base_version, lease.param_count, ticket=lease.ticket, etags=etags
+                )
+                logger.debug(
+                    "lease %d: parameters of version %d in %.1f ms",
+                    lease.lease_id,
+                    lease.base_version,
+                    1e3 * (time.perf_counter() - started),
+                )
             x, y = trainer.gather_samples(lease.ranges, readers)
             return Prepared(lease=lease, cm=cm, flat=flat, x=x, y=y, etags=etags)
 
@@ -458,9 +478,10 @@ class Agent:
         would leave the device idle between two leases every few leases.
         """
         wanted = [
-            sha for sha in lease.prefetch[:MAX_PREFETCH_SHARDS]
+            sha
+            for sha in lease.prefetch[:MAX_PREFETCH_SHARDS]
             if sha not in self._prefetching and not self._shards.in_memory(sha)
-        ]  # fmt: skip
+        ]
         if not wanted:
             return
         self._prefetching.update(wanted)
@@ -531,9 +552,13 @@ class Agent:
             self.status.accepted += 1
             logger.info(
                 "lease %d done: %d samples at version %d, loss %.4f, %.1f samples/s; counted in step %s",
-                lease.lease_id, result.num_samples, lease.base_version, per_sample,
-                result.num_samples / max(result.compute_s, 1e-6), ack.step,
-            )  # fmt: skip
+                lease.lease_id,
+                result.num_samples,
+                lease.base_version,
+                per_sample,
+                result.num_samples / max(result.compute_s, 1e-6),
+                ack.step,
+            )
         else:
             self.status.rejected += 1
             logger.warning("lease %d was not counted: %s", lease.lease_id, ack.reason or "no reason given")

@@ -14,6 +14,7 @@ from .protocol import (
     AGGREGATOR_TO_AGENT,
     MAX_WS_MESSAGE_BYTES,
     CloseCode,
+    ErrorMessage,
     ProtocolError,
     UploadBegin,
     UploadReceipt,
@@ -114,8 +115,10 @@ class Uploader:
             return reply
         if isinstance(reply, UploadRejected):
             verb = "rejected"
-        else:  # ErrorMessage: the aggregator could not even parse what we sent
+        elif isinstance(reply, ErrorMessage):  # the aggregator could not even parse what we sent
             verb = "refused"
+        else:
+            raise UploadError(f"aggregator {url} answered slice {begin.slice_index} with {reply.kind!r}, not a receipt")
         raise UploadError(
             f"aggregator {url} {verb} slice {begin.slice_index}: {reply.code} ({reply.detail})", code=reply.code
         )
@@ -126,9 +129,14 @@ class Uploader:
             # Replies are small; outgoing chunks are kept under the limit by split_payload. A slice's
             # chunks go to the kernel without waiting for the aggregator to drain each one (the default
             # 32 KiB write limit meant a context switch per chunk), and gradients do not compress.
-            ws = await connect(url, max_size=MAX_WS_MESSAGE_BYTES, open_timeout=10, compression=None,
-                               write_limit=UPLOAD_WRITE_LIMIT_BYTES,
-                               subprotocols=[Subprotocol(p) for p in offered_subprotocols()])  # fmt: skip
+            ws = await connect(
+                url,
+                max_size=MAX_WS_MESSAGE_BYTES,
+                open_timeout=10,
+                compression=None,
+                write_limit=UPLOAD_WRITE_LIMIT_BYTES,
+                subprotocols=[Subprotocol(p) for p in offered_subprotocols()],
+            )
             self._connections[url] = ws
             self.connects += 1
         return ws

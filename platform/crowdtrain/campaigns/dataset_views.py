@@ -63,13 +63,17 @@ def dataset_list(request: HttpRequest) -> HttpResponse:
 @require_GET
 def dataset_upload_page(request: HttpRequest) -> HttpResponse:
     _organizer(request)
-    return render(request, "datasets/new.html", {
-        "formats": Dataset.Format.choices,
-        "max_upload_bytes": settings.CROWDTRAIN_MAX_UPLOAD_BYTES,
-        "chunk_bytes": settings.CROWDTRAIN_UPLOAD_CHUNK_BYTES,
-        "max_sample_len": max_text_sample_len(),
-        "validation_percent": settings.CROWDTRAIN_VALIDATION_FRACTION * 100,
-    })  # fmt: skip
+    return render(
+        request,
+        "datasets/new.html",
+        {
+            "formats": Dataset.Format.choices,
+            "max_upload_bytes": settings.CROWDTRAIN_MAX_UPLOAD_BYTES,
+            "chunk_bytes": settings.CROWDTRAIN_UPLOAD_CHUNK_BYTES,
+            "max_sample_len": max_text_sample_len(),
+            "validation_percent": settings.CROWDTRAIN_VALIDATION_FRACTION * 100,
+        },
+    )
 
 
 @login_required

@@ -77,9 +77,14 @@ def _check_trainable(campaign: Campaign) -> None:
     try:
         check_settings({name: getattr(campaign, name) for name in SETTINGS}, error=CampaignConfigError)
         validate_campaign(
-            dataset=campaign.dataset, architecture=campaign.architecture, model_config=campaign.model_config,
-            optimizer=campaign.optimizer, target_batch_size=campaign.target_batch_size,
-            microbatch_size=campaign.microbatch_size, codec=campaign.codec, max_steps=campaign.max_steps,
+            dataset=campaign.dataset,
+            architecture=campaign.architecture,
+            model_config=campaign.model_config,
+            optimizer=campaign.optimizer,
+            target_batch_size=campaign.target_batch_size,
+            microbatch_size=campaign.microbatch_size,
+            codec=campaign.codec,
+            max_steps=campaign.max_steps,
             num_aggregators=campaign.num_aggregators,
         )
     except CampaignConfigError as exc:

@@ -81,7 +81,9 @@ class Shard(models.Model):
 
     class Meta:
         ordering = ["dataset", "split", "index"]
-        constraints = [models.UniqueConstraint(fields=["dataset", "split", "index"], name="unique_shard_index_per_split")]
+        constraints = [
+            models.UniqueConstraint(fields=["dataset", "split", "index"], name="unique_shard_index_per_split")
+        ]
 
     def __str__(self) -> str:
         return f"{self.dataset} #{self.index} ({self.sha256[:12]})"
@@ -125,7 +127,15 @@ def _shard_table(dataset_id: int, created_at: str) -> ShardTable:
 
 
 def default_optimizer() -> dict:
-    return {"name": "adamw", "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0}
+    return {
+        "name": "adamw",
+        "lr": 1e-3,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "momentum": 0.0,
+    }
 
 
 class Campaign(models.Model):
@@ -168,7 +178,9 @@ class Campaign(models.Model):
     max_steps = models.PositiveIntegerField(null=True, blank=True)
     # Every this many applied steps (and at the finish) a Celery task computes the held-out loss.
     validate_every = models.PositiveIntegerField(default=10, help_text="steps between validation losses; 0 disables")
-    target_val_loss = models.FloatField(null=True, blank=True, help_text="finish once the validation loss is at most this")
+    target_val_loss = models.FloatField(
+        null=True, blank=True, help_text="finish once the validation loss is at most this"
+    )
     # A stranger's finite but huge gradient (say 3e38 everywhere) would still wreck the weights:
     # uploads whose norm per sample is over this are refused. 0 disables the check.
     max_grad_norm = models.FloatField(default=1e4, help_text="per-sample gradient norm bound; 0 disables")

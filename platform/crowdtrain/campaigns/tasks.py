@@ -50,14 +50,17 @@ def _same_dataset(dataset: Dataset) -> Dataset | None:
     """A ready dataset made from the same bytes with the same recipe: its shards can be shared."""
     return (
         Dataset.objects.filter(
-            status=Dataset.Status.READY, source_sha256=dataset.source_sha256, source_format=dataset.source_format,
-            sample_len=dataset.sample_len, text_field=dataset.text_field,
+            status=Dataset.Status.READY,
+            source_sha256=dataset.source_sha256,
+            source_format=dataset.source_format,
+            sample_len=dataset.sample_len,
+            text_field=dataset.text_field,
             validation_fraction=dataset.validation_fraction,
         )
         .exclude(pk=dataset.pk)
         .order_by("pk")
         .first()
-    )  # fmt: skip
+    )
 
 
 @shared_task(autoretry_for=(OSError,), retry_backoff=True, retry_jitter=True, max_retries=3)
@@ -128,4 +131,3 @@ def discard_stale_uploads() -> int:
     if stale:
         logger.info("discarded %d unfinished uploads", len(stale))
     return len(stale)
-

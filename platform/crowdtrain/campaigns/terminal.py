@@ -65,9 +65,10 @@ class ProgressView:
         grid.add_row("loss", self.loss_text())
         grid.add_row("samples/s", f"{p.get('samples_per_s', 0.0):.1f}   ({p.get('samples', 0)} samples so far)")
         grid.add_row(
-            "agents", f"{self.agents_running} running, {p.get('active_leases', 0)} leases out, "
+            "agents",
+            f"{self.agents_running} running, {p.get('active_leases', 0)} leases out, "
             f"{p.get('contributors', 0)} volunteers credited",
-        )  # fmt: skip
+        )
         minutes, seconds = divmod(int(self.elapsed_s), 60)
         grid.add_row("state", f"{p.get('state', '?')}   elapsed {minutes}:{seconds:02d}")
         grid.add_row("site", Text(f"{self.site_url}/", style="underline"))

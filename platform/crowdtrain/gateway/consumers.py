@@ -38,6 +38,7 @@ from crowdtrain_agent.protocol import (
     LeaseDone,
     LeaseRelease,
     LeaseRequest,
+    Message,
     NoLease,
     ProtocolError,
     ReleaseAck,
@@ -78,7 +79,7 @@ LAST_SEEN_EVERY_S = 60.0  # an aggregator's heartbeats reach the database this s
 BACKUPS_BELOW_LOAD = 0.5
 
 _HEARTBEAT = encode_message(Heartbeat())  # what every agent sends, byte for byte
-_ERROR_CODES = {CloseCode.TOO_LARGE: "too large", CloseCode.BAD_TICKET: "bad ticket"}
+_ERROR_CODES: dict[int, str] = {CloseCode.TOO_LARGE: "too large", CloseCode.BAD_TICKET: "bad ticket"}
 
 
 class HelloDeadlineEvent(TypedDict):
@@ -94,7 +95,7 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
     speaks must not hold a connection slot for ever.
     """
 
-    accepts: tuple[type, ...] = ()
+    accepts: tuple[type[Message], ...] = ()
     errors = 0
     greeted = False
     minor = 0  # the protocol minor negotiated with the peer (0: it offered none, a 2.0 peer)
@@ -166,8 +167,12 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
         """Fields of a newer minor are ignored; said once per connection, so an operator knows who is ahead."""
         if not self.unknown_logged:
             self.unknown_logged = True
-            logger.info("%s: ignoring fields this site does not know (first: %s %s); the peer speaks a newer "
-                        "protocol minor", self.__class__.__name__, kind, ", ".join(fields[:5]))  # fmt: skip
+            logger.info(
+                "%s: ignoring fields this site does not know (first: %s %s); the peer speaks a newer protocol minor",
+                self.__class__.__name__,
+                kind,
+                ", ".join(fields[:5]),
+            )
 
     async def send_message(self, message: Any) -> None:
         await self.send(text_data=encode_message(message, self.minor))
@@ -177,8 +182,10 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
         if unsendable and str(self.minor) in unsendable:
             # It would read the message without those fields and act on something else (a campaign's
             # weight decay, say): it must be upgraded instead.
-            detail = (f"protocol {PROTOCOL_VERSION}.{self.minor} cannot carry {unsendable[str(self.minor)]}, which a "
-                      f"campaign needs; upgrade to speak {PROTOCOL_VERSION}.{self.minor + 1} or newer")  # fmt: skip
+            detail = (
+                f"protocol {PROTOCOL_VERSION}.{self.minor} cannot carry {unsendable[str(self.minor)]}, which a "
+                f"campaign needs; upgrade to speak {PROTOCOL_VERSION}.{self.minor + 1} or newer"
+            )
             logger.error("%s: %s", self.__class__.__name__, detail)
             await self.send_message(ErrorMessage(code="unsupported version", detail=detail))
             await self.close(code=CloseCode.UNSUPPORTED_VERSION)
@@ -336,8 +343,11 @@ class AgentConsumer(_ProtocolConsumer):
         self.greeted = True
         await self.send_message(
             Welcome(
-                device_id=self.device.pk, device_name=self.device.name, volunteer=account_name(self.device.owner),
-                heartbeat_s=settings.CROWDTRAIN_AGENT_HEARTBEAT_S, gone_after_s=settings.CROWDTRAIN_GONE_AFTER_S,
+                device_id=self.device.pk,
+                device_name=self.device.name,
+                volunteer=account_name(self.device.owner),
+                heartbeat_s=settings.CROWDTRAIN_AGENT_HEARTBEAT_S,
+                gone_after_s=settings.CROWDTRAIN_GONE_AFTER_S,
             )
         )
 
@@ -349,15 +359,22 @@ class AgentConsumer(_ProtocolConsumer):
     async def on_heartbeat(self, _: Heartbeat) -> None:
         """Nothing to do: the open socket is the liveness (``hotstate.Presence`` publishes it in batches)."""
 
+    def _send_to_self(self, event: WaitOverEvent) -> None:
+        """A timer's callback: the event comes back through the channel layer, in order with the others."""
+        asyncio.ensure_future(self.channel_layer.send(self.channel_name, event))
+
     async def on_lease_request(self, request: LeaseRequest) -> None:
         # request_id (at most 64 characters, the column that stores it) and wait_s (seconds >= 0) are
         # bounded by the message's own field types.
         await self._stop_waiting()  # a new request replaces one still waiting (the agent sent it again)
         if not admission.admit_lease_request():
             busy = NoLease(
-                reason="step_full", retry_after_s=admission.retry_after(settings.CROWDTRAIN_RETRY_AFTER_S),
-                detail=f"the site is busy ({admission.lease_calls} lease requests in hand); work already done still counts",
-            )  # fmt: skip
+                reason="step_full",
+                retry_after_s=admission.retry_after(settings.CROWDTRAIN_RETRY_AFTER_S),
+                detail=(
+                    f"the site is busy ({admission.lease_calls} lease requests in hand); work already done still counts"
+                ),
+            )
             await self.send_message(busy)
             return
         # An agent sends a request again after a dropped connection or a timeout: only then can the
@@ -396,10 +413,10 @@ class AgentConsumer(_ProtocolConsumer):
             if place is not None:
                 self._serial += 1
                 event: WaitOverEvent = {"type": "lease.wait_over", "serial": self._serial}
-                timer = asyncio.get_running_loop().call_later(
-                    wait_s, lambda: asyncio.ensure_future(self.channel_layer.send(self.channel_name, event))
+                timer = asyncio.get_running_loop().call_later(wait_s, self._send_to_self, event)
+                self.waiting = _WaitingRequest(
+                    request, answer.campaign_id, refusal.ready_at_step, self._serial, timer, place
                 )
-                self.waiting = _WaitingRequest(request, answer.campaign_id, refusal.ready_at_step, self._serial, timer, place)
                 return None
             answer = await self._ask(request)
         return answer
@@ -431,8 +448,12 @@ class AgentConsumer(_ProtocolConsumer):
             # Another device took the room: queue again for the next commit.
             leave, waiting.place = waiting.place, ""
             place = await offloop(leasing.park)(
-                waiting.campaign_id, self.device.pk, waiting.request.samples_per_s, self.channel_name,
-                message.ready_at_step, leave,
+                waiting.campaign_id,
+                self.device.pk,
+                waiting.request.samples_per_s,
+                self.channel_name,
+                message.ready_at_step,
+                leave,
             )
             if place is not None:
                 waiting.place, waiting.ready_at_step = place, message.ready_at_step
@@ -453,15 +474,21 @@ class AgentConsumer(_ProtocolConsumer):
         admission.lease_calls += 1
         try:
             answer = await offloop(leasing.ask_lease)(
-                self.device.pk, request.campaign_id, request.samples_per_s, request.request_id,
-                may_be_resent=may_be_resent, backups=admission.load < BACKUPS_BELOW_LOAD,
-            )  # fmt: skip
+                self.device.pk,
+                request.campaign_id,
+                request.samples_per_s,
+                request.request_id,
+                may_be_resent=may_be_resent,
+                backups=admission.load < BACKUPS_BELOW_LOAD,
+            )
         finally:
             admission.lease_calls -= 1
         if isinstance(answer.message, NoLease) and admission.load > 0:
             # A busy site spreads the next requests out: the refusal's wait grows with the load.
             stretched = admission.retry_after(answer.message.retry_after_s)
-            answer = leasing.LeaseAnswer(msgspec.structs.replace(answer.message, retry_after_s=stretched), answer.campaign_id)
+            answer = leasing.LeaseAnswer(
+                msgspec.structs.replace(answer.message, retry_after_s=stretched), answer.campaign_id
+            )
         await self._watch(answer)
         return answer
 
@@ -474,6 +501,7 @@ class AgentConsumer(_ProtocolConsumer):
         message, campaign_id = answer.message, answer.campaign_id
         idle = isinstance(message, NoLease) and message.reason == "campaign_paused" and campaign_id is not None
         if idle and campaign_id not in self.campaigns and len(self.campaigns) < MAX_WATCHED_CAMPAIGNS:
+            assert campaign_id is not None  # idle says so
             self.campaigns.add(campaign_id)
             await self.channel_layer.group_add(campaign_agents_group(campaign_id), self.channel_name)
         elif not idle and self.campaigns:
@@ -594,7 +622,8 @@ class BackboneConsumer(_ProtocolConsumer):
         await self.take_over(backbone_group(self.aggregator.pk))
         await self.send_message(
             BackboneWelcome(
-                aggregator_id=self.aggregator.pk, ticket_key=backbone.welcome_ticket_key(self.minor),
+                aggregator_id=self.aggregator.pk,
+                ticket_key=backbone.welcome_ticket_key(self.minor),
                 heartbeat_s=settings.CROWDTRAIN_HEARTBEAT_S,
             )
         )
@@ -631,6 +660,10 @@ class BackboneConsumer(_ProtocolConsumer):
     async def on_step_failed(self, failed: StepFailed) -> None:
         logger.warning(
             "aggregator %s could not apply step %s of campaign %s: %s (missing leases %s)",
-            self.aggregator.name, failed.step, failed.campaign_id, failed.detail, failed.missing_lease_ids,
+            self.aggregator.name,
+            failed.step,
+            failed.campaign_id,
+            failed.detail,
+            failed.missing_lease_ids,
         )
         await send_outbox(await database_sync_to_async(backbone.step_failed)(self.aggregator.pk, failed))

@@ -17,9 +17,18 @@ class SchedulerConfig(AppConfig):
 
 
 # Fields the lease path reads; saving others (the version, every step) changes nothing for it.
-_LEASE_FIELDS = frozenset({
-    "state", "visibility", "target_batch_size", "microbatch_size", "staleness", "max_steps", "codec", "num_aggregators",
-})  # fmt: skip
+_LEASE_FIELDS = frozenset(
+    {
+        "state",
+        "visibility",
+        "target_batch_size",
+        "microbatch_size",
+        "staleness",
+        "max_steps",
+        "codec",
+        "num_aggregators",
+    }
+)
 
 
 def _campaign_saved(

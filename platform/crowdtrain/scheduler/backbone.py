@@ -13,6 +13,7 @@ import math
 import secrets
 from collections.abc import Sequence
 from datetime import timedelta
+from itertools import pairwise
 
 import msgspec
 from django.conf import settings
@@ -33,13 +34,15 @@ from crowdtrain_agent.protocol import (
     ModelSpec,
     OptimizerSpec,
     Rollback,
-    SliceAssignment as AssignMessage,
     SliceLost,
     SliceReady,
     StepApplied,
     StepCommit,
     StepFailed,
     VersionPublished,
+)
+from crowdtrain_agent.protocol import (
+    SliceAssignment as AssignMessage,
 )
 from crowdtrain_agent.protocol.schema import from_dict
 
@@ -99,11 +102,18 @@ def _assign_message(s: SliceAssignment, campaign: Campaign, restore_version: int
     if restore_version == _UNSET:
         restore_version = restore_target(campaign)
     return AssignMessage(
-        campaign_id=campaign.pk, slice_index=s.index, start=s.start, end=s.end, param_count=campaign.param_count,
+        campaign_id=campaign.pk,
+        slice_index=s.index,
+        start=s.start,
+        end=s.end,
+        param_count=campaign.param_count,
         model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
-        optimizer=from_dict(OptimizerSpec, campaign.optimizer), version=max(s.version, campaign.version),
-        restore_version=restore_version, ticket_key=_assign_ticket_key(campaign.pk), **aggregator_settings(campaign),
-    )  # fmt: skip
+        optimizer=from_dict(OptimizerSpec, campaign.optimizer),
+        version=max(s.version, campaign.version),
+        restore_version=restore_version,
+        ticket_key=_assign_ticket_key(campaign.pk),
+        **aggregator_settings(campaign),
+    )
 
 
 def _assign_ticket_key(campaign_id: int) -> str:
@@ -136,7 +146,7 @@ def slice_bounds(param_count: int, parts: int, tensor_sizes: Sequence[int] | Non
             # Only a vector too short to cut at multiples of the alignment leaves them.
             edges.append(min(max(aligned, edges[-1] + 1), param_count - (parts - i)))
         edges.append(param_count)
-        return list(zip(edges, edges[1:]))
+        return list(pairwise(edges))
     if sum(tensor_sizes) != param_count:
         raise ValueError(f"tensor sizes add up to {sum(tensor_sizes)}, not the campaign's {param_count} parameters")
     if len(tensor_sizes) < parts:
@@ -155,7 +165,7 @@ def slice_bounds(param_count: int, parts: int, tensor_sizes: Sequence[int] | Non
         chosen.append(j)
     chosen.append(len(boundaries) - 1)
     edges = [boundaries[j] for j in chosen]
-    return list(zip(edges, edges[1:]))
+    return list(pairwise(edges))
 
 
 def tensor_sizes(campaign: Campaign) -> list[int] | None:
@@ -169,11 +179,7 @@ def tensor_sizes(campaign: Campaign) -> list[int] | None:
 
 def live_aggregators() -> list[Aggregator]:
     # Connected is live: an aggregator's socket is its heartbeat (the site's pings close dead ones).
-    return list(
-        Aggregator.objects.filter(connected=True)
-        .annotate(load=Count("slices"))
-        .order_by("load", "id")
-    )
+    return list(Aggregator.objects.filter(connected=True).annotate(load=Count("slices")).order_by("load", "id"))
 
 
 def assign_waiting_campaigns() -> Outbox:
@@ -189,12 +195,16 @@ def assign_waiting_campaigns() -> Outbox:
     if not waiting:
         return outbox
     with transaction.atomic():
-        for campaign in Campaign.objects.select_for_update(of=("self",)).filter(pk__in=waiting, state=Campaign.State.RUNNING):
+        for campaign in Campaign.objects.select_for_update(of=("self",)).filter(
+            pk__in=waiting, state=Campaign.State.RUNNING
+        ):
             if campaign.slices.count() == campaign.num_aggregators:
                 continue
             live = live_aggregators()
             if len(live) < campaign.num_aggregators:
-                logger.debug("campaign %s waits for %s aggregators, %s live", campaign.pk, campaign.num_aggregators, len(live))
+                logger.debug(
+                    "campaign %s waits for %s aggregators, %s live", campaign.pk, campaign.num_aggregators, len(live)
+                )
                 continue
             campaign.slices.all().delete()
             try:
@@ -203,9 +213,15 @@ def assign_waiting_campaigns() -> Outbox:
                 logger.error("campaign %s cannot be split across its aggregators: %s", campaign.pk, exc)
                 continue
             target = restore_target(campaign)
-            for index, ((start, end), aggregator) in enumerate(zip(bounds, live)):
+            # A whole-tensor split may make fewer slices than aggregators: the spare ones get none.
+            for index, ((start, end), aggregator) in enumerate(zip(bounds, live, strict=False)):
                 s = SliceAssignment.objects.create(
-                    campaign=campaign, aggregator=aggregator, index=index, start=start, end=end, version=campaign.version
+                    campaign=campaign,
+                    aggregator=aggregator,
+                    index=index,
+                    start=start,
+                    end=end,
+                    version=campaign.version,
                 )
                 outbox.append((aggregator.pk, _assign_message(s, campaign, target)))
             publish_state(campaign.pk)
@@ -220,7 +236,10 @@ def aggregator_joined(aggregator_id: int, hello: BackboneHello, *, channel_name:
     """
     with transaction.atomic():
         Aggregator.objects.filter(pk=aggregator_id).update(
-            upload_url=hello.upload_url, params_url=hello.params_url, connected=True, last_seen_at=timezone.now(),
+            upload_url=hello.upload_url,
+            params_url=hello.params_url,
+            connected=True,
+            last_seen_at=timezone.now(),
             channel_name=channel_name,
         )
         outbox: Outbox = []
@@ -269,10 +288,14 @@ def touch_aggregator(aggregator_id: int) -> None:
 
 def _commits_since(campaign: Campaign, version: int) -> list[StepCommit]:
     return [
-        StepCommit(campaign_id=campaign.pk, step=step.index, lease_ids=list(step.leases.order_by("id").values_list("id", flat=True)),
-                   num_samples=step.num_samples)
+        StepCommit(
+            campaign_id=campaign.pk,
+            step=step.index,
+            lease_ids=list(step.leases.order_by("id").values_list("id", flat=True)),
+            num_samples=step.num_samples,
+        )
         for step in campaign.steps.filter(index__gte=version).order_by("index")
-    ]  # fmt: skip
+    ]
 
 
 def _flush_records() -> None:
@@ -366,7 +389,9 @@ def slice_ready(aggregator_id: int, ready: SliceReady) -> Outbox:
     _flush_records()
     with transaction.atomic():
         campaign = Campaign.objects.select_for_update(of=("self",)).filter(pk=ready.campaign_id).first()
-        s = SliceAssignment.objects.filter(campaign_id=ready.campaign_id, index=ready.slice_index, aggregator_id=aggregator_id).first()
+        s = SliceAssignment.objects.filter(
+            campaign_id=ready.campaign_id, index=ready.slice_index, aggregator_id=aggregator_id
+        ).first()
         if campaign is None or s is None:
             logger.warning("aggregator %s reported a slice it does not own: %s", aggregator_id, ready)
             return outbox
@@ -391,28 +416,41 @@ def slice_lost(aggregator_id: int, lost: SliceLost) -> None:
     """An aggregator has no usable state for a slice: the campaign waits for an operator, saying why."""
     with transaction.atomic():
         campaign = Campaign.objects.select_for_update(of=("self",)).filter(pk=lost.campaign_id).first()
-        s = SliceAssignment.objects.filter(campaign_id=lost.campaign_id, index=lost.slice_index, aggregator_id=aggregator_id).select_related("aggregator").first()
+        s = (
+            SliceAssignment.objects.filter(
+                campaign_id=lost.campaign_id, index=lost.slice_index, aggregator_id=aggregator_id
+            )
+            .select_related("aggregator")
+            .first()
+        )
         if campaign is None or s is None:
             return
         s.ready = False
         s.save(update_fields=["ready"])
-        _block(campaign, f"aggregator {s.aggregator.name} lost slice {s.index} ({lost.detail}); newest complete "
-                         f"checkpoint: {_complete_text(campaign)}. Restore it from a complete checkpoint or restart "
-                         f"from scratch: `manage.py restore_campaign {campaign.pk}`, or the button on this page (staff)")
+        _block(
+            campaign,
+            f"aggregator {s.aggregator.name} lost slice {s.index} ({lost.detail}); newest complete "
+            f"checkpoint: {_complete_text(campaign)}. Restore it from a complete checkpoint or restart "
+            f"from scratch: `manage.py restore_campaign {campaign.pk}`, or the button on this page (staff)",
+        )
 
 
 def checkpoint_saved(aggregator_id: int, saved: CheckpointSaved) -> Outbox:
     """Record a slice's confirmed checkpoint; when that completes a version, tell the aggregators to keep it."""
     with transaction.atomic():
         campaign = Campaign.objects.filter(pk=saved.campaign_id).first()
-        owns = SliceAssignment.objects.filter(campaign_id=saved.campaign_id, index=saved.slice_index, aggregator_id=aggregator_id).exists()
+        owns = SliceAssignment.objects.filter(
+            campaign_id=saved.campaign_id, index=saved.slice_index, aggregator_id=aggregator_id
+        ).exists()
         if campaign is None or not owns or saved.version > campaign.committed_steps:
             logger.warning("aggregator %s confirmed a checkpoint the site cannot use: %s", aggregator_id, saved)
             return []
         Checkpoint.objects.update_or_create(
-            campaign=campaign, slice_index=saved.slice_index, version=saved.version,
+            campaign=campaign,
+            slice_index=saved.slice_index,
+            version=saved.version,
             defaults={"aggregator_id": aggregator_id, "saved_at": timezone.now()},
-        )  # fmt: skip
+        )
         complete = complete_versions(campaign)
         if saved.version not in complete:
             return []
@@ -431,12 +469,18 @@ def stalled_commits(aggregator_id: int) -> Outbox:
     """
     stale = timezone.now() - timedelta(seconds=settings.CROWDTRAIN_GONE_AFTER_S)
     outbox: Outbox = []
-    held = SliceAssignment.objects.filter(aggregator_id=aggregator_id, ready=True, campaign__state=Campaign.State.RUNNING)
+    held = SliceAssignment.objects.filter(
+        aggregator_id=aggregator_id, ready=True, campaign__state=Campaign.State.RUNNING
+    )
     for s in held.select_related("campaign"):
         overdue = s.campaign.steps.filter(index__gte=s.version, committed_at__lt=stale).exists()
         if overdue:
-            logger.warning("campaign %s: slice %s is stuck at version %s; sending its commits again",
-                           s.campaign_id, s.index, s.version)  # fmt: skip
+            logger.warning(
+                "campaign %s: slice %s is stuck at version %s; sending its commits again",
+                s.campaign_id,
+                s.index,
+                s.version,
+            )
             outbox += [(aggregator_id, c) for c in _commits_since(s.campaign, s.version)]
     return outbox
 
@@ -449,9 +493,13 @@ def step_failed(aggregator_id: int, failed: StepFailed) -> Outbox:
         _flush_records()
     with transaction.atomic():
         campaign = Campaign.objects.select_for_update(of=("self",)).filter(pk=failed.campaign_id).first()
-        s = SliceAssignment.objects.filter(
-            campaign_id=failed.campaign_id, index=failed.slice_index, aggregator_id=aggregator_id
-        ).select_related("aggregator").first()
+        s = (
+            SliceAssignment.objects.filter(
+                campaign_id=failed.campaign_id, index=failed.slice_index, aggregator_id=aggregator_id
+            )
+            .select_related("aggregator")
+            .first()
+        )
         if campaign is None or s is None:
             return outbox
         if failed.missing_lease_ids:
@@ -461,11 +509,17 @@ def step_failed(aggregator_id: int, failed: StepFailed) -> Outbox:
             others = campaign.slices.exclude(pk=s.pk)
             # Recorded at failed.step and ready counts too: it may have applied that step already, its
             # reply not in yet (a slice rolled back to a version it lacks would stand still for good).
-            ahead = others.filter(version__gt=failed.step).exists() or others.filter(version=failed.step, ready=True).exists()
+            ahead = (
+                others.filter(version__gt=failed.step).exists()
+                or others.filter(version=failed.step, ready=True).exists()
+            )
             target = restore_target(campaign, failed.step) if ahead else failed.step
             if target is None:
-                _block(campaign, f"slice {s.index} lost the uploads of step {failed.step}, other slices are past "
-                                 "it, and no checkpoint every slice has exists; restore the campaign from scratch")
+                _block(
+                    campaign,
+                    f"slice {s.index} lost the uploads of step {failed.step}, other slices are past "
+                    "it, and no checkpoint every slice has exists; restore the campaign from scratch",
+                )
                 return outbox
             outbox += _roll_back_everyone(campaign, target, except_slice=s if target == failed.step else None)
         elif failed.step > s.version:
@@ -487,18 +541,23 @@ def _could_not_apply(campaign: Campaign, s: SliceAssignment, failed: StepFailed)
     s.ready = False
     s.save(update_fields=["ready"])
     detail = failed.detail[:400]
-    _block(campaign, f"aggregator {s.aggregator.name} could not apply step {failed.step} to slice {s.index} "
-                     f"({detail}); training is paused and the step is not sent to it again. Fix the cause (the "
-                     "aggregator's log has the traceback), then restart that aggregator, which reloads the slice "
-                     f"from its checkpoint, or restore the campaign: `manage.py restore_campaign {campaign.pk}`, "
-                     "or the button on this page (staff)")  # fmt: skip
+    _block(
+        campaign,
+        f"aggregator {s.aggregator.name} could not apply step {failed.step} to slice {s.index} "
+        f"({detail}); training is paused and the step is not sent to it again. Fix the cause (the "
+        "aggregator's log has the traceback), then restart that aggregator, which reloads the slice "
+        f"from its checkpoint, or restore the campaign: `manage.py restore_campaign {campaign.pk}`, "
+        "or the button on this page (staff)",
+    )
 
 
 def step_applied(aggregator_id: int, applied: StepApplied) -> VersionPublished | None:
     """Record one slice's progress; when every slice has a version, publish it to agents."""
     with transaction.atomic():
         campaign = Campaign.objects.select_for_update(of=("self",)).filter(pk=applied.campaign_id).first()
-        s = SliceAssignment.objects.filter(campaign_id=applied.campaign_id, index=applied.slice_index, aggregator_id=aggregator_id).first()
+        s = SliceAssignment.objects.filter(
+            campaign_id=applied.campaign_id, index=applied.slice_index, aggregator_id=aggregator_id
+        ).first()
         if campaign is None or s is None:
             return None
         if applied.version > campaign.committed_steps:
@@ -525,7 +584,9 @@ def step_applied(aggregator_id: int, applied: StepApplied) -> VersionPublished |
         if validation.due(campaign, previous, newest, ended):
             # After the commit, and off this consumer: the task fetches params and runs the model.
             validation.schedule_validation(campaign.pk, newest)
-        Step.objects.filter(campaign=campaign, index__lt=newest, applied_at__isnull=True).update(applied_at=timezone.now())
+        Step.objects.filter(campaign=campaign, index__lt=newest, applied_at__isnull=True).update(
+            applied_at=timezone.now()
+        )
         step = campaign.steps.filter(index=newest - 1).first()
         logger.info("campaign %s: version %s published", campaign.pk, newest)
         return VersionPublished(campaign_id=campaign.pk, version=newest, loss=step.loss if step else None)
@@ -542,7 +603,6 @@ def welcome_ticket_key(minor: int) -> str:
     if settings.CROWDTRAIN_PROTOCOL_MINOR < 1:
         return settings.CROWDTRAIN_TICKET_KEY.hex()
     return "" if minor >= 1 else secrets.token_hex(32)
-
 
 
 def restore_campaign(campaign_id: int, version: int) -> Outbox:

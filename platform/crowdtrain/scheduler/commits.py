@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from datetime import datetime, timezone as dt_timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from django.db import IntegrityError, OperationalError, transaction
@@ -44,7 +44,7 @@ class Commit:
 
 
 def moment(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, tz=dt_timezone.utc)
+    return datetime.fromtimestamp(seconds, tz=UTC)
 
 
 def held(record: dict[str, Any]) -> tuple[datetime, datetime, float]:
@@ -71,8 +71,9 @@ def _write_step(config: CampaignConfig, index: int, leases: list[dict[str, Any]]
         except OperationalError:
             if attempt >= WRITE_ATTEMPTS:
                 raise
-            logger.info("campaign %s: writing step %s failed (try %s); trying again", config.id, index, attempt,
-                        exc_info=True)  # fmt: skip
+            logger.info(
+                "campaign %s: writing step %s failed (try %s); trying again", config.id, index, attempt, exc_info=True
+            )
             attempt += 1
 
 
@@ -80,18 +81,22 @@ def _write_step_once(config: CampaignConfig, index: int, leases: list[dict[str, 
     try:
         with transaction.atomic():
             step = Step.objects.create(
-                campaign_id=config.id, index=index, num_samples=sum(int(l["n"]) for l in leases),
-                loss_sum=math.fsum(float(l["loss"]) for l in leases),
-            )  # fmt: skip
-            rows = [_row(config, l, step) for l in leases]
+                campaign_id=config.id,
+                index=index,
+                num_samples=sum(int(lease["n"]) for lease in leases),
+                loss_sum=math.fsum(float(lease["loss"]) for lease in leases),
+            )
+            rows = [_row(config, lease, step) for lease in leases]
             # Inserted when the batched record has not written them yet (another process issued them).
             Lease.objects.bulk_create(
-                rows, update_conflicts=True, unique_fields=["id"],
+                rows,
+                update_conflicts=True,
+                unique_fields=["id"],
                 update_fields=["state", "step", "loss_sum", "compute_s", "finished_at", "reason"],
-            )  # fmt: skip
+            )
             _credit(leases)
             Campaign.objects.filter(pk=config.id, committed_steps=index).update(committed_steps=index + 1)
-            return [int(l["id"]) for l in leases]
+            return [int(lease["id"]) for lease in leases]
     except IntegrityError:
         # Another process wrote this step first: it is what the aggregators must apply.
         step = Step.objects.get(campaign_id=config.id, index=index)
@@ -103,19 +108,31 @@ def _row(config: CampaignConfig, record: dict[str, Any], step: Step) -> Lease:
     issued, finished, compute_s = held(record)
     ranges = to_shards(config.table, record["r"])
     return Lease(
-        pk=record["id"], campaign_id=config.id, device_id=record["d"], base_version=record["b"], target_step=step.index,
-        ranges=ranges, epoch=ranges[0][0], num_samples=record["n"], state=Lease.State.ACCEPTED, issued_at=issued,
-        deadline=moment(record["dl"]), finished_at=finished, step=step, loss_sum=record["loss"], compute_s=compute_s,
-    )  # fmt: skip
+        pk=record["id"],
+        campaign_id=config.id,
+        device_id=record["d"],
+        base_version=record["b"],
+        target_step=step.index,
+        ranges=ranges,
+        epoch=ranges[0][0],
+        num_samples=record["n"],
+        state=Lease.State.ACCEPTED,
+        issued_at=issued,
+        deadline=moment(record["dl"]),
+        finished_at=finished,
+        step=step,
+        loss_sum=record["loss"],
+        compute_s=compute_s,
+    )
 
 
 def _credit(leases: list[dict[str, Any]]) -> None:
     """One statement for every device in the step: samples credited, and the speed its work showed."""
     samples: dict[int, int] = {}
     busy_s: dict[int, float] = {}
-    for l in leases:
-        samples[l["d"]] = samples.get(l["d"], 0) + int(l["n"])
-        busy_s[l["d"]] = busy_s.get(l["d"], 0.0) + float(l["cs"])
+    for lease in leases:
+        samples[lease["d"]] = samples.get(lease["d"], 0) + int(lease["n"])
+        busy_s[lease["d"]] = busy_s.get(lease["d"], 0.0) + float(lease["cs"])
     added = Case(*(When(pk=d, then=Value(n)) for d, n in samples.items()), default=Value(0))
     # The speed "My devices" shows: what its accepted work took, as the agent reported it.
     speeds = [When(pk=d, then=Value(samples[d] / s)) for d, s in busy_s.items() if s >= 1e-3]
@@ -131,13 +148,15 @@ def commit_full_steps(config: CampaignConfig, full: dict[str, Any]) -> list[Comm
     while full:
         index = int(full["step"])
         lease_ids = _write_step(config, index, list(full["leases"]))
-        num_samples = sum(int(l["n"]) for l in full["leases"])
+        num_samples = sum(int(lease["n"]) for lease in full["leases"])
         try:
             answer = hot_state().run("committed", config.hot_key, {"step": index})
         except HotStateMissing:  # Redis lost the keys meanwhile: the record, step included, rebuilds them
             load_campaign(config.id)
             answer = {}
-        logger.info("campaign %s: step %s committed (%s samples, %s leases)", config.id, index, num_samples, len(lease_ids))
+        logger.info(
+            "campaign %s: step %s committed (%s samples, %s leases)", config.id, index, num_samples, len(lease_ids)
+        )
         message = StepCommit(campaign_id=config.id, step=index, lease_ids=lease_ids, num_samples=num_samples)
         commits.append(Commit(message, list(config.aggregator_ids), [str(c) for c in answer.get("woken") or []]))
         full = answer.get("commit") or {}

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import cast
 
 from django.conf import settings
 from django.db.models import Exists, Q
@@ -19,7 +20,7 @@ from django.db.models import Exists, Q
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
 from crowdtrain_agent.models import get_model
-from crowdtrain_agent.protocol import DataSpec, ModelSpec, SliceRoute, campaign_key
+from crowdtrain_agent.protocol import CodecName, DataKind, DataSpec, ModelSpec, SliceRoute, campaign_key
 
 from .hotstate import HotStateMissing, hot_state
 from .models import SliceAssignment
@@ -43,7 +44,7 @@ class CampaignConfig:
     microbatch_size: int
     staleness: int
     max_steps: int | None
-    codec: str
+    codec: CodecName
     model: ModelSpec
     flops_per_sample: float
     data: DataSpec
@@ -82,21 +83,35 @@ def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
     )
     spec = get_model(campaign.architecture)
     return CampaignConfig(
-        id=campaign.pk, hot_key=campaign.hot_key.hex, gen=gen, state=campaign.state,
-        public=campaign.visibility == Campaign.Visibility.PUBLIC, target_batch_size=campaign.target_batch_size,
-        microbatch_size=campaign.microbatch_size, staleness=campaign.staleness, max_steps=campaign.max_steps,
-        codec=campaign.codec, model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
+        id=campaign.pk,
+        hot_key=campaign.hot_key.hex,
+        gen=gen,
+        state=campaign.state,
+        public=campaign.visibility == Campaign.Visibility.PUBLIC,
+        target_batch_size=campaign.target_batch_size,
+        microbatch_size=campaign.microbatch_size,
+        staleness=campaign.staleness,
+        max_steps=campaign.max_steps,
+        codec=cast(CodecName, campaign.codec),
+        model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
         flops_per_sample=spec.flops_per_sample(campaign.model_config),
-        data=DataSpec(kind=campaign.dataset.kind, sample_len=campaign.dataset.sample_len),
-        param_count=campaign.param_count, num_samples=campaign.dataset.num_samples, table=shard_table(campaign.dataset),
+        data=DataSpec(kind=cast(DataKind, campaign.dataset.kind), sample_len=campaign.dataset.sample_len),
+        param_count=campaign.param_count,
+        num_samples=campaign.dataset.num_samples,
+        table=shard_table(campaign.dataset),
         slices=tuple(
-            SliceRoute(index=s.index, start=s.start, end=s.end, upload_url=s.aggregator.upload_url,
-                       params_url=f"{s.aggregator.params_url}{campaign.pk}/{s.index}/")
+            SliceRoute(
+                index=s.index,
+                start=s.start,
+                end=s.end,
+                upload_url=s.aggregator.upload_url,
+                params_url=f"{s.aggregator.params_url}{campaign.pk}/{s.index}/",
+            )
             for s in slices
         ),
         aggregator_ids=tuple(s.aggregator_id for s in slices),
         ticket_key=ticket_key(campaign.pk),
-    )  # fmt: skip
+    )
 
 
 def ticket_key(campaign_id: int) -> bytes:
@@ -155,7 +170,10 @@ def open_q(device_id: int) -> Q:
     """Campaigns this device may work on: public ones, and invite-only ones its volunteer owns or was invited to."""
     staff = Exists(Device.objects.filter(pk=device_id, owner__is_staff=True))
     return (
-        Q(visibility=Campaign.Visibility.PUBLIC) | Q(owner__devices=device_id) | Q(invited__devices=device_id) | Q(staff)
+        Q(visibility=Campaign.Visibility.PUBLIC)
+        | Q(owner__devices=device_id)
+        | Q(invited__devices=device_id)
+        | Q(staff)
     )
 
 
@@ -168,7 +186,10 @@ def run_state(campaign: Campaign) -> tuple[bool, str]:
     slices = list(campaign.slices.select_related("aggregator"))
     ready = [s for s in slices if s.ready and s.aggregator.connected]
     if len(slices) < campaign.num_aggregators or len(ready) < len(slices):
-        return False, f"campaign {campaign.pk}: waiting for aggregators: {len(ready)} of {campaign.num_aggregators} slices ready"
+        return (
+            False,
+            f"campaign {campaign.pk}: waiting for aggregators: {len(ready)} of {campaign.num_aggregators} slices ready",
+        )
     return True, ""
 
 
@@ -183,11 +204,14 @@ def publish_state(campaign_id: int) -> None:
     if campaign is None:
         return
     run, why = run_state(campaign)
-    fields = {"target": campaign.target_batch_size, "stale": campaign.staleness, "state": campaign.state,
-              "max": -1 if campaign.max_steps is None else campaign.max_steps}  # fmt: skip
+    fields = {
+        "target": campaign.target_batch_size,
+        "stale": campaign.staleness,
+        "state": campaign.state,
+        "max": -1 if campaign.max_steps is None else campaign.max_steps,
+    }
     try:
         hot_state().run("configure", campaign.hot_key.hex, {"run": int(run), "why": why, "fields": fields})
     except HotStateMissing:
         pass
     logger.debug("campaign %s: %s", campaign_id, "leasing" if run else why)
-

@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 from django.conf import settings
@@ -88,7 +88,7 @@ class HotState:
         key = self.campaign_key(hot_key)
         leases = [json.loads(raw) for raw in self.client.hvals(f"{key}leases")]
         redo = []
-        for item in self.client.lrange(f"{key}ret", 0, -1):
+        for item in cast(list[str], self.client.lrange(f"{key}ret", 0, -1)):  # decode_responses=True
             epoch, start, count = (int(x) for x in item.split(":"))
             redo.append([epoch, start, count])
         return {
@@ -112,7 +112,7 @@ class HotState:
         if not ids:
             return {}
         scores = self.client.zmscore(self.seen_key, [str(d) for d in ids])
-        return {d: float(s) for d, s in zip(ids, scores) if s is not None}
+        return {d: float(s) for d, s in zip(ids, scores, strict=True) if s is not None}
 
 
 _lock = threading.Lock()

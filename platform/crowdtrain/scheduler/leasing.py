@@ -26,20 +26,23 @@ from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Step, shard_table
 from crowdtrain_agent.protocol import (
     DoneAck,
-    Lease as LeaseMessage,
     LeaseDone,
     LeaseRequest,
     NoLease,
+    NoLeaseReason,
     SampleRange,
     Ticket,
     sign_ticket,
     verify_receipt,
 )
+from crowdtrain_agent.protocol import (
+    Lease as LeaseMessage,
+)
 
+from . import ids
 from .commits import Commit, commit_full_steps, held, moment
 from .configs import CampaignConfig, campaign_config, open_to, running_campaigns
 from .hotstate import HotStateMissing, hot_state
-from . import ids
 from .models import Lease
 from .rebuild import load_campaign, to_shards
 from .records import Finished, writer
@@ -63,7 +66,7 @@ class DoneOutcome:
 # ------------------------------------------------------------------ helpers
 
 
-def _run(config: CampaignConfig, script: str, args: dict[str, object]) -> dict[str, object]:
+def _run(config: CampaignConfig, script: str, args: dict[str, Any]) -> dict[str, Any]:
     """Run a script, loading the campaign's hot state from the record first if Redis has none."""
     try:
         return hot_state().run(script, config.hot_key, args)
@@ -72,17 +75,23 @@ def _run(config: CampaignConfig, script: str, args: dict[str, object]) -> dict[s
         return hot_state().run(script, config.hot_key, args)
 
 
-def record_retired(retired: list[list[object]]) -> None:
+def record_retired(retired: list[list[Any]]) -> None:
     """Queue the record of leases a script ended (``[id, state, reason]`` triples)."""
     when = moment(hot_state().clock())
     for lease_id, state, reason in retired:
-        writer().lease_finished(Finished(int(lease_id), str(state), str(reason), when))  # type: ignore[call-overload]
+        writer().lease_finished(Finished(int(lease_id), str(state), str(reason), when))
         logger.info("lease %s %s: %s", lease_id, state, reason)
 
 
-def _no_lease(reason: str, detail: str, retry_after_s: float | None = None, ready_at_step: int | None = None) -> NoLease:
-    return NoLease(reason=reason, detail=detail, retry_after_s=retry_after_s or settings.CROWDTRAIN_RETRY_AFTER_S,
-                   ready_at_step=ready_at_step)  # fmt: skip
+def _no_lease(
+    reason: NoLeaseReason, detail: str, retry_after_s: float | None = None, ready_at_step: int | None = None
+) -> NoLease:
+    return NoLease(
+        reason=reason,
+        detail=detail,
+        retry_after_s=retry_after_s or settings.CROWDTRAIN_RETRY_AFTER_S,
+        ready_at_step=ready_at_step,
+    )
 
 
 _hardware_flops: dict[int, float] = {}
@@ -121,7 +130,7 @@ def _lease_size(config: CampaignConfig, device_id: int, samples_per_s: float | N
 # ------------------------------------------------------------------ leasing
 
 
-def _refusal(config: CampaignConfig, answer: dict[str, object]) -> NoLease:
+def _refusal(config: CampaignConfig, answer: dict[str, Any]) -> NoLease:
     code = answer["code"]
     if code == "paused":
         finished = answer.get("state") in (Campaign.State.FINISHED, Campaign.State.ARCHIVED) or "finished" in str(
@@ -134,11 +143,15 @@ def _refusal(config: CampaignConfig, answer: dict[str, object]) -> NoLease:
         return _no_lease("step_full", f"campaign {config.id}: the last of its {answer['max']} steps is in flight")
     if code == "window_full":
         return _no_lease(
-            "step_full", f"step {answer['step']} has all {config.target_batch_size} samples in flight; waiting for its commit",
-            ready_at_step=int(answer["ready_at"]),  # type: ignore[call-overload]
-        )  # fmt: skip
-    return _no_lease("step_full", f"campaign {config.id}: idle volunteers are served before leases ahead",
-                     ready_at_step=int(answer["ready_at"]))  # type: ignore[call-overload]  # fmt: skip
+            "step_full",
+            f"step {answer['step']} has all {config.target_batch_size} samples in flight; waiting for its commit",
+            ready_at_step=int(answer["ready_at"]),
+        )
+    return _no_lease(
+        "step_full",
+        f"campaign {config.id}: idle volunteers are served before leases ahead",
+        ready_at_step=int(answer["ready_at"]),
+    )
 
 
 def _try_lease(
@@ -146,52 +159,84 @@ def _try_lease(
 ) -> LeaseMessage | NoLease:
     want, claimed = _lease_size(config, device_id, samples_per_s)
     lease_id = ids.lease_ids.take()
-    answer = _run(config, "lease", {
-        "device": device_id, "want": min(want, settings.CROWDTRAIN_MAX_LEASE_SAMPLES), "claimed": claimed, "id": lease_id,
-        "cid": config.id, "min_dl": settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S,
-        "max_dl": settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S, "idle_s": settings.CROWDTRAIN_GONE_AFTER_S,
-        "gone_s": settings.CROWDTRAIN_GONE_AFTER_S, "backup_min_s": settings.CROWDTRAIN_BACKUP_MIN_S,
-        "backup_factor": settings.CROWDTRAIN_BACKUP_FACTOR, "sweep": SWEEP_PER_CALL, "rid": request_id,
-        "backups": int(backups),
-    })  # fmt: skip
-    record_retired(answer.get("expired") or [])  # type: ignore[arg-type]
-    if int(answer.get("gen") or 0) > config.gen:  # type: ignore[call-overload]
-        config = campaign_config(config.id, gen=int(answer["gen"])) or config  # type: ignore[call-overload]
+    answer = _run(
+        config,
+        "lease",
+        {
+            "device": device_id,
+            "want": min(want, settings.CROWDTRAIN_MAX_LEASE_SAMPLES),
+            "claimed": claimed,
+            "id": lease_id,
+            "cid": config.id,
+            "min_dl": settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S,
+            "max_dl": settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S,
+            "idle_s": settings.CROWDTRAIN_GONE_AFTER_S,
+            "gone_s": settings.CROWDTRAIN_GONE_AFTER_S,
+            "backup_min_s": settings.CROWDTRAIN_BACKUP_MIN_S,
+            "backup_factor": settings.CROWDTRAIN_BACKUP_FACTOR,
+            "sweep": SWEEP_PER_CALL,
+            "rid": request_id,
+            "backups": int(backups),
+        },
+    )
+    record_retired(answer.get("expired") or [])
+    if int(answer.get("gen") or 0) > config.gen:
+        config = campaign_config(config.id, gen=int(answer["gen"])) or config
     if answer.get("kind") != "lease":
         ids.lease_ids.put_back(lease_id)
         return _refusal(config, answer)
     lease = _row(config, cast(dict[str, Any], answer["lease"]), request_id)
     writer().lease_issued(lease)
-    writer().cursor_moved(config.id, int(answer["epoch"]), int(answer["cursor"]))  # type: ignore[call-overload]
+    writer().cursor_moved(config.id, int(answer["epoch"]), int(answer["cursor"]))
     return lease_message(lease, config)
 
 
-def _row(config: CampaignConfig, record: dict[str, object], request_id: str = "") -> Lease:
-    ranges = to_shards(config.table, record["r"])  # type: ignore[arg-type]
+def _row(config: CampaignConfig, record: dict[str, Any], request_id: str = "") -> Lease:
+    ranges = to_shards(config.table, record["r"])
     return Lease(
-        pk=record["id"], campaign_id=config.id, device_id=record["d"], base_version=record["b"],
-        target_step=record["s"], ranges=ranges, epoch=ranges[0][0] if ranges else 0, num_samples=record["n"],
-        state=Lease.State.ACTIVE, issued_at=moment(float(record["t0"])), deadline=moment(float(record["dl"])),  # type: ignore[arg-type]
+        pk=record["id"],
+        campaign_id=config.id,
+        device_id=record["d"],
+        base_version=record["b"],
+        target_step=record["s"],
+        ranges=ranges,
+        epoch=ranges[0][0] if ranges else 0,
+        num_samples=record["n"],
+        state=Lease.State.ACTIVE,
+        issued_at=moment(float(record["t0"])),
+        deadline=moment(float(record["dl"])),
         request_id=request_id[:64],
-    )  # fmt: skip
+    )
 
 
 def lease_message(lease: Lease, config: CampaignConfig) -> LeaseMessage:
     """The wire form of a lease, with a freshly signed ticket (also used to answer a repeated request)."""
     seconds = max(0.0, lease.deadline.timestamp() - hot_state().clock())
     ticket = Ticket(
-        lease_id=lease.pk, campaign_id=config.id, device_id=lease.device_id, base_version=lease.base_version,
-        num_samples=lease.num_samples, expires_at=lease.deadline.timestamp() + TICKET_GRACE_S,
+        lease_id=lease.pk,
+        campaign_id=config.id,
+        device_id=lease.device_id,
+        base_version=lease.base_version,
+        num_samples=lease.num_samples,
+        expires_at=lease.deadline.timestamp() + TICKET_GRACE_S,
     )
     shards = config.table.sha256s
     return LeaseMessage(
-        lease_id=lease.pk, campaign_id=config.id, base_version=lease.base_version,
+        lease_id=lease.pk,
+        campaign_id=config.id,
+        base_version=lease.base_version,
         ranges=[SampleRange(shard=shards[s], start=start, count=count) for _, s, start, count in lease.ranges],
-        num_samples=lease.num_samples, microbatch_size=config.microbatch_size, deadline_s=seconds,
-        ticket=sign_ticket(ticket, config.ticket_key), codec=config.codec,  # type: ignore[arg-type]
-        model=config.model, data=config.data, param_count=config.param_count,
-        prefetch=_upcoming_shards(config, lease), slices=list(config.slices),
-    )  # fmt: skip
+        num_samples=lease.num_samples,
+        microbatch_size=config.microbatch_size,
+        deadline_s=seconds,
+        ticket=sign_ticket(ticket, config.ticket_key),
+        codec=config.codec,
+        model=config.model,
+        data=config.data,
+        param_count=config.param_count,
+        prefetch=_upcoming_shards(config, lease),
+        slices=list(config.slices),
+    )
 
 
 def _upcoming_shards(config: CampaignConfig, lease: Lease) -> list[str]:
@@ -207,7 +252,7 @@ def _upcoming_shards(config: CampaignConfig, lease: Lease) -> list[str]:
 def _resent(device_id: int, request_id: str) -> LeaseMessage | None:
     """The lease an earlier copy of this request got, if it is still active."""
     state = hot_state()
-    raw = state.client.hget(state.requests_key, str(device_id))
+    raw = cast("str | None", state.client.hget(state.requests_key, str(device_id)))  # decode_responses=True
     if not raw:
         return None
     campaign_id, lease_id, rid = raw.split(":", 2)
@@ -234,8 +279,13 @@ class LeaseAnswer:
 
 
 def ask_lease(
-    device_id: int, campaign_id: int | None, samples_per_s: float | None, request_id: str = "",
-    *, may_be_resent: bool = True, backups: bool = True,
+    device_id: int,
+    campaign_id: int | None,
+    samples_per_s: float | None,
+    request_id: str = "",
+    *,
+    may_be_resent: bool = True,
+    backups: bool = True,
 ) -> LeaseAnswer:
     """Give this device work from a running campaign, or say why not and when to ask again.
 
@@ -253,14 +303,19 @@ def ask_lease(
         config = campaign_config(campaign_id)
         if config is None or not open_to(config, device_id):
             # One answer for "missing" and "not yours": strangers cannot tell which invite-only campaigns exist.
-            return LeaseAnswer(_no_lease(
-                "no_campaign", f"no campaign {campaign_id} is open to this device (an invite-only campaign needs "
-                "its invite link, opened while logged in as this device's volunteer)", 10.0,
-            ), None)  # fmt: skip
+            return LeaseAnswer(
+                _no_lease(
+                    "no_campaign",
+                    f"no campaign {campaign_id} is open to this device (an invite-only campaign needs "
+                    "its invite link, opened while logged in as this device's volunteer)",
+                    10.0,
+                ),
+                None,
+            )
         if config.state == Campaign.State.DRAFT:
             return LeaseAnswer(_no_lease("campaign_paused", f"campaign {campaign_id} is draft", 10.0), None)
         return LeaseAnswer(_try_lease(config, device_id, samples_per_s, request_id, backups), campaign_id)
-    refusals: list[LeaseAnswer] = []
+    refusals: list[tuple[NoLease, int]] = []
     for candidate_id in running_campaigns():
         config = campaign_config(candidate_id)
         if config is None or not open_to(config, device_id):
@@ -268,15 +323,19 @@ def ask_lease(
         outcome = _try_lease(config, device_id, samples_per_s, request_id, backups)
         if isinstance(outcome, LeaseMessage):
             return LeaseAnswer(outcome, candidate_id)
-        refusals.append(LeaseAnswer(outcome, candidate_id))
+        refusals.append((outcome, candidate_id))
     if refusals:
-        return min(refusals, key=lambda r: r.message.retry_after_s)  # type: ignore[union-attr]
+        return LeaseAnswer(*min(refusals, key=lambda r: r[0].retry_after_s))
     return LeaseAnswer(_no_lease("no_campaign", "no running campaign accepts volunteers right now", 10.0), None)
 
 
 def request_lease(
-    device_id: int, campaign_id: int | None, samples_per_s: float | None, request_id: str = "",
-    *, may_be_resent: bool = True,
+    device_id: int,
+    campaign_id: int | None,
+    samples_per_s: float | None,
+    request_id: str = "",
+    *,
+    may_be_resent: bool = True,
 ) -> LeaseMessage | NoLease:
     """``ask_lease`` without the campaign: the answer the agent gets."""
     return ask_lease(device_id, campaign_id, samples_per_s, request_id, may_be_resent=may_be_resent).message
@@ -295,7 +354,9 @@ def park(
     if config is None:
         return None
     want = min(_lease_size(config, device_id, samples_per_s)[0], config.target_batch_size)
-    answer = _run(config, "park", {"channel": channel, "ready_at": ready_at, "want": want, "leave": leave, "pass_on": 0})
+    answer = _run(
+        config, "park", {"channel": channel, "ready_at": ready_at, "want": want, "leave": leave, "pass_on": 0}
+    )
     return None if answer.get("ready") else str(answer.get("member") or "") or None
 
 
@@ -319,7 +380,7 @@ def pass_on_wake(campaign_id: int, *, any_step: bool = False) -> list[str]:
         return []
     pass_on = 2 if any_step else 1
     answer = _run(config, "park", {"channel": "", "ready_at": 0, "want": 0, "leave": "", "pass_on": pass_on})
-    return [str(c) for c in answer.get("woken") or []]  # type: ignore[union-attr]
+    return [str(c) for c in answer.get("woken") or []]
 
 
 # ------------------------------------------------------------------ reports
@@ -327,7 +388,7 @@ def pass_on_wake(campaign_id: int, *, any_step: bool = False) -> list[str]:
 
 def _lease_campaign(lease_id: int) -> CampaignConfig | None:
     state = hot_state()
-    campaign_id = state.client.hget(state.lease_campaigns_key, str(lease_id))
+    campaign_id: str | int | None = cast("str | None", state.client.hget(state.lease_campaigns_key, str(lease_id)))
     if campaign_id is None:
         found = Lease.objects.filter(pk=lease_id).values_list("campaign_id", flat=True).first()
         if found is None:
@@ -343,8 +404,12 @@ def _receipt_problem(config: CampaignConfig, done: LeaseDone) -> str:
     for route in config.slices:
         token = tokens.get(route.index)
         valid = token is not None and verify_receipt(
-            token, config.ticket_key, campaign_id=config.id, lease_id=done.lease_id,
-            slice_index=route.index, num_samples=done.num_samples,
+            token,
+            config.ticket_key,
+            campaign_id=config.id,
+            lease_id=done.lease_id,
+            slice_index=route.index,
+            num_samples=done.num_samples,
         )
         if not valid:
             return f"missing or invalid receipt for slice {route.index}"
@@ -357,17 +422,27 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
     if config is None:  # another device's lease looks the same as no lease at all
         return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason="unknown lease"))
     for _ in range(3):
-        answer = _run(config, "done", {
-            "id": done.lease_id, "device": device_id, "n": done.num_samples, "loss": done.loss_sum,
-            "cs": done.compute_s if math.isfinite(done.compute_s) else 0.0, "problem": _receipt_problem(config, done),
-            "gen": config.gen,
-        })  # fmt: skip
+        answer = _run(
+            config,
+            "done",
+            {
+                "id": done.lease_id,
+                "device": device_id,
+                "n": done.num_samples,
+                "loss": done.loss_sum,
+                "cs": done.compute_s if math.isfinite(done.compute_s) else 0.0,
+                "problem": _receipt_problem(config, done),
+                "gen": config.gen,
+            },
+        )
         if "accepted" in answer:
             break
-        config = campaign_config(config.id, gen=int(answer["gen"])) or config  # type: ignore[call-overload]
+        config = campaign_config(config.id, gen=int(answer["gen"])) or config
     else:
-        raise RuntimeError(f"campaign {config.id}: its generation keeps moving; the report of lease {done.lease_id} was not counted")
-    record_retired(answer.get("retired") or [])  # type: ignore[arg-type]
+        raise RuntimeError(
+            f"campaign {config.id}: its generation keeps moving; the report of lease {done.lease_id} was not counted"
+        )
+    record_retired(answer.get("retired") or [])
     if not answer.get("accepted"):
         reason = str(answer.get("reason"))
         if reason == "unknown lease" and _counted(done.lease_id, device_id):
@@ -375,10 +450,12 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
         return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=reason))
     lease = cast(dict[str, Any], answer["lease"])
     _, finished, compute_s = held(lease)
-    writer().lease_finished(Finished(done.lease_id, Lease.State.ACCEPTED, "", finished, float(lease["loss"]), compute_s))
-    outcome = DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=True, step=int(answer["step"])))  # type: ignore[call-overload]
+    writer().lease_finished(
+        Finished(done.lease_id, Lease.State.ACCEPTED, "", finished, float(lease["loss"]), compute_s)
+    )
+    outcome = DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=True, step=int(answer["step"])))
     if answer.get("commit"):
-        outcome.commits = commit_full_steps(config, answer["commit"])  # type: ignore[arg-type]
+        outcome.commits = commit_full_steps(config, answer["commit"])
     return outcome
 
 
@@ -421,14 +498,15 @@ def release_leases(device_id: int, lease_ids: Sequence[int], reason: str = "rele
     samples of one lease serve one request): otherwise they would sleep until
     the next commit, which waits for exactly these samples.
     """
-    count, woken = 0, {}
+    count = 0
+    woken: dict[int, list[str]] = {}
     for lease_id in lease_ids:
         config = _lease_campaign(lease_id)
         if config is None:
             continue
         answer = _run(config, "release", {"id": lease_id, "device": device_id, "reason": reason, "state": "released"})
         retired = answer.get("retired") or []
-        record_retired(retired)  # type: ignore[arg-type]
+        record_retired(retired)
         if retired:
             count += 1
             woken.setdefault(config.id, []).extend(pass_on_wake(config.id, any_step=True))
@@ -460,9 +538,9 @@ def sweep_campaign(campaign_id: int) -> tuple[int, list[Commit]]:
         return 0, []
     answer = _run(config, "sweep", {"limit": 1000, "gone_s": settings.CROWDTRAIN_GONE_AFTER_S})
     expired = answer.get("expired") or []
-    record_retired(expired)  # type: ignore[arg-type]
-    commits = commit_full_steps(config, answer["commit"]) if answer.get("commit") else []  # type: ignore[arg-type]
-    return len(expired), commits  # type: ignore[arg-type]
+    record_retired(expired)
+    commits = commit_full_steps(config, answer["commit"]) if answer.get("commit") else []
+    return len(expired), commits
 
 
 def expire_overdue(campaign: Campaign) -> int:
@@ -484,4 +562,3 @@ def step_ranges(step: Step) -> list[tuple[str, int, int]]:
     """The (shard sha256, start, count) ranges that made a committed step, in lease-id order."""
     shards = shard_table(step.campaign.dataset).sha256s
     return [(shards[s], start, count) for lease in step.leases.order_by("id") for _, s, start, count in lease.ranges]
-

@@ -136,23 +136,43 @@ def load_campaign(campaign_id: int, *, force: bool = False) -> bool:
     redo += [[epoch, s, e - s] for s, e in _gaps(covered[epoch], cursor)]
     run, why = run_state(campaign)
     meta = {
-        "open": campaign.committed_steps, "cursor": cursor, "epoch": epoch, "total": total,
-        "target": campaign.target_batch_size, "stale": campaign.staleness, "state": campaign.state,
-        "max": -1 if campaign.max_steps is None else campaign.max_steps, "run": int(run), "why": why,
+        "open": campaign.committed_steps,
+        "cursor": cursor,
+        "epoch": epoch,
+        "total": total,
+        "target": campaign.target_batch_size,
+        "stale": campaign.staleness,
+        "state": campaign.state,
+        "max": -1 if campaign.max_steps is None else campaign.max_steps,
+        "run": int(run),
+        "why": why,
         # Newer than any generation a process may have cached from before Redis lost the keys.
-        "lease_s": 0, "gen": time.time_ns() // 1_000_000,
-    }  # fmt: skip
-    args = {"cid": campaign.pk, "meta": meta, "leases": live, "ret": redo, "force": force,
-            "backup_min_s": settings.CROWDTRAIN_BACKUP_MIN_S}  # fmt: skip
+        "lease_s": 0,
+        "gen": time.time_ns() // 1_000_000,
+    }
+    args = {
+        "cid": campaign.pk,
+        "meta": meta,
+        "leases": live,
+        "ret": redo,
+        "force": force,
+        "backup_min_s": settings.CROWDTRAIN_BACKUP_MIN_S,
+    }
     loaded = bool(hot_state().run("load", campaign.hot_key.hex, args).get("loaded"))
     if loaded:
         now = timezone.now()
         for lease in dropped:
-            writer().lease_finished(Finished(lease.pk, Lease.State.EXPIRED, "superseded when the scheduler restarted", now))
+            writer().lease_finished(
+                Finished(lease.pk, Lease.State.EXPIRED, "superseded when the scheduler restarted", now)
+            )
         logger.info(
             "campaign %s: scheduler state loaded (epoch %s, cursor %s, %s live leases, %s ranges to redo)",
-            campaign_id, epoch, cursor, len(live), len(redo),
-        )  # fmt: skip
+            campaign_id,
+            epoch,
+            cursor,
+            len(live),
+            len(redo),
+        )
         publish_state(campaign_id)
     return loaded
 
@@ -161,8 +181,19 @@ def _record(lease: Lease, spans: list[list[int]]) -> dict[str, object]:
     """A lease row as the scripts keep it (see lua/prelude.lua)."""
     active = lease.state == Lease.State.ACTIVE
     return {
-        "id": lease.pk, "d": lease.device_id, "s": lease.target_step, "n": lease.num_samples, "b": lease.base_version,
-        "r": spans, "st": "active" if active else "accepted", "t0": lease.issued_at.timestamp(),
-        "dl": lease.deadline.timestamp(), "tw": 0, "bk": 0, "loss": lease.loss_sum or 0.0,
-        "cs": lease.compute_s or 0.0, "why": "", "t1": lease.finished_at.timestamp() if lease.finished_at else 0,
-    }  # fmt: skip
+        "id": lease.pk,
+        "d": lease.device_id,
+        "s": lease.target_step,
+        "n": lease.num_samples,
+        "b": lease.base_version,
+        "r": spans,
+        "st": "active" if active else "accepted",
+        "t0": lease.issued_at.timestamp(),
+        "dl": lease.deadline.timestamp(),
+        "tw": 0,
+        "bk": 0,
+        "loss": lease.loss_sum or 0.0,
+        "cs": lease.compute_s or 0.0,
+        "why": "",
+        "t1": lease.finished_at.timestamp() if lease.finished_at else 0,
+    }

@@ -169,9 +169,9 @@ def _write(new: Sequence[Lease], finished: Sequence[Finished], cursors: dict[int
             # Never a lease of a committed step; an accepted one only when a rollback retires it.
             Lease.objects.filter(step__isnull=True).bulk_update(rows, ["state", "reason", "finished_at"])
         for campaign_id, (epoch, cursor) in cursors.items():
-            Campaign.objects.filter(pk=campaign_id).filter(Q(epoch__lt=epoch) | Q(epoch=epoch, cursor__lt=cursor)).update(
-                epoch=epoch, cursor=cursor
-            )
+            Campaign.objects.filter(pk=campaign_id).filter(
+                Q(epoch__lt=epoch) | Q(epoch=epoch, cursor__lt=cursor)
+            ).update(epoch=epoch, cursor=cursor)
 
 
 _writer_lock = threading.Lock()

@@ -8,10 +8,15 @@ validate campaign configs and count parameters.
 from __future__ import annotations
 
 from .exported import export_bytes, load_exported, model_from_flat
-from .registry import REGISTRY, ModelEntry, get_model, max_text_sample_len
-from .registry import ModelConfigError
+from .registry import REGISTRY, ModelConfigError, ModelEntry, get_model, max_text_sample_len
 
 __all__ = [
-    "REGISTRY", "ModelConfigError", "ModelEntry", "export_bytes", "get_model", "load_exported", "max_text_sample_len",
+    "REGISTRY",
+    "ModelConfigError",
+    "ModelEntry",
+    "export_bytes",
+    "get_model",
+    "load_exported",
+    "max_text_sample_len",
     "model_from_flat",
-]  # fmt: skip
+]

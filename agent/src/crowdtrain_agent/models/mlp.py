@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -13,7 +14,7 @@ class MLP(nn.Module):
         super().__init__()
         widths = [in_dim, *hidden]
         layers: list[nn.Module] = []
-        for a, b in zip(widths, widths[1:]):
+        for a, b in pairwise(widths):
             layers += [nn.Linear(a, b), nn.ReLU()]
         layers.append(nn.Linear(widths[-1], classes))
         self.net = nn.Sequential(*layers)

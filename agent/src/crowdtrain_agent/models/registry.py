@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any, Literal
 
 import torch
@@ -114,7 +115,6 @@ class ModelEntry:
 GPT_MAX_BLOCK_SIZE = 8192  # bytes of context
 
 
-
 def _gpt_check(config: dict[str, Any]) -> None:
     if config["n_embd"] % config["n_head"]:
         raise ModelConfigError(
@@ -138,7 +138,7 @@ def _gpt_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
 
 def _mlp_flops(config: dict[str, Any]) -> int:
     widths = [config["in_dim"], *config["hidden"], config["classes"]]
-    return sum(2 * a * b for a, b in zip(widths, widths[1:]))
+    return sum(2 * a * b for a, b in pairwise(widths))
 
 
 def _mlp_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

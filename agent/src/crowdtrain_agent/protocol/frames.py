@@ -54,10 +54,13 @@ def choose_subprotocol(offered: list[str], newest: int = PROTOCOL_MINOR) -> tupl
         client then speaks minor 0, a 2.0 peer) and the minor in use.
     """
     minors = sorted(
-        (int(m) for m in (o.removeprefix(SUBPROTOCOL_PREFIX) for o in offered if o.startswith(SUBPROTOCOL_PREFIX))
-         if m.isdigit() and int(m) <= newest),
+        (
+            int(m)
+            for m in (o.removeprefix(SUBPROTOCOL_PREFIX) for o in offered if o.startswith(SUBPROTOCOL_PREFIX))
+            if m.isdigit() and int(m) <= newest
+        ),
         reverse=True,
-    )  # fmt: skip
+    )
     return (subprotocol(minors[0]), minors[0]) if minors else (None, 0)
 
 
@@ -143,12 +146,16 @@ def decode_chunk(frame: bytes) -> tuple[ChunkHeader, memoryview]:
             close_code=CloseCode.TOO_LARGE,
         )
     if len(frame) < CHUNK_HEADER_BYTES:
-        raise ProtocolError(f"binary frame of {len(frame)} bytes is shorter than the {CHUNK_HEADER_BYTES} byte chunk header")
+        raise ProtocolError(
+            f"binary frame of {len(frame)} bytes is shorter than the {CHUNK_HEADER_BYTES} byte chunk header"
+        )
     magic, index, total, length = _CHUNK_HEADER.unpack_from(frame)
     if magic != _CHUNK_MAGIC:
         raise ProtocolError(f"binary frame starts with {magic!r}, expected {_CHUNK_MAGIC!r}")
     if length != len(frame) - CHUNK_HEADER_BYTES:
-        raise ProtocolError(f"chunk header says {length} payload bytes but the frame carries {len(frame) - CHUNK_HEADER_BYTES}")
+        raise ProtocolError(
+            f"chunk header says {length} payload bytes but the frame carries {len(frame) - CHUNK_HEADER_BYTES}"
+        )
     if total == 0 or index >= total:
         raise ProtocolError(f"chunk index {index} is outside 0..{total - 1}")
     return ChunkHeader(index, total, length), memoryview(frame)[CHUNK_HEADER_BYTES:]
@@ -159,7 +166,9 @@ def split_payload(payload: bytes | memoryview, chunk_bytes: int = CHUNK_PAYLOAD_
     return [header + bytes(part) for header, part in chunk_fragments(payload, chunk_bytes)]
 
 
-def chunk_fragments(payload: bytes | memoryview, chunk_bytes: int = CHUNK_PAYLOAD_BYTES) -> list[tuple[bytes, memoryview]]:
+def chunk_fragments(
+    payload: bytes | memoryview, chunk_bytes: int = CHUNK_PAYLOAD_BYTES
+) -> list[tuple[bytes, memoryview]]:
     """The chunks of ``split_payload`` as (header, payload view) pairs, copying nothing.
 
     Sent as two fragments of one WebSocket message (RFC 6455 section 5.4), a

@@ -59,7 +59,7 @@ class Part(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     advisory: ClassVar[frozenset[str]] = frozenset()
 
 
-class Message(Part, tag_field="kind"):
+class Message(Part, frozen=True, tag_field="kind"):
     """A protocol message; its wire tag is the ``kind`` key."""
 
     @property
@@ -94,8 +94,11 @@ def _choices(cls: type, path: str) -> list[Any] | None:
     kind: Any = msgspec.inspect.type_info(cls)
     for name in re.findall(r"\.(\w+)", path):
         while isinstance(kind, (msgspec.inspect.ListType, msgspec.inspect.UnionType)):
-            kind = kind.item_type if isinstance(kind, msgspec.inspect.ListType) else next(
-                (t for t in kind.types if not isinstance(t, msgspec.inspect.NoneType)), None)
+            kind = (
+                kind.item_type
+                if isinstance(kind, msgspec.inspect.ListType)
+                else next((t for t in kind.types if not isinstance(t, msgspec.inspect.NoneType)), None)
+            )
         if not isinstance(kind, msgspec.inspect.StructType):
             return None
         kind = next((f.type for f in kind.fields if f.encode_name == name), None)
@@ -138,7 +141,7 @@ def strip_unknown(cls: type, data: Any, path: str = "") -> list[str]:
     if not isinstance(data, dict):
         return []
     fields = _fields(cls)
-    tag = getattr(cls.__struct_config__, "tag_field", None)
+    tag = getattr(getattr(cls, "__struct_config__", None), "tag_field", None)
     removed = [f"{path}.{k}" if path else str(k) for k in data if k not in fields and k != tag]
     for key in [k for k in data if k not in fields and k != tag]:
         del data[key]

@@ -27,7 +27,7 @@ from .frames import CloseCode
 from .schema import Count, Id, Part, Real, Version, from_dict, to_dict
 
 
-class Ticket(Part, kw_only=True):
+class Ticket(Part, frozen=True, kw_only=True):
     lease_id: Id
     campaign_id: Id
     device_id: Id
@@ -111,7 +111,11 @@ def sign_receipt(key: bytes, *, campaign_id: int, lease_id: int, slice_index: in
     return _b64(_mac(key, _receipt_payload(campaign_id, lease_id, slice_index, num_samples)))
 
 
-def verify_receipt(token: str, key: bytes, *, campaign_id: int, lease_id: int, slice_index: int, num_samples: int) -> bool:
+def verify_receipt(
+    token: str, key: bytes, *, campaign_id: int, lease_id: int, slice_index: int, num_samples: int
+) -> bool:
     """Whether ``token`` is the receipt an aggregator would sign for that slice."""
-    expected = sign_receipt(key, campaign_id=campaign_id, lease_id=lease_id, slice_index=slice_index, num_samples=num_samples)
+    expected = sign_receipt(
+        key, campaign_id=campaign_id, lease_id=lease_id, slice_index=slice_index, num_samples=num_samples
+    )
     return hmac.compare_digest(token.encode(), expected.encode())

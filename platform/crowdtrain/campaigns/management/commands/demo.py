@@ -82,13 +82,18 @@ class Command(BaseCommand):
 
     def _start(self, swarm: Swarm, console: Console, options: dict[str, Any]) -> tuple[Site, int]:
         spec = {
-            "campaigns": [{
-                "preset": "demo", "max_steps": options["steps"], "target_batch_size": options["batch"],
-                "microbatch_size": DEMO_MICROBATCH, "lr": 3e-3,
-            }],
+            "campaigns": [
+                {
+                    "preset": "demo",
+                    "max_steps": options["steps"],
+                    "target_batch_size": options["batch"],
+                    "microbatch_size": DEMO_MICROBATCH,
+                    "lr": 3e-3,
+                }
+            ],
             "aggregators": ["agg-1"],
             "agents": [f"agent-{i + 1}" for i in range(options["agents"])],
-        }  # fmt: skip
+        }
         spec_path = swarm.run_dir / "spec.json"
         spec_path.write_text(json.dumps(spec))
         with console.status("demo: creating the database and the stdlib dataset ..."):
@@ -102,8 +107,7 @@ class Command(BaseCommand):
         console.print(f"demo: site at {site.url}/  (logs in {swarm.logs})")
         return site, campaign_id
 
-    def _watch(self, swarm: Swarm, site: Site, campaign_id: int, console: Console,
-               options: dict[str, Any]) -> None:  # fmt: skip
+    def _watch(self, swarm: Swarm, site: Site, campaign_id: int, console: Console, options: dict[str, Any]) -> None:
         """Redraw the panel until done (with --exit-when-done) or Ctrl-C; keeps the last progress in self."""
         steps, started = options["steps"], time.monotonic()
         last_change, last_key = started, None

@@ -27,19 +27,26 @@ def _iso(value: Any) -> str | None:
 def dump_campaign(campaign: Campaign) -> dict[str, Any]:
     steps = []
     for step in campaign.steps.order_by("index"):
-        steps.append({
-            "index": step.index,
-            "num_samples": step.num_samples,
-            "loss_sum": step.loss_sum,
-            "committed_at": _iso(step.committed_at),
-            "applied_at": _iso(step.applied_at),
-            "ranges": step_ranges(step),
-            "leases": [
-                {"id": lease.pk, "device": lease.device_id, "base_version": lease.base_version,
-                 "num_samples": lease.num_samples, "ranges": lease.ranges}
-                for lease in step.leases.order_by("id")
-            ],
-        })  # fmt: skip
+        steps.append(
+            {
+                "index": step.index,
+                "num_samples": step.num_samples,
+                "loss_sum": step.loss_sum,
+                "committed_at": _iso(step.committed_at),
+                "applied_at": _iso(step.applied_at),
+                "ranges": step_ranges(step),
+                "leases": [
+                    {
+                        "id": lease.pk,
+                        "device": lease.device_id,
+                        "base_version": lease.base_version,
+                        "num_samples": lease.num_samples,
+                        "ranges": lease.ranges,
+                    }
+                    for lease in step.leases.order_by("id")
+                ],
+            }
+        )
     lease_states = dict(campaign.leases.values_list("state").annotate(n=Count("id")))
     return {
         "id": campaign.pk,
@@ -55,10 +62,16 @@ def dump_campaign(campaign: Campaign) -> dict[str, Any]:
         "dataset": {"kind": campaign.dataset.kind, "sample_len": campaign.dataset.sample_len},
         "media_root": str(settings.MEDIA_ROOT),
         "slices": [
-            {"index": s.index, "start": s.start, "end": s.end, "version": s.version,
-             "params_url": s.aggregator.params_url, "upload_url": s.aggregator.upload_url}
+            {
+                "index": s.index,
+                "start": s.start,
+                "end": s.end,
+                "version": s.version,
+                "params_url": s.aggregator.params_url,
+                "upload_url": s.aggregator.upload_url,
+            }
             for s in campaign.slices.select_related("aggregator").order_by("index")
-        ],  # fmt: skip
+        ],
         "lease_states": lease_states,
         # Leases of steps a rollback undid: each stands for work lost to a failure.
         "rolled_back_leases": campaign.leases.filter(reason__startswith="rolled back").count(),

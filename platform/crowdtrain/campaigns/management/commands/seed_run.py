@@ -59,9 +59,12 @@ def _dataset(spec: dict[str, Any]) -> Dataset:
     if kind == "stdlib":
         corpus = stdlib_corpus(int(spec.get("bytes", 1 << 20)))
         return create_text_dataset(
-            spec.get("name", "python-stdlib"), corpus, int(spec["sample_len"]), shard_bytes,
+            spec.get("name", "python-stdlib"),
+            corpus,
+            int(spec["sample_len"]),
+            shard_bytes,
             validation_fraction=float(spec.get("validation_fraction", 0.0)),
-        )  # fmt: skip
+        )
     raise CommandError(f"dataset kind must be 'npz' or 'stdlib', got {kind!r}")
 
 
@@ -138,8 +141,10 @@ def _bulk_agents(count: int) -> list[str]:
     Profile.objects.bulk_create([Profile(user=user) for user in users], batch_size=BULK_BATCH)
     tokens = [new_token("ctd") for _ in range(count)]
     Device.objects.bulk_create(
-        [Device(owner=user, name=f"sim-{i + 1}", token_hash=hash_token(token))
-         for i, (user, token) in enumerate(zip(users, tokens, strict=True))],
+        [
+            Device(owner=user, name=f"sim-{i + 1}", token_hash=hash_token(token))
+            for i, (user, token) in enumerate(zip(users, tokens, strict=True))
+        ],
         batch_size=BULK_BATCH,
-    )  # fmt: skip
+    )
     return tokens

@@ -1,8 +1,8 @@
 """Unblock a campaign whose slice lost its state: go back to a complete checkpoint, or start over.
 
-    manage.py restore_campaign 7                    # show its state and the complete versions
-    manage.py restore_campaign 7 --to 40              # every slice back to version 40
-    manage.py restore_campaign 7 --from-scratch     # back to the initial weights (version 0)
+manage.py restore_campaign 7                    # show its state and the complete versions
+manage.py restore_campaign 7 --to 40              # every slice back to version 40
+manage.py restore_campaign 7 --from-scratch     # back to the initial weights (version 0)
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("campaign", type=int, help="campaign id")
         choice = parser.add_mutually_exclusive_group()
-        choice.add_argument("--to", type=int, metavar="VERSION",
-                            help="a complete version (listed when run without options)")
+        choice.add_argument(
+            "--to", type=int, metavar="VERSION", help="a complete version (listed when run without options)"
+        )
         choice.add_argument("--from-scratch", action="store_true", help="forget every step; restart at version 0")
 
     def handle(self, *args: Any, **options: Any) -> None:
