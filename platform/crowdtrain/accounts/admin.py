@@ -42,7 +42,15 @@ class ProfileAdmin(admin.ModelAdmin):
 class DeviceAuthorizationAdmin(admin.ModelAdmin):
     """Read-only: codes are approved in the volunteer's browser, never by an admin on their behalf."""
 
-    list_display = ["user_code", "requested_name", "created_at", "expires_at", "approved_by", "denied_at", "consumed_at"]
+    list_display = [
+        "user_code",
+        "requested_name",
+        "created_at",
+        "expires_at",
+        "approved_by",
+        "denied_at",
+        "consumed_at",
+    ]
     list_filter = ["denied_at", "consumed_at"]
     search_fields = ["user_code", "requested_name", "approved_by__email"]
 

@@ -98,23 +98,27 @@ def device_code(request: HttpRequest) -> JsonResponse:
         return params
     if throttle.hit(f"device-code.{throttle.client_ip(request)}", settings.CROWDTRAIN_DEVICE_CODES_PER_IP):
         return _oauth_error(
-            "slow_down", "too many login codes asked for from this address; try again in 10 minutes",
-            status=429, Retry_After=str(throttle.WINDOW_S),
-        )  # fmt: skip
+            "slow_down",
+            "too many login codes asked for from this address; try again in 10 minutes",
+            status=429,
+            Retry_After=str(throttle.WINDOW_S),
+        )
     try:
         authorization, code = device_grant.start(params.get("name"), params.get("hardware"))
     except ValueError as exc:
         return _oauth_error("invalid_request", str(exc))
     user_code = device_grant.format_user_code(authorization.user_code)
     verification_uri = request.build_absolute_uri(reverse("device-verify"))
-    return _ok({
-        "device_code": code,
-        "user_code": user_code,
-        "verification_uri": verification_uri,
-        "verification_uri_complete": f"{verification_uri}?{urlencode({'user_code': user_code})}",
-        "expires_in": settings.CROWDTRAIN_DEVICE_CODE_TTL_S,
-        "interval": authorization.interval,
-    })  # fmt: skip
+    return _ok(
+        {
+            "device_code": code,
+            "user_code": user_code,
+            "verification_uri": verification_uri,
+            "verification_uri_complete": f"{verification_uri}?{urlencode({'user_code': user_code})}",
+            "expires_in": settings.CROWDTRAIN_DEVICE_CODE_TTL_S,
+            "interval": authorization.interval,
+        }
+    )
 
 
 @csrf_exempt
@@ -136,13 +140,15 @@ def device_token(request: HttpRequest) -> JsonResponse:
         device, token = device_grant.redeem(code)
     except device_grant.GrantError as exc:
         return _oauth_error(exc.error, exc.description)
-    return _ok({
-        "access_token": token,
-        "token_type": "Bearer",
-        "device_id": device.pk,
-        "device_name": device.name,
-        "user": account_name(device.owner),
-    })  # fmt: skip
+    return _ok(
+        {
+            "access_token": token,
+            "token_type": "Bearer",
+            "device_id": device.pk,
+            "device_name": device.name,
+            "user": account_name(device.owner),
+        }
+    )
 
 
 def _agent(request: HttpRequest) -> Device | None:
@@ -162,12 +168,14 @@ def me(request: HttpRequest) -> JsonResponse:
     device = _agent(request)
     if device is None:
         return _unauthorized()
-    return _ok({
-        "device_id": device.pk,
-        "device_name": device.name,
-        "user": account_name(device.owner),
-        "server": request.build_absolute_uri("/").rstrip("/"),
-    })  # fmt: skip
+    return _ok(
+        {
+            "device_id": device.pk,
+            "device_name": device.name,
+            "user": account_name(device.owner),
+            "server": request.build_absolute_uri("/").rstrip("/"),
+        }
+    )
 
 
 @csrf_exempt

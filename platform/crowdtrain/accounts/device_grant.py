@@ -159,7 +159,8 @@ def redeem(device_code: str, now: datetime | None = None) -> tuple[Device, str]:
         raise GrantError("expired_token", "the code expired before anyone approved it")
     if authorization.denied_at is not None:
         raise GrantError("access_denied", "the volunteer denied this device")
-    if authorization.approved_by_id is None:
+    approver = authorization.approved_by  # no query while nobody has approved
+    if approver is None:
         too_fast = (
             authorization.last_polled_at is not None
             and (now - authorization.last_polled_at).total_seconds() < authorization.interval
@@ -172,7 +173,7 @@ def redeem(device_code: str, now: datetime | None = None) -> tuple[Device, str]:
             raise GrantError("slow_down", f"polled too fast; wait {authorization.interval} s between requests")
         raise GrantError("authorization_pending", "waiting for a volunteer to approve the code")
 
-    if not authorization.approved_by.is_active:
+    if not approver.is_active:
         raise GrantError("access_denied", "the account that approved this device has been deactivated")
     with transaction.atomic():
         # Two polls may find the same approval at once: only the one that marks it spent issues a token.
@@ -181,9 +182,7 @@ def redeem(device_code: str, now: datetime | None = None) -> tuple[Device, str]:
         )
         if not claimed:
             raise GrantError("invalid_grant", "this device code was already used")
-        device, token = Device.issue(
-            authorization.approved_by, authorization.approved_name or authorization.requested_name
-        )
+        device, token = Device.issue(approver, authorization.approved_name or authorization.requested_name)
         device.hardware = authorization.hardware
         device.save(update_fields=["hardware"])
         DeviceAuthorization.objects.filter(pk=authorization.pk).update(device=device)
@@ -223,9 +222,12 @@ def find_pending(raw_user_code: str, now: datetime | None = None) -> DeviceAutho
 
 def _undecided(authorization: DeviceAuthorization, now: datetime) -> QuerySet[DeviceAuthorization]:
     return DeviceAuthorization.objects.filter(
-        pk=authorization.pk, approved_by__isnull=True, denied_at__isnull=True, consumed_at__isnull=True,
+        pk=authorization.pk,
+        approved_by__isnull=True,
+        denied_at__isnull=True,
+        consumed_at__isnull=True,
         expires_at__gt=now,
-    )  # fmt: skip
+    )
 
 
 def approve(authorization: DeviceAuthorization, user: AbstractBaseUser, name: str) -> bool:

@@ -13,6 +13,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from . import device_grant, devices, throttle
 from .models import Device, DeviceAuthorization
+from .users import signed_in_user
 
 
 def _failures_key(request: HttpRequest) -> str:
@@ -80,7 +81,7 @@ def confirm(request: HttpRequest) -> HttpResponse:
             name = devices.clean_device_name(request.POST.get("name"))
         except ValueError as exc:
             return _confirm_page(request, found, request.POST.get("name", "")[:200], str(exc))
-        decided = device_grant.approve(found, request.user, name)
+        decided = device_grant.approve(found, signed_in_user(request), name)
     if not decided:  # decided or expired between the page and the click
         return _verify_form(request, "", "That code was used or expired meanwhile. Run crowdtrain-agent login again.")
     return render(request, "devices/decided.html", {"approved": decision == "approve", "name": name})
@@ -96,11 +97,9 @@ class DeviceRow:
 @login_required
 @require_GET
 def device_list(request: HttpRequest) -> HttpResponse:
-    owned = list(Device.objects.filter(owner=request.user).order_by("revoked_at", "-created_at"))
+    owned = list(Device.objects.filter(owner=signed_in_user(request)).order_by("revoked_at", "-created_at"))
     online = devices.online_ids(owned)
-    rows = [
-        DeviceRow(device=d, online=d.pk in online, hardware=devices.hardware_summary(d.hardware)) for d in owned
-    ]
+    rows = [DeviceRow(device=d, online=d.pk in online, hardware=devices.hardware_summary(d.hardware)) for d in owned]
     return render(request, "devices/list.html", {"rows": rows, "max_name": devices.MAX_NAME})
 
 
@@ -128,9 +127,7 @@ def rename(request: HttpRequest, device_id: int) -> HttpResponse:
 def revoke(request: HttpRequest, device_id: int) -> HttpResponse:
     device = _own_device(request, device_id)
     if devices.revoke(device, "revoked by its owner on the devices page"):
-        messages.success(
-            request, f"Revoked {device.name}: its agent was disconnected and its token no longer works."
-        )
+        messages.success(request, f"Revoked {device.name}: its agent was disconnected and its token no longer works.")
     else:
         messages.info(request, f"{device.name} was already revoked.")
     return redirect("devices")

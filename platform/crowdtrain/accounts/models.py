@@ -88,9 +88,7 @@ class DeviceAuthorization(models.Model):
     approved_name = models.CharField(max_length=100, blank=True)
     denied_at = models.DateTimeField(null=True, blank=True)
     consumed_at = models.DateTimeField(null=True, blank=True)
-    device = models.ForeignKey(
-        Device, null=True, blank=True, on_delete=models.SET_NULL, related_name="authorizations"
-    )
+    device = models.ForeignKey(Device, null=True, blank=True, on_delete=models.SET_NULL, related_name="authorizations")
 
     class Meta:
         ordering = ["-created_at"]
@@ -161,7 +159,8 @@ class Team(models.Model):
         ordering = ["name"]
         constraints = [
             models.UniqueConstraint(
-                Lower("name"), name="accounts_team_name_unique_ci",
+                Lower("name"),
+                name="accounts_team_name_unique_ci",
                 violation_error_message="A team with this name already exists; choose another name.",
             ),
         ]

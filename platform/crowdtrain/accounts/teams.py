@@ -33,7 +33,7 @@ def create_team(creator: Any, name: str, description: str = "") -> Team:
         AlreadyInTeam: the creator belongs to a team; creating would silently move them.
     """
     profile = Profile.objects.select_for_update().get(pk=Profile.of(creator).pk)
-    if profile.team_id is not None:
+    if profile.team is not None:  # no query when team_id is None
         raise AlreadyInTeam(profile.team)
     team = Team.objects.create(name=name, description=description, created_by=creator)
     profile.team = team
@@ -52,7 +52,7 @@ def join_team(user: Any, team: Team, *, leave_current: bool = False) -> bool:
     profile = Profile.objects.select_for_update().get(pk=Profile.of(user).pk)
     if profile.team_id == team.pk:
         return False
-    if profile.team_id is not None and not leave_current:
+    if not leave_current and profile.team is not None:
         raise AlreadyInTeam(profile.team)
     profile.team = team
     profile.save(update_fields=["team"])

@@ -27,7 +27,16 @@ class ShardInline(admin.TabularInline):
 
 @admin.register(Dataset)
 class DatasetAdmin(admin.ModelAdmin):
-    list_display = ["name", "owner", "kind", "status", "num_samples", "num_validation_samples", "size_bytes", "created_at"]
+    list_display = [
+        "name",
+        "owner",
+        "kind",
+        "status",
+        "num_samples",
+        "num_validation_samples",
+        "size_bytes",
+        "created_at",
+    ]
     list_filter = ["status", "kind"]
     readonly_fields = ["status", "progress", "error", "source_sha256"]
     inlines = [ShardInline]
@@ -54,21 +63,35 @@ class CampaignAdminForm(forms.ModelForm):
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
+        assert data is not None  # BaseModelForm.clean returns cleaned_data
         for name, setting in SETTINGS.items():
             if name in data and name not in self.errors:
                 try:
                     data[name] = setting.spec.check(data[name], setting.describe(), field=name)
                 except ConfigError as exc:
                     self.add_error(name, str(exc))
-        needed = ("dataset", "architecture", "model_config", "optimizer", "target_batch_size", "microbatch_size",
-                  "codec", "num_aggregators")  # fmt: skip
+        needed = (
+            "dataset",
+            "architecture",
+            "model_config",
+            "optimizer",
+            "target_batch_size",
+            "microbatch_size",
+            "codec",
+            "num_aggregators",
+        )
         if self.errors or any(name not in data for name in needed):
             return data
         try:
             config, optimizer, count = validate_campaign(
-                dataset=data["dataset"], architecture=data["architecture"], model_config=data["model_config"],
-                optimizer=data["optimizer"], target_batch_size=data["target_batch_size"],
-                microbatch_size=data["microbatch_size"], codec=data["codec"], max_steps=data.get("max_steps"),
+                dataset=data["dataset"],
+                architecture=data["architecture"],
+                model_config=data["model_config"],
+                optimizer=data["optimizer"],
+                target_batch_size=data["target_batch_size"],
+                microbatch_size=data["microbatch_size"],
+                codec=data["codec"],
+                max_steps=data.get("max_steps"),
                 num_aggregators=data["num_aggregators"],
             )
         except CampaignConfigError as exc:
@@ -145,4 +168,3 @@ class UploadAdmin(admin.ModelAdmin):
     list_display = ["filename", "owner", "format", "size", "received", "state", "dataset", "created_at"]
     list_filter = ["state", "format"]
     readonly_fields = ["owner", "filename", "size", "sha256", "received", "state", "dataset"]
-

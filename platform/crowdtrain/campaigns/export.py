@@ -80,7 +80,9 @@ def export_config(campaign: Campaign, result: ValidationResult) -> dict[str, Any
         "val_loss": result.loss,
         "val_samples": result.num_samples,
         "dataset": {
-            "name": campaign.dataset.name, "kind": campaign.dataset.kind, "sample_len": campaign.dataset.sample_len,
+            "name": campaign.dataset.name,
+            "kind": campaign.dataset.kind,
+            "sample_len": campaign.dataset.sample_len,
         },
         "optimizer": campaign.optimizer,
         "seed": campaign.seed,
@@ -121,15 +123,17 @@ def _requested_export(request: HttpRequest, campaign_id: int) -> tuple[Campaign,
 
 @login_required
 @require_GET
-def campaign_export(request: HttpRequest, campaign_id: int) -> HttpResponse:
+def campaign_export(request: HttpRequest, campaign_id: int) -> FileResponse | JsonResponse:
     campaign, result = _requested_export(request, campaign_id)
     if isinstance(result, JsonResponse):
         return result
     # Streamed from storage (local or S3): a big model never sits in the site's memory.
     response = FileResponse(
-        default_storage.open(result.weights, "rb"), as_attachment=True,
-        filename="model.safetensors", content_type="application/octet-stream",  # the name the page snippet loads
-    )  # fmt: skip
+        default_storage.open(result.weights, "rb"),
+        as_attachment=True,
+        filename="model.safetensors",
+        content_type="application/octet-stream",  # the name the page snippet loads
+    )
     response["ETag"] = f'"c{campaign.pk}-v{result.version}-{result.computed_at.timestamp():.0f}"'
     return response
 

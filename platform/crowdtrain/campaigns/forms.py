@@ -10,7 +10,7 @@ field it belongs to.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from django import forms
 from django.core.exceptions import ImproperlyConfigured
@@ -21,9 +21,15 @@ from crowdtrain.accounts.models import new_invite_code
 from crowdtrain_agent.fields import ConfigError, ConfigField
 from crowdtrain_agent.models import REGISTRY, ModelConfigError
 from crowdtrain_agent.optimizers import (
-    DEFAULT_OPTIMIZER, HYPERPARAMETERS, OPTIMIZERS, SCHEDULE, OptimizerConfigError, setting_name, stored_value,
+    DEFAULT_OPTIMIZER,
+    HYPERPARAMETERS,
+    OPTIMIZERS,
+    SCHEDULE,
+    OptimizerConfigError,
+    setting_name,
+    stored_value,
     wire_fields,
-)  # fmt: skip
+)
 
 from .lifecycle import LOCK_REASON, config_locked
 from .models import Campaign, Dataset
@@ -34,6 +40,7 @@ from .setup import CampaignConfigError, config_field_name, validate_campaign
 ABOUT_FIELDS = ("name", "description", "visibility")
 # The schedule fields an organizer sets; total_steps follows max steps (``validate_optimizer``).
 SCHEDULE_FIELDS = ("warmup_steps", "schedule", "min_lr_ratio")
+_F = TypeVar("_F", bound=forms.Field)
 
 __all__ = ["CampaignForm", "OrganizerRequestForm", "config_field_name", "datasets_for"]
 
@@ -55,8 +62,15 @@ def _messages(label: str, **extra: str) -> dict[str, str]:
     }
 
 
-def spec_field(spec: ConfigField, label: str, *, required: bool, attrs: dict[str, str] | None = None,
-               initial: Any = None, named: str = "") -> forms.Field:  # fmt: skip
+def spec_field(
+    spec: ConfigField,
+    label: str,
+    *,
+    required: bool,
+    attrs: dict[str, str] | None = None,
+    initial: Any = None,
+    named: str = "",
+) -> forms.Field:
     """The form field for a registry or settings-table spec.
 
     Bounds are not Django validators: ``clean`` checks them with the spec
@@ -75,14 +89,19 @@ def spec_field(spec: ConfigField, label: str, *, required: bool, attrs: dict[str
         return forms.BooleanField(initial=initial, widget=forms.CheckboxInput(attrs=attrs), **common)
     if spec.kind == "choice":
         return forms.ChoiceField(
-            choices=[(c, c) for c in spec.choices], initial=initial, error_messages=_messages(named),
-            widget=forms.Select(attrs=attrs), **common,
-        )  # fmt: skip
+            choices=[(c, c) for c in spec.choices],
+            initial=initial,
+            error_messages=_messages(named),
+            widget=forms.Select(attrs=attrs),
+            **common,
+        )
     if spec.kind == "int_list":
         return forms.CharField(
-            initial=", ".join(str(v) for v in initial or ()), error_messages=_messages(named),
-            widget=forms.TextInput(attrs=attrs), **{**common, "help_text": f"{help_text}; comma-separated"},
-        )  # fmt: skip
+            initial=", ".join(str(v) for v in initial or ()),
+            error_messages=_messages(named),
+            widget=forms.TextInput(attrs=attrs),
+            **{**common, "help_text": f"{help_text}; comma-separated"},
+        )
     integer = spec.kind == "int"
     attrs.update(step="1" if integer else "any", min=_attr(spec.minimum), max=_attr(spec.maximum))
     field_class = forms.IntegerField if integer else forms.FloatField
@@ -105,15 +124,20 @@ class DatasetChoiceField(forms.ModelChoiceField):
 class CampaignForm(forms.Form):
     name = forms.CharField(max_length=200, error_messages=_messages("Name"))
     description = forms.CharField(
-        required=False, max_length=5000, widget=forms.Textarea(attrs={"rows": 4}),
+        required=False,
+        max_length=5000,
+        widget=forms.Textarea(attrs={"rows": 4}),
         help_text="What the model is for; volunteers see it on the join page.",
     )
     visibility = forms.ChoiceField(
-        choices=Campaign.Visibility.choices, initial=Campaign.Visibility.PUBLIC, widget=forms.RadioSelect,
+        choices=Campaign.Visibility.choices,
+        initial=Campaign.Visibility.PUBLIC,
+        widget=forms.RadioSelect,
         error_messages=_messages("Visibility"),
     )
     dataset = DatasetChoiceField(
-        queryset=Dataset.objects.none(), error_messages=_messages("Dataset"),
+        queryset=Dataset.objects.none(),
+        error_messages=_messages("Dataset"),
         help_text="One of your datasets that has finished splitting into shards.",
     )
     architecture = forms.ChoiceField(choices=[], error_messages=_messages("Architecture"))
@@ -134,15 +158,23 @@ class CampaignForm(forms.Form):
         datasets = datasets_for(user)
         if instance is not None:  # keep the current dataset selectable even if it is not the user's own
             datasets = datasets | Dataset.objects.filter(pk=instance.dataset_id)
-        self.fields["dataset"].queryset = datasets
-        self.fields["architecture"].choices = [(name, f"{name}: {e.description}") for name, e in REGISTRY.items()]
-        self.fields["optimizer"].choices = [(name, entry.label) for name, entry in OPTIMIZERS.items()]
+        self._declared("dataset", DatasetChoiceField).queryset = datasets
+        architectures = [(name, f"{name}: {e.description}") for name, e in REGISTRY.items()]
+        self._declared("architecture", forms.ChoiceField).choices = architectures
+        self._declared("optimizer", forms.ChoiceField).choices = [(name, e.label) for name, e in OPTIMIZERS.items()]
         self._add_registry_fields()
-        self.order_fields([
-            *ABOUT_FIELDS, "dataset", "architecture",
-            *(config_field_name(a, f) for a, e in REGISTRY.items() for f in e.fields),
-            "optimizer", *HYPERPARAMETERS, *SCHEDULE_FIELDS, *SETTINGS,
-        ])  # fmt: skip
+        self.order_fields(
+            [
+                *ABOUT_FIELDS,
+                "dataset",
+                "architecture",
+                *(config_field_name(a, f) for a, e in REGISTRY.items() for f in e.fields),
+                "optimizer",
+                *HYPERPARAMETERS,
+                *SCHEDULE_FIELDS,
+                *SETTINGS,
+            ]
+        )
         if self.locked:
             for name, field in self.fields.items():
                 if self._is_locked(name):
@@ -151,12 +183,21 @@ class CampaignForm(forms.Form):
             if total:  # the aggregators hold the schedule: its length stays what it was at the start
                 self.fields["max_steps"].help_text += f"; the learning-rate schedule still ends at step {total}"
 
+    def _declared(self, name: str, kind: type[_F]) -> _F:
+        """This form's copy of a field declared on the class, typed as declared."""
+        field = self.fields[name]
+        assert isinstance(field, kind), f"{name} is declared as a {kind.__name__}"
+        return field
+
     def _add_registry_fields(self) -> None:
         taken = set(self.fields) | set(SETTINGS)
         for architecture, entry in REGISTRY.items():
             for name, spec in entry.fields.items():
                 self.fields[config_field_name(architecture, name)] = spec_field(
-                    spec, name, required=False, attrs={"data-architecture": architecture},
+                    spec,
+                    name,
+                    required=False,
+                    attrs={"data-architecture": architecture},
                     named=f"{architecture}.{name}",
                 )
         carried = wire_fields()
@@ -226,6 +267,7 @@ class CampaignForm(forms.Form):
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
+        assert data is not None  # Form.clean returns cleaned_data
         self._drop_unused_errors(data)
         if self.instance is not None and self.instance.state != Campaign.State.DRAFT:
             self._clean_started(data)
@@ -244,11 +286,11 @@ class CampaignForm(forms.Form):
         # Hidden fields of another architecture or optimizer are not read, so their values cannot be wrong.
         architecture = data.get("architecture") or self.data.get("architecture")
         chosen = OPTIMIZERS.get(data.get("optimizer") or "")
-        for key in list(self._errors):
+        for key in list(self.errors):  # the ErrorDict full_clean is filling (no second clean)
             other_arch = "__" in key and not key.startswith(f"{architecture}__")
             unused_hyper = key in HYPERPARAMETERS and chosen is not None and key not in chosen.hyperparameters
             if other_arch or unused_hyper:
-                del self._errors[key]
+                del self.errors[key]
 
     def _clean_started(self, data: dict[str, Any]) -> None:
         done = self.instance.committed_steps if self.instance else 0
@@ -322,9 +364,14 @@ class CampaignForm(forms.Form):
     def _clean_together(self, data: dict[str, Any]) -> None:
         try:
             config, optimizer, count = validate_campaign(
-                dataset=data["dataset"], architecture=data["architecture"], model_config=self.model_config,
-                optimizer=self.optimizer_config, target_batch_size=data["target_batch_size"],
-                microbatch_size=data["microbatch_size"], codec=data["codec"], max_steps=data.get("max_steps"),
+                dataset=data["dataset"],
+                architecture=data["architecture"],
+                model_config=self.model_config,
+                optimizer=self.optimizer_config,
+                target_batch_size=data["target_batch_size"],
+                microbatch_size=data["microbatch_size"],
+                codec=data["codec"],
+                max_steps=data.get("max_steps"),
                 num_aggregators=data["num_aggregators"],
             )
         except CampaignConfigError as exc:
@@ -358,9 +405,12 @@ class CampaignForm(forms.Form):
 
 class OrganizerRequestForm(forms.Form):
     reason = forms.CharField(
-        max_length=2000, widget=forms.Textarea(attrs={"rows": 4}),
+        max_length=2000,
+        widget=forms.Textarea(attrs={"rows": 4}),
         label="What do you want to train?",
         help_text="A sentence or two for the admins: the model, the data, who you are.",
-        error_messages={"required": "Say what you want to train, so an admin can decide.",
-                        "max_length": "Keep the reason under %(limit_value)d characters."},  # fmt: skip
+        error_messages={
+            "required": "Say what you want to train, so an admin can decide.",
+            "max_length": "Keep the reason under %(limit_value)d characters.",
+        },
     )

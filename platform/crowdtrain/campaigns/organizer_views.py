@@ -21,6 +21,7 @@ from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from crowdtrain.accounts.models import new_invite_code
+from crowdtrain.accounts.users import signed_in_user
 from crowdtrain.gateway.outbox import send_outbox
 from crowdtrain.scheduler.backbone import complete_versions, restore_campaign
 
@@ -101,7 +102,8 @@ def campaign_detail(request: HttpRequest, campaign_id: int) -> HttpResponse:
         "slices": slices,
         "invite_url": (
             request.build_absolute_uri(reverse("campaign-invite", args=[campaign.invite_code]))
-            if campaign.visibility == Campaign.Visibility.INVITE and campaign.invite_code else None
+            if campaign.visibility == Campaign.Visibility.INVITE and campaign.invite_code
+            else None
         ),
         "invited_count": campaign.invited.count(),
         "export": export_context(campaign),
@@ -122,7 +124,9 @@ def campaign_restore(request: HttpRequest, campaign_id: int) -> HttpResponse:
         messages.error(request, f"Nothing changed: {exc}." if str(exc) else "Nothing changed: choose a version.")
     else:
         async_to_sync(send_outbox)(outbox)
-        messages.success(request, f"Campaign “{campaign.name}” restored to version {version}; its aggregators reload it.")
+        messages.success(
+            request, f"Campaign “{campaign.name}” restored to version {version}; its aggregators reload it."
+        )
     return redirect("campaign-detail", campaign_id=campaign.pk)
 
 
@@ -159,18 +163,21 @@ def campaign_rotate_invite(request: HttpRequest, campaign_id: int) -> HttpRespon
 @require_http_methods(["GET", "POST"])
 def campaign_invite(request: HttpRequest, code: str) -> HttpResponse:
     # GET only shows the campaign; the button POSTs, so link previews cannot accept for anyone.
-    campaign = Campaign.objects.filter(
-        invite_code=code, visibility=Campaign.Visibility.INVITE
-    ).exclude(invite_code="").exclude(state=Campaign.State.ARCHIVED).first()
+    campaign = (
+        Campaign.objects.filter(invite_code=code, visibility=Campaign.Visibility.INVITE)
+        .exclude(invite_code="")
+        .exclude(state=Campaign.State.ARCHIVED)
+        .first()
+    )
     if not code or campaign is None:
         return render(request, "campaigns/invite_invalid.html", status=404)
-    already = campaign.invited.filter(pk=request.user.pk).exists()
+    user = signed_in_user(request)
+    already = campaign.invited.filter(pk=user.pk).exists()
     if request.method == "POST":
-        campaign.invited.add(request.user)
+        campaign.invited.add(user)
         if campaign.state == Campaign.State.DRAFT:  # the join page opens when the campaign starts
             messages.success(request, f"You are invited to “{campaign.name}”. It has not started yet; come back soon.")
             return redirect("index")
         messages.success(request, f"You are invited to “{campaign.name}”. Start an agent for it below.")
         return redirect("campaign-join", campaign_id=campaign.pk)
     return render(request, "campaigns/invite.html", {"campaign": campaign, "already": already})
-

@@ -13,6 +13,8 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from crowdtrain.accounts.users import signed_in_user
+
 from .forms import OrganizerRequestForm
 from .models import OrganizerRequest
 from .organizers import RoleRequestError, decide, is_organizer, pending_request, request_role
@@ -33,20 +35,21 @@ def staff_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpRespo
 @login_required
 @require_http_methods(["GET", "POST"])
 def organizer_request(request: HttpRequest) -> HttpResponse:
-    if is_organizer(request.user):
+    user = signed_in_user(request)
+    if is_organizer(user):
         messages.info(request, "You already have the organizer role.")
         return redirect("campaign-list")
     form = OrganizerRequestForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
         try:
-            request_role(request.user, form.cleaned_data["reason"])
+            request_role(user, form.cleaned_data["reason"])
         except RoleRequestError as exc:
             form.add_error("reason", f"{str(exc)[0].upper()}{str(exc)[1:]}.")
         else:
             messages.success(request, "Request sent. An admin will grant or refuse it; this page shows the answer.")
             return redirect("organizer-request")
-    decided = OrganizerRequest.objects.filter(user=request.user).exclude(decision=OrganizerRequest.Decision.PENDING)
-    context = {"form": form, "pending": pending_request(request.user), "last_decided": decided.first()}
+    decided = OrganizerRequest.objects.filter(user=user).exclude(decision=OrganizerRequest.Decision.PENDING)
+    context = {"form": form, "pending": pending_request(user), "last_decided": decided.first()}
     return render(request, "campaigns/organizer_request.html", context)
 
 
@@ -56,7 +59,8 @@ def organizer_requests(request: HttpRequest) -> HttpResponse:
     pending = OrganizerRequest.objects.filter(decision=OrganizerRequest.Decision.PENDING).select_related("user")
     recent = (
         OrganizerRequest.objects.exclude(decision=OrganizerRequest.Decision.PENDING)
-        .select_related("user", "decided_by").order_by("-decided_at")[:20]
+        .select_related("user", "decided_by")
+        .order_by("-decided_at")[:20]
     )
     context = {"pending": pending.order_by("created"), "recent": recent}
     return render(request, "campaigns/organizer_requests.html", context)

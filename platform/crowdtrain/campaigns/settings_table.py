@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from django.db import models
+
 from crowdtrain_agent.codec import CODECS
 from crowdtrain_agent.fields import ConfigError, ConfigField
 
@@ -63,7 +65,9 @@ class Setting:
     @property
     def default(self) -> Any:
         """The model field's default: the column's, so the form and ``create_campaign`` agree on it."""
-        return Campaign._meta.get_field(self.name).get_default()
+        field = Campaign._meta.get_field(self.name)
+        assert isinstance(field, models.Field)  # a column of its own, not the far side of a relation
+        return field.get_default()
 
     def describe(self) -> str:
         """How messages name it: the label a person reads, the key a JSON spec uses."""
@@ -74,32 +78,83 @@ def _int(default_label: str, minimum: int, maximum: int, help: str, **options: A
     return ConfigField("int", None, minimum, maximum, help, default_label, **options)
 
 
-SETTINGS: dict[str, Setting] = {s.name: s for s in [
-    Setting("target_batch_size", "batch", _int("Target batch size", 1, MAX_BATCH, "samples in one global step")),
-    Setting("microbatch_size", "batch", _int("Microbatch size", 1, MAX_BATCH, "samples an agent computes at once")),
-    Setting("codec", "batch", ConfigField(
-        "choice", help="how agents encode gradients on the wire", label="Gradient codec", choices=tuple(CODECS),
-    ), to_aggregator=True),
-    Setting("max_steps", "stop", _int("Max steps", 1, 1 << 30, "finish after this many steps", optional=True),
-            locks=False),
-    Setting("target_val_loss", "stop", ConfigField(
-        "float", None, 0.0, 1e30, "finish once the held-out loss is at most this", "Target validation loss",
-        open_minimum=True, optional=True,
-    ), locks=False),
-    Setting("validate_every", "stop", _int(
-        "Validate every", 0, 1 << 20, "steps between held-out losses (and exportable versions); 0 = only at the finish"
-    ), locks=False),
-    Setting("seed", "advanced", _int("Seed", 0, 2**62, "initial weights are the same on every machine"),
-            to_aggregator=True),
-    Setting("num_aggregators", "advanced", _int("Aggregators", 1, 64, "slices the parameters are split into")),
-    Setting("staleness", "advanced", _int("Staleness", 0, 4, "0 = fully synchronous"), to_aggregator=True),
-    Setting("checkpoint_every", "advanced", _int("Checkpoint every", 1, 1 << 20, "steps between checkpoints"),
-            to_aggregator=True),
-    Setting("max_grad_norm", "advanced", ConfigField(
-        "float", None, 0.0, 1e30, "uploads whose gradient norm per sample is above this are refused; 0 disables",
-        "Max gradient norm",
-    ), to_aggregator=True),
-]}  # fmt: skip
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in [
+        Setting("target_batch_size", "batch", _int("Target batch size", 1, MAX_BATCH, "samples in one global step")),
+        Setting("microbatch_size", "batch", _int("Microbatch size", 1, MAX_BATCH, "samples an agent computes at once")),
+        Setting(
+            "codec",
+            "batch",
+            ConfigField(
+                "choice",
+                help="how agents encode gradients on the wire",
+                label="Gradient codec",
+                choices=tuple(CODECS),
+            ),
+            to_aggregator=True,
+        ),
+        Setting(
+            "max_steps",
+            "stop",
+            _int("Max steps", 1, 1 << 30, "finish after this many steps", optional=True),
+            locks=False,
+        ),
+        Setting(
+            "target_val_loss",
+            "stop",
+            ConfigField(
+                "float",
+                None,
+                0.0,
+                1e30,
+                "finish once the held-out loss is at most this",
+                "Target validation loss",
+                open_minimum=True,
+                optional=True,
+            ),
+            locks=False,
+        ),
+        Setting(
+            "validate_every",
+            "stop",
+            _int(
+                "Validate every",
+                0,
+                1 << 20,
+                "steps between held-out losses (and exportable versions); 0 = only at the finish",
+            ),
+            locks=False,
+        ),
+        Setting(
+            "seed",
+            "advanced",
+            _int("Seed", 0, 2**62, "initial weights are the same on every machine"),
+            to_aggregator=True,
+        ),
+        Setting("num_aggregators", "advanced", _int("Aggregators", 1, 64, "slices the parameters are split into")),
+        Setting("staleness", "advanced", _int("Staleness", 0, 4, "0 = fully synchronous"), to_aggregator=True),
+        Setting(
+            "checkpoint_every",
+            "advanced",
+            _int("Checkpoint every", 1, 1 << 20, "steps between checkpoints"),
+            to_aggregator=True,
+        ),
+        Setting(
+            "max_grad_norm",
+            "advanced",
+            ConfigField(
+                "float",
+                None,
+                0.0,
+                1e30,
+                "uploads whose gradient norm per sample is above this are refused; 0 disables",
+                "Max gradient norm",
+            ),
+            to_aggregator=True,
+        ),
+    ]
+}
 
 # What agents and aggregators built the model from, besides the plain settings that lock.
 LOCKED_CONFIG = ("dataset", "architecture", "model_config", "optimizer")

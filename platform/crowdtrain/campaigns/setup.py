@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from django.db import models
+from typing import TYPE_CHECKING, Any
 
 from crowdtrain_agent.codec import CODECS
 from crowdtrain_agent.models import ModelConfigError, get_model
@@ -14,6 +12,9 @@ from crowdtrain_agent.protocol.schema import from_dict, to_dict
 
 from .models import Campaign, Dataset
 from .settings_table import check_settings
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import User
 
 
 class CampaignConfigError(ValueError):
@@ -35,8 +36,16 @@ def config_field_name(architecture: str, field: str) -> str:
 
 
 def validate_campaign(
-    *, dataset: Dataset, architecture: str, model_config: dict[str, Any], optimizer: dict[str, Any],
-    target_batch_size: int, microbatch_size: int, codec: str, max_steps: int | None = None, num_aggregators: int = 1,
+    *,
+    dataset: Dataset,
+    architecture: str,
+    model_config: dict[str, Any],
+    optimizer: dict[str, Any],
+    target_batch_size: int,
+    microbatch_size: int,
+    codec: str,
+    max_steps: int | None = None,
+    num_aggregators: int = 1,
 ) -> tuple[dict[str, Any], dict[str, Any], int]:
     """Check a campaign's settings against the registries and its dataset.
 
@@ -132,10 +141,19 @@ def validate_optimizer(
         ) from None
 
 
-def create_campaign(*, name: str, owner: models.Model, dataset: Dataset, architecture: str,
-                    model_config: dict[str, Any], optimizer: dict[str, Any] | None = None,
-                    target_batch_size: int = 256, microbatch_size: int = 16, codec: str = "fp32",
-                    **fields: Any) -> Campaign:
+def create_campaign(
+    *,
+    name: str,
+    owner: User,
+    dataset: Dataset,
+    architecture: str,
+    model_config: dict[str, Any],
+    optimizer: dict[str, Any] | None = None,
+    target_batch_size: int = 256,
+    microbatch_size: int = 16,
+    codec: str = "fp32",
+    **fields: Any,
+) -> Campaign:
     """Validate and save a draft campaign, with the bounds the campaign form enforces.
 
     Raises:
@@ -146,11 +164,23 @@ def create_campaign(*, name: str, owner: models.Model, dataset: Dataset, archite
         error=CampaignConfigError,
     )
     config, opt, count = validate_campaign(
-        dataset=dataset, architecture=architecture, model_config=model_config, optimizer=optimizer or {},
-        target_batch_size=target_batch_size, microbatch_size=microbatch_size, codec=codec,
-        max_steps=settings.get("max_steps"), num_aggregators=settings.get("num_aggregators", 1),
+        dataset=dataset,
+        architecture=architecture,
+        model_config=model_config,
+        optimizer=optimizer or {},
+        target_batch_size=target_batch_size,
+        microbatch_size=microbatch_size,
+        codec=codec,
+        max_steps=settings.get("max_steps"),
+        num_aggregators=settings.get("num_aggregators", 1),
     )
     return Campaign.objects.create(
-        name=name, owner=owner, dataset=dataset, architecture=architecture, model_config=config, optimizer=opt,
-        param_count=count, **settings,
+        name=name,
+        owner=owner,
+        dataset=dataset,
+        architecture=architecture,
+        model_config=config,
+        optimizer=opt,
+        param_count=count,
+        **settings,
     )

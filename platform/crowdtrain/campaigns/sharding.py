@@ -18,7 +18,7 @@ import sysconfig
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 import numpy as np
 from django.conf import settings
@@ -30,6 +30,9 @@ from safetensors.numpy import save as save_safetensors
 from crowdtrain_agent.data import sha256_hex
 
 from .models import Dataset, Shard, shard_storage_name
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import User
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +97,17 @@ def fill_dataset(dataset: Dataset, pieces: Iterable[ShardPiece]) -> Dataset:
     indexes = {Shard.Split.TRAIN.value: 0, Shard.Split.VALIDATION.value: 0}
     size = 0
     for split, data, count in pieces:
-        rows.append(Shard(
-            dataset=dataset, split=split, index=indexes[split], sha256=_store(data), first_sample=counts[split],
-            num_samples=count, size_bytes=len(data),
-        ))  # fmt: skip
+        rows.append(
+            Shard(
+                dataset=dataset,
+                split=split,
+                index=indexes[split],
+                sha256=_store(data),
+                first_sample=counts[split],
+                num_samples=count,
+                size_bytes=len(data),
+            )
+        )
         indexes[split] += 1
         counts[split] += count
         size += len(data)
@@ -112,18 +122,28 @@ def fill_dataset(dataset: Dataset, pieces: Iterable[ShardPiece]) -> Dataset:
         dataset.save(update_fields=["num_samples", "num_validation_samples", "size_bytes"])
     logger.info(
         "dataset %s: %d training and %d validation samples in %d shards",
-        dataset.pk, dataset.num_samples, dataset.num_validation_samples, len(rows),
-    )  # fmt: skip
+        dataset.pk,
+        dataset.num_samples,
+        dataset.num_validation_samples,
+        len(rows),
+    )
     return dataset
 
 
 def copy_shards(source: Dataset, target: Dataset) -> Dataset:
     """Give ``target`` the shards of ``source``: rows only, the stored bytes are shared."""
     rows = [
-        Shard(dataset=target, split=s.split, index=s.index, sha256=s.sha256, first_sample=s.first_sample,
-              num_samples=s.num_samples, size_bytes=s.size_bytes)
+        Shard(
+            dataset=target,
+            split=s.split,
+            index=s.index,
+            sha256=s.sha256,
+            first_sample=s.first_sample,
+            num_samples=s.num_samples,
+            size_bytes=s.size_bytes,
+        )
         for s in source.shards.all()
-    ]  # fmt: skip
+    ]
     with transaction.atomic():
         Shard.objects.filter(dataset=target).delete()
         Shard.objects.bulk_create(rows)
@@ -170,8 +190,13 @@ def text_pieces(
 
 
 def create_text_dataset(
-    name: str, text: bytes, sample_len: int, shard_bytes: int = DEFAULT_SHARD_BYTES, *,
-    validation_fraction: float = 0.0, owner: object = None,
+    name: str,
+    text: bytes,
+    sample_len: int,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    *,
+    validation_fraction: float = 0.0,
+    owner: User | None = None,
 ) -> Dataset:
     """A byte-level dataset: ``sample_len`` consecutive bytes per sample.
 
@@ -184,9 +209,13 @@ def create_text_dataset(
     per_shard = max(1, shard_bytes // sample_len)
     with transaction.atomic():
         dataset = Dataset.objects.create(
-            name=name, owner=owner, kind=Dataset.Kind.TEXT, sample_len=sample_len,
-            source_sha256=hashlib.sha256(text).hexdigest(), validation_fraction=validation_fraction,
-        )  # fmt: skip
+            name=name,
+            owner=owner,
+            kind=Dataset.Kind.TEXT,
+            sample_len=sample_len,
+            source_sha256=hashlib.sha256(text).hexdigest(),
+            validation_fraction=validation_fraction,
+        )
         return fill_dataset(dataset, text_pieces([text], sample_len, per_shard, num_train, num_validation))
 
 
@@ -352,8 +381,13 @@ def _check_finite(source: RowSource, rows_per_read: int, progress: ProgressFn) -
 
 
 def create_tensor_dataset(
-    name: str, x: np.ndarray, y: np.ndarray, shard_bytes: int = DEFAULT_SHARD_BYTES, *,
-    validation_fraction: float = 0.0, owner: object = None,
+    name: str,
+    x: np.ndarray,
+    y: np.ndarray,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    *,
+    validation_fraction: float = 0.0,
+    owner: User | None = None,
 ) -> Dataset:
     """A dataset of feature rows ``x`` and labels ``y``.
 
@@ -366,9 +400,12 @@ def create_tensor_dataset(
     source = hashlib.sha256(np.ascontiguousarray(x).tobytes() + np.ascontiguousarray(y).tobytes()).hexdigest()
     with transaction.atomic():
         dataset = Dataset.objects.create(
-            name=name, owner=owner, kind=Dataset.Kind.TENSORS, source_sha256=source,
+            name=name,
+            owner=owner,
+            kind=Dataset.Kind.TENSORS,
+            source_sha256=source,
             validation_fraction=validation_fraction,
-        )  # fmt: skip
+        )
         per_shard = max(1, shard_bytes // rows.row_bytes)
         return fill_dataset(dataset, tensor_pieces(rows, per_shard, num_train, num_validation))
 
@@ -383,9 +420,12 @@ def create_npz_dataset(
     """
     with transaction.atomic():
         dataset = Dataset.objects.create(
-            name=name, kind=Dataset.Kind.TENSORS, source_sha256=hashlib.sha256(data).hexdigest(),
-            source_format=Dataset.Format.NPZ, validation_fraction=validation_fraction,
-        )  # fmt: skip
+            name=name,
+            kind=Dataset.Kind.TENSORS,
+            source_sha256=hashlib.sha256(data).hexdigest(),
+            source_format=Dataset.Format.NPZ,
+            validation_fraction=validation_fraction,
+        )
         return shard_source(dataset, lambda: io.BytesIO(data), len(data), shard_bytes=shard_bytes)
 
 
@@ -430,7 +470,11 @@ def _joined(texts: Iterable[bytes]) -> Iterator[bytes]:
 
 
 def shard_source(
-    dataset: Dataset, open_source: Callable[[], BinaryIO], size: int, *, shard_bytes: int | None = None,
+    dataset: Dataset,
+    open_source: Callable[[], BinaryIO],
+    size: int,
+    *,
+    shard_bytes: int | None = None,
     progress: ProgressFn = _no_progress,
 ) -> Dataset:
     """Shard a source file into ``dataset`` after checking it whole; ``open_source`` is called once per pass.
@@ -469,11 +513,12 @@ def shard_source(
         describe = f"text of {total} bytes"
     else:
         with open_source() as fh:
-            total, seen = 0, 0
-            for seen, piece in enumerate(_joined(jsonl_texts(fh, dataset.text_field)), start=1):
+            total, texts = 0, 0
+            for piece in _joined(jsonl_texts(fh, dataset.text_field)):
                 total += len(piece)
+                texts += 1
                 check(min(1.0, fh.tell() / size))
-        if seen == 0:
+        if texts == 0:
             raise DatasetError(f"the file holds no JSON line with a {dataset.text_field!r} field")
         describe = f"the joined texts ({total} bytes)"
     if total < sample_len:

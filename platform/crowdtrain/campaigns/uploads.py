@@ -141,9 +141,15 @@ def create_upload(owner: Any, body: dict[str, Any]) -> Upload:
         if not text_field or len(text_field) > 100:
             raise UploadError("text_field must hold 1 to 100 characters")
     return Upload.objects.create(
-        owner=owner, name=name, filename=filename, size=size, sha256=sha256, format=fmt, sample_len=sample_len,
+        owner=owner,
+        name=name,
+        filename=filename,
+        size=size,
+        sha256=sha256,
+        format=fmt,
+        sample_len=sample_len,
         text_field=text_field,
-    )  # fmt: skip
+    )
 
 
 @require_http_methods(["POST"])
@@ -262,22 +268,30 @@ def complete_upload(upload: Upload) -> Upload:
         if upload.received != upload.size:
             raise UploadError(
                 f"received {upload.received} of {upload.size} bytes; send the rest first",
-                status=409, expected_offset=upload.received,
-            )  # fmt: skip
+                status=409,
+                expected_offset=upload.received,
+            )
         text = upload.format != Dataset.Format.NPZ
         upload.dataset = Dataset.objects.create(
-            name=upload.name, owner=upload.owner, kind=Dataset.Kind.TEXT if text else Dataset.Kind.TENSORS,
-            source_format=upload.format, sample_len=upload.sample_len if text else 0,
+            name=upload.name,
+            owner=upload.owner,
+            kind=Dataset.Kind.TEXT if text else Dataset.Kind.TENSORS,
+            source_format=upload.format,
+            sample_len=upload.sample_len if text else 0,
             text_field=upload.text_field if upload.format == Dataset.Format.JSONL else "",
-            validation_fraction=settings.CROWDTRAIN_VALIDATION_FRACTION, status=Dataset.Status.PENDING, progress=0.0,
-        )  # fmt: skip
+            validation_fraction=settings.CROWDTRAIN_VALIDATION_FRACTION,
+            status=Dataset.Status.PENDING,
+            progress=0.0,
+        )
         upload.state = Upload.State.COMPLETE
         upload.save(update_fields=["dataset", "state"])
     # After the commit: a worker must find the rows.
     if settings.CELERY_TASK_ALWAYS_EAGER and settings.CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND:
         # The embedded default has no worker: shard in a thread, so the request returns at once and
         # the dataset page shows the progress, as it does with a worker.
-        threading.Thread(target=_shard_in_thread, args=(str(upload.pk),), name=f"shard-{upload.pk}", daemon=True).start()
+        threading.Thread(
+            target=_shard_in_thread, args=(str(upload.pk),), name=f"shard-{upload.pk}", daemon=True
+        ).start()
     else:
         shard_upload.delay(str(upload.pk))
     upload.refresh_from_db()
@@ -377,7 +391,7 @@ def open_upload(upload: Upload) -> BinaryIO:
         expected += size
     if expected != upload.received:
         raise OSError(f"upload {upload.pk}: chunks hold {expected} bytes, but {upload.received} were received")
-    return io.BufferedReader(UploadReader(chunks, expected), buffer_size=1 << 20)  # type: ignore[return-value]
+    return io.BufferedReader(UploadReader(chunks, expected), buffer_size=1 << 20)
 
 
 def upload_sha256(upload: Upload, progress: Any = None) -> str:

@@ -19,6 +19,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from django.conf import settings
@@ -27,12 +28,11 @@ from django.core.files.storage import default_storage
 from django.db import connection, transaction
 from django.utils import timezone
 
+from crowdtrain.scheduler.configs import ticket_key
 from crowdtrain_agent.data import ShardReader
 from crowdtrain_agent.fetch import FetchError, fetch_params
 from crowdtrain_agent.models import ModelEntry, export_bytes, get_model, model_from_flat
-from crowdtrain_agent.protocol import DataSpec, ProtocolError, SliceRoute, Ticket, sign_ticket
-
-from crowdtrain.scheduler.configs import ticket_key
+from crowdtrain_agent.protocol import DataKind, DataSpec, ProtocolError, SliceRoute, Ticket, sign_ticket
 
 from .models import Campaign, Dataset, ValidationResult
 
@@ -59,16 +59,27 @@ def fetch_campaign_params(campaign: Campaign, version: int) -> torch.Tensor:
     """
     slices = list(campaign.slices.select_related("aggregator").order_by("index"))
     routes = [
-        SliceRoute(index=s.index, start=s.start, end=s.end, upload_url=s.aggregator.upload_url,
-                   params_url=f"{s.aggregator.params_url}{campaign.pk}/{s.index}/")
+        SliceRoute(
+            index=s.index,
+            start=s.start,
+            end=s.end,
+            upload_url=s.aggregator.upload_url,
+            params_url=f"{s.aggregator.params_url}{campaign.pk}/{s.index}/",
+        )
         for s in slices
-    ]  # fmt: skip
+    ]
     # The site's own ticket for this campaign: aggregators serve parameters only to ticket holders.
     ticket = sign_ticket(
-        Ticket(lease_id=0, campaign_id=campaign.pk, device_id=0, base_version=version, num_samples=1,
-               expires_at=time.time() + PARAMS_TICKET_S),
+        Ticket(
+            lease_id=0,
+            campaign_id=campaign.pk,
+            device_id=0,
+            base_version=version,
+            num_samples=1,
+            expires_at=time.time() + PARAMS_TICKET_S,
+        ),
         ticket_key(campaign.pk),
-    )  # fmt: skip
+    )
     try:
         return fetch_params(routes, version, campaign.param_count, ticket=ticket)
     except FetchError as exc:
@@ -77,7 +88,7 @@ def fetch_campaign_params(campaign: Campaign, version: int) -> torch.Tensor:
 
 def validation_samples(dataset: Dataset, limit: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Batches of the first ``limit`` samples of the validation split, in shard order (the same every time)."""
-    spec = DataSpec(kind=dataset.kind, sample_len=dataset.sample_len)
+    spec = DataSpec(kind=cast(DataKind, dataset.kind), sample_len=dataset.sample_len)
     left = limit
     for shard in dataset.validation_shards():
         if left <= 0:
@@ -142,10 +153,15 @@ def compute(campaign_id: int, version: int) -> ValidationResult | None:
         logger.error("campaign %s: cannot read the validation split of %s: %s", campaign.pk, campaign.dataset, exc)
         loss, count = math.nan, 0
     result, _ = ValidationResult.objects.update_or_create(
-        campaign=campaign, version=version,
-        defaults={"loss": None if math.isnan(loss) else loss, "num_samples": count, "weights": saved,
-                  "computed_at": timezone.now()},
-    )  # fmt: skip
+        campaign=campaign,
+        version=version,
+        defaults={
+            "loss": None if math.isnan(loss) else loss,
+            "num_samples": count,
+            "weights": saved,
+            "computed_at": timezone.now(),
+        },
+    )
     logger.info(
         "campaign %s: validation loss %s over %s samples at version %s", campaign.pk, result.loss, count, version
     )
@@ -199,7 +215,9 @@ def schedule_validation(campaign_id: int, version: int) -> None:
     def dispatch() -> None:
         if settings.CELERY_TASK_ALWAYS_EAGER:
             threading.Thread(
-                target=_run_in_thread, args=(campaign_id, version), name=f"validate-{campaign_id}-{version}",
+                target=_run_in_thread,
+                args=(campaign_id, version),
+                name=f"validate-{campaign_id}-{version}",
                 daemon=True,
             ).start()
         else:

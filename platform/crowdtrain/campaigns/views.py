@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.files.storage import default_storage
 from django.db.models import Count
-from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
+from django.http import FileResponse, HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
@@ -28,7 +28,7 @@ def _error(message: str, status: int) -> JsonResponse:
 
 
 @require_GET
-def shard(request: HttpRequest, sha256: str) -> HttpResponse:
+def shard(request: HttpRequest, sha256: str) -> HttpResponseBase:
     """A shard's bytes; immutable, so cacheable forever, with ETag and single-range support."""
     device = Device.authenticate(bearer_token(dict(request.headers)))
     if device is None or device.is_revoked:
@@ -59,12 +59,12 @@ def shard(request: HttpRequest, sha256: str) -> HttpResponse:
         response = HttpResponse(body, status=206, content_type="application/octet-stream", headers=headers)
         response["Content-Range"] = f"bytes {start}-{end}/{size}"
         return response
-    response = FileResponse(default_storage.open(name, "rb"), content_type="application/octet-stream", headers=headers)
-    response["Content-Length"] = str(size)
+    stream = FileResponse(default_storage.open(name, "rb"), content_type="application/octet-stream", headers=headers)
+    stream["Content-Length"] = str(size)
     # Django's 4 KiB default makes a 4 MiB shard a thousand ASGI messages, each a wake-up of the
     # agent's download thread next to its computing one.
-    response.block_size = SHARD_BLOCK_BYTES
-    return response
+    stream.block_size = SHARD_BLOCK_BYTES
+    return stream
 
 
 def _progress(campaign: Campaign) -> dict:
@@ -93,7 +93,9 @@ def _progress(campaign: Campaign) -> dict:
         "losses": [s["loss_sum"] / s["num_samples"] for s in steps if s["num_samples"]],
         # Held-out loss every validate_every steps: [{"version", "loss", "num_samples"}], oldest first.
         "val_loss": list(
-            campaign.validation_results.filter(loss__isnull=False).order_by("version").values("version", "loss", "num_samples")
+            campaign.validation_results.filter(loss__isnull=False)
+            .order_by("version")
+            .values("version", "loss", "num_samples")
         ),
     }
 
