@@ -79,7 +79,11 @@ LAST_SEEN_EVERY_S = 60.0  # an aggregator's heartbeats reach the database this s
 BACKUPS_BELOW_LOAD = 0.5
 
 _HEARTBEAT = encode_message(Heartbeat())  # what every agent sends, byte for byte
-_ERROR_CODES: dict[int, str] = {CloseCode.TOO_LARGE: "too large", CloseCode.BAD_TICKET: "bad ticket"}
+_ERROR_CODES: dict[int, str] = {
+    CloseCode.TOO_LARGE: "too large",
+    CloseCode.BAD_TICKET: "bad ticket",
+    CloseCode.UNSUPPORTED_VERSION: "unsupported version",
+}
 
 
 class HelloDeadlineEvent(TypedDict):
@@ -618,12 +622,22 @@ class BackboneConsumer(_ProtocolConsumer):
 
     async def on_backbone_hello(self, hello: BackboneHello) -> None:
         self.check_version(hello.protocol_version)
+        if self.minor < backbone.oldest_aggregator_minor():
+            # Refused before it joins: joined, it would be given slices it cannot serve and the campaign would wait.
+            raise ProtocolError(
+                f"an aggregator of protocol {PROTOCOL_VERSION}.{self.minor} cannot serve this site's campaigns: each "
+                "signs its tickets with its own key, which reaches aggregators as assign.ticket_key "
+                f"({PROTOCOL_VERSION}.1); upgrade crowdtrain on the aggregator, or run the site with "
+                "CROWDTRAIN_PROTOCOL_MINOR=0 until every aggregator is upgraded",
+                close_code=CloseCode.UNSUPPORTED_VERSION,
+                fatal=True,
+            )
         self.greeted = True
         await self.take_over(backbone_group(self.aggregator.pk))
         await self.send_message(
             BackboneWelcome(
                 aggregator_id=self.aggregator.pk,
-                ticket_key=backbone.welcome_ticket_key(self.minor),
+                ticket_key=backbone.welcome_ticket_key(),
                 heartbeat_s=settings.CROWDTRAIN_HEARTBEAT_S,
             )
         )

@@ -10,7 +10,6 @@ import bisect
 import itertools
 import logging
 import math
-import secrets
 from collections.abc import Sequence
 from datetime import timedelta
 from itertools import pairwise
@@ -592,17 +591,19 @@ def step_applied(aggregator_id: int, applied: StepApplied) -> VersionPublished |
         return VersionPublished(campaign_id=campaign.pk, version=newest, loss=step.loss if step else None)
 
 
-def welcome_ticket_key(minor: int) -> str:
-    """The welcome's ``ticket_key`` for an aggregator speaking ``minor``.
+def oldest_aggregator_minor() -> int:
+    """The oldest protocol minor an aggregator may speak here.
 
-    A 2.1 aggregator gets each campaign's key with its slices, and nothing here. A 2.0 one gets the one
-    key a site pinned to 2.0 signs every campaign with; from a 2.1 site it gets a random key that signs
-    nothing (never CROWDTRAIN_TICKET_KEY, which every campaign's key derives from): the first slice
-    assigned to it closes it with 4004, as its minor cannot carry ``assign.ticket_key``.
+    Since 2.1 each campaign signs its tickets with its own key, sent with the slices
+    (``assign.ticket_key``); a 2.0 aggregator cannot read it, so only a site pinned
+    to 2.0 (``CROWDTRAIN_PROTOCOL_MINOR=0``) serves one.
     """
-    if settings.CROWDTRAIN_PROTOCOL_MINOR < 1:
-        return settings.CROWDTRAIN_TICKET_KEY.hex()
-    return "" if minor >= 1 else secrets.token_hex(32)
+    return min(1, settings.CROWDTRAIN_PROTOCOL_MINOR)
+
+
+def welcome_ticket_key() -> str:
+    """The welcome's ``ticket_key``: the one key of a site pinned to 2.0; since 2.1 keys come with the slices."""
+    return settings.CROWDTRAIN_TICKET_KEY.hex() if settings.CROWDTRAIN_PROTOCOL_MINOR < 1 else ""
 
 
 def restore_campaign(campaign_id: int, version: int) -> Outbox:

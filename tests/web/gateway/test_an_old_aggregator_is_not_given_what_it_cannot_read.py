@@ -1,10 +1,9 @@
 """A campaign is never assigned, stripped, to an aggregator of an older protocol minor.
 
 A 2.0 aggregator cannot carry ``assign.ticket_key`` (each campaign's own key for
-tickets and receipts, 2.1): it would check the campaign's tickets with the
-welcome's key, so it is told to upgrade (4004) at its first assignment, and
-its welcome carries a key that signs nothing (never the site's key, from which
-every campaign's key derives). A site pinned to 2.0 (CROWDTRAIN_PROTOCOL_MINOR=0)
+tickets and receipts, 2.1), so it is told to upgrade (4004) at its hello, before
+it joins: no welcome, no key, no slice, and the campaign goes on waiting for an
+aggregator that can serve it. A site pinned to 2.0 (CROWDTRAIN_PROTOCOL_MINOR=0)
 still serves it: one key for every campaign, in the welcome.
 """
 
@@ -22,7 +21,6 @@ from crowdtrain.accounts.tokens import hash_token
 from crowdtrain.asgi import application
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler.models import Aggregator
-from crowdtrain_agent.protocol import campaign_key
 from tests.factories import make_campaign
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -49,22 +47,19 @@ async def _connect_2_0(token: str) -> WebsocketCommunicator:
     return old
 
 
-@pytest.mark.parametrize("decay_all", [False, True])
-async def test_an_aggregator_of_minor_0_is_told_to_upgrade_and_learns_no_key(decay_all: bool) -> None:
-    token = await sync_to_async(_setup)(decay_all)
+async def test_an_aggregator_of_minor_0_is_told_to_upgrade_before_it_joins() -> None:
+    token = await sync_to_async(_setup)(False)
     old = await _connect_2_0(token)
-    welcome = json.loads(await old.receive_from(timeout=5))
 
     frame = json.loads(await old.receive_from(timeout=5))
     closed = await old.receive_output(timeout=5)
-    campaign_id = await sync_to_async(lambda: Campaign.objects.get().pk)()
-    assert welcome["kind"] == "backbone_welcome"
-    assert bytes.fromhex(welcome["ticket_key"]) not in (
-        settings.CROWDTRAIN_TICKET_KEY, campaign_key(settings.CROWDTRAIN_TICKET_KEY, campaign_id)
-    )
-    assert frame["kind"] == "error" and "ticket_key" in frame["detail"] and "upgrade" in frame["detail"]
-    assert ("optimizer.decay_all" in frame["detail"]) == decay_all
+    joined = await sync_to_async(lambda: list(Aggregator.objects.filter(connected=True).values_list("name", flat=True)))()
+    slices = await sync_to_async(lambda: Campaign.objects.get().slices.count())()
+    assert frame["kind"] == "error" and frame["code"] == "unsupported version"
+    assert "assign.ticket_key" in frame["detail"] and "upgrade" in frame["detail"]
+    assert "CROWDTRAIN_PROTOCOL_MINOR=0" in frame["detail"]
     assert (closed["type"], closed["code"]) == ("websocket.close", 4004)
+    assert joined == [] and slices == 0
     await old.disconnect()
 
 
