@@ -72,6 +72,7 @@ INSTALLED_APPS = [
     "crowdtrain.accounts",
     "crowdtrain.campaigns",
     "crowdtrain.scheduler",
+    "crowdtrain.credit",
     "crowdtrain.gateway",
 ]
 

@@ -22,6 +22,7 @@ from django.db.models import Case, F, FloatField, Value, When
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Step
+from crowdtrain.credit import ledger
 from crowdtrain_agent.protocol import StepCommit
 
 from .configs import CampaignConfig
@@ -95,6 +96,7 @@ def _write_step_once(config: CampaignConfig, index: int, leases: list[dict[str, 
                 update_fields=["state", "step", "loss_sum", "compute_s", "finished_at", "reason"],
             )
             _credit(leases)
+            ledger.grant(config.id, config.flops_per_sample, [(int(r["id"]), int(r["d"]), int(r["n"])) for r in leases])
             Campaign.objects.filter(pk=config.id, committed_steps=index).update(committed_steps=index + 1)
             return [int(lease["id"]) for lease in leases]
     except IntegrityError:
