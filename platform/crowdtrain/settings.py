@@ -182,6 +182,8 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_BEAT_SCHEDULE = {
     "expire-leases": {"task": "crowdtrain.scheduler.tasks.expire_leases", "schedule": 5.0},
     "discard-stale-uploads": {"task": "crowdtrain.campaigns.tasks.discard_stale_uploads", "schedule": 3600.0},
+    "age-leaderboards": {"task": "crowdtrain.credit.tasks.age_leaderboards", "schedule": 300.0},
+    "rebuild-leaderboards": {"task": "crowdtrain.credit.tasks.rebuild_leaderboards", "schedule": 86400.0},
 }
 
 STATIC_URL = "static/"

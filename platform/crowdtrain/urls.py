@@ -8,6 +8,7 @@ from crowdtrain.campaigns import dataset_views, organizer_views, role_views, upl
 from crowdtrain.campaigns import export as campaign_export
 from crowdtrain.campaigns import join as campaign_join
 from crowdtrain.campaigns import views as campaign_views
+from crowdtrain.credit import views as credit_views
 
 urlpatterns = [
     path("", campaign_views.index, name="index"),
@@ -49,6 +50,8 @@ urlpatterns = [
     # Volunteers: sign-up, e-mail verification, log-in and password reset are allauth's.
     path("accounts/", include("allauth.urls")),
     path("me/", profile_views.profile, name="profile"),
+    path("leaderboards/", credit_views.leaderboard, name="leaderboard"),
+    path("api/leaderboards", credit_views.leaderboard_feed, name="leaderboard-feed"),
     path("teams/", team_views.my_team, name="my-team"),
     path("teams/new", team_views.team_create, name="team-create"),
     path("teams/join/<str:code>", team_views.team_join, name="team-join"),

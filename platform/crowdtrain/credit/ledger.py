@@ -8,14 +8,19 @@ a retried transaction, or a rollback noticed twice, adds nothing.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 
+from django.db import transaction
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
 
-from .models import CreditEntry
+from . import boards
+from .models import FLOPS_PER_CREDIT, CreditEntry
+
+logger = logging.getLogger(__name__)
 
 
 def grant(
@@ -34,6 +39,11 @@ def grant(
         )
     }
     when = when or timezone.now()
+    already = set(
+        CreditEntry.objects.filter(
+            lease_id__in=[lease for lease, _, _ in leases], kind=CreditEntry.Kind.GRANT
+        ).values_list("lease_id", flat=True)
+    )
     entries = [
         CreditEntry(
             lease_id=lease_id,
@@ -47,15 +57,23 @@ def grant(
             created_at=when,
         )
         for lease_id, device_id, samples in leases
-        if device_id in owners
+        if device_id in owners and lease_id not in already
     ]
     CreditEntry.objects.bulk_create(entries, ignore_conflicts=True)
+    _project(entries)
 
 
 def reverse(lease_ids: Iterable[int], reason: str, when: datetime | None = None) -> None:
     """Take back the credit of these leases with entries of their own; a lease never granted is skipped."""
     when = when or timezone.now()
-    granted = CreditEntry.objects.filter(lease_id__in=list(lease_ids), kind=CreditEntry.Kind.GRANT)
+    granted = CreditEntry.objects.filter(lease_id__in=list(lease_ids), kind=CreditEntry.Kind.GRANT).exclude(
+        lease__credit_entries__kind=CreditEntry.Kind.REVERSAL
+    )
+    grants = list(
+        granted.only(
+            "lease_id", "volunteer_id", "device_id", "team_id", "campaign_id", "samples", "flops", "created_at"
+        )
+    )
     entries = [
         CreditEntry(
             lease_id=g.lease_id,
@@ -69,6 +87,31 @@ def reverse(lease_ids: Iterable[int], reason: str, when: datetime | None = None)
             reason=reason[:200],
             created_at=when,
         )
-        for g in granted.only("lease_id", "volunteer_id", "device_id", "team_id", "campaign_id", "samples", "flops")
+        for g in grants
     ]
+    hours = {g.lease_id: boards.hour_of(g.created_at) for g in grants}
     CreditEntry.objects.bulk_create(entries, ignore_conflicts=True)
+    _project(entries, hours)
+
+
+def _project(entries: list[CreditEntry], hours: dict[int, int] | None = None) -> None:
+    """Once the transaction commits, the leaderboards count the entries (a reversal in its grant's hour)."""
+    deltas = [
+        boards.Delta(
+            e.volunteer_id,
+            e.team_id,
+            e.campaign_id,
+            e.flops / FLOPS_PER_CREDIT,
+            hours[e.lease_id] if hours is not None else boards.hour_of(e.created_at),
+        )
+        for e in entries
+    ]
+    if deltas:
+        transaction.on_commit(lambda: _add_to_boards(deltas))
+
+
+def _add_to_boards(deltas: list[boards.Delta]) -> None:
+    try:
+        boards.add(deltas)
+    except Exception:  # the ledger has them: a rebuild (nightly, or manage.py rebuild_leaderboards) repairs it
+        logger.exception("the leaderboards missed %s credit entries; they are in the ledger", len(deltas))

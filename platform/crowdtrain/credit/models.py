@@ -16,10 +16,10 @@ from crowdtrain.accounts.models import Device, Team
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler.models import Lease
 
-# One credit is one teraFLOP of accepted work: samples times the model's FLOPs per sample (forward and backward).
-FLOPS_PER_CREDIT = 1e12
+# One credit is one gigaFLOP of accepted work: samples times the model's FLOPs per sample (forward and backward).
+FLOPS_PER_CREDIT = 1e9
 FORMULA = (
-    "One credit is one trillion floating-point operations (a teraFLOP) of accepted work: the samples of each lease "
+    "One credit is one billion floating-point operations (a gigaFLOP) of accepted work: the samples of each lease "
     "whose step was committed, times the model's FLOPs per sample (forward and backward pass). It is granted when "
     "the step commits, and taken back if that step is rolled back."
 )

@@ -44,11 +44,20 @@ def test_each_volunteers_total_is_their_committed_work(ops: list[tuple[str, int]
             backbone.restore_campaign(campaign.pk, 0)
             held = {d.pk: [] for d in devices}  # their leases were rejected with the steps
             for s in campaign.slices.all():
-                backbone.slice_ready(s.aggregator_id, SliceReady(campaign_id=campaign.pk, slice_index=s.index, version=0))
+                backbone.slice_ready(
+                    s.aggregator_id, SliceReady(campaign_id=campaign.pk, slice_index=s.index, version=0)
+                )
 
     committed: Counter[int] = Counter()
-    for owner, n in Lease.objects.filter(campaign=campaign, step__isnull=False).values_list("device__owner", "num_samples"):
+    for owner, n in Lease.objects.filter(campaign=campaign, step__isnull=False).values_list(
+        "device__owner", "num_samples"
+    ):
         committed[owner] += n
-    ledger = dict(CreditEntry.objects.values_list("volunteer").annotate(n=Sum("samples")).values_list("volunteer", "n"))
+    ledger = dict(
+        CreditEntry.objects.filter(campaign=campaign)
+        .values_list("volunteer")
+        .annotate(n=Sum("samples"))
+        .values_list("volunteer", "n")
+    )
     assert {v: n for v, n in ledger.items() if n} == dict(committed)
-    assert not CreditEntry.objects.filter(lease__step__isnull=False, kind=CreditEntry.Kind.REVERSAL).exists()
+    assert not CreditEntry.objects.filter(campaign=campaign, lease__step__isnull=False, kind="reversal").exists()
