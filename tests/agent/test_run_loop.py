@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
+import pytest
 import torch
 
 from crowdtrain_agent.config import AgentConfig
+from crowdtrain_agent.credit import credit_for
+from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import LeaseDone, LeaseRequest, Receipt, sign_receipt
 from crowdtrain_agent.runtime import Agent
 
@@ -69,3 +73,20 @@ async def test_fp16_leases_upload_half_precision_gradients(world: World, config:
     uploaded = torch.cat([world.aggregators[0].uploads[(1, 0)], world.aggregators[1].uploads[(1, 1)]])
     expected = world.expected_gradient(LEASE_1)
     torch.testing.assert_close(uploaded, expected.half().float())
+
+
+async def test_each_accepted_done_gets_a_receipt_with_its_flops_and_credit(
+    world: World, config: AgentConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    world.site.replies = [world.lease(1, LEASE_1, microbatch=4), world.lease(2, LEASE_2, microbatch=3)]
+    agent = Agent(config, backoff=FAST_BACKOFF, benchmark_s=0.01)
+
+    with caplog.at_level(logging.INFO, logger="crowdtrain_agent"):
+        assert await agent.run() == 0
+
+    lease = world.lease(1, LEASE_1)
+    per_sample = get_model(lease.model.architecture).flops_per_sample(lease.model.config)
+    receipts = [r.getMessage() for r in caplog.records if "credit granted when step" in r.getMessage()]
+    assert len(receipts) == 2
+    assert f"{16 * per_sample / 1e9:.3g} GFLOP, {credit_for(16, per_sample):.3g} credit" in receipts[0]
+    assert agent.status.credit == pytest.approx(credit_for(16 + 7, per_sample))

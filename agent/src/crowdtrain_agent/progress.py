@@ -25,6 +25,7 @@ class AgentStatus:
     published_loss: float | None = None  # loss the site reported with the latest version
     accepted: int = 0
     rejected: int = 0
+    credit: float = 0.0  # earned by accepted leases, granted when their steps commit
     status: str = "starting"
     status_since: float = field(default_factory=time.monotonic)
 
@@ -51,6 +52,7 @@ def render_status(status: AgentStatus) -> RenderableType:
     table.add_row("samples/s", _fmt(status.samples_per_s, ".1f"))
     table.add_row("last loss", _fmt(status.last_loss, ".4f"))
     table.add_row("leases", f"{status.accepted} accepted, {status.rejected} not counted")
+    table.add_row("credit", f"{status.credit:,.1f} (1 credit = 1 GFLOP of accepted work, granted as steps commit)")
     waited = time.monotonic() - status.status_since
     table.add_row("status", f"{status.status} ({waited:.0f} s)" if waited >= 2 else status.status)
     return Panel(table, title="crowdtrain-agent", subtitle="Ctrl-C: finish this lease and stop", expand=False)

@@ -19,10 +19,11 @@ from . import __version__, trainer
 from .codec import Codec, get_codec
 from .config import AgentConfig
 from .control import AgentStopped, Backoff, ConnectionLost, ControlChannel
+from .credit import credit_for
 from .data import ShardReader
 from .device import describe_device, select_device
 from .fetch import FetchError, ShardCache, fetch_params, still_current
-from .models import ModelConfigError
+from .models import ModelConfigError, get_model
 from .progress import AgentStatus
 from .protocol import (
     PROTOCOL_VERSION,
@@ -550,13 +551,21 @@ class Agent:
         per_sample = result.loss_sum / max(result.num_samples, 1)
         if ack.accepted:
             self.status.accepted += 1
+            flops = result.num_samples * get_model(lease.model.architecture).flops_per_sample(lease.model.config)
+            credit = credit_for(result.num_samples, flops / max(result.num_samples, 1))
+            self.status.credit += credit
+            # The receipt: what the site accepted, and the credit it grants when that step commits.
             logger.info(
-                "lease %d done: %d samples at version %d, loss %.4f, %.1f samples/s; counted in step %s",
+                "lease %d done: %d samples at version %d, loss %.4f, %.1f samples/s; counted in step %s; "
+                "%.3g GFLOP, %.3g credit granted when step %s commits",
                 lease.lease_id,
                 result.num_samples,
                 lease.base_version,
                 per_sample,
                 result.num_samples / max(result.compute_s, 1e-6),
+                ack.step,
+                flops / 1e9,
+                credit,
                 ack.step,
             )
         else:

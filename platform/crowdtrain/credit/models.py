@@ -15,9 +15,9 @@ from django.utils import timezone
 from crowdtrain.accounts.models import Device, Team
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler.models import Lease
+from crowdtrain_agent.credit import FLOPS_PER_CREDIT
 
-# One credit is one gigaFLOP of accepted work: samples times the model's FLOPs per sample (forward and backward).
-FLOPS_PER_CREDIT = 1e9
+__all__ = ["FLOPS_PER_CREDIT", "FORMULA", "CreditEntry"]
 FORMULA = (
     "One credit is one billion floating-point operations (a gigaFLOP) of accepted work: the samples of each lease "
     "whose step was committed, times the model's FLOPs per sample (forward and backward pass). It is granted when "
