@@ -184,6 +184,7 @@ CELERY_BEAT_SCHEDULE = {
     "discard-stale-uploads": {"task": "crowdtrain.campaigns.tasks.discard_stale_uploads", "schedule": 3600.0},
     "age-leaderboards": {"task": "crowdtrain.credit.tasks.age_leaderboards", "schedule": 300.0},
     "rebuild-leaderboards": {"task": "crowdtrain.credit.tasks.rebuild_leaderboards", "schedule": 86400.0},
+    "export-stats": {"task": "crowdtrain.credit.tasks.export_stats", "schedule": 86400.0},
 }
 
 STATIC_URL = "static/"

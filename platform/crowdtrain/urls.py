@@ -8,6 +8,7 @@ from crowdtrain.campaigns import dataset_views, organizer_views, role_views, upl
 from crowdtrain.campaigns import export as campaign_export
 from crowdtrain.campaigns import join as campaign_join
 from crowdtrain.campaigns import views as campaign_views
+from crowdtrain.credit import export as credit_export
 from crowdtrain.credit import views as credit_views
 
 urlpatterns = [
@@ -52,6 +53,8 @@ urlpatterns = [
     path("me/", profile_views.profile, name="profile"),
     path("leaderboards/", credit_views.leaderboard, name="leaderboard"),
     path("api/leaderboards", credit_views.leaderboard_feed, name="leaderboard-feed"),
+    # Every volunteer's and team's credit, rewritten daily, for third-party stats sites (as BOINC projects publish).
+    path("stats/stats.json", credit_export.stats_json, name="stats-json"),
     path("teams/", team_views.my_team, name="my-team"),
     path("teams/new", team_views.team_create, name="team-create"),
     path("teams/join/<str:code>", team_views.team_join, name="team-join"),

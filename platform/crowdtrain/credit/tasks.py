@@ -1,10 +1,10 @@
-"""Scheduled upkeep of the leaderboards (Celery beat)."""
+"""Scheduled upkeep of the leaderboards, and the daily stats export (Celery beat)."""
 
 from __future__ import annotations
 
 from celery import shared_task
 
-from . import boards
+from . import boards, export
 
 
 @shared_task
@@ -18,3 +18,9 @@ def age_leaderboards() -> None:
 def rebuild_leaderboards() -> None:
     """Recompute every board from the ledger: repairs an update that was lost (Redis down) or raced a rebuild."""
     boards.rebuild()
+
+
+@shared_task
+def export_stats() -> None:
+    """Write the daily stats document for third-party stats sites (``/stats/stats.json``); each run replaces it."""
+    export.export_stats()
