@@ -1,4 +1,4 @@
-"""The volunteer's own profile page: the name public pages show, or anonymity."""
+"""The volunteer's own profile page: the name public pages show, or anonymity, and their credit."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods
+
+from crowdtrain.credit import charts, summaries
+from crowdtrain.credit.models import FORMULA
 
 from .models import ANONYMOUS_NAME, Profile
 
@@ -32,4 +35,13 @@ def profile(request: HttpRequest) -> HttpResponse:
         form.save()
         messages.success(request, f"Profile saved. Public pages show you as “{current.public_name}”.")
         return redirect("profile")
-    return render(request, "accounts/profile.html", {"form": form, "profile": current})
+    credit = summaries.of_volunteer(current.user_id)
+    context = {
+        "form": form,
+        "profile": current,
+        "credit": credit,
+        "credit_chart": charts.daily_credit(credit.days),
+        "recent_definition": summaries.RECENT_DEFINITION,
+        "formula": FORMULA,
+    }
+    return render(request, "accounts/profile.html", context)

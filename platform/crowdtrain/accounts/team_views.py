@@ -16,6 +16,9 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from crowdtrain.credit import charts, summaries
+from crowdtrain.credit.models import FORMULA
+
 from .models import Profile, Team
 from .teams import AlreadyInTeam, create_team, join_team, leave_team, team_for_invite
 
@@ -69,9 +72,22 @@ def team_detail(request: HttpRequest, slug: str) -> HttpResponse:
     team = get_object_or_404(Team, slug=slug)
     members = sorted(team.members.select_related("user"), key=lambda p: (p.anonymous, p.public_name.casefold()))
     is_member = request.user.is_authenticated and any(p.user_id == request.user.pk for p in members)
+    credit = summaries.of_team(team.pk)
+    shares = {s.volunteer_id: s for s in summaries.shares_of_team(team.pk)}
+    current = {p.user_id for p in members}
+    # Those who left keep their part of the team's credit; shown together, so the shares still add up.
+    former = [s for volunteer, s in shares.items() if volunteer not in current]
     context = {
         "team": team,
         "members": members,
+        "member_shares": [(p, shares.get(p.user_id)) for p in members],  # None: no credit in this team yet
+        "former_credit": sum(s.credit for s in former),
+        "former_percent": sum(s.percent or 0.0 for s in former) if former and credit.credit > 1e-12 else None,
+        "former_count": len(former),
+        "credit": credit,
+        "credit_chart": charts.daily_credit(credit.days),
+        "recent_definition": summaries.RECENT_DEFINITION,
+        "formula": FORMULA,
         "is_member": is_member,
         "is_creator": is_member and team.created_by_id == request.user.pk,
         # Only members see the link: it is the team's only secret.
