@@ -34,7 +34,7 @@ class BoardQuery(forms.Form):
 def _query(request: HttpRequest) -> tuple[dict[str, Any], str | None]:
     form = BoardQuery(request.GET)
     if not form.is_valid():
-        problems = "; ".join(f"{field}: {' '.join(errors)}" for field, errors in form.errors.items())
+        problems = "; ".join(f"{field}: {' '.join(str(e) for e in errors)}" for field, errors in form.errors.items())
         return {}, f"bad leaderboard address ({problems})"
     data = form.cleaned_data
     campaign = None
