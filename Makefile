@@ -98,6 +98,7 @@ test-browser: $(STAMP) $(CHROMIUM)
 SCALE_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.protocol
+	$(BIN)/python -m tests.benchmarks.leaderboard
 	$(BIN)/python -m tests.benchmarks.w1 $(ARGS)
 	$(BIN)/python -m tests.benchmarks.scale $(SCALE_ARGS)
 
