@@ -13,12 +13,12 @@ import logging
 import tempfile
 import time
 from collections.abc import Iterator
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import IO, Any
 
 from django.core.files import File
 from django.core.files.storage import default_storage
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, Sum
 from django.http import FileResponse, HttpRequest, JsonResponse
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
@@ -27,12 +27,12 @@ from django.views.decorators.http import require_GET
 from crowdtrain.accounts.models import Profile, Team
 
 from .models import FLOPS_PER_CREDIT, FORMULA, CreditEntry
+from .summaries import RECENT_DAYS, recent_credit, recent_since
 
 logger = logging.getLogger(__name__)
 
 STATS_NAME = "stats/stats.json"  # in default storage; /stats/stats.json serves it
 FORMAT = "crowdtrain-stats/1"
-RECENT_DAYS = 7
 NOT_YET = "the first export has not run yet; it runs daily"
 
 
@@ -61,7 +61,7 @@ def _users(since: datetime) -> Iterator[dict[str, Any]]:
         .annotate(
             total_flops=Sum("flops"),
             total_samples=Sum("samples"),
-            recent_flops=Sum("flops", filter=Q(created_at__gte=since)),
+            recent_flops=Sum("flops", filter=recent_credit(since)),
         )
         .order_by("volunteer_id")
     )
@@ -96,7 +96,7 @@ def _teams(since: datetime) -> Iterator[dict[str, Any]]:
         team_id: (total, recent)
         for team_id, total, recent in CreditEntry.objects.filter(team__isnull=False)
         .values("team_id")
-        .annotate(total_flops=Sum("flops"), recent_flops=Sum("flops", filter=Q(created_at__gte=since)))
+        .annotate(total_flops=Sum("flops"), recent_flops=Sum("flops", filter=recent_credit(since)))
         .order_by()
         .values_list("team_id", "total_flops", "recent_flops")
     }
@@ -127,7 +127,7 @@ def _write_array(out: IO[bytes], key: str, rows: Iterator[dict[str, Any]]) -> in
 def write_document(out: IO[bytes], now: datetime | None = None) -> tuple[int, int]:
     """Write the stats document to ``out`` row by row; returns how many users and teams it holds."""
     now = now or timezone.now()
-    since = now - timedelta(days=RECENT_DAYS)
+    since = recent_since(now)
     head = {
         "format": FORMAT,
         "generated_at": now.isoformat(),

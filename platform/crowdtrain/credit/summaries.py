@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 
-from django.db.models import Exists, OuterRef, QuerySet, Sum
+from django.db.models import Exists, OuterRef, Q, QuerySet, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
@@ -124,6 +124,21 @@ def _summarize(
         rank=standing.rank if standing else None,
         days=[Day(day, per_day.get(day, 0.0)) for day in days],
     )
+
+
+def recent_since(now: datetime) -> datetime:
+    """The start of the recent window: the current hour and the ``RECENT_DAYS`` × 24 - 1 before it."""
+    return datetime.fromtimestamp((boards.hour_of(now) - RECENT_DAYS * 24 + 1) * 3600, tz=UTC)
+
+
+def recent_credit(since: datetime) -> Q:
+    """Entries whose credit counts in the recent window: grants since ``since`` that were not taken back.
+
+    A lease has at most one grant and one reversal taking all of it back, so this is the window's net credit
+    with each reversal counted in its grant's hour (as the leaderboards count it).
+    """
+    reversal = CreditEntry.objects.filter(lease_id=OuterRef("lease_id"), kind=CreditEntry.Kind.REVERSAL)
+    return Q(kind=CreditEntry.Kind.GRANT, created_at__gte=since) & ~Q(Exists(reversal))
 
 
 def _chart_start(now: datetime) -> datetime:

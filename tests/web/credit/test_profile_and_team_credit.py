@@ -3,6 +3,8 @@ all equal to the ledger, and each member's share of the team's credit under thei
 
 from __future__ import annotations
 
+import io
+import json
 import re
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -17,7 +19,7 @@ from django.utils.html import escape
 
 from crowdtrain.accounts.models import ANONYMOUS_NAME, Device, Profile, Team
 from crowdtrain.campaigns.models import Campaign
-from crowdtrain.credit import summaries
+from crowdtrain.credit import export, summaries
 from crowdtrain.credit.models import FLOPS_PER_CREDIT, FORMULA, CreditEntry
 from crowdtrain.scheduler import backbone, leasing
 from crowdtrain.scheduler.models import Lease
@@ -233,3 +235,24 @@ def test_a_summary_costs_the_same_few_queries_however_large_the_ledger(
         large = summaries.of_volunteer(device.owner_id)
 
     assert (small.credit, large.credit) == (pytest.approx(1.0), pytest.approx(61.0))
+
+
+def test_the_stats_export_and_the_profile_agree_on_the_recent_average() -> None:
+    """One definition: old work taken back today changes neither (it counts in its grant's hour, outside)."""
+    device, _ = make_device("ada")
+    campaign = make_campaign()
+    now = timezone.now()
+    _entry(device, campaign, 7.0, now - timedelta(hours=2))
+    _entry(device, campaign, 50.0, now - timedelta(days=10), reversed_at=now - timedelta(minutes=5))
+    _entry(device, campaign, 3.0, now - timedelta(days=3), reversed_at=now - timedelta(minutes=1))
+
+    (row,) = json.loads(_export_text())["users"]
+
+    assert summaries.of_volunteer(device.owner_id).recent_average == pytest.approx(1.0)
+    assert row["recent_credit_per_day"] == pytest.approx(1.0)
+
+
+def _export_text() -> str:
+    buffer = io.BytesIO()
+    export.write_document(buffer)
+    return buffer.getvalue().decode()
