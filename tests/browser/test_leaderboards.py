@@ -74,5 +74,6 @@ def test_a_volunteer_watches_their_rank_rise_as_their_work_commits(page: Page, s
     _commit_work(campaign, devices["linus"], 250)  # his agent's next lease is committed while he watches
 
     expect(page.get_by_test_id("my-rank")).to_have_text("1", timeout=20_000)  # polled, no reload
+    expect(page.get_by_test_id("my-credit")).to_have_text("350.000")
     expect(rows.nth(0)).to_contain_text("Linus")
     shot(page, "leaderboard after his work committed")

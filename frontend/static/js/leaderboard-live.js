@@ -6,6 +6,7 @@
   if (!table) return;
   const body = table.querySelector("tbody");
   const rank = document.querySelector("[data-testid=my-rank]");
+  const credit = document.querySelector("[data-testid=my-credit]");
 
   function cell(text, cls) {
     const td = document.createElement("td");
@@ -31,7 +32,10 @@
       return tr;
     });
     if (rows.length) body.replaceChildren(...rows);
-    if (rank && board.me) rank.textContent = String(board.me.rank);
+    if (board.me) {
+      if (rank) rank.textContent = String(board.me.rank);
+      if (credit) credit.textContent = board.me.credit.toFixed(3);
+    }
   }
 
   async function poll() {
