@@ -85,8 +85,14 @@ def add(deltas: Iterable[Delta], now: float | None = None) -> None:
     deltas = list(deltas)
     if not deltas:
         return
+    client = hot_state().client
     current = int((time.time() if now is None else now) // 3600)
-    pipe = hot_state().client.pipeline(transaction=False)
+    # A window holds the buckets after the hour it was last aged to, not after the clock's: ``age_out`` later
+    # subtracts the bucket of each hour that leaves it, so a delta must be in the window exactly when its
+    # bucket will be subtracted from it.
+    client.set(_aged_key(), current, nx=True)
+    aged = int(client.get(_aged_key()) or current)
+    pipe = client.pipeline(transaction=False)
     for d in deltas:
         for scope in (EVERY_CAMPAIGN, d.campaign_id):
             pipe.sadd(_scopes_key(), scope)
@@ -99,7 +105,7 @@ def add(deltas: Iterable[Delta], now: float | None = None) -> None:
                 pipe.zincrby(bucket, d.credit, member)
                 pipe.expire(bucket, BUCKET_TTL_S)
                 for period, hours in WINDOW_HOURS.items():
-                    if d.hour > current - hours:
+                    if d.hour > aged - hours:
                         pipe.zincrby(_board(scope, subject, period), d.credit, member)
     pipe.execute()
 

@@ -178,3 +178,16 @@ def test_credit_entries_outlive_nothing_they_should_not(django_capture_on_commit
         _commit_work(campaign, [device.pk], leases=2)
     lease = Lease.objects.filter(step__isnull=False).first()
     assert lease is not None and lease.credit_entries.get().created_at <= timezone.now()
+
+
+def test_a_reversal_added_before_the_windows_were_aged_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [NOW]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    _fresh_boards()
+    boards.add([_delta(1, 5.0, hours_ago=23), _delta(2, 1.0)], now=NOW)
+
+    clock[0] = NOW + HOUR  # an hour on, before any reader ages the windows, the old grant is taken back
+    boards.add([_delta(1, -5.0, hours_ago=23)], now=clock[0])
+
+    for period in ("24h", "7d", "all"):
+        assert _ids(boards.page(boards.EVERY_CAMPAIGN, "volunteers", period, 0, 10)[0]) == [2]  # type: ignore[arg-type]
