@@ -148,8 +148,10 @@ class FakeSite:
                 continue
             self.received.append(message)
             if isinstance(message, LeaseRequest):
-                reply = self.replies.pop(0) if self.replies else NoLease(
-                    reason="campaign_finished", detail="nothing left", retry_after_s=30.0
+                reply = (
+                    self.replies.pop(0)
+                    if self.replies
+                    else NoLease(reason="campaign_finished", detail="nothing left", retry_after_s=30.0)
                 )
                 await ws.send(encode_message(reply))
                 if isinstance(reply, Lease):
@@ -207,7 +209,9 @@ class FakeAggregator:
         data = self.params.get((int(slice_index), int(version)))
         if data is None:
             return _binary(404, b'{"error": "unknown version"}')
-        etag = f'"{slice_index}-{version}-{hashlib.sha256(data).hexdigest()[:16]}"'  # like the real one: per publication
+        etag = (
+            f'"{slice_index}-{version}-{hashlib.sha256(data).hexdigest()[:16]}"'  # like the real one: per publication
+        )
         if request.headers.get("If-None-Match") == etag:
             return _binary(304, b"", etag)
         self.param_downloads += 1
@@ -253,11 +257,17 @@ class World:
         bounds = [(0, self.split), (self.split, self.params.numel())]
         return [
             SliceRoute(index=i, start=lo, end=hi, upload_url=agg.upload_url, params_url=agg.params_url(i))
-            for i, ((lo, hi), agg) in enumerate(zip(bounds, self.aggregators))
+            for i, ((lo, hi), agg) in enumerate(zip(bounds, self.aggregators, strict=True))
         ]
 
     def lease(
-        self, lease_id: int, ranges: list[tuple[int, int]], *, version: int = 0, microbatch: int = 4, codec: CodecName = "fp32"
+        self,
+        lease_id: int,
+        ranges: list[tuple[int, int]],
+        *,
+        version: int = 0,
+        microbatch: int = 4,
+        codec: CodecName = "fp32",
     ) -> Lease:
         sample_ranges = [SampleRange(shard=self.sha, start=s, count=c) for s, c in ranges]
         num = sum(c for _, c in ranges)

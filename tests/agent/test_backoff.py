@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from crowdtrain_agent.backoff import Backoff
 from crowdtrain_agent.control import ControlChannel
 from crowdtrain_backbone.site_link import SITE_BACKOFF

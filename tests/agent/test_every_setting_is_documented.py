@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from crowdtrain_agent.config import ENV_PREFIX
-
 from tests.settings_tables import ROOT, documented, mismatch, python_files, read_in
 
 

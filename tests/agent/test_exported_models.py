@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from crowdtrain_agent.models import ModelConfigError, export_bytes, get_model, load_exported, model_from_flat
 
 GPT = {"n_layer": 1, "n_head": 2, "n_embd": 8, "block_size": 8}

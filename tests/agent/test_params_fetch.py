@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from msgspec.structs import replace
 
 import pytest
 import torch
+from msgspec.structs import replace
 
 from crowdtrain_agent.fetch import FetchError, fetch_params, fetch_slice
 
@@ -40,7 +40,9 @@ async def test_a_slice_of_the_wrong_size_is_refused_with_both_sizes(world: World
     first, _ = world.routes()
     short = replace(first, end=first.end - 1)  # the aggregator sends one element more than this route holds
 
-    with pytest.raises(FetchError, match=rf"sends {4 * (first.end - first.start)} bytes, expected {4 * (short.end - short.start)}"):
+    with pytest.raises(
+        FetchError, match=rf"sends {4 * (first.end - first.start)} bytes, expected {4 * (short.end - short.start)}"
+    ):
         await asyncio.to_thread(fetch_slice, short, 0)
 
 

@@ -58,7 +58,9 @@ async def test_two_threads_asking_for_one_shard_download_it_once(world: World, t
     world.site.shard_delay_s = 0.2  # the second asks while the first is still downloading
     cache = _cache(world, tmp_path)
 
-    first, second = await asyncio.gather(asyncio.to_thread(cache.get, world.sha), asyncio.to_thread(cache.get, world.sha))
+    first, second = await asyncio.gather(
+        asyncio.to_thread(cache.get, world.sha), asyncio.to_thread(cache.get, world.sha)
+    )
 
     assert first == second == world.shard
     assert world.site.shard_requests == [world.sha]

@@ -20,8 +20,12 @@ async def test_unknown_model_and_missing_shard_leases_are_released(
     world: World, config: AgentConfig, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(runtime, "LEASE_ERROR_PAUSE_S", 0.01)
-    unknown_model = msgspec.structs.replace(world.lease(1, [(0, 4)]), model=ModelSpec(architecture="resnet9000", config={}))
-    missing_shard = msgspec.structs.replace(world.lease(2, [(0, 4)]), ranges=[SampleRange(shard="0" * 64, start=0, count=4)])
+    unknown_model = msgspec.structs.replace(
+        world.lease(1, [(0, 4)]), model=ModelSpec(architecture="resnet9000", config={})
+    )
+    missing_shard = msgspec.structs.replace(
+        world.lease(2, [(0, 4)]), ranges=[SampleRange(shard="0" * 64, start=0, count=4)]
+    )
     world.site.replies = [unknown_model, missing_shard, world.lease(3, [(0, 4)])]
 
     code = await Agent(replace(config, max_leases=3), backoff=FAST_BACKOFF, benchmark_s=0.01).run()

@@ -12,6 +12,11 @@ from typing import Any, TypeVar
 import msgspec
 import pytest
 import torch
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
 from crowdtrain_agent.backoff import Backoff
 from crowdtrain_agent.codec import get_codec
 from crowdtrain_agent.protocol import (
@@ -38,10 +43,6 @@ from crowdtrain_agent.protocol import (
 )
 from crowdtrain_backbone.config import BackboneConfig
 from crowdtrain_backbone.server import BackboneServer
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
-from websockets.http11 import Request, Response
 
 M = TypeVar("M")
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from crowdtrain_agent.optimizers import LR, OPTIMIZERS, OptimizerConfigError, OptimizerEntry, register, unregister
 from crowdtrain_agent.protocol import OptimizerSpec
 from crowdtrain_backbone.optimizers import SliceLayout, builder_of

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from crowdtrain_agent.protocol import OptimizerSpec, SliceAssignment, SliceLost, SliceReady, StepApplied, StepFailed
 from crowdtrain_backbone.node import AggregatorNode
 from crowdtrain_backbone.server import BackboneServer

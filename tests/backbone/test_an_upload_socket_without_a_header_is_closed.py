@@ -10,8 +10,9 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from crowdtrain_agent.protocol import CloseCode
 from websockets.exceptions import ConnectionClosed
+
+from crowdtrain_agent.protocol import CloseCode
 
 from .conftest import FakeSite, agent_connection, assignment, running_backbone
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from crowdtrain_agent.protocol import (
     CheckpointComplete,
     CheckpointSaved,

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from crowdtrain_agent.protocol import SliceReady
 from crowdtrain_backbone.checkpoints import S3Store, StorageUnusable, load_checkpoint, save_checkpoint, to_prune
-
 from tests.s3server import s3_server
 
 from .conftest import FakeSite, agent_connection, assignment, running_backbone, take_step

@@ -19,8 +19,23 @@ def _env() -> dict[str, str]:
 
 
 def test_it_prints_the_listening_line_with_the_real_port(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "crowdtrain_backbone", "--site", "http://127.0.0.1:9", "--token", "t",
-               "--name", "agg-cli", "--host", "127.0.0.1", "--port", "0", "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "crowdtrain_backbone",
+        "--site",
+        "http://127.0.0.1:9",
+        "--token",
+        "t",
+        "--name",
+        "agg-cli",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--checkpoint-dir",
+        str(tmp_path),
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env())
     try:
         assert process.stdout is not None
@@ -39,8 +54,13 @@ def test_it_prints_the_listening_line_with_the_real_port(tmp_path: Path) -> None
 def test_it_refuses_to_start_with_a_bad_port() -> None:
     env = _env() | {"CROWDTRAIN_BACKBONE_PORT": "eighty"}
 
-    result = subprocess.run([sys.executable, "-m", "crowdtrain_backbone", "--token", "t"], capture_output=True,
-                            text=True, env=env, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "crowdtrain_backbone", "--token", "t"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
 
     assert result.returncode == 2
     assert "CROWDTRAIN_BACKBONE_PORT='eighty' is not a TCP port" in result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from crowdtrain_backbone.config import DEFAULT_MAX_PENDING_BYTES, ConfigError, load_config
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import fields
 
 from crowdtrain_backbone.config import ENV_PREFIX, BackboneConfig
-
 from tests.settings_tables import ROOT, documented, mismatch, python_files, read_in
 
 

@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 import torch
+
 from crowdtrain_agent.codec import decode_fp32
 from crowdtrain_agent.protocol import SliceReady
 from crowdtrain_backbone import http_routes
@@ -20,7 +21,9 @@ from .conftest import SLICE0, Agent, FakeSite, take_step, ticket
 NUMEL = SLICE0[1] - SLICE0[0]
 
 
-async def _get(url: str, headers: dict[str, str] | None = None, *, token: str | None = "auto") -> tuple[int, dict[str, str], bytes]:
+async def _get(
+    url: str, headers: dict[str, str] | None = None, *, token: str | None = "auto"
+) -> tuple[int, dict[str, str], bytes]:
     """GET ``url``; with a lease's ticket for the campaign the URL names, unless ``token`` says otherwise."""
     headers = dict(headers or {})
     match = re.search(r"/params/(\d+)/", url)
@@ -68,7 +71,9 @@ async def test_the_params_url_announced_to_the_site_works(
 async def test_it_answers_not_modified_for_a_matching_etag(held: SliceReady, backbone: BackboneServer) -> None:
     _, headers, _ = await _get(f"http://127.0.0.1:{backbone.port}/params/1/0/0")
 
-    status, again, body = await _get(f"http://127.0.0.1:{backbone.port}/params/1/0/0", {"If-None-Match": headers["ETag"]})
+    status, again, body = await _get(
+        f"http://127.0.0.1:{backbone.port}/params/1/0/0", {"If-None-Match": headers["ETag"]}
+    )
 
     assert status == 304 and body == b"" and again["ETag"] == headers["ETag"]
 

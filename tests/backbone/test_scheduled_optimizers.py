@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import OptimizerSpec
 from crowdtrain_backbone.checkpoints import LocalStore, load_checkpoint, save_checkpoint
@@ -118,7 +119,9 @@ def test_the_schedule_resumes_from_a_checkpoint_where_it_stopped(tmp_path: Path)
         _step(first, leases)
 
     save_checkpoint(LocalStore(tmp_path), 1, 0, first.version, first.checkpoint_dict())
-    saved = load_checkpoint(LocalStore(tmp_path), 1, 0, 3)  # weights_only: LAMB's state must be plain tensors and numbers
+    saved = load_checkpoint(
+        LocalStore(tmp_path), 1, 0, 3
+    )  # weights_only: LAMB's state must be plain tensors and numbers
     resumed = SliceState(first.assignment, saved["params"], saved["version"], MemoryBudget(1 << 30), saved["optimizer"])
     for leases in steps[3:]:
         _step(resumed, leases)

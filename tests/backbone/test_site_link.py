@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from crowdtrain_agent.protocol import CloseCode, SliceReady
 from crowdtrain_backbone.server import BackboneServer
 

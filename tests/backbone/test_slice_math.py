@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import OptimizerSpec
 from crowdtrain_backbone.slices import MemoryBudget, PendingUpload, SliceState, initial_params

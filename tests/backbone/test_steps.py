@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+
 from crowdtrain_agent.protocol import OptimizerSpec, SliceReady, SliceUnassign, StepApplied, StepCommit, StepFailed
 from crowdtrain_backbone.server import BackboneServer
 from crowdtrain_backbone.slices import PendingUpload, SliceState, Snapshot, initial_params

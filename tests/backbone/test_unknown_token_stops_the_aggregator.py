@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from crowdtrain_agent.protocol import CloseCode
 from crowdtrain_backbone.server import BackboneServer
 from crowdtrain_backbone.site_link import SiteRefused

@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from websockets.exceptions import ConnectionClosed
+
 from crowdtrain_agent.protocol import (
     MAX_WS_MESSAGE_BYTES,
     SliceReady,
@@ -15,7 +17,6 @@ from crowdtrain_agent.protocol import (
     encode_message,
 )
 from crowdtrain_backbone.server import BackboneServer
-from websockets.exceptions import ConnectionClosed
 
 from .conftest import KEY, SLICE0, Agent, FakeSite, agent_connection, gradient, take_step, ticket
 
@@ -49,7 +50,9 @@ async def test_it_rejects_an_unknown_message_kind(held: SliceReady, agent: Agent
     await _assert_rejected_then_usable(agent, backbone, await agent.reply(), "unknown message", "gimme_params")
 
 
-async def test_it_rejects_a_header_with_a_missing_field(held: SliceReady, agent: Agent, backbone: BackboneServer) -> None:
+async def test_it_rejects_a_header_with_a_missing_field(
+    held: SliceReady, agent: Agent, backbone: BackboneServer
+) -> None:
     await agent.ws.send(json.dumps({"kind": "upload", "ticket": ticket(1), "slice_index": 0, "codec": "fp32"}))
 
     await _assert_rejected_then_usable(agent, backbone, await agent.reply(), "malformed message", "num_elements")
@@ -211,7 +214,9 @@ async def test_it_rejects_versions_outside_the_window(site: FakeSite, held: Slic
     await _assert_rejected_then_usable(agent, backbone, stale, "stale version", version=2)
 
 
-async def test_it_rejects_a_gradient_over_the_norm_bound(site: FakeSite, backbone: BackboneServer, agent: Agent) -> None:
+async def test_it_rejects_a_gradient_over_the_norm_bound(
+    site: FakeSite, backbone: BackboneServer, agent: Agent
+) -> None:
     from .conftest import assignment
 
     await site.assign(assignment(max_grad_norm=2.0))

@@ -9,6 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import ModelSpec, OptimizerSpec
 from crowdtrain_backbone import optimizers
@@ -16,7 +19,6 @@ from crowdtrain_backbone.checkpoints import LocalStore, load_checkpoint, save_ch
 from crowdtrain_backbone.lamb import Lamb
 from crowdtrain_backbone.optimizers import decay_rule, tensor_spans
 from crowdtrain_backbone.slices import MemoryBudget, PendingUpload, SliceState, initial_params
-from hypothesis import HealthCheck, given, settings, strategies as st
 
 from .conftest import assignment, decay_groups, gradient, set_mean_gradient
 

@@ -33,18 +33,49 @@ from .figures import figure_line
 
 SHARD = "ab" * 32
 MESSAGES = {
-    "lease_request": (LeaseRequest(campaign_id=3, samples_per_s=1234.5, request_id="r-000042", wait_s=10.0),
-                      AGENT_TO_SITE),
-    "done": (LeaseDone(lease_id=123456, receipts=[Receipt(slice_index=i, token="x" * 43) for i in range(2)],
-                       num_samples=16, loss_sum=12.34, compute_s=0.5), AGENT_TO_SITE),
-    "lease": (Lease(lease_id=123456, campaign_id=3, base_version=42, ranges=[SampleRange(shard=SHARD, start=100, count=16)],
-                    num_samples=16, microbatch_size=16, deadline_s=30.0, ticket="t" * 200, codec="fp32",
-                    model=ModelSpec(architecture="gpt", config={"vocab_size": 256, "block_size": 128, "n_layer": 4}),
-                    data=DataSpec(kind="text", sample_len=129), param_count=834_000,
-                    slices=[SliceRoute(index=i, start=i * 417_000, end=(i + 1) * 417_000, upload_url="ws://a:9001/upload",
-                                       params_url="http://a:9001/params/") for i in range(2)],
-                    prefetch=[SHARD]), SITE_TO_AGENT),
-}  # fmt: skip
+    "lease_request": (
+        LeaseRequest(campaign_id=3, samples_per_s=1234.5, request_id="r-000042", wait_s=10.0),
+        AGENT_TO_SITE,
+    ),
+    "done": (
+        LeaseDone(
+            lease_id=123456,
+            receipts=[Receipt(slice_index=i, token="x" * 43) for i in range(2)],
+            num_samples=16,
+            loss_sum=12.34,
+            compute_s=0.5,
+        ),
+        AGENT_TO_SITE,
+    ),
+    "lease": (
+        Lease(
+            lease_id=123456,
+            campaign_id=3,
+            base_version=42,
+            ranges=[SampleRange(shard=SHARD, start=100, count=16)],
+            num_samples=16,
+            microbatch_size=16,
+            deadline_s=30.0,
+            ticket="t" * 200,
+            codec="fp32",
+            model=ModelSpec(architecture="gpt", config={"vocab_size": 256, "block_size": 128, "n_layer": 4}),
+            data=DataSpec(kind="text", sample_len=129),
+            param_count=834_000,
+            slices=[
+                SliceRoute(
+                    index=i,
+                    start=i * 417_000,
+                    end=(i + 1) * 417_000,
+                    upload_url="ws://a:9001/upload",
+                    params_url="http://a:9001/params/",
+                )
+                for i in range(2)
+            ],
+            prefetch=[SHARD],
+        ),
+        SITE_TO_AGENT,
+    ),
+}
 
 
 def best_us(fn: Callable[[], object], number: int = 20_000, repeat: int = 5) -> float:

@@ -88,9 +88,9 @@ import numpy as np  # noqa: E402
 from crowdtrain_launcher import Child, LaunchError, Swarm, get_json  # noqa: E402
 
 from .cpu_time import cpu_between, sample_cpu  # noqa: E402
+from .databases import database_name, flush_redis, lease_states, recreate_database, with_database  # noqa: E402
 from .figures import figure_line, format_value, percentile, skipped_line, spread_pct  # noqa: E402
 from .loadgen import raise_open_files_limit, write_json  # noqa: E402
-from .databases import database_name, flush_redis, lease_states, recreate_database, with_database  # noqa: E402
 
 logger = logging.getLogger("tests.benchmarks.scale")
 
@@ -281,7 +281,9 @@ class Bench:
                  swarm.start_site(name="site-2", cpus=plan.site_cpus, worker=False)]  # fmt: skip
         if plan.mode == "cycle":
             aggregator = swarm.start_aggregator(sites[0], token=seed["aggregators"]["agg-1"], name="agg-1")
-            swarm.wait_until(lambda: get_json(f"{aggregator}/healthz")["slices"], 60, "the aggregator to hold its slice")
+            swarm.wait_until(
+                lambda: get_json(f"{aggregator}/healthz")["slices"], 60, "the aggregator to hold its slice"
+            )
             time.sleep(0.5)  # its slice_ready reaches the site right after
 
         # the load: agents split over a few load-generator processes, and those over both site processes
@@ -375,8 +377,6 @@ def _log_phase(run: PhaseRun) -> None:
     )  # fmt: skip
 
 
-
-
 def _wait_file(path: Path, child: Child, deadline: float, swarm: Swarm) -> dict[str, Any]:
     while time.monotonic() < deadline:
         if path.exists():
@@ -420,8 +420,13 @@ def cycle_figures(run: PhaseRun | str, agents: int, infix: str) -> list[str]:
         lease_note = "; ".join(filter(None, [unanswered if load["lease_unanswered"] else "", note]))
         lines.append(figure_line(names[1], percentile(load["lease_ms"], 99), lease_note))
     else:
-        lines.append(skipped_line(names[1], f"no lease request sent in the window was answered; "
-                                            f"{load['lease_outstanding']} requests still waited after the drain"))
+        lines.append(
+            skipped_line(
+                names[1],
+                f"no lease request sent in the window was answered; "
+                f"{load['lease_outstanding']} requests still waited after the drain",
+            )
+        )
     if load["cycles"]:
         lines.append(figure_line(names[2], run.site_cpu_ms_per_lease))
     else:
@@ -550,14 +555,22 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespa
     add = parser.add_argument
     add("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)} (default: all)")
     add("--agents", type=_sizes, default=[100, 1000], help="agents of the wide and w1like phases (default 100,1000)")
-    add("--cpu-agents", type=_sizes, default=[100, 1000, 5000],
-        help="agents of the wide phases whose CPU per lease must stay flat (default 100,1000,5000)")
+    add(
+        "--cpu-agents",
+        type=_sizes,
+        default=[100, 1000, 5000],
+        help="agents of the wide phases whose CPU per lease must stay flat (default 100,1000,5000)",
+    )
     add("--idle-agents", type=int, default=10_000, help="connected idle agents (default 10000)")
     add("--join-rate", type=float, default=200.0, help="idle agents joining per second (default 200)")
     add("--overload-agents", type=int, default=5000, help="agents against the saturated site (default 5000)")
     add("--overload-site-cpus", default="0", help="CPUs the site gets in the overload phase ('' for all; default 0)")
-    add("--period-s", type=float, default=1.0,
-        help="each agent's shortest cycle, 0 for back to back (default 1: N agents offer N cycles/s)")
+    add(
+        "--period-s",
+        type=float,
+        default=1.0,
+        help="each agent's shortest cycle, 0 for back to back (default 1: N agents offer N cycles/s)",
+    )
     add("--warmup-s", type=float, default=5.0, help="cycling before the window (default 5)")
     add("--window-s", type=float, default=20.0, help="measured window of the leasing phases (default 20)")
     add("--idle-window-s", type=float, default=30.0, help="measured window of the idle phase (default 30)")
@@ -569,8 +582,11 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespa
     add("--database-url", default=os.environ.get("CROWDTRAIN_BENCH_DATABASE_URL", DEFAULT_DATABASE_URL),
         help="the phases' database, dropped and recreated for each; its name + '_tpl' is the template "
              f"(default $CROWDTRAIN_BENCH_DATABASE_URL or {DEFAULT_DATABASE_URL})")  # fmt: skip
-    add("--redis-url", default=os.environ.get("CROWDTRAIN_BENCH_REDIS_URL", DEFAULT_REDIS_URL),
-        help=f"emptied before each phase (default $CROWDTRAIN_BENCH_REDIS_URL or {DEFAULT_REDIS_URL})")
+    add(
+        "--redis-url",
+        default=os.environ.get("CROWDTRAIN_BENCH_REDIS_URL", DEFAULT_REDIS_URL),
+        help=f"emptied before each phase (default $CROWDTRAIN_BENCH_REDIS_URL or {DEFAULT_REDIS_URL})",
+    )
     args = parser.parse_args(argv)
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     unknown = sorted(set(phases) - set(PHASES))
@@ -607,8 +623,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     redis_url = urlunsplit(urlsplit(redis_url)._replace(path=urlsplit(options.redis_url).path))
     options = Options(**{**options.__dict__, "database_url": database_url, "redis_url": redis_url, "nofile": soft})
     bench = Bench(options)
-    wanted = {"wide": [*options.agents, *options.cpu_agents], "w1like": options.agents,
-              "idle": [options.idle_agents], "overload": [options.overload_agents]}
+    wanted = {
+        "wide": [*options.agents, *options.cpu_agents],
+        "w1like": options.agents,
+        "idle": [options.idle_agents],
+        "overload": [options.overload_agents],
+    }
     bench.prepare(max(n for phase in options.phases for n in wanted[phase]))
     run_all(bench)
     return 0

@@ -61,7 +61,7 @@ import numpy as np  # noqa: E402
 
 from crowdtrain_launcher import Swarm, get_json  # noqa: E402
 
-from .baseline import W1, measure_in_process, make_data  # noqa: E402
+from .baseline import W1, make_data, measure_in_process  # noqa: E402
 from .figures import BaselinePair, between_baselines, figure_line, format_value, ratio_or_unstable  # noqa: E402
 from .ingest import measure_ingest  # noqa: E402
 
@@ -95,39 +95,80 @@ def write_npz(path: Path) -> None:
 
 def campaign_spec(npz: Path, steps: int, agents: int) -> dict[str, Any]:
     return {
-        "campaigns": [{
-            "name": "W1", "architecture": "mlp", "model_config": W1.model_config,
-            "optimizer": {"name": "adamw", "lr": W1.lr, "weight_decay": 0.0},
-            "dataset": {"kind": "npz", "path": str(npz), "name": "w1", "shard_bytes": 4 << 20},
-            "target_batch_size": W1.global_batch, "microbatch_size": W1.microbatch, "codec": "fp32",
-            "staleness": 1, "max_steps": steps, "checkpoint_every": 1000, "validate_every": 0, "seed": 0,
-        }],
+        "campaigns": [
+            {
+                "name": "W1",
+                "architecture": "mlp",
+                "model_config": W1.model_config,
+                "optimizer": {"name": "adamw", "lr": W1.lr, "weight_decay": 0.0},
+                "dataset": {"kind": "npz", "path": str(npz), "name": "w1", "shard_bytes": 4 << 20},
+                "target_batch_size": W1.global_batch,
+                "microbatch_size": W1.microbatch,
+                "codec": "fp32",
+                "staleness": 1,
+                "max_steps": steps,
+                "checkpoint_every": 1000,
+                "validate_every": 0,
+                "seed": 0,
+            }
+        ],
         "aggregators": ["agg-1"],
         "agents": [f"agent-{i + 1}" for i in range(agents)],
-    }  # fmt: skip
+    }
 
 
-def run_phase(run_dir: Path, npz: Path, *, agent_cpus: Sequence[Sequence[int] | None],
-              server_cpus: Sequence[int] | None, steps: int, warmup: int, ingest_uploads: int,
-              site_env: dict[str, str]) -> PhaseResult:  # fmt: skip
+def run_phase(
+    run_dir: Path,
+    npz: Path,
+    *,
+    agent_cpus: Sequence[Sequence[int] | None],
+    server_cpus: Sequence[int] | None,
+    steps: int,
+    warmup: int,
+    ingest_uploads: int,
+    site_env: dict[str, str],
+) -> PhaseResult:
     """One fresh site + aggregator, then the agents; steady rate, first-step latency, and optionally ingest."""
     key = secrets.token_bytes(32)
     # Production settings where they matter for speed: DEBUG off (no per-query bookkeeping).
-    env = {"CROWDTRAIN_VAR_DIR": str(run_dir / "var"), "CROWDTRAIN_TICKET_KEY": key.hex(), "CROWDTRAIN_DEBUG": "false",
-           **site_env}  # fmt: skip
+    env = {
+        "CROWDTRAIN_VAR_DIR": str(run_dir / "var"),
+        "CROWDTRAIN_TICKET_KEY": key.hex(),
+        "CROWDTRAIN_DEBUG": "false",
+        **site_env,
+    }
     # This process polls the site while the agents work: it stays off their cores, with the site.
     own_cpus = os.sched_getaffinity(0)
     if server_cpus:
         os.sched_setaffinity(0, set(server_cpus))
     try:
-        return _measure_phase(run_dir, npz, env, key, agent_cpus=agent_cpus, server_cpus=server_cpus, steps=steps,
-                              warmup=warmup, ingest_uploads=ingest_uploads)  # fmt: skip
+        return _measure_phase(
+            run_dir,
+            npz,
+            env,
+            key,
+            agent_cpus=agent_cpus,
+            server_cpus=server_cpus,
+            steps=steps,
+            warmup=warmup,
+            ingest_uploads=ingest_uploads,
+        )
     finally:
         os.sched_setaffinity(0, own_cpus)
 
 
-def _measure_phase(run_dir: Path, npz: Path, env: dict[str, str], key: bytes, *, agent_cpus: Sequence[Sequence[int] | None],
-                   server_cpus: Sequence[int] | None, steps: int, warmup: int, ingest_uploads: int) -> PhaseResult:  # fmt: skip
+def _measure_phase(
+    run_dir: Path,
+    npz: Path,
+    env: dict[str, str],
+    key: bytes,
+    *,
+    agent_cpus: Sequence[Sequence[int] | None],
+    server_cpus: Sequence[int] | None,
+    steps: int,
+    warmup: int,
+    ingest_uploads: int,
+) -> PhaseResult:
     with Swarm(run_dir, env=env) as swarm:
         spec_path = run_dir / "spec.json"
         spec_path.write_text(json.dumps(campaign_spec(npz, steps, len(agent_cpus))))
@@ -140,7 +181,7 @@ def _measure_phase(run_dir: Path, npz: Path, env: dict[str, str], key: bytes, *,
 
         # time to first step: agent start -> its lease is part of a committed step
         started = time.monotonic()
-        for (name, token), cpus in zip(seed["agents"].items(), agent_cpus):
+        for (name, token), cpus in zip(seed["agents"].items(), agent_cpus, strict=True):
             swarm.start_agent(site, token=token, name=name, threads=1, campaign_id=campaign_id, cpus=cpus)
         progress_url = f"{site.url}/api/campaigns/{campaign_id}/progress"
         swarm.wait_until(lambda: get_json(progress_url)["committed_steps"] >= 1, 180, "the first committed step", 0.05)
@@ -158,13 +199,16 @@ def _measure_phase(run_dir: Path, npz: Path, env: dict[str, str], key: bytes, *,
                     child.stop(grace_s=10)
             s = dump["slices"][0]
             result = measure_ingest(
-                s["upload_url"], key, campaign_id=campaign_id, slice_index=s["index"], numel=s["end"] - s["start"],
-                version=dump["version"], uploads=ingest_uploads,
-            )  # fmt: skip
+                s["upload_url"],
+                key,
+                campaign_id=campaign_id,
+                slice_index=s["index"],
+                numel=s["end"] - s["start"],
+                version=dump["version"],
+                uploads=ingest_uploads,
+            )
             ingest = result.mb_per_s
     return PhaseResult(rate, first_step_s, ingest)
-
-
 
 
 def _unstable_note(pair: BaselinePair) -> str:
@@ -182,10 +226,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the steady rate (default 5)")
     parser.add_argument("--baseline-seconds", type=float, default=8.0, help="plain PyTorch timing (default 8)")
     parser.add_argument("--ingest-uploads", type=int, default=40, help="timed ~5 MB uploads (default 40)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="runs of a phase again while its baselines disagree by over 10%% (default 2)")  # fmt: skip
-    parser.add_argument("--site-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="extra site setting, e.g. CROWDTRAIN_RETRY_AFTER_S=0.1 (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="runs of a phase again while its baselines disagree by over 10%% (default 2)",
+    )
+    parser.add_argument(
+        "--site-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra site setting, e.g. CROWDTRAIN_RETRY_AFTER_S=0.1 (repeatable)",
+    )
     args = parser.parse_args(argv)
     site_env = dict(item.split("=", 1) for item in args.site_env if "=" in item)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -209,17 +262,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     # or goes during the phase shows as a disagreement, and the phase runs again.
     one, base_1 = between_baselines(
         "agent phase",
-        lambda attempt: run_phase(_attempt_dir(root / "one-agent", attempt), npz, agent_cpus=[[0]], server_cpus=[1],
-                                  steps=args.steps, warmup=args.warmup, ingest_uploads=0, site_env=site_env),
-        one_thread, args.repeats,
-    )  # fmt: skip
+        lambda attempt: run_phase(
+            _attempt_dir(root / "one-agent", attempt),
+            npz,
+            agent_cpus=[[0]],
+            server_cpus=[1],
+            steps=args.steps,
+            warmup=args.warmup,
+            ingest_uploads=0,
+            site_env=site_env,
+        ),
+        one_thread,
+        args.repeats,
+    )
     two, base_2 = between_baselines(
         "swarm phase",
-        lambda attempt: run_phase(_attempt_dir(root / "two-agents", attempt), npz, agent_cpus=[None, None],
-                                  server_cpus=None, steps=args.steps, warmup=args.warmup,
-                                  ingest_uploads=args.ingest_uploads, site_env=site_env),
-        two_threads, args.repeats,
-    )  # fmt: skip
+        lambda attempt: run_phase(
+            _attempt_dir(root / "two-agents", attempt),
+            npz,
+            agent_cpus=[None, None],
+            server_cpus=None,
+            steps=args.steps,
+            warmup=args.warmup,
+            ingest_uploads=args.ingest_uploads,
+            site_env=site_env,
+        ),
+        two_threads,
+        args.repeats,
+    )
     lines = [
         figure_line("baseline_1thread_samples_per_s", base_1.best, _unstable_note(base_1)),
         figure_line("baseline_2threads_samples_per_s", base_2.best, _unstable_note(base_2)),

@@ -69,7 +69,9 @@ def test_a_bad_jsonl_file_shows_its_line_number_on_the_dataset_page(page: Page, 
     shot(page, "bad jsonl")
 
 
-def test_the_dataset_list_shows_an_unfinished_upload_and_a_ready_dataset(page: Page, shot: Shot, tmp_path: Path) -> None:
+def test_the_dataset_list_shows_an_unfinished_upload_and_a_ready_dataset(
+    page: Page, shot: Shot, tmp_path: Path
+) -> None:
     olga = make_organizer("olga")
     Upload.objects.create(owner=olga, name="big", filename="big.txt", size=5 << 30, format="text", sample_len=65,
                           received=1 << 30)  # fmt: skip

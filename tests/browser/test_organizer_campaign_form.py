@@ -9,7 +9,6 @@ from tests.browser.live_site import Shot, log_in
 from tests.factories import make_organizer, make_text_dataset
 
 
-
 def test_an_organizer_creates_a_campaign_and_moves_it_through_its_life(page: Page, shot: Shot) -> None:
     olga = make_organizer("olga")
     dataset = make_text_dataset()  # 9-byte samples: block_size 8

@@ -31,9 +31,9 @@ from torch.nn import functional as F
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Dataset, ValidationResult
 from crowdtrain.campaigns.sharding import stdlib_corpus
-from crowdtrain_launcher import Site, Swarm
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.models import load_exported
+from crowdtrain_launcher import Site, Swarm
 from tests.browser.live_site import LiveSite, Shot, log_in
 from tests.factories import make_organizer, make_volunteer
 

@@ -20,8 +20,16 @@ from playwright.sync_api import Page, expect
 from websockets.sync.client import connect
 
 from crowdtrain.accounts.models import Device
+from crowdtrain_agent.protocol import (
+    PROTOCOL_VERSION,
+    AgentHello,
+    DeviceInfo,
+    Heartbeat,
+    Welcome,
+    decode_message,
+    encode_message,
+)
 from crowdtrain_launcher import REPO_ROOT
-from crowdtrain_agent.protocol import PROTOCOL_VERSION, AgentHello, DeviceInfo, Heartbeat, Welcome, decode_message, encode_message
 from tests.browser.live_site import LiveSite, Outbox, Shot
 from tests.factories import make_volunteer
 
@@ -213,13 +221,21 @@ def test_a_newcomer_signs_up_founds_a_team_and_logs_her_agent_in(
     username = get_user_model().objects.get(email="grace@example.org").get_username()
     device = Device.objects.get(owner__username=username)
     ws_url = live_site.url.replace("http://", "ws://", 1) + "/ws/agent/"
-    hello = AgentHello(protocol_version=PROTOCOL_VERSION, agent_version="browser-test", device=DeviceInfo(kind="cpu", name="Test CPU", threads=1))
+    hello = AgentHello(
+        protocol_version=PROTOCOL_VERSION,
+        agent_version="browser-test",
+        device=DeviceInfo(kind="cpu", name="Test CPU", threads=1),
+    )
     with connect(ws_url, additional_headers={"Authorization": f"Bearer {saved['token']}"}, open_timeout=10) as ws:
         ws.send(encode_message(hello))
         welcome = decode_message(ws.recv(timeout=10))
 
         assert isinstance(welcome, Welcome), welcome
-        assert (welcome.device_id, welcome.device_name, welcome.volunteer) == (device.pk, device_name, "grace@example.org")
+        assert (welcome.device_id, welcome.device_name, welcome.volunteer) == (
+            device.pk,
+            device_name,
+            "grace@example.org",
+        )
         whoami = AgentCommand(["whoami"], config)
         agents.append(whoami)
         assert whoami.finish(AGENT_EXIT_S) == 0, whoami.describe()

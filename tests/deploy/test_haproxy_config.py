@@ -7,7 +7,12 @@ import subprocess
 from pathlib import Path
 
 from crowdtrain_launcher import engines
-from crowdtrain_launcher.cluster import COMPOSE_HAPROXY, compose_haproxy_config, render_haproxy_config, self_signed_certificate
+from crowdtrain_launcher.cluster import (
+    COMPOSE_HAPROXY,
+    compose_haproxy_config,
+    render_haproxy_config,
+    self_signed_certificate,
+)
 
 
 def haproxy_check(config: str, folder: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -19,7 +24,8 @@ def haproxy_check(config: str, folder: Path, env: dict[str, str] | None = None) 
 
 def test_the_compose_config_is_the_template_rendered() -> None:
     assert COMPOSE_HAPROXY.read_text() == compose_haproxy_config(), (
-        "deploy/haproxy.cfg is out of date: python -m crowdtrain_launcher.cluster --print-compose-haproxy > deploy/haproxy.cfg"
+        "deploy/haproxy.cfg is out of date: "
+        "python -m crowdtrain_launcher.cluster --print-compose-haproxy > deploy/haproxy.cfg"
     )
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_aggregator_stops_lose_nothing import samples_committed_once
 from tests.e2e.datasets import write_projection_dataset
+from tests.e2e.test_aggregator_stops_lose_nothing import samples_committed_once
 from tests.e2e.test_two_aggregators_match_plain_pytorch import MODEL, SITE_ENV, spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -16,7 +16,6 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from crowdtrain_launcher import Site, Swarm
 from crowdtrain_agent import login
 from crowdtrain_agent.protocol import (
     PROTOCOL_VERSION,
@@ -27,6 +26,7 @@ from crowdtrain_agent.protocol import (
     decode_message,
     encode_message,
 )
+from crowdtrain_launcher import Site, Swarm
 
 from .conftest import seed, service_database
 

@@ -24,9 +24,9 @@ import pytest
 
 from crowdtrain_launcher import engines
 from crowdtrain_launcher.cluster import Cluster
+from tests.e2e.datasets import write_projection_dataset
 from tests.e2e.test_swarm_trains_a_gpt import counted_samples
 from tests.services import DEFAULT_DATABASE_URL, DEFAULT_REDIS_URL
-from tests.e2e.datasets import write_projection_dataset
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 
@@ -47,15 +47,23 @@ def write_dataset(path: Path) -> None:
 
 def spec(npz: Path) -> dict[str, Any]:
     return {
-        "campaigns": [{
-            "name": "MLP behind a balancer", "architecture": "mlp", "model_config": MODEL,
-            "optimizer": {"name": "adamw", "lr": 1e-2},
-            "dataset": {"kind": "npz", "path": str(npz), "name": "projection", "shard_bytes": 32 << 10},
-            "target_batch_size": 64, "microbatch_size": 16, "staleness": 1, "max_steps": STEPS, "seed": 3,
-        }],
+        "campaigns": [
+            {
+                "name": "MLP behind a balancer",
+                "architecture": "mlp",
+                "model_config": MODEL,
+                "optimizer": {"name": "adamw", "lr": 1e-2},
+                "dataset": {"kind": "npz", "path": str(npz), "name": "projection", "shard_bytes": 32 << 10},
+                "target_batch_size": 64,
+                "microbatch_size": 16,
+                "staleness": 1,
+                "max_steps": STEPS,
+                "seed": 3,
+            }
+        ],
         "aggregators": ["agg-1"],
         "agents": ["agent-1", "agent-2"],
-    }  # fmt: skip
+    }
 
 
 @pytest.fixture
@@ -67,8 +75,14 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     except engines.EngineError as exc:
         pytest.fail(str(exc))
     database_url = engines.with_database(server, f"crowdtrain_cluster_{uuid.uuid4().hex[:10]}")
-    cluster = Cluster(tmp_path / "cluster", database_url=database_url, redis_url=engines.with_database(redis, str(REDIS_DB)),
-                      sites=2, port=0, env=SITE_ENV)  # fmt: skip
+    cluster = Cluster(
+        tmp_path / "cluster",
+        database_url=database_url,
+        redis_url=engines.with_database(redis, str(REDIS_DB)),
+        sites=2,
+        port=0,
+        env=SITE_ENV,
+    )
     yield cluster
     cluster.stop(grace_s=5.0)
     engines.drop_database(cluster.database_url)
@@ -76,8 +90,9 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 def progress(cluster: Cluster, campaign_id: int) -> dict[str, Any]:
     context = ssl.create_default_context(cafile=cluster.client_env().get("SSL_CERT_FILE"))
-    with urllib.request.urlopen(f"{cluster.url}/api/campaigns/{campaign_id}/progress", timeout=10,
-                                context=context) as response:  # fmt: skip
+    with urllib.request.urlopen(
+        f"{cluster.url}/api/campaigns/{campaign_id}/progress", timeout=10, context=context
+    ) as response:
         return json.loads(response.read())
 
 
@@ -112,8 +127,9 @@ def test_two_site_processes_behind_haproxy_train_a_campaign_and_survive_losing_o
 
     cluster.start()
     cluster.start_aggregators(seed["aggregators"])
-    agents = [cluster.start_agent(token=token, name=name, campaign_id=campaign_id)
-              for name, token in seed["agents"].items()]  # fmt: skip
+    agents = [
+        cluster.start_agent(token=token, name=name, campaign_id=campaign_id) for name, token in seed["agents"].items()
+    ]
     wait_for_version(cluster, campaign_id, STOP_AT_VERSION, timeout_s=60)
     served = {site.child.name: (logs / f"{site.child.name}.access.log").read_text() for site in cluster.site_processes}
     busiest = max((1, 2), key=lambda i: open_agent_sockets(logs / f"site-{i}.access.log"))

@@ -15,13 +15,11 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from crowdtrain_launcher import engines
-from crowdtrain_launcher import Child, Swarm
+from crowdtrain_launcher import Child, Swarm, engines
 from tests.e2e.conftest import Run, seed
 from tests.e2e.test_aggregator_stops_lose_nothing import samples_committed_once
 from tests.e2e.test_two_aggregators_match_plain_pytorch import (

@@ -3,7 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from crowdtrain_agent.codec import decode_fp16, decode_fp32, encode_fp16, encode_fp32, get_codec

@@ -3,7 +3,8 @@ from __future__ import annotations
 import struct
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from crowdtrain_agent.protocol import ProtocolError, chunk_fragments, decode_chunk, should_reconnect, split_payload
 from crowdtrain_agent.protocol.frames import CHUNK_HEADER_BYTES, MAX_WS_MESSAGE_BYTES, CloseCode

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
+
+from hypothesis import given
+from hypothesis import strategies as st
 
 from crowdtrain_agent.protocol import OptimizerSpec
 from crowdtrain_agent.protocol.schema import from_dict, to_dict
-from hypothesis import given, strategies as st
 
 warmups = st.integers(min_value=0, max_value=200)
 totals = st.integers(min_value=1, max_value=500)
@@ -34,7 +37,7 @@ def test_warmup_rises_monotonically_to_one(warmup: int, total: int, ratio: float
 
     inside = [spec.lr_multiplier(s) for s in range(w)]
 
-    assert all(a < b for a, b in zip(inside, inside[1:]))
+    assert all(a < b for a, b in pairwise(inside))
     if w:
         assert inside[0] == 1.0 / w and inside[-1] == 1.0
 
@@ -45,7 +48,7 @@ def test_cosine_never_rises_after_warmup(warmup: int, total: int, ratio: float) 
 
     after = [spec.lr_multiplier(s) for s in range(spec.warmup_steps, total + 3)]
 
-    assert all(b <= a + 1e-12 for a, b in zip(after, after[1:]))
+    assert all(b <= a + 1e-12 for a, b in pairwise(after))
 
 
 @given(warmups, totals, ratios, st.integers(min_value=0, max_value=100))

@@ -6,7 +6,8 @@ import json
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from crowdtrain_agent.protocol import (
     MESSAGE_TYPES,
@@ -49,29 +50,45 @@ def test_every_message_survives_a_round_trip(kind: str, data: st.DataObject) -> 
         ("[1, 2]", "expected a JSON object, got an array"),
         ('{"kind": "nope"}', "unknown message kind 'nope'"),
         ('{"kind": "done", "lease_id": 1}', "LeaseDone: missing field 'receipts'"),
-        ('{"kind": "done", "lease_id": true, "receipts": [], "num_samples": 1, "loss_sum": 1, "compute_s": 1}',
-         "LeaseDone.lease_id: expected int, got bool"),
-        ('{"kind": "done", "lease_id": 1, "receipts": [], "num_samples": 1, "loss_sum": NaN, "compute_s": 1}',
-         "malformed json"),
+        (
+            '{"kind": "done", "lease_id": true, "receipts": [], "num_samples": 1, "loss_sum": 1, "compute_s": 1}',
+            "LeaseDone.lease_id: expected int, got bool",
+        ),
+        (
+            '{"kind": "done", "lease_id": 1, "receipts": [], "num_samples": 1, "loss_sum": NaN, "compute_s": 1}',
+            "malformed json",
+        ),
         ('{"kind": "no_lease", "reason": "bored", "detail": "", "retry_after_s": 1}', "NoLease.reason: invalid enum"),
         # What a fuzzer sent: each was an exception (close 1011) or a 500 before, now a named refusal.
         ('{"kind": "lease_request", "wait_s": ' + "9" * 400 + "}", "LeaseRequest.wait_s: number out of range"),
         ('{"kind": "lease_request", "samples_per_s": 1e308}', "LeaseRequest.samples_per_s: expected float <="),
         ('{"kind": "lease_request", "samples_per_s": 1e999}', "Number out of range"),
         ('{"kind": "lease_request", "request_id": "\\ud800"}', "malformed json"),
-        ('{"kind": "lease_request", "request_id": "' + "x" * 65 + '"}', "LeaseRequest.request_id: expected str of length <= 64"),
-        ('{"kind": "done", "lease_id": -1, "receipts": [], "num_samples": 1, "loss_sum": 1, "compute_s": 1}',
-         "LeaseDone.lease_id: expected int >= 0"),
-        ('{"kind": "hello", "agent_version": "x", "device": {"kind": "cpu", "name": "n"}}',
-         "AgentHello: missing field 'protocol_version'"),
-        ('{"kind": "hello", "protocol_version": 2, "agent_version": "x", "device": {"kind": "cpu", "name": "n", '
-         '"memory_bytes": 1' + "0" * 400 + "}}", "AgentHello.device.memory_bytes: expected int <="),
-        ('{"kind": "hello", "protocol_version": 2, "agent_version": "x", "device": ' + "[" * 5000 + "]" * 5000 + "}",
-         "message.device: expected object, got array"),
+        (
+            '{"kind": "lease_request", "request_id": "' + "x" * 65 + '"}',
+            "LeaseRequest.request_id: expected str of length <= 64",
+        ),
+        (
+            '{"kind": "done", "lease_id": -1, "receipts": [], "num_samples": 1, "loss_sum": 1, "compute_s": 1}',
+            "LeaseDone.lease_id: expected int >= 0",
+        ),
+        (
+            '{"kind": "hello", "agent_version": "x", "device": {"kind": "cpu", "name": "n"}}',
+            "AgentHello: missing field 'protocol_version'",
+        ),
+        (
+            '{"kind": "hello", "protocol_version": 2, "agent_version": "x", "device": {"kind": "cpu", "name": "n", '
+            '"memory_bytes": 1' + "0" * 400 + "}}",
+            "AgentHello.device.memory_bytes: expected int <=",
+        ),
+        (
+            '{"kind": "hello", "protocol_version": 2, "agent_version": "x", "device": ' + "[" * 5000 + "]" * 5000 + "}",
+            "message.device: expected object, got array",
+        ),
         ("[" * 30000 + "]" * 30000, "message: expected object, got array"),
         ('{"kind": "hello", "x": ' + "[" * 30000 + "]" * 30000 + "}", "malformed json: nested deeper than any message"),
     ],
-)  # fmt: skip
+)
 def test_it_names_what_is_wrong_with_a_bad_frame(frame: str, problem: str) -> None:
     with pytest.raises(ProtocolError, match=problem.replace("[", r"\[")) as info:
         decode_message(frame)
@@ -108,10 +125,17 @@ def test_any_json_in_any_field_of_any_message_is_a_message_or_a_named_error(data
 
 
 def test_fields_of_a_newer_minor_are_ignored_and_reported() -> None:
-    frame = json.dumps({
-        "kind": "done", "lease_id": 1, "receipts": [{"slice_index": 0, "token": "t", "proof": "from 2.9"}],
-        "num_samples": 1, "loss_sum": 1.0, "compute_s": 0.5, "flavour": "new",
-    })  # fmt: skip
+    frame = json.dumps(
+        {
+            "kind": "done",
+            "lease_id": 1,
+            "receipts": [{"slice_index": 0, "token": "t", "proof": "from 2.9"}],
+            "num_samples": 1,
+            "loss_sum": 1.0,
+            "compute_s": 0.5,
+            "flavour": "new",
+        }
+    )
     reported: list[tuple[str, list[str]]] = []
 
     message = decode_message(frame, AGENT_TO_SITE, unknown=lambda kind, fields: reported.append((kind, fields)))
@@ -140,11 +164,24 @@ def test_oversized_control_messages_are_refused_by_bytes_and_close_the_connectio
 
 def test_a_field_a_minor_added_is_left_out_for_a_peer_of_an_older_minor() -> None:
     assert SliceAssignment.since == {"codec": 1, "ticket_key": 1} and newest_field(SliceAssignment) == 1
-    message = msgspec.convert({
-        "campaign_id": 1, "slice_index": 0, "start": 0, "end": 4, "param_count": 8,
-        "model": {"architecture": "mlp", "config": {"hidden": [4]}}, "optimizer": {}, "seed": 1, "version": 0,
-        "staleness": 1, "checkpoint_every": 0, "max_grad_norm": 0.0, "codec": "fp16",
-    }, SliceAssignment)  # fmt: skip
+    message = msgspec.convert(
+        {
+            "campaign_id": 1,
+            "slice_index": 0,
+            "start": 0,
+            "end": 4,
+            "param_count": 8,
+            "model": {"architecture": "mlp", "config": {"hidden": [4]}},
+            "optimizer": {},
+            "seed": 1,
+            "version": 0,
+            "staleness": 1,
+            "checkpoint_every": 0,
+            "max_grad_norm": 0.0,
+            "codec": "fp16",
+        },
+        SliceAssignment,
+    )
 
     for_old = json.loads(encode_message(message, minor=0))
     for_new = json.loads(encode_message(message, minor=1))

@@ -6,13 +6,23 @@ import math
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from crowdtrain_agent import optimizers
 from crowdtrain_agent.fields import ConfigField
 from crowdtrain_agent.optimizers import (
-    HYPERPARAMETERS, LR, OPTIMIZERS, OptimizerConfigError, OptimizerEntry, get_optimizer, hyperparameters_of, register,
-    to_wire, unregister, validate_config,
+    HYPERPARAMETERS,
+    LR,
+    OPTIMIZERS,
+    OptimizerConfigError,
+    OptimizerEntry,
+    get_optimizer,
+    hyperparameters_of,
+    register,
+    to_wire,
+    unregister,
+    validate_config,
 )  # fmt: skip
 from crowdtrain_agent.protocol import OptimizerSpec
 from crowdtrain_agent.protocol.schema import to_dict

@@ -3,7 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from crowdtrain_agent.data import ShardReader, count_samples, make_tensor_shards, make_text_shards, read_samples
 from crowdtrain_agent.protocol import DataSpec, ProtocolError

@@ -11,7 +11,8 @@ import json
 import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.factories import make_organizer
 from tests.protocol.strategies import ANY_JSON
@@ -22,22 +23,33 @@ pytestmark = pytest.mark.django_db
 SURROGATE_TEXT = st.text(alphabet=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=3)
 BODIES = st.one_of(
     ANY_JSON,
-    st.dictionaries(st.sampled_from(["device_code", "grant_type", "client_id", "filename", "name", "size", "format",
-                                     "sha256", "sample_len"]),
-                    st.one_of(ANY_JSON, SURROGATE_TEXT, st.integers(-(10**30), 10**30)), max_size=6),
-)  # fmt: skip
+    st.dictionaries(
+        st.sampled_from(
+            ["device_code", "grant_type", "client_id", "filename", "name", "size", "format", "sha256", "sample_len"]
+        ),
+        st.one_of(ANY_JSON, SURROGATE_TEXT, st.integers(-(10**30), 10**30)),
+        max_size=6,
+    ),
+)
 
 
 @pytest.mark.parametrize(
     ("path", "body", "problem"),
     [
-        ("/api/device/token", {"grant_type": "urn:ietf:params:oauth:grant-type:device_code", "device_code": "\ud800"},
-         "device_code is not text"),
+        (
+            "/api/device/token",
+            {"grant_type": "urn:ietf:params:oauth:grant-type:device_code", "device_code": "\ud800"},
+            "device_code is not text",
+        ),
         ("/datasets/uploads", {"filename": "a\udc00.txt", "size": 10, "format": "text"}, "filename is not text"),
-        ("/datasets/uploads", {"filename": "a.txt", "name": "\ud800", "size": 10, "format": "text"}, "name is not text"),
+        (
+            "/datasets/uploads",
+            {"filename": "a.txt", "name": "\ud800", "size": 10, "format": "text"},
+            "name is not text",
+        ),
         ("/api/device/token", {"device_code": "[" * 5000}, "missing grant_type"),
     ],
-)  # fmt: skip
+)
 def test_a_lone_surrogate_is_a_named_400(path: str, body: dict[str, object], problem: str) -> None:
     client = Client()
     client.force_login(make_organizer("org"))
@@ -48,7 +60,9 @@ def test_a_lone_surrogate_is_a_named_400(path: str, body: dict[str, object], pro
     assert problem in response.content.decode()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(body=BODIES, path=st.sampled_from(["/api/device/code", "/api/device/token", "/datasets/uploads"]))
 def test_any_json_body_is_answered_without_a_server_error(body: object, path: str) -> None:
     client = Client(raise_request_exception=False)

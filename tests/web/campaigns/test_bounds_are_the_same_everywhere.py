@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import AbstractBaseUser
 from django.forms.models import model_to_dict
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from crowdtrain.campaigns.admin import CampaignAdminForm
 from crowdtrain.campaigns.forms import CampaignForm

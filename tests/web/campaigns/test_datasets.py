@@ -82,12 +82,18 @@ def test_the_demo_corpus_is_the_standard_library_in_a_fixed_order() -> None:
 @pytest.mark.parametrize(
     ("fields", "problem"),
     [
-        ({"architecture": "gpt", "model_config": {**TINY_GPT, "block_size": 16}}, "must equal the dataset's sample length 9"),
+        (
+            {"architecture": "gpt", "model_config": {**TINY_GPT, "block_size": 16}},
+            "must equal the dataset's sample length 9",
+        ),
         ({"architecture": "mlp", "model_config": {}}, "mlp trains on tensors data"),
         ({"architecture": "gpt", "model_config": TINY_GPT, "codec": "int3"}, r"codec\) must be one of fp32, fp16"),
         ({"architecture": "gpt", "model_config": TINY_GPT, "optimizer": {"name": "adam"}}, "unknown optimizer 'adam'"),
         ({"architecture": "gpt", "model_config": TINY_GPT, "optimizer": {"lr": -1}}, r"optimizer.lr\) must be above 0"),
-        ({"architecture": "gpt", "model_config": TINY_GPT, "target_batch_size": 2, "microbatch_size": 4}, "must not exceed"),
+        (
+            {"architecture": "gpt", "model_config": TINY_GPT, "target_batch_size": 2, "microbatch_size": 4},
+            "must not exceed",
+        ),
     ],
 )
 def test_a_campaign_with_a_bad_setting_is_not_saved(fields: dict, problem: str) -> None:

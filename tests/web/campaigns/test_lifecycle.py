@@ -14,7 +14,8 @@ from crowdtrain.campaigns.models import Campaign, ValidationResult
 from crowdtrain.gateway.outbox import campaign_agents_group
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.models import Aggregator, SliceAssignment
-from crowdtrain_agent.protocol import Lease as LeaseMessage, NoLease, VersionPublished, decode_message
+from crowdtrain_agent.protocol import Lease as LeaseMessage
+from crowdtrain_agent.protocol import NoLease, VersionPublished, decode_message
 from tests.factories import done_for, make_aggregator, make_campaign, make_device, make_organizer
 
 pytestmark = pytest.mark.django_db

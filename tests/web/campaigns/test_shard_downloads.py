@@ -39,7 +39,9 @@ def test_a_cached_copy_is_revalidated_without_a_body(client: Client) -> None:
     assert response.status_code == 304
 
 
-@pytest.mark.parametrize(("header", "expected"), [("bytes=0-3", (0, 4)), ("bytes=10-", (10, None)), ("bytes=-5", (-5, None))])
+@pytest.mark.parametrize(
+    ("header", "expected"), [("bytes=0-3", (0, 4)), ("bytes=10-", (10, None)), ("bytes=-5", (-5, None))]
+)
 def test_it_serves_byte_ranges(client: Client, header: str, expected: tuple[int, int | None]) -> None:
     shard = make_text_dataset().shards.first()
     _, token = make_device()

@@ -7,12 +7,14 @@ from collections import Counter
 
 import pytest
 from django.db.models import Sum
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from crowdtrain.credit.models import CreditEntry
 from crowdtrain.scheduler import backbone, leasing
 from crowdtrain.scheduler.models import Lease
-from crowdtrain_agent.protocol import Lease as LeaseMessage, SliceReady
+from crowdtrain_agent.protocol import Lease as LeaseMessage
+from crowdtrain_agent.protocol import SliceReady
 from tests.conftest import FakeClock
 from tests.factories import done_for, make_campaign, make_device, make_text_dataset
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 from asgiref.sync import sync_to_async
 
-from crowdtrain_agent.protocol import PROTOCOL_VERSION, BackboneHello, BackboneWelcome, CloseCode, LeaseRequest, NoLease, Welcome
+from crowdtrain_agent.protocol import (
+    PROTOCOL_VERSION,
+    BackboneHello,
+    BackboneWelcome,
+    CloseCode,
+    LeaseRequest,
+    NoLease,
+    Welcome,
+)
 from tests.factories import make_aggregator, make_device
 
 from .conftest import HELLO, Connect, receive, send

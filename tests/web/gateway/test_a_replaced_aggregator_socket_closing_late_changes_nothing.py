@@ -15,7 +15,8 @@ from channels.testing import WebsocketCommunicator
 
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler.models import Aggregator, SliceAssignment
-from crowdtrain_agent.protocol import PROTOCOL_VERSION, BackboneHello, SliceAssignment as AssignMessage, SliceReady
+from crowdtrain_agent.protocol import PROTOCOL_VERSION, BackboneHello, SliceReady
+from crowdtrain_agent.protocol import SliceAssignment as AssignMessage
 from tests.factories import make_campaign
 
 from .conftest import Connect, receive, send

@@ -155,7 +155,9 @@ async def test_one_agents_bad_messages_do_not_disturb_another(connect: Connect) 
     lease = await receive(good)
 
     assert isinstance(lease, Lease)
-    closed = [out for out in [await bad.receive_output(timeout=5) for _ in range(22)] if out["type"] == "websocket.close"]
+    closed = [
+        out for out in [await bad.receive_output(timeout=5) for _ in range(22)] if out["type"] == "websocket.close"
+    ]
     assert closed == [{"type": "websocket.close", "code": CloseCode.TOO_MANY_ERRORS}]
 
 

@@ -54,7 +54,9 @@ async def received(communicator: WebsocketCommunicator) -> dict[str, Any]:
 async def test_a_2_0_agent_leases_reports_and_its_step_commits() -> None:
     await sync_to_async(make_campaign)(target_batch_size=8, microbatch_size=4)
     _, token = await sync_to_async(make_device)()
-    communicator = WebsocketCommunicator(application, "/ws/agent/", headers=[(b"authorization", f"Bearer {token}".encode())])
+    communicator = WebsocketCommunicator(
+        application, "/ws/agent/", headers=[(b"authorization", f"Bearer {token}".encode())]
+    )
     connected, subprotocol = await communicator.connect()  # no subprotocol offered: a 2.0 agent
     assert connected and subprotocol is None
     try:
@@ -84,8 +86,12 @@ async def test_a_2_0_agent_leases_reports_and_its_step_commits() -> None:
 
 async def test_an_agent_of_this_minor_is_answered_in_it() -> None:
     _, token = await sync_to_async(make_device)()
-    communicator = WebsocketCommunicator(application, "/ws/agent/", headers=[(b"authorization", f"Bearer {token}".encode())],
-                                         subprotocols=offered_subprotocols())  # fmt: skip
+    communicator = WebsocketCommunicator(
+        application,
+        "/ws/agent/",
+        headers=[(b"authorization", f"Bearer {token}".encode())],
+        subprotocols=offered_subprotocols(),
+    )
     connected, subprotocol = await communicator.connect()
     await communicator.disconnect()
 

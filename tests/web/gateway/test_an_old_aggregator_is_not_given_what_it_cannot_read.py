@@ -53,7 +53,9 @@ async def test_an_aggregator_of_minor_0_is_told_to_upgrade_before_it_joins() -> 
 
     frame = json.loads(await old.receive_from(timeout=5))
     closed = await old.receive_output(timeout=5)
-    joined = await sync_to_async(lambda: list(Aggregator.objects.filter(connected=True).values_list("name", flat=True)))()
+    joined = await sync_to_async(
+        lambda: list(Aggregator.objects.filter(connected=True).values_list("name", flat=True))
+    )()
     slices = await sync_to_async(lambda: Campaign.objects.get().slices.count())()
     assert frame["kind"] == "error" and frame["code"] == "unsupported version"
     assert "assign.ticket_key" in frame["detail"] and "upgrade" in frame["detail"]

@@ -8,6 +8,7 @@ from django.conf import settings
 
 from crowdtrain.accounts.tokens import hash_token
 from crowdtrain.campaigns.models import Campaign
+from crowdtrain.campaigns.setup import create_campaign
 from crowdtrain.scheduler.models import Aggregator
 from crowdtrain_agent.protocol import (
     PROTOCOL_VERSION,
@@ -27,7 +28,6 @@ from crowdtrain_agent.protocol import (
     verify_ticket,
 )
 from tests.factories import TINY_GPT, make_device, make_text_dataset, make_user
-from crowdtrain.campaigns.setup import create_campaign
 
 from .conftest import HELLO, Connect, receive, send
 
@@ -36,8 +36,14 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def _running_campaign() -> Campaign:
     campaign = create_campaign(
-        name="c", owner=make_user("organizer"), dataset=make_text_dataset(), architecture="gpt",
-        model_config=TINY_GPT, target_batch_size=8, microbatch_size=4, staleness=0,
+        name="c",
+        owner=make_user("organizer"),
+        dataset=make_text_dataset(),
+        architecture="gpt",
+        model_config=TINY_GPT,
+        target_batch_size=8,
+        microbatch_size=4,
+        staleness=0,
     )
     campaign.state = Campaign.State.RUNNING
     campaign.save()
@@ -53,7 +59,15 @@ async def test_a_step_goes_from_agent_report_to_aggregator_commit_to_published_v
     campaign = await sync_to_async(_running_campaign)()
     token = await sync_to_async(_aggregator)("agg-1")
     aggregator, _, _ = await connect("/ws/backbone/", token)
-    await send(aggregator, BackboneHello(protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://127.0.0.1:9/upload", params_url="http://127.0.0.1:9/params/"))
+    await send(
+        aggregator,
+        BackboneHello(
+            protocol_version=PROTOCOL_VERSION,
+            name="agg-1",
+            upload_url="ws://127.0.0.1:9/upload",
+            params_url="http://127.0.0.1:9/params/",
+        ),
+    )
     welcome = await receive(aggregator)
     assignment = await receive(aggregator)
     await send(aggregator, SliceReady(campaign_id=campaign.pk, slice_index=0, version=0))
@@ -103,7 +117,15 @@ async def test_two_aggregators_split_the_parameters_between_them(connect: Connec
     for name in ("agg-a", "agg-b"):
         token = await sync_to_async(_aggregator)(name)
         communicator, _, _ = await connect("/ws/backbone/", token)
-        await send(communicator, BackboneHello(protocol_version=PROTOCOL_VERSION, name=name, upload_url=f"ws://{name}/upload", params_url=f"http://{name}/params/"))
+        await send(
+            communicator,
+            BackboneHello(
+                protocol_version=PROTOCOL_VERSION,
+                name=name,
+                upload_url=f"ws://{name}/upload",
+                params_url=f"http://{name}/params/",
+            ),
+        )
         await receive(communicator)
         sockets.append(communicator)
     # The campaign is assigned once both are live: each gets its slice then.
@@ -117,7 +139,12 @@ async def test_an_aggregator_that_lost_its_state_rolls_the_campaign_back(connect
     campaign = await sync_to_async(_running_campaign)()
     token = await sync_to_async(_aggregator)("agg-1")
     aggregator, _, _ = await connect("/ws/backbone/", token)
-    await send(aggregator, BackboneHello(protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"))
+    await send(
+        aggregator,
+        BackboneHello(
+            protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"
+        ),
+    )
     await receive(aggregator)
     await receive(aggregator)
     await sync_to_async(Campaign.objects.filter(pk=campaign.pk).update)(version=3, committed_steps=3)
@@ -132,10 +159,17 @@ async def test_an_aggregator_that_lost_its_state_rolls_the_campaign_back(connect
     assert (campaign.version, campaign.committed_steps) == (0, 0)
 
 
-async def test_a_campaign_started_after_its_aggregator_joined_gets_its_slice_on_the_next_heartbeat(connect: Connect) -> None:
+async def test_a_campaign_started_after_its_aggregator_joined_gets_its_slice_on_the_next_heartbeat(
+    connect: Connect,
+) -> None:
     token = await sync_to_async(_aggregator)("agg-1")
     aggregator, _, _ = await connect("/ws/backbone/", token)
-    await send(aggregator, BackboneHello(protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"))
+    await send(
+        aggregator,
+        BackboneHello(
+            protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"
+        ),
+    )
     await receive(aggregator)
     campaign = await sync_to_async(_running_campaign)()
 

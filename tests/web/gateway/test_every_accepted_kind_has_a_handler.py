@@ -21,7 +21,9 @@ from crowdtrain_backbone import node, site_link, uploads
 def test_the_site_has_a_handler_for_every_kind_it_accepts() -> None:
     for consumer, accepted in ((AgentConsumer, AGENT_TO_SITE), (BackboneConsumer, BACKBONE_TO_SITE)):
         assert consumer.accepts == accepted
-        missing = [cls.__name__ for cls in accepted if not callable(getattr(consumer, f"on_{cls.__struct_config__.tag}", None))]
+        missing = [
+            cls.__name__ for cls in accepted if not callable(getattr(consumer, f"on_{cls.__struct_config__.tag}", None))
+        ]
         assert missing == [], f"{consumer.__name__} accepts {missing} but has no on_<kind> for them"
 
 

@@ -6,9 +6,10 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import override_settings
 
-from crowdtrain.scheduler.models import Lease
-from crowdtrain_agent.protocol import DoneAck, ErrorMessage, Lease as LeaseMessage, LeaseRequest, NoLease
 from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler.models import Lease
+from crowdtrain_agent.protocol import DoneAck, ErrorMessage, LeaseRequest, NoLease
+from crowdtrain_agent.protocol import Lease as LeaseMessage
 from tests.factories import done_for, make_campaign
 
 from .conftest import Connect, greeted_agent, receive, send
@@ -93,7 +94,9 @@ async def test_a_commit_wakes_only_as_many_waiting_requests_as_its_room_serves(
 ) -> None:
     asked: list[int] = []
     real_ask = leasing.ask_lease
-    monkeypatch.setattr(leasing, "ask_lease", lambda device_id, *a, **k: asked.append(device_id) or real_ask(device_id, *a, **k))
+    monkeypatch.setattr(
+        leasing, "ask_lease", lambda device_id, *a, **k: asked.append(device_id) or real_ask(device_id, *a, **k)
+    )
     await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
     alice = await greeted_agent(connect, "alice")
     waiting = [await greeted_agent(connect, name) for name in ("bob", "carol", "dave")]
@@ -134,5 +137,3 @@ async def test_a_request_that_finds_room_while_it_queues_gets_the_lease_not_the_
     answer = await receive(bob)
 
     assert isinstance(answer, LeaseMessage) and answer.base_version == 1
-
-

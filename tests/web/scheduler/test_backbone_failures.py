@@ -3,9 +3,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.utils import timezone
-
 from django.db import connection
+from django.utils import timezone
 
 from crowdtrain.scheduler import backbone
 from crowdtrain.scheduler.models import Lease
@@ -36,7 +35,9 @@ def test_a_slice_that_lost_its_uploads_makes_the_site_redo_those_steps() -> None
 
 
 @pytest.mark.django_db(transaction=True)
-def test_lease_records_are_written_before_the_campaign_is_locked_for_a_rollback(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lease_records_are_written_before_the_campaign_is_locked_for_a_rollback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # The writer thread holds its own lock while its batch waits for the campaign's row (a cursor
     # update); flushing with that row locked was a deadlock PostgreSQL cannot see, and froze a campaign.
     campaign = make_campaign(target_batch_size=8, microbatch_size=4, staleness=1, slices=2)

@@ -7,7 +7,8 @@ import pytest
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
-from crowdtrain_agent.protocol import Lease as LeaseMessage, NoLease
+from crowdtrain_agent.protocol import Lease as LeaseMessage
+from crowdtrain_agent.protocol import NoLease
 from tests.conftest import FakeClock
 from tests.factories import done_for, make_campaign, make_device, redo_samples
 

@@ -125,7 +125,9 @@ def test_a_slice_lost_without_a_complete_checkpoint_blocks_the_campaign_and_says
     campaign = stepped(5)
     s = campaign.slices.get(index=0)
 
-    backbone.slice_lost(s.aggregator_id, SliceLost(campaign_id=campaign.pk, slice_index=0, version=5, detail="disk gone"))
+    backbone.slice_lost(
+        s.aggregator_id, SliceLost(campaign_id=campaign.pk, slice_index=0, version=5, detail="disk gone")
+    )
 
     campaign.refresh_from_db()
     assert f"aggregator {s.aggregator.name} lost slice 0 (disk gone); newest complete checkpoint: none" in (
@@ -190,7 +192,12 @@ def test_the_campaign_page_shows_the_block_and_only_staff_can_restore(client: Cl
 
 
 def _hello() -> BackboneHello:
-    return BackboneHello(protocol_version=PROTOCOL_VERSION, name="agg", upload_url="ws://127.0.0.1:1/upload", params_url="http://127.0.0.1:1/params/")
+    return BackboneHello(
+        protocol_version=PROTOCOL_VERSION,
+        name="agg",
+        upload_url="ws://127.0.0.1:1/upload",
+        params_url="http://127.0.0.1:1/params/",
+    )
 
 
 def test_a_slice_whose_reply_for_the_failed_step_is_not_in_yet_is_rolled_back_too() -> None:

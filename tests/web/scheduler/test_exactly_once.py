@@ -10,13 +10,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler import backbone, configs, ids, leasing, records
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
-from crowdtrain_agent.protocol import Lease as LeaseMessage, LeaseDone, Receipt, StepApplied, sign_receipt
+from crowdtrain_agent.protocol import Lease as LeaseMessage
+from crowdtrain_agent.protocol import LeaseDone, Receipt, StepApplied, sign_receipt
 from tests.conftest import FakeClock
 from tests.factories import done_for, make_campaign, make_device, make_text_dataset
 
@@ -65,10 +67,13 @@ def _committed_samples(campaign: Campaign) -> Counter[tuple[int, int]]:
 
 
 @pytest.mark.django_db
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(
     ops=st.lists(st.tuples(OPS, st.integers(0, 2), st.integers(0, 3)), max_size=50),
-    staleness=st.integers(0, 1), processes=st.integers(2, 4),
+    staleness=st.integers(0, 1),
+    processes=st.integers(2, 4),
 )
 def test_every_sample_of_an_epoch_is_counted_exactly_once(
     ops: list[tuple[str, int, int]], staleness: int, processes: int, clock: FakeClock
@@ -147,7 +152,7 @@ def _past_the_next_soft_deadline(campaign: Campaign, clock: FakeClock) -> None:
 def _report(campaign: Campaign, device_id: int, lease_id: int) -> None:
     """Report a lease as its agent would, with valid receipts (read from the hot state when a batched
     record has not written its row yet); a lease known nowhere any more is not reported."""
-    record = next((l for l in hot_state().snapshot(campaign.hot_key.hex)["leases"] if l["id"] == lease_id), None)
+    record = next((r for r in hot_state().snapshot(campaign.hot_key.hex)["leases"] if r["id"] == lease_id), None)
     if record is None:
         if Lease.objects.filter(pk=lease_id).exists():
             leasing.report_done(device_id, done_for(lease_id))

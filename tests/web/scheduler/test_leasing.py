@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-
 import msgspec
 import pytest
 from django.test import override_settings
@@ -9,7 +8,8 @@ from crowdtrain.campaigns.models import Campaign, shard_table
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.configs import ticket_key
 from crowdtrain.scheduler.models import Lease
-from crowdtrain_agent.protocol import Lease as LeaseMessage, LeaseDone, NoLease, Receipt, verify_ticket
+from crowdtrain_agent.protocol import Lease as LeaseMessage
+from crowdtrain_agent.protocol import LeaseDone, NoLease, Receipt, verify_ticket
 from tests.conftest import FakeClock
 from tests.factories import done_for, make_campaign, make_device, receipts_for, redo_samples
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler import backbone
-from tests.factories import TINY_GPT, make_aggregator, make_campaign
 from crowdtrain_agent.models import get_model
+from tests.factories import TINY_GPT, make_aggregator, make_campaign
 
 sizes_lists = st.lists(st.integers(min_value=1, max_value=1000), min_size=1, max_size=40)
 
@@ -25,7 +27,7 @@ def test_cuts_fall_on_tensor_boundaries_and_no_slice_is_empty(sizes: list[int], 
 
     assert len(bounds) == parts
     assert bounds[0][0] == 0 and bounds[-1][1] == sum(sizes)
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in pairwise(bounds))
     assert all(start < end for start, end in bounds)
     assert {edge for pair in bounds for edge in pair} <= boundaries
 
@@ -48,7 +50,7 @@ def test_elementwise_slices_are_contiguous_nearly_even_and_aligned(count: int, p
     bounds = backbone.slice_bounds(count, parts)
 
     assert bounds[0][0] == 0 and bounds[-1][1] == count and len(bounds) == parts
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])) and all(s < e for s, e in bounds)
+    assert all(a[1] == b[0] for a, b in pairwise(bounds)) and all(s < e for s, e in bounds)
     if count >= backbone.SLICE_ALIGN * parts * 2:
         assert all(start % backbone.SLICE_ALIGN == 0 for start, _ in bounds)
         assert max(e - s for s, e in bounds) - min(e - s for s, e in bounds) <= 2 * backbone.SLICE_ALIGN
