@@ -125,3 +125,27 @@ def make_admin(name: str = "admin") -> AbstractBaseUser:
     user.is_staff = True
     user.save(update_fields=["is_staff"])
     return user
+
+
+def work_one_lease(campaign: Campaign, device_id: int) -> None:
+    """Lease and report one lease as an agent would, with valid receipts; both must succeed."""
+    from crowdtrain.scheduler import leasing
+    from crowdtrain_agent.protocol import Lease as LeaseMessage
+
+    lease = leasing.request_lease(device_id, campaign.pk, None)
+    assert isinstance(lease, LeaseMessage), lease
+    assert leasing.report_done(device_id, done_for(lease.lease_id)).ack.accepted
+
+
+def commit_leases(campaign: Campaign, device_ids: list[int], leases: int) -> None:
+    """Work ``leases`` leases, the devices taking turns."""
+    for i in range(leases):
+        work_one_lease(campaign, device_ids[i % len(device_ids)])
+
+
+def work_until_committed(campaign: Campaign, device_ids: list[int], steps: int) -> None:
+    """Work leases, the devices taking turns, until ``steps`` steps are committed (whatever the lease size)."""
+    turn = 0
+    while Campaign.objects.get(pk=campaign.pk).committed_steps < steps:
+        work_one_lease(campaign, device_ids[turn % len(device_ids)])
+        turn += 1

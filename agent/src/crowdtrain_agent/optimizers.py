@@ -269,19 +269,21 @@ def to_wire(name: str, values: Mapping[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- the optimizers
 
+# AdamW and LAMB take the same hyperparameters (LAMB adds its per-tensor trust ratio, which has none).
+ADAM_FAMILY = {
+    "lr": LR,
+    "beta1": BETA1,
+    "beta2": BETA2,
+    "eps": EPS,
+    "weight_decay": WEIGHT_DECAY,
+    "decay_all": DECAY_ALL,
+}
 register(
     OptimizerEntry(
         name="adamw",
         label="AdamW",
         description="Adam with decoupled weight decay (Loshchilov and Hutter, 2019).",
-        hyperparameters={
-            "lr": LR,
-            "beta1": BETA1,
-            "beta2": BETA2,
-            "eps": EPS,
-            "weight_decay": WEIGHT_DECAY,
-            "decay_all": DECAY_ALL,
-        },
+        hyperparameters=dict(ADAM_FAMILY),
         builder="crowdtrain_backbone.optimizers:build_adamw",
     )
 )
@@ -299,14 +301,7 @@ register(
         name="lamb",
         label="LAMB",
         description="Layer-wise adaptive large-batch optimizer (You et al., 2019).",
-        hyperparameters={
-            "lr": LR,
-            "beta1": BETA1,
-            "beta2": BETA2,
-            "eps": EPS,
-            "weight_decay": WEIGHT_DECAY,
-            "decay_all": DECAY_ALL,
-        },
+        hyperparameters=dict(ADAM_FAMILY),
         builder="crowdtrain_backbone.lamb:build_lamb",
         per_tensor=True,
     )

@@ -15,10 +15,9 @@ from crowdtrain.accounts.models import ANONYMOUS_NAME, Profile, Team
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.credit import boards
 from crowdtrain.credit.models import FLOPS_PER_CREDIT, CreditEntry
-from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
-from tests.factories import done_for, make_campaign, make_device, make_user
+from tests.factories import commit_leases, make_campaign, make_device, make_user
 
 pytestmark = pytest.mark.django_db
 
@@ -82,13 +81,6 @@ def test_a_reversal_takes_the_credit_back_in_the_hour_of_its_grant(monkeypatch: 
         assert _ids(boards.page(boards.EVERY_CAMPAIGN, "volunteers", period, 0, 10)[0]) == [2]  # type: ignore[arg-type]
 
 
-def _commit_work(campaign: Campaign, device_ids: list[int], leases: int) -> None:
-    for i in range(leases):
-        device_id = device_ids[i % len(device_ids)]
-        lease = leasing.request_lease(device_id, campaign.pk, None)
-        assert leasing.report_done(device_id, done_for(lease.lease_id)).ack.accepted  # type: ignore[union-attr]
-
-
 def test_committed_work_moves_the_boards_and_a_rebuild_from_the_ledger_gives_the_same(
     django_capture_on_commit_callbacks: Callable[..., Any],
 ) -> None:
@@ -98,7 +90,7 @@ def test_committed_work_moves_the_boards_and_a_rebuild_from_the_ledger_gives_the
     team = Team.objects.create(name="Owls")
     Profile.objects.filter(user=alice.owner).update(team=team)
     with django_capture_on_commit_callbacks(execute=True):
-        _commit_work(campaign, [alice.pk, bob.pk, alice.pk], leases=6)
+        commit_leases(campaign, [alice.pk, bob.pk, alice.pk], leases=6)
 
     def snapshot() -> dict[str, list[tuple[int, float]]]:
         return {
@@ -175,7 +167,7 @@ def test_credit_entries_outlive_nothing_they_should_not(django_capture_on_commit
     campaign = make_campaign(target_batch_size=8, microbatch_size=4)
     device, _ = make_device()
     with django_capture_on_commit_callbacks(execute=True):
-        _commit_work(campaign, [device.pk], leases=2)
+        commit_leases(campaign, [device.pk], leases=2)
     lease = Lease.objects.filter(step__isnull=False).first()
     assert lease is not None and lease.credit_entries.get().created_at <= timezone.now()
 

@@ -7,27 +7,15 @@ import pytest
 from django.db.models import Sum
 
 from crowdtrain.accounts.models import Profile, Team
-from crowdtrain.campaigns.models import Campaign
 from crowdtrain.credit import ledger
 from crowdtrain.credit.models import FLOPS_PER_CREDIT, CreditEntry
-from crowdtrain.scheduler import backbone, leasing
+from crowdtrain.scheduler import backbone
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import SliceReady
-from tests.factories import done_for, make_campaign, make_device
+from tests.factories import make_campaign, make_device, work_until_committed
 
 pytestmark = pytest.mark.django_db
-
-
-def _commit_steps(campaign: Campaign, devices: list[int], steps: int) -> None:
-    """Lease and report until ``steps`` steps are committed, the devices taking turns."""
-    turn = 0
-    while Campaign.objects.get(pk=campaign.pk).committed_steps < steps:
-        device_id = devices[turn % len(devices)]
-        turn += 1
-        lease = leasing.request_lease(device_id, campaign.pk, None)
-        assert not hasattr(lease, "reason"), lease
-        assert leasing.report_done(device_id, done_for(lease.lease_id)).ack.accepted
 
 
 def _totals(**filters: object) -> int:
@@ -41,7 +29,7 @@ def test_a_committed_step_credits_each_lease_once_with_its_flops_volunteer_and_t
     team = Team.objects.create(name="Night Owls")
     Profile.objects.filter(user=alice.owner).update(team=team)
 
-    _commit_steps(campaign, [alice.pk, bob.pk], steps=2)
+    work_until_committed(campaign, [alice.pk, bob.pk], steps=2)
 
     committed = Lease.objects.filter(campaign=campaign, step__isnull=False)
     grants = CreditEntry.objects.filter(kind=CreditEntry.Kind.GRANT)
@@ -59,7 +47,7 @@ def test_a_committed_step_credits_each_lease_once_with_its_flops_volunteer_and_t
 def test_crediting_a_step_again_adds_nothing() -> None:
     campaign = make_campaign(target_batch_size=8, microbatch_size=4)
     device, _ = make_device()
-    _commit_steps(campaign, [device.pk], steps=1)
+    work_until_committed(campaign, [device.pk], steps=1)
     leases = [(lease.pk, lease.device_id, lease.num_samples) for lease in Lease.objects.filter(step__isnull=False)]
 
     ledger.grant(campaign.pk, 1.0, leases)  # a step write tried again after its transaction was retried
@@ -71,7 +59,7 @@ def test_a_rollback_takes_back_exactly_the_undone_steps_credit() -> None:
     campaign = make_campaign(target_batch_size=8, microbatch_size=4)
     alice, _ = make_device("alice")
     bob, _ = make_device("bob")
-    _commit_steps(campaign, [alice.pk, bob.pk], steps=3)
+    work_until_committed(campaign, [alice.pk, bob.pk], steps=3)
     granted = CreditEntry.objects.filter(kind=CreditEntry.Kind.GRANT).count()
 
     backbone.restore_campaign(campaign.pk, 0)  # the operator restarts it from scratch: every step undone
@@ -85,7 +73,7 @@ def test_a_rollback_takes_back_exactly_the_undone_steps_credit() -> None:
 
     for s in campaign.slices.all():  # the aggregators load version 0 again
         backbone.slice_ready(s.aggregator_id, SliceReady(campaign_id=campaign.pk, slice_index=s.index, version=0))
-    _commit_steps(campaign, [alice.pk], steps=1)  # the redone work is credited afresh
+    work_until_committed(campaign, [alice.pk], steps=1)  # the redone work is credited afresh
     committed = Lease.objects.filter(campaign=campaign, step__isnull=False)
     assert _totals() == sum(committed.values_list("num_samples", flat=True)) == 8
     assert _totals(volunteer=alice.owner) == 8 and _totals(volunteer=bob.owner) == 0
@@ -95,7 +83,7 @@ def test_a_device_removed_later_keeps_its_volunteers_credit() -> None:
     campaign = make_campaign(target_batch_size=8, microbatch_size=4)
     device, _ = make_device()
     owner = device.owner
-    _commit_steps(campaign, [device.pk], steps=1)
+    work_until_committed(campaign, [device.pk], steps=1)
 
     Lease.objects.filter(device=device).update(device=make_device("other")[0])  # the leases stay with the campaign
     device.delete()

@@ -21,21 +21,13 @@ from crowdtrain.accounts.models import ANONYMOUS_NAME, Device, Profile, Team
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.credit import export, summaries
 from crowdtrain.credit.models import FLOPS_PER_CREDIT, FORMULA, CreditEntry
-from crowdtrain.scheduler import backbone, leasing
+from crowdtrain.scheduler import backbone
 from crowdtrain.scheduler.models import Lease
-from tests.factories import done_for, make_campaign, make_device, make_volunteer
+from tests.factories import commit_leases, make_campaign, make_device, make_volunteer
 
 pytestmark = pytest.mark.django_db
 
 Capture = Callable[..., Any]
-
-
-def _commit_work(campaign: Campaign, device_ids: list[int], leases: int) -> None:
-    """Lease and report ``leases`` leases, the devices taking turns; each lease here fills a step."""
-    for i in range(leases):
-        device_id = device_ids[i % len(device_ids)]
-        lease = leasing.request_lease(device_id, campaign.pk, None)
-        assert leasing.report_done(device_id, done_for(lease.lease_id)).ack.accepted  # type: ignore[union-attr]
 
 
 def _ledger(**filters: Any) -> tuple[float, int]:
@@ -68,7 +60,7 @@ def test_the_profile_shows_the_ledgers_figures_after_committed_work_and_after_a_
     alice, bob = make_volunteer("alice"), make_volunteer("bob")
     alices_device, bobs_device = make_device("alice")[0], make_device("bob")[0]
     with django_capture_on_commit_callbacks(execute=True):
-        _commit_work(campaign, [alices_device.pk, bobs_device.pk, alices_device.pk], leases=6)
+        commit_leases(campaign, [alices_device.pk, bobs_device.pk, alices_device.pk], leases=6)
     client.force_login(alice)
 
     page = client.get("/me/")
@@ -147,7 +139,7 @@ def _team_with_work(capture: Capture) -> tuple[Team, dict[str, AbstractBaseUser]
     Profile.objects.filter(user=people["hidden"]).update(display_name="Secret Sam", anonymous=True)
     devices = [make_device("ada")[0].pk, make_device("hidden")[0].pk, make_device("ada")[0].pk]
     with capture(execute=True):
-        _commit_work(campaign, devices, leases=6)
+        commit_leases(campaign, devices, leases=6)
     return team, people
 
 

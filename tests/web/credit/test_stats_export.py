@@ -17,24 +17,13 @@ from crowdtrain.accounts.models import ANONYMOUS_NAME, Device, Profile, Team
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.credit import export, tasks
 from crowdtrain.credit.models import FLOPS_PER_CREDIT, CreditEntry
-from crowdtrain.scheduler import backbone, leasing
+from crowdtrain.scheduler import backbone
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import SliceReady
-from tests.factories import done_for, make_campaign, make_device, make_volunteer
+from tests.factories import make_campaign, make_device, make_volunteer, work_until_committed
 
 pytestmark = pytest.mark.django_db
-
-
-def _commit_steps(campaign: Campaign, devices: list[int], steps: int) -> None:
-    """Lease and report until ``steps`` steps are committed, the devices taking turns."""
-    turn = 0
-    while Campaign.objects.get(pk=campaign.pk).committed_steps < steps:
-        device_id = devices[turn % len(devices)]
-        turn += 1
-        lease = leasing.request_lease(device_id, campaign.pk, None)
-        assert not hasattr(lease, "reason"), lease
-        assert leasing.report_done(device_id, done_for(lease.lease_id)).ack.accepted
 
 
 def _volunteer_device(name: str) -> Device:
@@ -61,11 +50,11 @@ def test_totals_match_the_ledger_after_a_rollback_took_credit_back() -> None:
     alice, bob = _volunteer_device("alice"), _volunteer_device("bob")
     team = Team.objects.create(name="Night Owls")
     Profile.objects.filter(user__in=[alice.owner, bob.owner]).update(team=team)
-    _commit_steps(campaign, [alice.pk, bob.pk], steps=3)
+    work_until_committed(campaign, [alice.pk, bob.pk], steps=3)
     backbone.restore_campaign(campaign.pk, 0)  # every step undone: all of that credit is reversed
     for s in campaign.slices.all():
         backbone.slice_ready(s.aggregator_id, SliceReady(campaign_id=campaign.pk, slice_index=s.index, version=0))
-    _commit_steps(campaign, [alice.pk], steps=1)  # only alice's redone work counts
+    work_until_committed(campaign, [alice.pk], steps=1)  # only alice's redone work counts
 
     doc = _exported()
 
@@ -82,7 +71,7 @@ def test_totals_match_the_ledger_after_a_rollback_took_credit_back() -> None:
 def test_recent_credit_per_day_counts_only_the_last_seven_days() -> None:
     campaign = make_campaign(target_batch_size=8, microbatch_size=4)
     alice = _volunteer_device("alice")
-    _commit_steps(campaign, [alice.pk], steps=2)
+    work_until_committed(campaign, [alice.pk], steps=2)
     total = _committed_credit(campaign, alice)
     old = CreditEntry.objects.order_by("pk").first()
     assert old is not None
@@ -99,7 +88,7 @@ def test_it_shows_public_names_and_never_an_email_address_or_username() -> None:
     campaign = make_campaign(target_batch_size=8, microbatch_size=4)
     named, unnamed = _volunteer_device("zelda.quux"), _volunteer_device("yorick.plumb")
     Profile.objects.filter(user=named.owner).update(display_name="Zelda Q")
-    _commit_steps(campaign, [named.pk, unnamed.pk], steps=2)
+    work_until_committed(campaign, [named.pk, unnamed.pk], steps=2)
 
     export.export_stats()
 
@@ -116,7 +105,7 @@ def test_an_anonymous_volunteer_appears_only_as_anonymous() -> None:
     shy = _volunteer_device("shy")
     team = Team.objects.create(name="Quiet Ones")
     Profile.objects.filter(user=shy.owner).update(display_name="Secret Sam", anonymous=True, team=team)
-    _commit_steps(campaign, [shy.pk], steps=1)
+    work_until_committed(campaign, [shy.pk], steps=1)
 
     first, second = _exported(), _exported()
 
@@ -131,9 +120,9 @@ def test_an_anonymous_volunteer_appears_only_as_anonymous() -> None:
 def test_the_url_serves_the_latest_export_daily() -> None:
     campaign = make_campaign(target_batch_size=8, microbatch_size=4)
     alice = _volunteer_device("alice")
-    _commit_steps(campaign, [alice.pk], steps=1)
+    work_until_committed(campaign, [alice.pk], steps=1)
     tasks.export_stats()
-    _commit_steps(campaign, [alice.pk], steps=2)
+    work_until_committed(campaign, [alice.pk], steps=2)
 
     tasks.export_stats()  # the next day's run replaces the document at the same address
     response = Client().get("/stats/stats.json")
