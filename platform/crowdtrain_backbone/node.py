@@ -150,6 +150,9 @@ class AggregatorNode:
         # key comes with its slices). None until the welcome; uploads wait for it.
         self.ticket_key: bytes | None = None
         self.aggregator_id: int | None = None
+        # The protocol minor of the site connection: receipts carry gradient sketches from 2.2 on (a 2.1
+        # site would not recognise such a receipt).
+        self.site_minor = 0
         # Slices whose optimizer step raised, with what the site was told. A step that failed half-way may
         # have changed the params or the moments already: such a slice applies no commit (a retry could apply
         # part of a step twice) until an assignment or a rollback reloads it from a checkpoint.

@@ -159,6 +159,7 @@ class SiteLink:
         try:
             try:
                 self.minor = negotiated_minor(ws.subprotocol)
+                self.node.site_minor = self.minor
                 hello = BackboneHello(
                     protocol_version=PROTOCOL_VERSION,
                     name=self.config.name,

@@ -364,6 +364,23 @@ class SliceState:
                 f"version {self.version}; retry after the site publishes it",
             )
 
+    def check_replay(self, lease_id: int) -> None:
+        """Mark a verification copy as receiving, refusing a second upload of it (no version window: see tickets)."""
+        if lease_id in self.pending or lease_id in self.receiving or lease_id in self.finished:
+            raise UploadRefused(
+                "replayed upload",
+                f"lease {lease_id} already uploaded slice {self.slice_index}; each lease uploads once",
+            )
+        self.receiving.add(lease_id)
+
+    def note_checked(self, lease_id: int) -> None:
+        """A verification copy was received and sketched; nothing of it is kept but its id (against replays)."""
+        self.receiving.discard(lease_id)
+        self.finished[lease_id] = "checked"
+        self.finished.move_to_end(lease_id)
+        while len(self.finished) > MAX_REMEMBERED_LEASES:
+            self.finished.popitem(last=False)
+
     def begin_upload(self, lease_id: int, base_version: int) -> None:
         """Check and mark a lease as receiving, so a concurrent duplicate on another connection is refused."""
         self.check_upload(lease_id, base_version)

@@ -44,6 +44,7 @@ from crowdtrain_agent.protocol import (
     ticket_campaign,
     verify_ticket,
 )
+from crowdtrain_agent.sketch import SKETCH_COORDINATES, sketch, sketch_seed, to_bytes
 
 from .node import AggregatorNode
 from .slices import PendingUpload, UploadRefused
@@ -94,6 +95,16 @@ def _message_error_code(text: str | bytes, exc: ProtocolError) -> str:
     if codec is not None and (not isinstance(codec, str) or codec not in CODECS):
         return "unknown codec"
     return "malformed message"
+
+
+def decode_and_sketch(
+    codec: Codec, data: bytearray, num_elements: int, ticket: Ticket, max_grad_norm: float, seed: int | None
+) -> tuple[torch.Tensor, bytes]:
+    """``decode_gradient``, and the sketch of the result under ``seed`` (none without one) for the receipt."""
+    grad = decode_gradient(codec, data, num_elements, ticket, max_grad_norm)
+    if seed is None:
+        return grad, b""
+    return grad, to_bytes(sketch(grad, seed, coordinates=SKETCH_COORDINATES))
 
 
 def decode_gradient(
@@ -289,7 +300,10 @@ class UploadSession:
                 "with protocol.split_payload",
             )
         try:
-            state.begin_upload(lease, ticket.base_version)
+            if ticket.check:
+                state.check_replay(lease)  # a verification copy is never kept, so no version window
+            else:
+                state.begin_upload(lease, ticket.base_version)
         except UploadRefused as exc:
             raise reject(exc.code, exc.detail) from None
         held_bytes = state.numel * 4  # kept as fp32 whatever the wire codec
@@ -308,20 +322,27 @@ class UploadSession:
             except Rejected as exc:
                 raise reject(exc.code, exc.detail, discard=exc.discard) from None
             max_norm = state.assignment.max_grad_norm
+            seed = sketch_seed(key, index, ticket.base_version) if self.node.site_minor >= 2 else None
             if nbytes >= THREAD_DECODE_BYTES:
-                grad = await asyncio.to_thread(decode_gradient, codec, data, state.numel, ticket, max_norm)
+                grad, sketched = await asyncio.to_thread(
+                    decode_and_sketch, codec, data, state.numel, ticket, max_norm, seed
+                )
             else:
-                grad = decode_gradient(codec, data, state.numel, ticket, max_norm)
+                grad, sketched = decode_and_sketch(codec, data, state.numel, ticket, max_norm, seed)
             if self.node.get_slice(ticket.campaign_id, index) is not state:
                 raise reject(
                     "slice not held",
                     f"slice {index} of campaign {ticket.campaign_id} was unassigned during the upload",
                     discard=False,
                 )
-            try:
-                state.add_pending(PendingUpload(lease, ticket.base_version, ticket.num_samples, grad))
-            except UploadRefused as exc:
-                raise reject(exc.code, exc.detail, discard=False) from None
+            if ticket.check:
+                state.note_checked(lease)
+                self.node.budget.release(held_bytes)  # sketched; the gradient itself is not needed
+            else:
+                try:
+                    state.add_pending(PendingUpload(lease, ticket.base_version, ticket.num_samples, grad))
+                except UploadRefused as exc:
+                    raise reject(exc.code, exc.detail, discard=False) from None
         except BaseException as exc:
             state.abort_upload(lease)
             self.node.budget.release(held_bytes)
@@ -333,7 +354,12 @@ class UploadSession:
             "campaign %s slice %s: lease %s pending (%s samples)", ticket.campaign_id, index, lease, ticket.num_samples
         )
         token = sign_receipt(
-            key, campaign_id=ticket.campaign_id, lease_id=lease, slice_index=index, num_samples=ticket.num_samples
+            key,
+            campaign_id=ticket.campaign_id,
+            lease_id=lease,
+            slice_index=index,
+            num_samples=ticket.num_samples,
+            sketch=sketched,
         )
         return UploadReceipt(lease_id=lease, slice_index=index, token=token)
 

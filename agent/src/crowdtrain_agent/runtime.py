@@ -426,7 +426,9 @@ class Agent:
             why = f"{reason}: {reply.detail}" if reply.detail else reason
             self.status.set_status(f"waiting for work ({why})")
             # Once per reason at INFO: a site that cannot hold requests answers "step full" every step.
-            if reply.reason != self._last_no_lease:
+            if reply.reason == "quarantined" and reply.reason != self._last_no_lease:
+                logger.warning("the site refuses work: %s", reply.detail)
+            elif reply.reason != self._last_no_lease:
                 logger.info("no lease from the site (%s); asking again in %.1f s", why, reply.retry_after_s)
             else:
                 logger.debug("no lease from the site (%s)", why)
@@ -553,20 +555,27 @@ class Agent:
             self.status.accepted += 1
             flops = result.num_samples * get_model(lease.model.architecture).flops_per_sample(lease.model.config)
             credit = credit_for(result.num_samples, flops / max(result.num_samples, 1))
+            if ack.verification == "check":
+                counted, granted = "a copy to verify another volunteer's work", "no credit (copies are not credited)"
+                credit = 0.0
+            elif ack.verification == "pending":
+                counted = f"counted in step {ack.step}"
+                granted = "credit pending verification (another volunteer computes the same samples)"
+            else:
+                counted, granted = f"counted in step {ack.step}", f"granted when step {ack.step} commits"
             self.status.credit += credit
-            # The receipt: what the site accepted, and the credit it grants when that step commits.
+            # The receipt: what the site accepted, and the credit it grants and when.
             logger.info(
-                "lease %d done: %d samples at version %d, loss %.4f, %.1f samples/s; counted in step %s; "
-                "%.3g GFLOP, %.3g credit granted when step %s commits",
+                "lease %d done: %d samples at version %d, loss %.4f, %.1f samples/s; %s; %.3g GFLOP, %.3g credit %s",
                 lease.lease_id,
                 result.num_samples,
                 lease.base_version,
                 per_sample,
                 result.num_samples / max(result.compute_s, 1e-6),
-                ack.step,
+                counted,
                 flops / 1e9,
                 credit,
-                ack.step,
+                granted,
             )
         else:
             self.status.rejected += 1

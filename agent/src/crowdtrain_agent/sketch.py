@@ -1,8 +1,17 @@
 """Gradient sketches: a few hundred numbers that let the site tell whether two agents computed the same gradient.
 
-Groundwork for verification (issue 12): a lease picked for verification is also
-given to a second volunteer, and each agent sends a sketch of its gradient with
-``done``; the site compares the two without ever seeing the gradients.
+A lease picked for verification is also given to a volunteer of another
+account. The *aggregators* sketch every slice they receive and sign the sketch
+into the upload's receipt; the agent relays the receipts with ``done`` and the
+site compares the two leases' sketches without ever seeing the gradients. The
+agent never sketches: a sketch it computed itself could describe an honest
+gradient while it uploads another.
+
+The seed is secret (derived from the campaign's ticket key, which agents never
+see) and changes with every parameter version, so an agent cannot learn which
+coordinates a sketch reads and spoil only the others. Past ``coordinates``
+elements, a sketch reads that many coordinates drawn at random, which keeps its
+cost fixed for any model size.
 
 The sketch is a count sketch: every coordinate is added, with a random sign, to
 one of ``size`` buckets, both drawn from a generator seeded by the lease. It is a
@@ -17,7 +26,11 @@ The comparison is plain Python, so the site needs no torch for it.
 
 from __future__ import annotations
 
+import array
+import hashlib
+import hmac
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,15 +39,32 @@ if TYPE_CHECKING:
     import torch
 
 SKETCH_SIZE = 256
+# Coordinates a sketch reads from a larger gradient: about a millisecond of work; a hostile gradient
+# that differs from the honest one in more than a few hundred of a million coordinates shows.
+SKETCH_COORDINATES = 1 << 16
 # Coordinates drawn per generator call: fixed, so every device draws the same buckets and signs.
 CHUNK = 1 << 20
 
 
-def sketch(grad: torch.Tensor, seed: int, size: int = SKETCH_SIZE) -> list[float]:
-    """The count sketch of a flat gradient under ``seed`` (the same on every device and thread count)."""
+def sketch_seed(key: bytes, slice_index: int, base_version: int) -> int:
+    """The seed for sketches of one slice's gradients trained on ``base_version``: the same on every aggregator."""
+    digest = hmac.new(key, b"crowdtrain sketch %d %d" % (slice_index, base_version), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def sketch(grad: torch.Tensor, seed: int, size: int = SKETCH_SIZE, coordinates: int | None = None) -> list[float]:
+    """The count sketch of a flat gradient under ``seed`` (the same on every device and thread count).
+
+    With ``coordinates`` smaller than the gradient, only that many coordinates
+    (drawn with the seed) are read.
+    """
     import torch
 
-    flat = grad.detach().reshape(-1).to("cpu", torch.float64)
+    flat = grad.detach().reshape(-1)
+    if coordinates is not None and coordinates < flat.numel():
+        generator = torch.Generator().manual_seed((seed * 7_919 + 17) % (1 << 63))
+        flat = flat[torch.randint(0, flat.numel(), (coordinates,), generator=generator)]
+    flat = flat.to("cpu", torch.float64)
     out = torch.zeros(size, dtype=torch.float64)
     for index, start in enumerate(range(0, flat.numel(), CHUNK)):
         piece = flat[start : start + CHUNK]
@@ -43,6 +73,29 @@ def sketch(grad: torch.Tensor, seed: int, size: int = SKETCH_SIZE) -> list[float
         signs = torch.randint(0, 2, (piece.numel(),), generator=generator, dtype=torch.int8).to(torch.float64)
         out.index_add_(0, buckets, piece * (2 * signs - 1))
     return out.tolist()
+
+
+def to_bytes(values: Sequence[float]) -> bytes:
+    """A sketch as little-endian float32 bytes: what a receipt carries (1 KiB for 256 numbers)."""
+    packed = array.array("f", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def from_bytes(data: bytes) -> list[float]:
+    """The numbers of ``to_bytes``.
+
+    Raises:
+        ValueError: the bytes are not whole float32 numbers.
+    """
+    if len(data) % 4:
+        raise ValueError(f"a sketch is float32 numbers; {len(data)} bytes is not a whole number of them")
+    packed = array.array("f")
+    packed.frombytes(data)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tolist()
 
 
 @dataclass(frozen=True)

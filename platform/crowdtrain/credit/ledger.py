@@ -1,9 +1,11 @@
-"""Writing the ledger: grants when a step commits, reversals when it is rolled back.
+"""Writing the ledger: grants when a step commits, reversals when it is rolled back or its volunteer quarantined.
 
-Both run inside the transaction that commits or rolls back the step, so the
-ledger and the step record never disagree. Both are idempotent (the unique
-(lease, kind) constraint and ``ignore_conflicts``): a step written again after
-a retried transaction, or a rollback noticed twice, adds nothing.
+Grants and rollback reversals run inside the transaction that commits or rolls
+back the step, so the ledger and the step record never disagree. Every write is
+idempotent (the unique (lease, kind) constraint and ``ignore_conflicts``): a step
+written again after a retried transaction, or a rollback noticed twice, adds
+nothing. Credit is only ever taken back from a lease whose entries still sum to
+more than nothing, so a rollback after a quarantine takes nothing twice.
 """
 
 from __future__ import annotations
@@ -11,14 +13,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from django.db import transaction
+from django.db.models import Exists, OuterRef, Sum
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
 
 from . import boards
 from .models import FLOPS_PER_CREDIT, CreditEntry
+
+if TYPE_CHECKING:
+    from django.db.models import QuerySet
 
 logger = logging.getLogger(__name__)
 
@@ -64,34 +71,66 @@ def grant(
 
 
 def reverse(lease_ids: Iterable[int], reason: str, when: datetime | None = None) -> None:
-    """Take back the credit of these leases with entries of their own; a lease never granted is skipped."""
+    """Take back the credit of these leases (a rolled-back step); a lease with no credit left is skipped."""
+    _take_back(CreditEntry.objects.filter(lease_id__in=list(lease_ids)), CreditEntry.Kind.REVERSAL, reason, when)
+
+
+def quarantine(volunteer_id: int, reason: str, when: datetime | None = None) -> int:
+    """Take back all of a quarantined volunteer's credit; returns how many leases lost theirs."""
+    return _take_back(CreditEntry.objects.filter(volunteer_id=volunteer_id), CreditEntry.Kind.QUARANTINE, reason, when)
+
+
+def restore(volunteer_id: int, reason: str, when: datetime | None = None) -> int:
+    """Give back what a quarantine took from a volunteer an admin cleared (not what rollbacks took)."""
     when = when or timezone.now()
-    granted = CreditEntry.objects.filter(lease_id__in=list(lease_ids), kind=CreditEntry.Kind.GRANT).exclude(
-        lease__credit_entries__kind=CreditEntry.Kind.REVERSAL
+    entries = CreditEntry.objects.filter(volunteer_id=volunteer_id)
+    taken = list(
+        entries.filter(kind=CreditEntry.Kind.QUARANTINE)
+        .exclude(Exists(entries.filter(lease_id=OuterRef("lease_id"), kind=CreditEntry.Kind.RESTORE)))
+        .exclude(Exists(entries.filter(lease_id=OuterRef("lease_id"), kind=CreditEntry.Kind.REVERSAL)))
+        .only("lease_id", "volunteer_id", "device_id", "team_id", "campaign_id", "samples", "flops")
+    )
+    grants = dict(
+        entries.filter(kind=CreditEntry.Kind.GRANT, lease_id__in=[t.lease_id for t in taken]).values_list(
+            "lease_id", "created_at"
+        )
+    )
+    back = [_entry(t, CreditEntry.Kind.RESTORE, -1, reason, when) for t in taken]
+    CreditEntry.objects.bulk_create(back, ignore_conflicts=True)
+    _project(back, {lease: boards.hour_of(at) for lease, at in grants.items()})
+    return len(back)
+
+
+def _entry(source: CreditEntry, kind: str, sign: int, reason: str, when: datetime) -> CreditEntry:
+    return CreditEntry(
+        lease_id=source.lease_id,
+        kind=kind,
+        volunteer_id=source.volunteer_id,
+        device_id=source.device_id,
+        team_id=source.team_id,
+        campaign_id=source.campaign_id,
+        samples=sign * source.samples,
+        flops=sign * source.flops,
+        reason=reason[:200],
+        created_at=when,
+    )
+
+
+def _take_back(entries: QuerySet[CreditEntry], kind: str, reason: str, when: datetime | None) -> int:
+    """Add a negative entry of ``kind`` for every lease among ``entries`` whose credit still sums above zero."""
+    when = when or timezone.now()
+    positive = (
+        entries.values("lease_id").annotate(net=Sum("samples")).filter(net__gt=0).values_list("lease_id", flat=True)
     )
     grants = list(
-        granted.only(
-            "lease_id", "volunteer_id", "device_id", "team_id", "campaign_id", "samples", "flops", "created_at"
-        )
+        CreditEntry.objects.filter(kind=CreditEntry.Kind.GRANT, lease_id__in=list(positive))
+        .exclude(Exists(CreditEntry.objects.filter(lease_id=OuterRef("lease_id"), kind=kind)))
+        .only("lease_id", "volunteer_id", "device_id", "team_id", "campaign_id", "samples", "flops", "created_at")
     )
-    entries = [
-        CreditEntry(
-            lease_id=g.lease_id,
-            kind=CreditEntry.Kind.REVERSAL,
-            volunteer_id=g.volunteer_id,
-            device_id=g.device_id,
-            team_id=g.team_id,
-            campaign_id=g.campaign_id,
-            samples=-g.samples,
-            flops=-g.flops,
-            reason=reason[:200],
-            created_at=when,
-        )
-        for g in grants
-    ]
-    hours = {g.lease_id: boards.hour_of(g.created_at) for g in grants}
-    CreditEntry.objects.bulk_create(entries, ignore_conflicts=True)
-    _project(entries, hours)
+    entries_out = [_entry(g, kind, -1, reason, when) for g in grants]
+    CreditEntry.objects.bulk_create(entries_out, ignore_conflicts=True)
+    _project(entries_out, {g.lease_id: boards.hour_of(g.created_at) for g in grants})
+    return len(entries_out)
 
 
 def _project(entries: list[CreditEntry], hours: dict[int, int] | None = None) -> None:

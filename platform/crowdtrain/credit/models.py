@@ -1,4 +1,4 @@
-"""The credit ledger: append-only, one grant and at most one reversal per lease.
+"""The credit ledger: append-only, at most one entry of each kind per lease.
 
 Totals are sums over the ledger, never counters updated in place: a grant and its
 reversal are both kept, so any total can be recomputed and audited, and a
@@ -21,19 +21,22 @@ __all__ = ["FLOPS_PER_CREDIT", "FORMULA", "CreditEntry"]
 FORMULA = (
     "One credit is one billion floating-point operations (a gigaFLOP) of accepted work: the samples of each lease "
     "whose step was committed, times the model's FLOPs per sample (forward and backward pass). It is granted when "
-    "the step commits, and taken back if that step is rolled back."
+    "the step commits (for a lease picked for verification, once another volunteer's copy agrees with it), and "
+    "taken back if that step is rolled back or the volunteer is quarantined."
 )
 
 
 class CreditEntry(models.Model):
-    """One lease's credit (a grant), or the taking back of it (a reversal, with negative amounts)."""
+    """One lease's credit (a grant), its taking back (a reversal or quarantine: negative amounts), or its return."""
 
     class Kind(models.TextChoices):
         GRANT = "grant", "granted"
-        REVERSAL = "reversal", "reversed"
+        REVERSAL = "reversal", "reversed"  # the step was rolled back
+        QUARANTINE = "quarantine", "taken back (quarantine)"
+        RESTORE = "restore", "given back (cleared)"  # an admin cleared the volunteer
 
     lease = models.ForeignKey(Lease, on_delete=models.CASCADE, related_name="credit_entries")
-    kind = models.CharField(max_length=8, choices=Kind.choices)
+    kind = models.CharField(max_length=10, choices=Kind.choices)
     volunteer = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="credit_entries")
     device = models.ForeignKey(Device, null=True, on_delete=models.SET_NULL, related_name="credit_entries")
     # The team when the work was credited: leaving a team takes no credit away from it.

@@ -397,6 +397,8 @@ class AgentConsumer(_ProtocolConsumer):
     async def send_message(self, message: Any) -> None:
         if isinstance(message, Lease):
             self.leases.add(message.lease_id)
+        elif isinstance(message, NoLease) and message.reason == "quarantined" and self.minor < 2:
+            message = msgspec.structs.replace(message, reason="no_campaign")  # a 2.1 agent knows no such reason
         await super().send_message(message)
 
     async def _wait(

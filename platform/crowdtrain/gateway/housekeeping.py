@@ -18,6 +18,7 @@ from django.utils import timezone
 from crowdtrain.accounts.models import Device
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.hotstate import presence
+from crowdtrain.verification import checks
 
 from .admission import admission
 from .offloop import offloop
@@ -64,6 +65,7 @@ class Housekeeping:
                 if time.monotonic() - last_db > LAST_SEEN_DB_EVERY_S:
                     last_db = time.monotonic()
                     await offloop(_stamp_last_seen)()
+                    await offloop(checks.upkeep)()
             except asyncio.CancelledError:
                 raise
             except Exception:  # the next round tries again; a broken round must not end liveness for good

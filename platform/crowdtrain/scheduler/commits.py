@@ -23,6 +23,7 @@ from django.db.models import Case, F, FloatField, Value, When
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Step
 from crowdtrain.credit import ledger
+from crowdtrain.verification import checks
 from crowdtrain_agent.protocol import StepCommit
 
 from .configs import CampaignConfig
@@ -96,7 +97,8 @@ def _write_step_once(config: CampaignConfig, index: int, leases: list[dict[str, 
                 update_fields=["state", "step", "loss_sum", "compute_s", "finished_at", "reason"],
             )
             _credit(leases)
-            ledger.grant(config.id, config.flops_per_sample, [(int(r["id"]), int(r["d"]), int(r["n"])) for r in leases])
+            # A lease picked for verification is credited when its check passes, not here (see verification).
+            ledger.grant(config.id, config.flops_per_sample, checks.creditable(leases))
             Campaign.objects.filter(pk=config.id, committed_steps=index).update(committed_steps=index + 1)
             return [int(lease["id"]) for lease in leases]
     except IntegrityError:

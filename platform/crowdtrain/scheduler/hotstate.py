@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 LUA_DIR = Path(__file__).with_name("lua")
 # The presence set keeps devices this long after they were last seen ("online now" needs seconds).
 FORGET_SEEN_AFTER_S = 86400.0
-SCRIPTS = ("lease", "done", "committed", "release", "sweep", "park", "rollback", "load", "configure")
+SCRIPTS = ("lease", "done", "committed", "release", "sweep", "park", "rollback", "load", "configure", "drop")
 
 
 class HotStateMissing(RuntimeError):

@@ -24,6 +24,7 @@ from django.conf import settings
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Step, shard_table
+from crowdtrain.verification import checks, standing
 from crowdtrain_agent.protocol import (
     DoneAck,
     LeaseDone,
@@ -46,6 +47,9 @@ from .hotstate import HotStateMissing, hot_state
 from .models import Lease
 from .rebuild import load_campaign, to_shards
 from .records import Finished, writer
+
+# A quarantined volunteer's agent asks again this often: it resumes by itself once an admin clears them.
+QUARANTINED_RETRY_S = 300.0
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +195,17 @@ def _try_lease(
     return lease_message(lease, config)
 
 
+def _copy_or_lease(
+    config: CampaignConfig, device_id: int, samples_per_s: float | None, request_id: str, backups: bool = True
+) -> LeaseMessage | NoLease:
+    """A waiting verification copy first (it must train on a version aggregators still serve), else new work."""
+    if config.state == Campaign.State.RUNNING:
+        copy = checks.take_copy(config, device_id)
+        if copy is not None:
+            return copy
+    return _try_lease(config, device_id, samples_per_s, request_id, backups)
+
+
 def _row(config: CampaignConfig, record: dict[str, Any], request_id: str = "") -> Lease:
     ranges = to_shards(config.table, record["r"])
     return Lease(
@@ -209,8 +224,11 @@ def _row(config: CampaignConfig, record: dict[str, Any], request_id: str = "") -
     )
 
 
-def lease_message(lease: Lease, config: CampaignConfig) -> LeaseMessage:
-    """The wire form of a lease, with a freshly signed ticket (also used to answer a repeated request)."""
+def lease_message(lease: Lease, config: CampaignConfig, *, check: bool = False) -> LeaseMessage:
+    """The wire form of a lease, with a freshly signed ticket (also used to answer a repeated request).
+
+    ``check``: the lease is a verification copy (``crowdtrain.verification``); its ticket says so.
+    """
     seconds = max(0.0, lease.deadline.timestamp() - hot_state().clock())
     ticket = Ticket(
         lease_id=lease.pk,
@@ -219,6 +237,7 @@ def lease_message(lease: Lease, config: CampaignConfig) -> LeaseMessage:
         base_version=lease.base_version,
         num_samples=lease.num_samples,
         expires_at=lease.deadline.timestamp() + TICKET_GRACE_S,
+        check=check,
     )
     shards = config.table.sha256s
     return LeaseMessage(
@@ -295,6 +314,9 @@ def ask_lease(
     ``may_be_resent=False`` for later requests on one connection and saves the lookup.
     ``backups=False`` (a site process that is behind) gives no backup of a late lease.
     """
+    refused = standing.refusal(standing.owner_of(device_id))
+    if refused:
+        return LeaseAnswer(_no_lease("quarantined", refused, QUARANTINED_RETRY_S), None)
     if request_id and may_be_resent:
         earlier = _resent(device_id, request_id)
         if earlier is not None:
@@ -314,13 +336,13 @@ def ask_lease(
             )
         if config.state == Campaign.State.DRAFT:
             return LeaseAnswer(_no_lease("campaign_paused", f"campaign {campaign_id} is draft", 10.0), None)
-        return LeaseAnswer(_try_lease(config, device_id, samples_per_s, request_id, backups), campaign_id)
+        return LeaseAnswer(_copy_or_lease(config, device_id, samples_per_s, request_id, backups), campaign_id)
     refusals: list[tuple[NoLease, int]] = []
     for candidate_id in running_campaigns():
         config = campaign_config(candidate_id)
         if config is None or not open_to(config, device_id):
             continue
-        outcome = _try_lease(config, device_id, samples_per_s, request_id, backups)
+        outcome = _copy_or_lease(config, device_id, samples_per_s, request_id, backups)
         if isinstance(outcome, LeaseMessage):
             return LeaseAnswer(outcome, candidate_id)
         refusals.append((outcome, candidate_id))
@@ -387,14 +409,21 @@ def pass_on_wake(campaign_id: int, *, any_step: bool = False) -> list[str]:
 
 
 def _lease_campaign(lease_id: int) -> CampaignConfig | None:
+    return _lease_place(lease_id)[0]
+
+
+def _lease_place(lease_id: int) -> tuple[CampaignConfig | None, bool]:
+    """The campaign of a lease, and whether the lease is a verification copy."""
     state = hot_state()
     campaign_id: str | int | None = cast("str | None", state.client.hget(state.lease_campaigns_key, str(lease_id)))
     if campaign_id is None:
         found = Lease.objects.filter(pk=lease_id).values_list("campaign_id", flat=True).first()
         if found is None:
-            return None
+            return None, False
         campaign_id = found
-    return campaign_config(int(campaign_id))
+    text = str(campaign_id)
+    copy = text == checks.copy_marker(int(text.split(":")[0]))
+    return campaign_config(int(text.split(":")[0])), copy
 
 
 def _receipt_problem(config: CampaignConfig, done: LeaseDone) -> str:
@@ -418,9 +447,18 @@ def _receipt_problem(config: CampaignConfig, done: LeaseDone) -> str:
 
 def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
     """Count a finished lease in its step if it is still valid; commit the step when full."""
-    config = _lease_campaign(done.lease_id)
+    config, copy = _lease_place(done.lease_id)
     if config is None:  # another device's lease looks the same as no lease at all
         return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason="unknown lease"))
+    refused = standing.refusal(standing.owner_of(device_id))
+    if refused:
+        release_leases(device_id, [done.lease_id], "volunteer quarantined")
+        return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=refused))
+    if copy:
+        problem = checks.copy_done(config, device_id, done, _receipt_problem(config, done))
+        if problem:
+            return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=problem))
+        return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=True, verification="check"))
     for _ in range(3):
         answer = _run(
             config,
@@ -453,7 +491,11 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
     writer().lease_finished(
         Finished(done.lease_id, Lease.State.ACCEPTED, "", finished, float(lease["loss"]), compute_s)
     )
-    outcome = DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=True, step=int(answer["step"])))
+    picked = checks.maybe_pick(config, device_id, done, lease)
+    ack = DoneAck(
+        lease_id=done.lease_id, accepted=True, step=int(answer["step"]), verification="pending" if picked else ""
+    )
+    outcome = DoneOutcome(ack)
     if answer.get("commit"):
         outcome.commits = commit_full_steps(config, answer["commit"])
     return outcome
@@ -501,8 +543,11 @@ def release_leases(device_id: int, lease_ids: Sequence[int], reason: str = "rele
     count = 0
     woken: dict[int, list[str]] = {}
     for lease_id in lease_ids:
-        config = _lease_campaign(lease_id)
+        config, copy = _lease_place(lease_id)
         if config is None:
+            continue
+        if copy:
+            checks.copy_released(lease_id, reason)
             continue
         answer = _run(config, "release", {"id": lease_id, "device": device_id, "reason": reason, "state": "released"})
         retired = answer.get("retired") or []

@@ -24,7 +24,16 @@ from .frames import (
 )
 from .messages import *  # noqa: F403  (messages.__all__ lists the message classes)
 from .messages import MESSAGE_TYPES, decode_message, encode_message
-from .tickets import Ticket, campaign_key, sign_receipt, sign_ticket, ticket_campaign, verify_receipt, verify_ticket
+from .tickets import (
+    Ticket,
+    campaign_key,
+    receipt_sketch,
+    sign_receipt,
+    sign_ticket,
+    ticket_campaign,
+    verify_receipt,
+    verify_ticket,
+)
 
 __all__ = [
     "CHUNK_PAYLOAD_BYTES",
@@ -49,6 +58,7 @@ __all__ = [
     "negotiated_minor",
     "offered_subprotocols",
     "should_reconnect",
+    "receipt_sketch",
     "sign_receipt",
     "sign_ticket",
     "split_payload",

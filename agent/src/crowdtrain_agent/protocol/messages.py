@@ -228,6 +228,9 @@ NoLeaseReason = Literal[
     "step_full",  # the open step has all the samples it needs; wait for its commit
     "epoch_done",  # every sample of the epoch is leased; wait for stragglers
     "campaign_finished",
+    # 2.2: the volunteer is quarantined (results that disagreed with other volunteers'); the detail says
+    # why and where to appeal. An older agent hears "no_campaign" with the same detail.
+    "quarantined",
 ]
 
 
@@ -254,6 +257,12 @@ class DoneAck(Message, tag="done_ack", frozen=True, kw_only=True):
     accepted: bool
     step: Version | None = None  # the step the samples count in, when accepted
     reason: Text = ""  # why not, when rejected ("lease expired", "stale version", ...)
+    # "pending": the lease was picked for verification, its credit waits for another volunteer's copy;
+    # "check": the lease was itself such a copy, compared with another volunteer's result, never in a step.
+    verification: Literal["", "pending", "check"] = ""
+
+    since: ClassVar[dict[str, int]] = {"verification": 2}
+    advisory: ClassVar[frozenset[str]] = frozenset({"verification"})
 
 
 class LeaseRelease(Message, tag="release", frozen=True, kw_only=True):

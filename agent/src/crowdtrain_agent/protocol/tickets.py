@@ -34,6 +34,9 @@ class Ticket(Part, frozen=True, kw_only=True):
     base_version: Version
     num_samples: Count
     expires_at: Real  # unix time; a little after the lease deadline
+    # 2.2: a verification copy of another volunteer's lease. The aggregator sketches the upload for
+    # the site and keeps nothing: a copy never counts in a step, so the version window does not apply.
+    check: bool = False
 
 
 def _b64(data: bytes) -> str:
@@ -106,16 +109,49 @@ def _receipt_payload(campaign_id: int, lease_id: int, slice_index: int, num_samp
     return f"receipt|{campaign_id}|{lease_id}|{slice_index}|{num_samples}".encode()
 
 
-def sign_receipt(key: bytes, *, campaign_id: int, lease_id: int, slice_index: int, num_samples: int) -> str:
-    """The token an aggregator returns after it accepted one slice of a lease."""
-    return _b64(_mac(key, _receipt_payload(campaign_id, lease_id, slice_index, num_samples)))
+def sign_receipt(
+    key: bytes, *, campaign_id: int, lease_id: int, slice_index: int, num_samples: int, sketch: bytes = b""
+) -> str:
+    """The token an aggregator returns after it accepted one slice of a lease.
+
+    ``sketch`` (protocol 2.2: float32 bytes of the slice's gradient sketch, see
+    ``crowdtrain_agent.sketch``) rides in the token as ``<sketch>.<signature>``,
+    under the signature: the agent relays it to the site and cannot change it,
+    so the site compares what the aggregator received, not what an agent claims.
+    """
+    mac = _b64(_mac(key, _receipt_payload(campaign_id, lease_id, slice_index, num_samples) + sketch))
+    return f"{_b64(sketch)}.{mac}" if sketch else mac
 
 
 def verify_receipt(
     token: str, key: bytes, *, campaign_id: int, lease_id: int, slice_index: int, num_samples: int
 ) -> bool:
-    """Whether ``token`` is the receipt an aggregator would sign for that slice."""
+    """Whether ``token`` is the receipt an aggregator would sign for that slice (with or without a sketch)."""
+    try:
+        sketch = receipt_sketch(token)
+    except ValueError:
+        return False
     expected = sign_receipt(
-        key, campaign_id=campaign_id, lease_id=lease_id, slice_index=slice_index, num_samples=num_samples
+        key,
+        campaign_id=campaign_id,
+        lease_id=lease_id,
+        slice_index=slice_index,
+        num_samples=num_samples,
+        sketch=sketch,
     )
     return hmac.compare_digest(token.encode(), expected.encode())
+
+
+def receipt_sketch(token: str) -> bytes:
+    """The sketch bytes a receipt carries (empty for a receipt without one); check the receipt first.
+
+    Raises:
+        ValueError: the token is not a receipt.
+    """
+    if "." not in token:
+        return b""
+    head, _, _ = token.partition(".")
+    try:
+        return _unb64(head)
+    except (ValueError, TypeError):
+        raise ValueError("not a Crowdtrain receipt") from None

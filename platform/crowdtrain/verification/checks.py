@@ -1,0 +1,401 @@
+"""Verification by replication: pick leases, hand copies to other volunteers, compare sketches, judge.
+
+A share of reported leases (``standing.check_rate``) becomes a *check*. Its
+copy waits in a short Redis queue per campaign and is served, before new
+work, to the next agent of another volunteer that asks; the copy trains on the
+original's samples and base version and uploads as any lease does, but its
+ticket says ``check``, so the aggregators only sketch it. Two sketches that
+agree pass the check; two that disagree call a third copy from a third
+volunteer, and the one the other two outvote fails. A lease's credit waits for
+its check; a volunteer with failed checks is quarantined (``quarantine``).
+
+Nothing here runs unless a lease is picked, except one random draw per report
+and one short Redis call per lease request while copies wait: the cost of the
+hot paths does not grow with volunteers or leases in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, cast
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from crowdtrain.credit import ledger
+from crowdtrain.scheduler import ids
+from crowdtrain.scheduler.configs import CampaignConfig, campaign_config
+from crowdtrain.scheduler.hotstate import hot_state
+from crowdtrain.scheduler.models import Lease
+from crowdtrain_agent.protocol import Lease as LeaseMessage
+from crowdtrain_agent.protocol import LeaseDone, receipt_sketch
+from crowdtrain_agent.sketch import SKETCH_SIZE, Agreement, compare, from_bytes
+
+from . import standing
+from .models import Answer, Check, Standing
+
+logger = logging.getLogger(__name__)
+
+# Waiting copies a lease request looks through for one its volunteer may take.
+SCAN = 16
+_TAKE = """
+local raws = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
+local now, me, chosen, stale = tonumber(ARGV[1]), tonumber(ARGV[2]), false, {}
+for _, raw in ipairs(raws) do
+  local e = cjson.decode(raw)
+  if e.u < now then
+    stale[#stale + 1] = e.c
+    redis.call('LREM', KEYS[1], 1, raw)
+  elseif not chosen then
+    local mine = false
+    for _, v in ipairs(e.x) do if v == me then mine = true end end
+    if not mine then
+      chosen = raw
+      redis.call('LREM', KEYS[1], 1, raw)
+    end
+  end
+end
+return cjson.encode({chosen = chosen, stale = stale})
+"""
+
+
+def _queue_key(campaign_id: int) -> str:
+    return f"{hot_state().prefix}:chk:{campaign_id}"
+
+
+def copy_marker(campaign_id: int) -> str:
+    """What the lease-to-campaign map holds for a copy: its campaign, marked, so reports find their way here."""
+    return f"{campaign_id}:check"
+
+
+# ------------------------------------------------------------------ picking
+
+
+def sketch_of(config: CampaignConfig, done: LeaseDone) -> list[float] | None:
+    """The aggregators' sketches of a lease (receipts verified already), in slice order; None if one lacks it."""
+    tokens = {r.slice_index: r.token for r in done.receipts}
+    values: list[float] = []
+    for route in config.slices:
+        try:
+            part = from_bytes(receipt_sketch(tokens[route.index]))
+        except (KeyError, ValueError):
+            return None
+        if len(part) != SKETCH_SIZE:
+            return None  # an aggregator older than protocol 2.2 signs receipts without one
+        values += part
+    return values
+
+
+def maybe_pick(config: CampaignConfig, device_id: int, done: LeaseDone, record: dict[str, Any]) -> bool:
+    """Pick an accepted lease for verification at the volunteer's rate; whether it was (its credit then waits)."""
+    base = float(getattr(config, "check_fraction", settings.CROWDTRAIN_CHECK_FRACTION))
+    owner = standing.owner_of(device_id)
+    if base <= 0 or owner is None or random.random() >= standing.check_rate(base, standing.record_of(owner)):
+        return False
+    sketch = sketch_of(config, done)
+    if sketch is None:
+        return False  # nothing to compare with: an aggregator that does not sketch yet
+    from crowdtrain.scheduler.rebuild import to_shards
+
+    with transaction.atomic():
+        case = Check.objects.create(
+            campaign_id=config.id,
+            lease_id=done.lease_id,
+            volunteer_id=owner,
+            base_version=int(record["b"]),
+            ranges=to_shards(config.table, record["r"]),
+            num_samples=int(record["n"]),
+        )
+        Answer.objects.create(
+            case=case,
+            lease_id=done.lease_id,
+            role=Answer.Role.ORIGINAL,
+            volunteer_id=owner,
+            device_id=device_id,
+            sketch=sketch,
+            reported_at=timezone.now(),
+        )
+    _enqueue(case, [owner])
+    logger.info("campaign %s: lease %s picked for verification (check %s)", config.id, done.lease_id, case.pk)
+    return True
+
+
+def _enqueue(case: Check, excluded: list[int]) -> None:
+    until = hot_state().clock() + settings.CROWDTRAIN_CHECK_WAIT_S
+    entry = json.dumps({"c": case.pk, "x": excluded, "u": until}, separators=(",", ":"))
+    hot_state().client.rpush(_queue_key(case.campaign_id), entry)
+
+
+# ------------------------------------------------------------------ copies
+
+
+def take_copy(config: CampaignConfig, device_id: int) -> LeaseMessage | None:
+    """A waiting copy this device may compute (never its own volunteer's lease), as a lease; None if none waits."""
+    state = hot_state()
+    key = _queue_key(config.id)
+    if not state.client.exists(key):
+        return None
+    owner = standing.owner_of(device_id)
+    if owner is None:
+        return None
+    raw = state.client.eval(_TAKE, 1, key, repr(state.clock()), str(owner), str(SCAN))
+    answer = json.loads(cast(str, raw))
+    for check_id in answer.get("stale") or []:
+        settle(int(check_id), Check.State.ABANDONED, "no volunteer of another account took its copy in time")
+    if not answer.get("chosen"):
+        return None
+    entry = json.loads(answer["chosen"])
+    case = Check.objects.filter(pk=entry["c"]).first()
+    if case is None or not case.open:
+        return None
+    copy_id = ids.lease_ids.take()
+    role = Answer.Role.TIEBREAK if case.state == Check.State.TIEBREAK else Answer.Role.COPY
+    Answer.objects.create(case=case, lease_id=copy_id, role=role, volunteer_id=owner, device_id=device_id)
+    state.client.hset(state.lease_campaigns_key, str(copy_id), copy_marker(config.id))
+    from crowdtrain.scheduler.leasing import lease_message
+
+    deadline = timezone.now() + timedelta(seconds=settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S)
+    lease = Lease(
+        pk=copy_id,
+        campaign_id=config.id,
+        device_id=device_id,
+        base_version=case.base_version,
+        ranges=case.ranges,
+        num_samples=case.num_samples,
+        deadline=deadline,
+    )
+    logger.info("campaign %s: lease %s is a %s of lease %s", config.id, copy_id, role, case.lease_id)
+    return lease_message(lease, config, check=True)
+
+
+def copy_done(config: CampaignConfig, device_id: int, done: LeaseDone, problem: str) -> str:
+    """Record a copy's report and judge its check; returns why it is refused ("" if it was taken)."""
+    hot_state().client.hdel(hot_state().lease_campaigns_key, str(done.lease_id))
+    answer = Answer.objects.filter(lease_id=done.lease_id, device_id=device_id).select_related("case").first()
+    if answer is None:
+        return "unknown lease"
+    if answer.reported_at is not None:
+        return "lease already reported"
+    if problem or done.num_samples != answer.case.num_samples:
+        problem = problem or f"lease has {answer.case.num_samples} samples, report says {done.num_samples}"
+        Answer.objects.filter(pk=answer.pk).update(reported_at=timezone.now(), verdict=Answer.Verdict.NONE)
+        _requeue_or_abandon(answer.case, f"a copy's report was refused: {problem}")
+        return problem
+    sketch = sketch_of(config, done)
+    Answer.objects.filter(pk=answer.pk).update(
+        reported_at=timezone.now(), sketch=sketch or [], verdict=Answer.Verdict.PENDING if sketch else "none"
+    )
+    if sketch is None:
+        _requeue_or_abandon(answer.case, "a copy came back without sketches (an aggregator older than 2.2)")
+    else:
+        judge(answer.case_id)
+    return ""
+
+
+def copy_released(lease_id: int, reason: str) -> None:
+    """A copy given back or expired unfinished: another volunteer gets the check, while it can."""
+    hot_state().client.hdel(hot_state().lease_campaigns_key, str(lease_id))
+    answer = Answer.objects.filter(lease_id=lease_id, reported_at__isnull=True).select_related("case").first()
+    if answer is not None:
+        Answer.objects.filter(pk=answer.pk).update(reported_at=timezone.now(), verdict=Answer.Verdict.NONE)
+        _requeue_or_abandon(answer.case, f"a copy was not finished ({reason})")
+
+
+MAX_COPIES = 4  # copies issued for one check before it is given up
+
+
+def _requeue_or_abandon(case: Check, why: str) -> None:
+    if case.open and case.answers.count() < MAX_COPIES:
+        excluded = list(case.answers.values_list("volunteer_id", flat=True).distinct())
+        _enqueue(case, excluded)
+    else:
+        settle(case.pk, Check.State.ABANDONED, why)
+
+
+# ------------------------------------------------------------------ judging
+
+
+@dataclass(frozen=True)
+class Outcome:
+    state: str
+    agreed: list[int]  # answer ids that agree with the verdict
+    disagreed: list[int]
+    detail: str = ""
+
+
+def _verdict(original: Answer, others: list[Answer]) -> Outcome | None:
+    """The check's outcome from its reported answers, or None while a third copy is needed."""
+    if not others:
+        return None
+    first = compare(original.sketch, others[0].sketch)
+    if first.agrees():
+        return Outcome(Check.State.PASSED, [original.pk, others[0].pk], [], _figures(first))
+    if len(others) < 2:
+        return None  # disagreement: a third volunteer breaks the tie
+    third = others[1]
+    with_original = compare(original.sketch, third.sketch)
+    with_copy = compare(others[0].sketch, third.sketch)
+    if with_original.agrees():
+        return Outcome(
+            Check.State.PASSED, [original.pk, third.pk], [] if with_copy.agrees() else [others[0].pk], "tie broken"
+        )
+    if with_copy.agrees():
+        return Outcome(Check.State.FAILED, [others[0].pk, third.pk], [original.pk], f"outvoted, {_figures(first)}")
+    return Outcome(Check.State.INCONCLUSIVE, [], [], "no two of three copies agree")
+
+
+def _figures(agreement: Agreement) -> str:
+    return f"cosine {agreement.cosine:.3f}, norm ratio {agreement.norm_ratio:.3f}"
+
+
+def judge(check_id: int) -> None:
+    """Decide a check whose answers are in, or ask for a tie-break; update standings and credit."""
+    failed_volunteers: list[int] = []
+    with transaction.atomic():
+        case = Check.objects.select_for_update().filter(pk=check_id).first()
+        if case is None or not case.open:
+            return
+        answers = list(case.answers.filter(verdict=Answer.Verdict.PENDING).exclude(sketch=[]).order_by("issued_at"))
+        original = next((a for a in answers if a.role == Answer.Role.ORIGINAL), None)
+        if original is None:
+            return
+        outcome = _verdict(original, [a for a in answers if a is not original])
+        if outcome is None:
+            if case.state == Check.State.OPEN and len(answers) >= 2:
+                case.state = Check.State.TIEBREAK
+                case.detail = _figures(compare(original.sketch, answers[1].sketch))
+                case.save(update_fields=["state", "detail"])
+                _enqueue(case, list({a.volunteer_id for a in answers}))
+                logger.info("check %s: the copy disagrees (%s); asking a third volunteer", case.pk, case.detail)
+            return
+        by_id = {a.pk: a for a in answers}
+        first, second = by_id[outcome.agreed[0]], by_id[outcome.agreed[1]]
+        for answer_id in outcome.agreed:
+            _mark(by_id[answer_id], Answer.Verdict.AGREED, second if answer_id == first.pk else first)
+            _record(by_id[answer_id].volunteer_id, passed=True)
+        for answer_id in outcome.disagreed:
+            _mark(by_id[answer_id], Answer.Verdict.DISAGREED, first)
+            _record(by_id[answer_id].volunteer_id, passed=False)
+            failed_volunteers.append(by_id[answer_id].volunteer_id)
+        case.answers.filter(verdict=Answer.Verdict.PENDING).update(verdict=Answer.Verdict.NONE)
+        _close(case, outcome.state, outcome.detail)
+    logger.info("check %s of lease %s: %s (%s)", case.pk, case.lease_id, outcome.state, outcome.detail)
+    from .quarantine import consider
+
+    for volunteer_id in failed_volunteers:
+        consider(volunteer_id)
+
+
+def _mark(answer: Answer, verdict: str, against: Answer) -> None:
+    """Store an answer's verdict with its figures against an answer of the majority."""
+    agreement = compare(answer.sketch, against.sketch)
+    Answer.objects.filter(pk=answer.pk).update(
+        verdict=verdict, cosine=agreement.cosine, norm_ratio=agreement.norm_ratio
+    )
+
+
+def _record(volunteer_id: int, *, passed: bool) -> None:
+    row, _ = Standing.objects.select_for_update().get_or_create(volunteer_id=volunteer_id)
+    if passed:
+        row.checks_passed += 1
+        row.streak += 1
+    else:
+        row.checks_failed += 1
+        row.streak = 0
+    row.save(update_fields=["checks_passed", "checks_failed", "streak"])
+    standing.forget(volunteer_id)
+
+
+def settle(check_id: int, state: str, detail: str) -> None:
+    """End a check without a verdict on anyone (abandoned, inconclusive): its lease's credit is released."""
+    with transaction.atomic():
+        case = Check.objects.select_for_update().filter(pk=check_id).first()
+        if case is None or not case.open:
+            return
+        case.answers.filter(verdict=Answer.Verdict.PENDING).update(verdict=Answer.Verdict.NONE)
+        _close(case, state, detail)
+    logger.info("check %s of lease %s: %s (%s)", case.pk, case.lease_id, state, detail)
+
+
+def _close(case: Check, state: str, detail: str) -> None:
+    case.state, case.detail, case.decided_at = state, detail[:300], timezone.now()
+    case.save(update_fields=["state", "detail", "decided_at"])
+    if state != Check.State.FAILED:
+        transaction.on_commit(lambda: release_credit([case.pk]))
+
+
+# ------------------------------------------------------------------ credit
+
+WITHHOLDING = (Check.State.OPEN, Check.State.TIEBREAK, Check.State.FAILED)
+
+
+def creditable(leases: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
+    """``(lease id, device id, samples)`` of a committed step's lease records whose credit is due now.
+
+    Left out: leases whose check is open or failed, and the work of quarantined volunteers.
+    """
+    held = withheld([int(r["id"]) for r in leases])
+    due = []
+    for record in leases:
+        lease_id, device_id = int(record["id"]), int(record["d"])
+        if lease_id not in held and not standing.refusal(standing.owner_of(device_id)):
+            due.append((lease_id, device_id, int(record["n"])))
+    return due
+
+
+def withheld(lease_ids: list[int]) -> set[int]:
+    """The leases among these whose credit waits for, or was refused by, a check."""
+    if not lease_ids:
+        return set()
+    return set(Check.objects.filter(lease_id__in=lease_ids, state__in=WITHHOLDING).values_list("lease_id", flat=True))
+
+
+def release_credit(check_ids: list[int] | None = None) -> int:
+    """Grant the credit of checked leases that are committed and no longer withheld; returns how many.
+
+    Called when a check ends, and by the periodic sweep for checks that ended
+    before their step was committed.
+    """
+    cases = Check.objects.exclude(state__in=WITHHOLDING)
+    cases = cases.filter(pk__in=check_ids) if check_ids is not None else cases.filter(credited=False)
+    count = 0
+    for case in cases.filter(credited=False):
+        if standing.refusal(case.volunteer_id):
+            continue  # a quarantined volunteer's credit stays with the review
+        lease = (
+            Lease.objects.filter(pk=case.lease_id, step__isnull=False).values_list("device_id", "num_samples").first()
+        )
+        if lease is None:
+            continue  # not committed yet: the commit grants it, or the sweep does
+        config = campaign_config(case.campaign_id)
+        if config is None:
+            continue
+        with transaction.atomic():
+            ledger.grant(case.campaign_id, config.flops_per_sample, [(case.lease_id, lease[0], lease[1])])
+            Check.objects.filter(pk=case.pk).update(credited=True)
+        count += 1
+    return count
+
+
+def expire_copies() -> int:
+    """Copies past their deadline: their checks go to another volunteer or are given up. Returns how many."""
+    limit = timezone.now() - timedelta(seconds=settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S + 60)
+    late = list(
+        Answer.objects.filter(reported_at__isnull=True, issued_at__lt=limit)
+        .exclude(role=Answer.Role.ORIGINAL)
+        .values_list("lease_id", flat=True)[:500]
+    )
+    for lease_id in late:
+        copy_released(lease_id, "deadline passed")
+    return len(late)
+
+
+def upkeep() -> None:
+    """Once a minute on every site process: late copies, and credit of checks that ended before their commit."""
+    expire_copies()
+    release_credit()

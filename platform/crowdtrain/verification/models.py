@@ -1,0 +1,117 @@
+"""Verification records: each volunteer's standing, and the leases computed twice to check one another.
+
+A *check* is one lease picked for verification (the original) and the copies of
+it given to agents of other volunteers. The aggregators sketch every upload and
+sign the sketch into its receipt, so each *answer* holds a sketch of what an
+aggregator really received. Two answers that agree settle the check; two that
+disagree call a third, and the odd one out fails.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+from crowdtrain.accounts.models import Device
+from crowdtrain.campaigns.models import Campaign
+
+
+class Standing(models.Model):
+    """What a volunteer's verified record says of them, and whether they may work."""
+
+    class State(models.TextChoices):
+        GOOD = "good", "in good standing"
+        QUARANTINED = "quarantined", "quarantined"
+        BANNED = "banned", "banned"
+
+    volunteer = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="standing")
+    checks_passed = models.PositiveIntegerField(default=0)
+    checks_failed = models.PositiveIntegerField(default=0)
+    # Passed since the last failure: a long run earns fewer checks (BOINC's adaptive replication).
+    streak = models.PositiveIntegerField(default=0)
+    state = models.CharField(max_length=12, choices=State.choices, default=State.GOOD, db_index=True)
+    reason = models.CharField(max_length=500, blank=True)
+    changed_at = models.DateTimeField(null=True, blank=True)
+    appeal = models.TextField(max_length=2000, blank=True)
+    appealed_at = models.DateTimeField(null=True, blank=True)
+    reviewed_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    def __str__(self) -> str:
+        return f"{self.volunteer_id}: {self.get_state_display()}"
+
+    @property
+    def checks(self) -> int:
+        return self.checks_passed + self.checks_failed
+
+
+class Check(models.Model):
+    """One lease picked for verification, and how its copies came out."""
+
+    class State(models.TextChoices):
+        OPEN = "open", "waiting for a copy"
+        TIEBREAK = "tiebreak", "waiting for a third copy"
+        PASSED = "passed", "passed"
+        FAILED = "failed", "failed"
+        INCONCLUSIVE = "inconclusive", "inconclusive"
+        ABANDONED = "abandoned", "abandoned"
+
+    campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="checks")
+    # The original lease; its row may not be written yet (lease records are batched), so no foreign key.
+    lease_id = models.BigIntegerField(unique=True)
+    volunteer = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="checks")
+    base_version = models.PositiveIntegerField()
+    ranges = models.JSONField(help_text="[epoch, shard index, start, count] of the original lease")
+    num_samples = models.PositiveIntegerField()
+    state = models.CharField(max_length=12, choices=State.choices, default=State.OPEN, db_index=True)
+    detail = models.CharField(max_length=300, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    decided_at = models.DateTimeField(null=True, blank=True)
+    # The lease's credit was granted once the check ended (the commit grants it when the check ended first).
+    credited = models.BooleanField(default=False)
+
+    class Meta:
+        indexes = [models.Index(fields=["campaign", "state"]), models.Index(fields=["state", "credited"])]
+
+    def __str__(self) -> str:
+        return f"check of lease {self.lease_id} ({self.state})"
+
+    @property
+    def open(self) -> bool:
+        return self.state in (self.State.OPEN, self.State.TIEBREAK)
+
+
+class Answer(models.Model):
+    """One computation of a checked lease: the original, a copy, or the copy that breaks a tie."""
+
+    class Role(models.TextChoices):
+        ORIGINAL = "original"
+        COPY = "copy"
+        TIEBREAK = "tiebreak"
+
+    class Verdict(models.TextChoices):
+        PENDING = "pending"
+        AGREED = "agreed", "agreed with the majority"
+        DISAGREED = "disagreed", "disagreed with the majority"
+        NONE = "none", "no verdict"
+
+    case = models.ForeignKey(Check, on_delete=models.CASCADE, related_name="answers")  # ("check" is Model.check)
+    lease_id = models.BigIntegerField(unique=True)
+    role = models.CharField(max_length=8, choices=Role.choices)
+    volunteer = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="answers")
+    device = models.ForeignKey(Device, null=True, on_delete=models.SET_NULL, related_name="answers")
+    # The aggregators' sketches of each slice, concatenated in slice order; empty until reported.
+    sketch = models.JSONField(default=list)
+    reported_at = models.DateTimeField(null=True, blank=True)
+    verdict = models.CharField(max_length=10, choices=Verdict.choices, default=Verdict.PENDING)
+    cosine = models.FloatField(null=True, blank=True, help_text="against the answer it was judged by")
+    norm_ratio = models.FloatField(null=True, blank=True)
+    issued_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["case", "issued_at"]
+
+    def __str__(self) -> str:
+        return f"{self.role} of check {self.case_id}: lease {self.lease_id}"

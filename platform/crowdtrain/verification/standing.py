@@ -1,0 +1,110 @@
+"""Who may work, and how often their work is checked: cheap answers for the lease and report paths.
+
+Standings change rarely and are read on every report, so each site process
+keeps what it needs in memory: the quarantined and banned volunteers (reloaded
+every few seconds, so a quarantine decided by another process takes effect
+here within that time) and each volunteer's record (reloaded a minute after
+first use).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from django.urls import reverse
+
+from crowdtrain.accounts.models import Device
+
+from .models import Standing
+
+# A volunteer with fewer passed checks than this is new: their leases are checked four times as often.
+NEWCOMER_CHECKS = 10
+# Passed checks in a row after which a volunteer's leases are checked a quarter as often.
+TRUSTED_STREAK = 100
+# A volunteer is quarantined at this many failed checks, if they are at least QUARANTINE_SHARE of their checks.
+QUARANTINE_FAILURES = 2
+QUARANTINE_SHARE = 0.1
+REFUSALS_TTL_S = 5.0
+RECORD_TTL_S = 60.0
+
+
+@dataclass(frozen=True)
+class Record:
+    passed: int = 0
+    streak: int = 0
+
+
+_lock = threading.Lock()
+_owners: dict[int, int] = {}
+_records: dict[int, tuple[float, Record]] = {}
+_refusals: dict[int, str] = {}
+_refusals_at = 0.0
+
+
+def owner_of(device_id: int) -> int | None:
+    """The volunteer who owns a device (devices never change hands)."""
+    owner = _owners.get(device_id)
+    if owner is None:
+        owner = Device.objects.filter(pk=device_id).values_list("owner_id", flat=True).first()
+        if owner is not None:
+            _owners[device_id] = owner
+    return owner
+
+
+def check_rate(base: float, record: Record) -> float:
+    """The share of a volunteer's leases to verify: more for newcomers, fewer after a long clean run."""
+    if base <= 0:
+        return 0.0
+    if record.passed < NEWCOMER_CHECKS:
+        return min(1.0, 4 * base)
+    if record.streak >= TRUSTED_STREAK:
+        return base / 4
+    return min(1.0, base)
+
+
+def record_of(volunteer_id: int) -> Record:
+    now = time.monotonic()
+    cached = _records.get(volunteer_id)
+    if cached is not None and now - cached[0] < RECORD_TTL_S:
+        return cached[1]
+    row = Standing.objects.filter(volunteer_id=volunteer_id).values_list("checks_passed", "streak").first()
+    record = Record(*row) if row else Record()
+    _records[volunteer_id] = (now, record)
+    return record
+
+
+def forget(volunteer_id: int) -> None:
+    """Read this volunteer's record and refusal again on next use (this process changed them)."""
+    _records.pop(volunteer_id, None)
+    global _refusals_at
+    _refusals_at = 0.0
+
+
+def refusal(volunteer_id: int | None) -> str:
+    """Why this volunteer may not work now ("" if they may), in words for their agent's log."""
+    global _refusals, _refusals_at
+    if volunteer_id is None:
+        return ""
+    now = time.monotonic()
+    if now - _refusals_at > REFUSALS_TTL_S:
+        with _lock:
+            if now - _refusals_at > REFUSALS_TTL_S:
+                rows = Standing.objects.exclude(state=Standing.State.GOOD).values_list(
+                    "volunteer_id", "state", "reason"
+                )
+                _refusals = {v: explain(state, reason) for v, state, reason in rows}
+                _refusals_at = now
+    return _refusals.get(volunteer_id, "")
+
+
+def explain(state: str, reason: str) -> str:
+    """What a refused agent is told: why, and where to appeal."""
+    page = f"{reverse('standing')} on this site"
+    if state == Standing.State.BANNED:
+        return f"this account is banned from computing ({reason}); see {page}"
+    return (
+        f"this account is quarantined: {reason}. Its work is not used and its credit is on hold while an admin "
+        f"reviews it; read why and appeal at {page}. The agent keeps asking and resumes if the account is cleared"
+    )
