@@ -61,6 +61,7 @@ def fresh_scheduler_state() -> Iterator[None]:
     import uuid
 
     from crowdtrain.scheduler import configs, hotstate, ids, records
+    from crowdtrain.verification import standing
 
     prefix = f"ct-test-{uuid.uuid4().hex[:12]}"
     with override_settings(CROWDTRAIN_REDIS_PREFIX=prefix, CROWDTRAIN_RECORDS_INLINE=True):
@@ -68,6 +69,7 @@ def fresh_scheduler_state() -> Iterator[None]:
         records.reset_writer()
         configs.clear_caches()
         ids.lease_ids.reset()
+        standing.clear_caches()
         yield
         state = hotstate._instance
         if state is not None:
@@ -78,6 +80,7 @@ def fresh_scheduler_state() -> Iterator[None]:
         records.reset_writer()
         configs.clear_caches()
         ids.lease_ids.reset()
+        standing.clear_caches()
 
 
 class FakeClock:

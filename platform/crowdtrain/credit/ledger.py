@@ -85,7 +85,7 @@ def restore(volunteer_id: int, reason: str, when: datetime | None = None) -> int
     when = when or timezone.now()
     entries = CreditEntry.objects.filter(volunteer_id=volunteer_id)
     taken = list(
-        entries.filter(kind=CreditEntry.Kind.QUARANTINE)
+        entries.filter(kind=CreditEntry.Kind.QUARANTINE, lease__step__isnull=False)  # still in a committed step
         .exclude(Exists(entries.filter(lease_id=OuterRef("lease_id"), kind=CreditEntry.Kind.RESTORE)))
         .exclude(Exists(entries.filter(lease_id=OuterRef("lease_id"), kind=CreditEntry.Kind.REVERSAL)))
         .only("lease_id", "volunteer_id", "device_id", "team_id", "campaign_id", "samples", "flops")

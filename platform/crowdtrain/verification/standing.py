@@ -13,7 +13,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-from django.urls import reverse
 
 from crowdtrain.accounts.models import Device
 
@@ -27,6 +26,8 @@ TRUSTED_STREAK = 100
 QUARANTINE_FAILURES = 2
 QUARANTINE_SHARE = 0.1
 REFUSALS_TTL_S = 5.0
+# The volunteer's standing page (URL name "standing"), named in refusals; a test checks the two agree.
+STANDING_PATH = "/account/standing/"
 RECORD_TTL_S = 60.0
 
 
@@ -82,6 +83,15 @@ def forget(volunteer_id: int) -> None:
     _refusals_at = 0.0
 
 
+def clear_caches() -> None:
+    """Forget every cached owner, record and refusal (tests, whose rolled-back ids come back)."""
+    global _refusals_at
+    _owners.clear()
+    _records.clear()
+    _refusals.clear()
+    _refusals_at = 0.0
+
+
 def refusal(volunteer_id: int | None) -> str:
     """Why this volunteer may not work now ("" if they may), in words for their agent's log."""
     global _refusals, _refusals_at
@@ -101,7 +111,7 @@ def refusal(volunteer_id: int | None) -> str:
 
 def explain(state: str, reason: str) -> str:
     """What a refused agent is told: why, and where to appeal."""
-    page = f"{reverse('standing')} on this site"
+    page = f"{STANDING_PATH} on this site"
     if state == Standing.State.BANNED:
         return f"this account is banned from computing ({reason}); see {page}"
     return (

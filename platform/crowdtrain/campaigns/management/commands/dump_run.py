@@ -14,7 +14,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db.models import Count
+from django.db.models import Count, Sum
 
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler.leasing import step_ranges
@@ -77,6 +77,47 @@ def dump_campaign(campaign: Campaign) -> dict[str, Any]:
         "rolled_back_leases": campaign.leases.filter(reason__startswith="rolled back").count(),
         "blocked_reason": campaign.blocked_reason,
         "steps": steps,
+        **_verification(campaign),
+    }
+
+
+def _verification(campaign: Campaign) -> dict[str, Any]:
+    """Per volunteer (by username): credit, standing and the checks of their leases, for the trust tests."""
+    from crowdtrain.credit.models import CreditEntry
+    from crowdtrain.verification.models import Answer, Check, Standing
+
+    credit = dict(
+        CreditEntry.objects.filter(campaign=campaign)
+        .values_list("volunteer__username")
+        .annotate(n=Sum("samples"))
+        .values_list("volunteer__username", "n")
+    )
+    standings = {
+        s.volunteer.username: {
+            "state": s.state,
+            "passed": s.checks_passed,
+            "failed": s.checks_failed,
+            "reason": s.reason,
+            "changed_at": _iso(s.changed_at),
+        }
+        for s in Standing.objects.select_related("volunteer")
+    }
+    checks = [
+        {"lease": c.lease_id, "volunteer": c.volunteer.username, "state": c.state, "created_at": _iso(c.created_at)}
+        for c in Check.objects.filter(campaign=campaign).select_related("volunteer").order_by("created_at")
+    ]
+    answers = list(
+        Answer.objects.filter(case__campaign=campaign)
+        .values_list("volunteer__username", "role", "verdict")
+        .order_by("issued_at")
+    )
+    devices = dict(campaign.leases.order_by().values_list("device__owner__username", "device_id").distinct())
+    return {
+        "credit": credit,
+        "standings": standings,
+        "devices": devices,
+        "checks": checks,
+        "answers": [list(a) for a in answers],
     }
 
 

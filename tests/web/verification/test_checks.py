@@ -1,0 +1,274 @@
+"""Verification by replication on the site's own paths: picking, copies for other volunteers, verdicts,
+tie-breaks, credit held until a check passes, and quarantine after failed checks.
+
+The aggregators' part (sketching what they received, signing it into the receipt) is
+played here by signing receipts with a chosen sketch, exactly as an aggregator would.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from django.db.models import Sum
+
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.credit.models import CreditEntry
+from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler.configs import ticket_key
+from crowdtrain.scheduler.models import Lease
+from crowdtrain.verification import checks, quarantine
+from crowdtrain.verification.models import Answer, Check, Standing
+from crowdtrain_agent.protocol import Lease as LeaseMessage
+from crowdtrain_agent.protocol import LeaseDone, NoLease, Receipt, sign_receipt, verify_ticket
+from crowdtrain_agent.sketch import SKETCH_SIZE, to_bytes
+from tests.factories import make_campaign, make_device, redo_samples
+
+pytestmark = pytest.mark.django_db
+
+HONEST = [random.Random(1).gauss(0.0, 1.0) for _ in range(SKETCH_SIZE)]
+FLIPPED = [-4.0 * x for x in HONEST]
+NOISE = [random.Random(2).gauss(0.0, 1.0) for _ in range(SKETCH_SIZE)]
+
+
+def _done(campaign: Campaign, lease: LeaseMessage, sketch: list[float]) -> LeaseDone:
+    """A report whose receipts carry ``sketch`` as an aggregator would sign it (one slice here)."""
+    receipts = [
+        Receipt(
+            slice_index=route.index,
+            token=sign_receipt(
+                ticket_key(campaign.pk),
+                campaign_id=campaign.pk,
+                lease_id=lease.lease_id,
+                slice_index=route.index,
+                num_samples=lease.num_samples,
+                sketch=to_bytes(sketch),
+            ),
+        )
+        for route in lease.slices
+    ]
+    return LeaseDone(
+        lease_id=lease.lease_id, receipts=receipts, num_samples=lease.num_samples, loss_sum=1.0, compute_s=0.1
+    )
+
+
+def _lease(campaign: Campaign, device_id: int) -> LeaseMessage:
+    lease = leasing.request_lease(device_id, campaign.pk, None)
+    assert isinstance(lease, LeaseMessage), lease
+    return lease
+
+
+def _work(campaign: Campaign, device_id: int, sketch: list[float]) -> tuple[LeaseMessage, str]:
+    lease = _lease(campaign, device_id)
+    ack = leasing.report_done(device_id, _done(campaign, lease, sketch)).ack
+    assert ack.accepted, ack.reason
+    return lease, ack.verification
+
+
+def _granted(lease_id: int) -> int:
+    return CreditEntry.objects.filter(lease_id=lease_id).aggregate(n=Sum("samples"))["n"] or 0
+
+
+@pytest.fixture
+def campaign() -> Campaign:
+    # Every lease is checked (a newcomer's rate is four times the campaign's, at most all).
+    return make_campaign(target_batch_size=8, microbatch_size=4, check_fraction=1.0)
+
+
+def test_a_copy_goes_to_another_volunteer_and_an_agreeing_copy_releases_the_credit(
+    campaign: Campaign, django_capture_on_commit_callbacks
+) -> None:
+    alice, _ = make_device("alice")
+    alice_tablet, _ = make_device("alice", "tablet")
+    bob, _ = make_device("bob")
+
+    original, verification = _work(campaign, alice.pk, HONEST)
+    assert verification == "pending"
+    case = Check.objects.get(lease_id=original.lease_id)
+    assert case.state == Check.State.OPEN and case.volunteer_id == alice.owner_id
+
+    # Alice's other device is never given her own lease to check.
+    own = _lease(campaign, alice_tablet.pk)
+    assert not verify_ticket(own.ticket, ticket_key(campaign.pk)).check
+    copy = _lease(campaign, bob.pk)
+    ticket = verify_ticket(copy.ticket, ticket_key(campaign.pk))
+    assert ticket.check and ticket.lease_id == copy.lease_id != original.lease_id
+    assert (copy.base_version, copy.ranges, copy.num_samples) == (
+        original.base_version,
+        original.ranges,
+        original.num_samples,
+    )
+
+    with django_capture_on_commit_callbacks(execute=True):
+        ack = leasing.report_done(bob.pk, _done(campaign, copy, [x * (1 + 1e-4) for x in HONEST])).ack
+        assert (ack.accepted, ack.verification, ack.step) == (True, "check", None)
+        while Campaign.objects.get(pk=campaign.pk).committed_steps < 1:
+            _work(campaign, bob.pk, HONEST)
+        checks.release_credit()
+
+    case.refresh_from_db()
+    assert case.state == Check.State.PASSED
+    assert Standing.objects.get(volunteer_id=alice.owner_id).checks_passed == 1
+    assert Standing.objects.get(volunteer_id=bob.owner_id).checks_passed == 1
+    committed = Lease.objects.filter(pk=original.lease_id, step__isnull=False).exists()
+    assert _granted(original.lease_id) == (original.num_samples if committed else 0)
+    assert not Lease.objects.filter(pk=copy.lease_id).exists(), "a copy is never a lease of a step"
+    assert _granted(copy.lease_id) == 0
+
+
+def test_a_disagreement_asks_a_third_volunteer_and_the_outvoted_original_gets_no_credit(
+    campaign: Campaign, django_capture_on_commit_callbacks
+) -> None:
+    mallory, _ = make_device("mallory")
+    bob, _ = make_device("bob")
+    carol, _ = make_device("carol")
+
+    with django_capture_on_commit_callbacks(execute=True):
+        original, _ = _work(campaign, mallory.pk, FLIPPED)
+        copy = _lease(campaign, bob.pk)
+        assert leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
+        case = Check.objects.get(lease_id=original.lease_id)
+        assert case.state == Check.State.TIEBREAK
+
+        # Neither side of the disagreement may break the tie.
+        assert not verify_ticket(_lease(campaign, bob.pk).ticket, ticket_key(campaign.pk)).check
+        tiebreak = _lease(campaign, carol.pk)
+        assert verify_ticket(tiebreak.ticket, ticket_key(campaign.pk)).check
+        assert leasing.report_done(carol.pk, _done(campaign, tiebreak, HONEST)).ack.accepted
+        checks.release_credit()
+
+    case.refresh_from_db()
+    assert case.state == Check.State.FAILED
+    verdicts = dict(Answer.objects.filter(case=case).values_list("volunteer_id", "verdict"))
+    assert verdicts == {
+        mallory.owner_id: Answer.Verdict.DISAGREED,
+        bob.owner_id: Answer.Verdict.AGREED,
+        carol.owner_id: Answer.Verdict.AGREED,
+    }
+    assert Standing.objects.get(volunteer_id=mallory.owner_id).checks_failed == 1
+    assert _granted(original.lease_id) == 0
+    assert checks.withheld([original.lease_id]) == {original.lease_id}
+
+
+def test_a_second_failed_check_quarantines_drops_pending_work_takes_credit_back_and_refuses_leases(
+    django_capture_on_commit_callbacks,
+) -> None:
+    from tests.factories import done_for
+
+    campaign = make_campaign(target_batch_size=64, microbatch_size=4, check_fraction=1.0)  # steps of 8 leases
+    mallory, _ = make_device("mallory")
+    bob, _ = make_device("bob")
+    carol, _ = make_device("carol")
+    with django_capture_on_commit_callbacks(execute=True):
+        # Credit from before (granted outright, as if checked long ago), and work accepted but not committed
+        # (reported without sketches, so not picked).
+        earlier = _lease(campaign, mallory.pk)
+        quarantine.ledger.grant(campaign.pk, 1.0, [(earlier.lease_id, mallory.pk, 4)])
+        pending = _lease(campaign, mallory.pk)
+        assert leasing.report_done(mallory.pk, done_for(pending.lease_id)).ack.accepted
+        redo_before = redo_samples(campaign)
+        for _ in range(2):
+            original, _ = _work(campaign, mallory.pk, NOISE)
+            for device in (bob, carol):  # the copy, then the tie-break
+                copy = _lease(campaign, device.pk)
+                assert verify_ticket(copy.ticket, ticket_key(campaign.pk)).check
+                assert leasing.report_done(device.pk, _done(campaign, copy, HONEST)).ack.accepted
+
+    standing = Standing.objects.get(volunteer_id=mallory.owner_id)
+    assert standing.checks_failed == 2, list(Check.objects.values_list("state", flat=True))
+    assert standing.state == Standing.State.QUARANTINED and "disagreed" in standing.reason
+    assert CreditEntry.objects.filter(volunteer_id=mallory.owner_id).aggregate(n=Sum("samples"))["n"] == 0
+    # The accepted, uncommitted work is out of the step, and its samples wait for someone else.
+    assert redo_samples(campaign) >= redo_before + pending.num_samples
+    assert Campaign.objects.get(pk=campaign.pk).committed_steps == 0
+
+    refusal = leasing.request_lease(mallory.pk, campaign.pk, None)
+    assert isinstance(refusal, NoLease) and refusal.reason == "quarantined"
+    assert "/account/standing/" in refusal.detail and "appeal" in refusal.detail
+    ack = leasing.report_done(mallory.pk, _done(campaign, original, NOISE)).ack
+    assert not ack.accepted and "quarantined" in ack.reason
+
+
+def test_clearing_gives_the_credit_back_and_a_rollback_after_a_quarantine_takes_nothing_twice(
+    campaign: Campaign, django_capture_on_commit_callbacks
+) -> None:
+    alice, _ = make_device("alice")
+    lease = _lease(campaign, alice.pk)
+    with django_capture_on_commit_callbacks(execute=True):
+        quarantine.ledger.grant(campaign.pk, 1.0, [(lease.lease_id, alice.pk, lease.num_samples)])
+        assert quarantine.quarantine(alice.owner_id, "test")
+        assert not quarantine.quarantine(alice.owner_id, "again"), "already in quarantine"
+        quarantine.ledger.reverse([lease.lease_id], "rolled back")  # nothing left to take
+        assert _granted(lease.lease_id) == 0
+        assert quarantine.clear(alice.owner_id, None)
+
+    assert _granted(lease.lease_id) == 0, "a rollback's reversal is not undone by clearing"
+    kinds = sorted(CreditEntry.objects.filter(lease_id=lease.lease_id).values_list("kind", flat=True))
+    assert kinds == ["grant", "quarantine"]
+    assert Standing.objects.get(volunteer_id=alice.owner_id).state == Standing.State.GOOD
+
+
+def test_clearing_restores_quarantined_credit(campaign: Campaign, django_capture_on_commit_callbacks) -> None:
+    from tests.factories import work_until_committed
+
+    alice, _ = make_device("alice")
+    with django_capture_on_commit_callbacks(execute=True):
+        work_until_committed(campaign, [alice.pk], steps=1)  # receipts without sketches: credited at commit
+        committed = campaign.target_batch_size
+        assert _total(alice.owner_id) == committed
+        quarantine.quarantine(alice.owner_id, "test")
+        assert _total(alice.owner_id) == 0
+        assert leasing.request_lease(alice.pk, campaign.pk, None).reason == "quarantined"  # type: ignore[union-attr]
+        quarantine.clear(alice.owner_id, None)
+
+    assert _total(alice.owner_id) == committed
+    assert isinstance(leasing.request_lease(alice.pk, campaign.pk, None), LeaseMessage)
+
+
+def _total(volunteer_id: int) -> int:
+    return CreditEntry.objects.filter(volunteer_id=volunteer_id).aggregate(n=Sum("samples"))["n"] or 0
+
+
+def test_a_copy_given_back_goes_to_another_volunteer(campaign: Campaign) -> None:
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    carol, _ = make_device("carol")
+    original, _ = _work(campaign, alice.pk, HONEST)
+    copy = _lease(campaign, bob.pk)
+
+    leasing.release_lease(bob.pk, copy.lease_id, "params no longer served")
+
+    again = _lease(campaign, carol.pk)
+    assert verify_ticket(again.ticket, ticket_key(campaign.pk)).check
+    assert again.ranges == original.ranges
+    assert Check.objects.get(lease_id=original.lease_id).state == Check.State.OPEN
+
+
+def test_receipts_without_sketches_are_never_picked(campaign: Campaign) -> None:
+    from tests.factories import done_for
+
+    alice, _ = make_device("alice")
+    lease = _lease(campaign, alice.pk)
+    ack = leasing.report_done(alice.pk, done_for(lease.lease_id)).ack
+    assert ack.accepted and ack.verification == ""
+    assert not Check.objects.exists()
+
+
+def test_a_forged_sketch_fails_the_receipt(campaign: Campaign) -> None:
+    alice, _ = make_device("alice")
+    lease = _lease(campaign, alice.pk)
+    done = _done(campaign, lease, HONEST)
+    token = done.receipts[0].token
+    forged = to_bytes(FLIPPED)
+    import base64
+
+    head = base64.urlsafe_b64encode(forged).rstrip(b"=").decode()
+    tampered = LeaseDone(
+        lease_id=done.lease_id,
+        receipts=[Receipt(slice_index=0, token=f"{head}.{token.split('.')[1]}")],
+        num_samples=done.num_samples,
+        loss_sum=1.0,
+        compute_s=0.1,
+    )
+    ack = leasing.report_done(alice.pk, tampered).ack
+    assert not ack.accepted and "receipt" in ack.reason
