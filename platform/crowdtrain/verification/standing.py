@@ -13,7 +13,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-
 from crowdtrain.accounts.models import Device
 
 from .models import Standing
