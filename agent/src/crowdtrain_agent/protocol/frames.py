@@ -14,8 +14,12 @@ PROTOCOL_VERSION = 2
 # sends the fields its peer's minor lacks. History (agent/PROTOCOL.md has the rule):
 #   2.0  lease_request.wait_s, no_lease.ready_at_step, lease.prefetch; decoders refuse unknown fields
 #   2.1  decoders ignore unknown fields; every number bounded; hello.protocol_version required
+#   2.2  verification (ticket.check, sketches in receipts, done_ack.verification, no_lease "quarantined")
+#        and robust aggregation (assign.aggregation, clip_factor, trim_fraction)
 PROTOCOL_MINOR = 2
-OLDEST_MINOR = max(0, PROTOCOL_MINOR - 1)
+# A site serves every minor of its major: volunteers upgrade at their own pace until the next major. An older
+# peer that cannot carry what a campaign needs is refused at that message, with the field to upgrade for.
+OLDEST_MINOR = 0
 SUBPROTOCOL_PREFIX = f"crowdtrain.{PROTOCOL_VERSION}."
 
 # Every WebSocket message either side sends stays under 1 MiB: daphne and the
