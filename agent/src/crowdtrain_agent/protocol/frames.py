@@ -14,7 +14,8 @@ PROTOCOL_VERSION = 2
 # sends the fields its peer's minor lacks. History (agent/PROTOCOL.md has the rule):
 #   2.0  lease_request.wait_s, no_lease.ready_at_step, lease.prefetch; decoders refuse unknown fields
 #   2.1  decoders ignore unknown fields; every number bounded; hello.protocol_version required
-PROTOCOL_MINOR = 1
+#   2.2  assign.aggregation, assign.clip_factor, assign.trim_fraction (robust aggregation)
+PROTOCOL_MINOR = 2
 OLDEST_MINOR = max(0, PROTOCOL_MINOR - 1)
 SUBPROTOCOL_PREFIX = f"crowdtrain.{PROTOCOL_VERSION}."
 
