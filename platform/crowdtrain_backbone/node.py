@@ -31,6 +31,7 @@ from .checkpoints import (
     to_prune,
 )
 from .config import BackboneConfig
+from .robust import ClipHistory
 from .slices import MemoryBudget, SliceState, StepRefused, initial_params
 
 logger = logging.getLogger(__name__)
@@ -67,12 +68,14 @@ def _usable(state: dict[str, Any], assignment: SliceAssignment) -> str | None:
 
 
 class Restored(NamedTuple):
-    """What a slice resumes from: params at ``version``, the optimizer state (None: fresh) and saved uploads."""
+    """What a slice resumes from: params at ``version``, the optimizer state (None: fresh), saved uploads and
+    the clip history saved with ``version`` (None: empty, as at the seeded init)."""
 
     params: torch.Tensor
     version: int
     optimizer_state: dict[str, Any] | None
     pending: list[Any]
+    clip_history: ClipHistory | None = None
 
 
 def _load(store: CheckpointStore, assignment: SliceAssignment, version: int) -> Restored:
@@ -89,7 +92,13 @@ def _load(store: CheckpointStore, assignment: SliceAssignment, version: int) -> 
         )
         optimizer_state = None
     pending = state.get("pending")
-    return Restored(state["params"], version, optimizer_state, pending if isinstance(pending, list) else [])
+    try:
+        # A checkpoint written before clipping existed has none: the history starts over from its next step.
+        history = ClipHistory.from_saved(state.get("clip_history", []))
+    except ValueError as exc:
+        logger.warning("campaign %s slice %s: checkpoint v%s: %s; it starts empty", cid, idx, version, exc)
+        history = ClipHistory()
+    return Restored(state["params"], version, optimizer_state, pending if isinstance(pending, list) else [], history)
 
 
 def restore(assignment: SliceAssignment, store: CheckpointStore, version: int, fallback: int | None) -> Restored:
@@ -190,6 +199,8 @@ class AggregatorNode:
                     "version": s.version,
                     "versions": list(s.snapshots),
                     "pending_leases": sorted(s.pending),
+                    "aggregation": s.rule.name,
+                    "clipped": s.clipped,
                 }
                 for s in self.slices.values()
             ],
@@ -228,7 +239,7 @@ class AggregatorNode:
                 # New hyperparameters apply from the next step; moments survive unless the optimizer kind changed.
                 same_kind = previous.optimizer.name == assignment.optimizer.name
                 kept = current.optimizer.state_dict() if same_kind else None
-                current.install_(current.param.detach(), current.version, kept)
+                current.install_(current.param.detach(), current.version, kept, current.clip_history)
             if key in self.broken:
                 logger.info("campaign %s slice %s re-assigned after a failed step: reloading it", *key)
                 return await self._reload(current, assignment.version, assignment.restore_version)
@@ -249,7 +260,14 @@ class AggregatorNode:
         except SliceLostError as exc:
             return self._lost(assignment, assignment.version, str(exc))
         version = restored.version
-        state = SliceState(assignment, restored.params, version, self.budget, restored.optimizer_state)
+        state = SliceState(
+            assignment,
+            restored.params,
+            version,
+            self.budget,
+            restored.optimizer_state,
+            clip_history=restored.clip_history,
+        )
         # A graceful stop saved the uploads of the step in hand: with them that step commits here.
         taken = state.reinstate_(restored.pending)
         self.slices[key] = state
@@ -280,7 +298,7 @@ class AggregatorNode:
             return self._lost(state.assignment, version, str(exc))
         # Uploads saved in the file are not taken back: this process's own pending ones are newer.
         loaded = restored.version
-        state.install_(restored.params, loaded, restored.optimizer_state)
+        state.install_(restored.params, loaded, restored.optimizer_state, restored.clip_history)
         self.broken.pop((state.campaign_id, state.slice_index), None)
         dropped = state.drop_newer_(loaded)
         removed = await asyncio.to_thread(self._forget_newer, state)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,10 +23,13 @@ from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import SliceAssignment
 from crowdtrain_agent.protocol.schema import to_dict
 
+from .aggregation import AggregationRule, MeanRule, PendingUpload
 from .optimizers import build_slice_optimizer, slice_segments
+from .robust import ClipHistory, build_rule, clip_contributions
 
 __all__ = [
     "AggregationRule",
+    "ClipHistory",
     "MeanRule",
     "MemoryBudget",
     "PendingUpload",
@@ -67,20 +69,6 @@ class StepRefused(Exception):
 
 
 @dataclass(frozen=True)
-class PendingUpload:
-    """One lease's gradient for this slice, summed over its ``num_samples`` samples."""
-
-    lease_id: int
-    base_version: int
-    num_samples: int
-    grad: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.grad.numel() * self.grad.element_size()
-
-
-@dataclass(frozen=True)
 class Snapshot:
     """The published bytes of one version; immutable, so the ETag is a content hash."""
 
@@ -105,39 +93,6 @@ class MemoryBudget:
 
     def release(self, nbytes: int) -> None:
         self.used = max(0, self.used - nbytes)
-
-
-class AggregationRule(ABC):
-    """How the pending uploads named by one commit become the step's gradient."""
-
-    name: str = ""
-
-    @abstractmethod
-    def combine(self, uploads: Sequence[PendingUpload], num_samples: int) -> torch.Tensor:
-        """Return the per-sample gradient for the step.
-
-        Args:
-            uploads: the committed uploads, already in ascending lease-id order;
-                rules must keep that order so replicas agree bit for bit.
-            num_samples: the step's sample count (sum of the uploads' counts).
-        """
-
-
-class MeanRule(AggregationRule):
-    """Sum of the lease gradients divided by the sample count: the big-batch mean-loss gradient."""
-
-    name = "mean"
-
-    def combine(self, uploads: Sequence[PendingUpload], num_samples: int) -> torch.Tensor:
-        # One pass per upload and no zero-filled start: the first sum (or the lone upload, a whole-step
-        # lease) makes the new tensor. Pending uploads stay untouched: a commit that fails after this can
-        # be sent again and must find them as they were.
-        if len(uploads) == 1:
-            return uploads[0].grad / float(num_samples)
-        total = uploads[0].grad + uploads[1].grad
-        for upload in uploads[2:]:  # fixed order: fp32 addition is not associative
-            total.add_(upload.grad)
-        return total.div_(float(num_samples))
 
 
 def initial_params(assignment: SliceAssignment) -> torch.Tensor:
@@ -203,16 +158,18 @@ class SliceState:
         budget: MemoryBudget,
         optimizer_state: dict[str, Any] | None = None,
         rule: AggregationRule | None = None,
+        clip_history: ClipHistory | None = None,
     ) -> None:
         self.assignment = assignment
         self.budget = budget
-        self.rule = rule or MeanRule()
+        self._rule = rule  # None: the campaign's (``assignment.aggregation``), which a re-assignment may change
+        self.clipped = 0  # contributions clipped since this process took the slice (``/healthz``)
         self.pending: dict[int, PendingUpload] = {}
         self.receiving: set[int] = set()  # leases whose chunks are still arriving
         self.finished: OrderedDict[int, str] = OrderedDict()  # lease id -> "committed" | "dropped"
         self.snapshots: OrderedDict[int, Snapshot] = OrderedDict()
         self._published = asyncio.Event()
-        self.install_(params, version, optimizer_state)
+        self.install_(params, version, optimizer_state, clip_history)
 
     # ------------------------------------------------------------ identity
 
@@ -229,17 +186,29 @@ class SliceState:
         return self.assignment.end - self.assignment.start
 
     @property
+    def rule(self) -> AggregationRule:
+        return self._rule if self._rule is not None else build_rule(self.assignment)
+
+    @property
     def retained_versions(self) -> int:
         """Agents may train on any version in the staleness window, plus one in flight."""
         return self.assignment.staleness + 2
 
     # ------------------------------------------------------------ state
 
-    def install_(self, params: torch.Tensor, version: int, optimizer_state: dict[str, Any] | None = None) -> None:
-        """Replace params and optimizer (fresh init, checkpoint load, rollback) and publish ``version``.
+    def install_(
+        self,
+        params: torch.Tensor,
+        version: int,
+        optimizer_state: dict[str, Any] | None = None,
+        clip_history: ClipHistory | None = None,
+    ) -> None:
+        """Replace params, optimizer and clip history (fresh init, checkpoint load, rollback); publish ``version``.
 
         Snapshots above ``version`` are dropped: after a rollback they belong to
-        a timeline that no longer exists.
+        a timeline that no longer exists. The clip history is the one saved
+        with ``version`` (None: empty, as at the seeded init), so the next step
+        clips as it did in the run that reached ``version``.
         """
         if params.shape != (self.numel,):
             raise ValueError(f"params of shape {tuple(params.shape)} do not fit a slice of {self.numel} elements")
@@ -252,6 +221,7 @@ class SliceState:
             for group, fresh in zip(self.optimizer.param_groups, current, strict=True):
                 group.update(fresh)
         self.version = version
+        self.clip_history = clip_history if clip_history is not None else ClipHistory()
         for v in [v for v in self.snapshots if v >= version]:
             del self.snapshots[v]
         self._publish(make_snapshot(self.campaign_id, self.slice_index, version, self.param.detach()))
@@ -296,6 +266,7 @@ class SliceState:
             "version": self.version,
             "params": self.param.detach().clone(),
             "optimizer": self.optimizer.state_dict(),
+            "clip_history": self.clip_history.to_list(),
         }
         if with_pending:
             state["pending"] = [
@@ -464,12 +435,24 @@ class SliceState:
         return uploads
 
     def apply_step_(self, uploads: Sequence[PendingUpload], num_samples: int) -> Snapshot:
-        """Run in a thread: combine the uploads, take one optimizer step at the scheduled rate, encode the new params.
+        """Run in a thread: clip and combine the uploads, take one optimizer step at the scheduled rate, encode.
 
         Returns:
             The snapshot of version ``self.version + 1``; ``finish_step`` publishes it.
         """
-        grad = self.rule.combine(uploads, num_samples)
+        clipping = clip_contributions(uploads, self.clip_history, self.assignment.clip_factor)
+        if clipping.clipped:
+            logger.info(
+                "campaign %s slice %s step %s: clipped leases %s to a norm per sample of %.4g (%g x the median %.4g)",
+                self.campaign_id,
+                self.slice_index,
+                self.version,
+                clipping.clipped,
+                clipping.bound,
+                self.assignment.clip_factor,
+                clipping.median,
+            )
+        grad = self.rule.combine(clipping.uploads, num_samples)
         self.param.grad = grad
         # The schedule is a function of the step index, which is the version: after a restart
         # from a checkpoint of version v the next step runs at the rate of step v again.
@@ -478,6 +461,9 @@ class SliceState:
             group["lr"] = spec.lr * spec.lr_multiplier(self.version)
         self.optimizer.step()  # weight decay included: a pre-hook applies it (see optimizers.py)
         self.param.grad = None
+        # Recorded only once the step is taken: a step that raised before leaves the history as it was.
+        self.clip_history.record_(clipping.recorded)
+        self.clipped += len(clipping.clipped)
         return make_snapshot(self.campaign_id, self.slice_index, self.version + 1, self.param.detach())
 
     def finish_step(self, snapshot: Snapshot, lease_ids: Sequence[int]) -> list[int]:

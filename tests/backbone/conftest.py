@@ -70,13 +70,16 @@ def assignment(
     param_count: int = MLP_PARAMS,
     seed: int = 1234,
     restore_version: int | None = None,
+    **robust: Any,
 ) -> SliceAssignment:
+    """A site's assignment; ``robust``: aggregation, clip_factor, trim_fraction (protocol defaults if left out)."""
     return SliceAssignment(
         campaign_id=campaign_id, slice_index=slice_index, start=bounds[0], end=bounds[1],
         param_count=param_count, model=model, optimizer=optimizer or OptimizerSpec(name="adamw", lr=1e-2),
         seed=seed, version=version, staleness=staleness, checkpoint_every=checkpoint_every,
         max_grad_norm=max_grad_norm, restore_version=restore_version,
         ticket_key=campaign_key(KEY, campaign_id).hex(),  # as a 2.1 site sends it
+        **robust,
     )  # fmt: skip
 
 

@@ -162,6 +162,7 @@ async def test_healthz_shows_name_slices_and_versions(held: SliceReady, backbone
     assert health["name"] == "agg-test" and health["aggregator_id"] == 7
     assert health["slices"][0] | {"pending_leases": []} == {
         "campaign_id": 1, "slice_index": 0, "start": 0, "end": 40, "version": 0, "versions": [0], "pending_leases": [],
+        "aggregation": "mean", "clipped": 0,
     }  # fmt: skip
 
 

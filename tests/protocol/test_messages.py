@@ -26,7 +26,7 @@ from crowdtrain_agent.protocol.messages import (
     BACKBONE_TO_SITE,
     SliceAssignment,
 )
-from crowdtrain_agent.protocol.schema import newest_field
+from crowdtrain_agent.protocol.schema import lost_in, newest_field
 
 from .strategies import ANY_JSON, strategy_for
 
@@ -163,7 +163,7 @@ def test_oversized_control_messages_are_refused_by_bytes_and_close_the_connectio
 
 
 def test_a_field_a_minor_added_is_left_out_for_a_peer_of_an_older_minor() -> None:
-    assert SliceAssignment.since == {"codec": 1, "ticket_key": 1} and newest_field(SliceAssignment) == 1
+    assert {"codec": 1, "ticket_key": 1}.items() <= SliceAssignment.since.items()
     message = msgspec.convert(
         {
             "campaign_id": 1,
@@ -191,6 +191,35 @@ def test_a_field_a_minor_added_is_left_out_for_a_peer_of_an_older_minor() -> Non
     reported: list[object] = []
     assert decode_message(json.dumps(for_old), unknown=lambda *a: reported.append(a)).codec is None
     assert reported == []
+
+
+def _assignment(**fields: object) -> SliceAssignment:
+    base = {"campaign_id": 1, "slice_index": 0, "start": 0, "end": 4, "param_count": 8,
+            "model": {"architecture": "mlp", "config": {"hidden": [4]}}, "optimizer": {}, "seed": 1, "version": 0,
+            "staleness": 1, "checkpoint_every": 0, "max_grad_norm": 0.0}  # fmt: skip
+    return msgspec.convert({**base, **fields}, SliceAssignment)
+
+
+def test_the_robust_aggregation_settings_came_with_minor_2() -> None:
+    message = _assignment(aggregation="centered_clip", clip_factor=4.0, trim_fraction=0.2)
+
+    for_1 = json.loads(encode_message(message, minor=1))
+    for_2 = json.loads(encode_message(message, minor=2))
+
+    assert {"aggregation": 2, "clip_factor": 2, "trim_fraction": 2}.items() <= SliceAssignment.since.items()
+    assert newest_field(SliceAssignment) >= 2 and PROTOCOL_MINOR >= 2
+    assert not {"aggregation", "clip_factor", "trim_fraction"} & set(for_1)
+    assert (for_2["aggregation"], for_2["clip_factor"], for_2["trim_fraction"]) == ("centered_clip", 4.0, 0.2)
+
+
+def test_a_robust_mean_is_never_sent_stripped_but_a_clip_factor_may_be() -> None:
+    robust = _assignment(aggregation="trimmed_mean", trim_fraction=0.2)
+    clipped = _assignment(clip_factor=3.0, trim_fraction=0.3)
+
+    # A 2.1 aggregator would take the plain mean: the site must not assign it a trimmed-mean slice.
+    assert lost_in(robust, 1) == ["aggregation"]
+    # It only loses a defence with the clip factor, and a trim fraction means nothing with the plain mean.
+    assert lost_in(clipped, 1) == [] and lost_in(robust, 2) == []
 
 
 def test_both_sides_pick_the_newest_minor_they_share() -> None:

@@ -184,6 +184,25 @@ class Campaign(models.Model):
     # A stranger's finite but huge gradient (say 3e38 everywhere) would still wreck the weights:
     # uploads whose norm per sample is over this are refused. 0 disables the check.
     max_grad_norm = models.FloatField(default=1e4, help_text="per-sample gradient norm bound; 0 disables")
+
+    class Aggregation(models.TextChoices):
+        MEAN = "mean", "mean: every sample counts the same"
+        TRIMMED_MEAN = "trimmed_mean", "trimmed mean: per coordinate, drop the extremes of the leases"
+        CENTERED_CLIP = "centered_clip", "centered clipping: clip each lease's pull towards the median"
+
+    # How aggregators combine a step's leases (crowdtrain_backbone.robust): the robust means count each lease
+    # as one vote, so a minority of bad volunteers cannot drag the step anywhere.
+    aggregation = models.CharField(max_length=16, choices=Aggregation.choices, default=Aggregation.MEAN)
+    # Each lease's norm per sample is clipped to this many times the median of the slice's recent ones. 10
+    # is generous on purpose: a lease of 1 sample honestly has up to sqrt(100) = 10 times the norm per sample
+    # of one of 100 (gradient noise averages out as 1/sqrt(n), and lease sizes follow device speeds), so
+    # honest training is never cut, while a scaled-up gradient is held to 10 times a typical one. 0 disables.
+    clip_factor = models.FloatField(default=10.0, help_text="multiple of the recent median norm; 0 disables")
+    trim_fraction = models.FloatField(default=0.1, help_text="share of values dropped at each end (trimmed mean)")
+    # Read by verification (crowdtrain.leaderboard), not by the aggregators.
+    check_fraction = models.FloatField(
+        default=0.05, help_text="share of leases also computed by another volunteer to verify them"
+    )
     param_count = models.BigIntegerField(default=0, editable=False)
     state = models.CharField(max_length=16, choices=State.choices, default=State.DRAFT)
     committed_steps = models.PositiveIntegerField(default=0)

@@ -39,6 +39,11 @@ GROUPS: dict[str, Group] = {
         "Stop rule and validation",
         "Training stops at max steps, or once the validation loss reaches the target: set one or both.",
     ),
+    "robust": Group(
+        "Robustness",
+        "How aggregators keep a few bad volunteers from spoiling a step, and how much work is checked twice.",
+        folded=True,
+    ),
     "advanced": Group("Advanced", folded=True),
 }
 
@@ -152,6 +157,59 @@ SETTINGS: dict[str, Setting] = {
                 "Max gradient norm",
             ),
             to_aggregator=True,
+        ),
+        Setting(
+            "aggregation",
+            "robust",
+            ConfigField(
+                "choice",
+                help="mean: every sample counts the same; trimmed_mean or centered_clip: each lease is one vote, "
+                "and a minority of bad leases cannot drag the step",
+                label="Aggregation",
+                choices=tuple(Campaign.Aggregation.values),
+            ),
+            to_aggregator=True,
+        ),
+        Setting(
+            "clip_factor",
+            "robust",
+            ConfigField(
+                "float",
+                None,
+                0.0,
+                1e6,
+                "each lease's gradient norm per sample is clipped to this many times the median of the recent "
+                "ones; 0 disables",
+                "Clip factor",
+            ),
+            to_aggregator=True,
+        ),
+        Setting(
+            "trim_fraction",
+            "robust",
+            ConfigField(
+                "float",
+                None,
+                0.0,
+                0.5,
+                "trimmed mean: the share of the largest and of the smallest values dropped per coordinate",
+                "Trim fraction",
+                open_maximum=True,
+            ),
+            to_aggregator=True,
+        ),
+        Setting(
+            "check_fraction",
+            "robust",
+            ConfigField(
+                "float",
+                None,
+                0.0,
+                1.0,
+                "share of leases also computed by another volunteer to verify them",
+                "Check fraction",
+            ),
+            locks=False,
         ),
     ]
 }

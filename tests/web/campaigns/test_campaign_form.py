@@ -133,6 +133,12 @@ BAD_FIELDS = [
     ("staleness", {"staleness": 9}, "Staleness (staleness) must be between 0 and 4"),
     ("checkpoint_every", {"checkpoint_every": 0}, "Checkpoint every (checkpoint_every) must be between 1 and"),
     ("max_grad_norm", {"max_grad_norm": -1}, "Max gradient norm (max_grad_norm) must be between 0 and"),
+    ("aggregation", {"aggregation": "median"}, "Aggregation"),
+    ("clip_factor", {"clip_factor": -1}, "Clip factor (clip_factor) must be between 0 and"),
+    ("trim_fraction", {"trim_fraction": 0.6}, "Trim fraction (trim_fraction) must be at least 0 and below 0.5"),
+    ("trim_fraction", {"trim_fraction": 0.5}, "Trim fraction (trim_fraction) must be at least 0 and below 0.5"),
+    ("trim_fraction", {"trim_fraction": -0.1}, "Trim fraction (trim_fraction) must be at least 0 and below 0.5"),
+    ("check_fraction", {"check_fraction": 1.5}, "Check fraction (check_fraction) must be between 0 and 1"),
 ]
 
 

@@ -334,9 +334,24 @@ class SliceAssignment(Message, tag="assign", frozen=True, kw_only=True):
     # which signs every campaign with the welcome's key. Not advisory: a 2.0 aggregator would check
     # this campaign's tickets with the wrong key, so the site tells it to upgrade instead.
     ticket_key: HexKey = ""
+    # How the step's contributions combine (crowdtrain_backbone.robust): the plain mean, or a robust mean
+    # that counts each lease as one vote. Not advisory: a 2.1 aggregator would take the plain mean.
+    aggregation: Literal["mean", "trimmed_mean", "centered_clip"] = "mean"
+    # Each contribution's norm per sample is clipped to this many times the median of the slice's recent
+    # ones; 0 disables. Advisory: a 2.1 aggregator only loses a defence, the step means the same.
+    clip_factor: Real = 10.0
+    # The share of the largest and of the smallest values dropped per coordinate by ``trimmed_mean``.
+    # Advisory: it means nothing unless ``aggregation`` (which is not) says trimmed_mean.
+    trim_fraction: Real = 0.1
 
-    since: ClassVar[dict[str, int]] = {"codec": 1, "ticket_key": 1}
-    advisory: ClassVar[frozenset[str]] = frozenset({"codec"})
+    since: ClassVar[dict[str, int]] = {
+        "codec": 1,
+        "ticket_key": 1,
+        "aggregation": 2,
+        "clip_factor": 2,
+        "trim_fraction": 2,
+    }
+    advisory: ClassVar[frozenset[str]] = frozenset({"codec", "clip_factor", "trim_fraction"})
 
 
 class SliceReady(Message, tag="slice_ready", frozen=True, kw_only=True):
