@@ -297,10 +297,8 @@ CROWDTRAIN_AGENT_HEARTBEAT_S = env_float("CROWDTRAIN_AGENT_HEARTBEAT_S", 25.0, m
 # valid report wins. A slow or silent device then never holds a step for longer than that.
 CROWDTRAIN_BACKUP_MIN_S = env_float("CROWDTRAIN_BACKUP_MIN_S", 5.0, minimum=0.1)
 CROWDTRAIN_BACKUP_FACTOR = env_float("CROWDTRAIN_BACKUP_FACTOR", 3.0, minimum=1.0)
-# Verification: the share of leases computed again by another volunteer, for campaigns that do not set
-# their own; and how long a copy waits for a volunteer of another account before the check is given up
+# Verification: how long a copy waits for a volunteer of another account before the check is given up
 # (aggregators keep a version's parameters for a few steps only, so a late copy could not train on it).
-CROWDTRAIN_CHECK_FRACTION = env_float("CROWDTRAIN_CHECK_FRACTION", 0.05, minimum=0.0)
 CROWDTRAIN_CHECK_WAIT_S = env_float("CROWDTRAIN_CHECK_WAIT_S", 120.0, minimum=1.0)
 # An agent whose socket closed gets this long to reconnect before its leases go to others.
 CROWDTRAIN_DISCONNECT_GRACE_S = env_float("CROWDTRAIN_DISCONNECT_GRACE_S", 5.0, minimum=0.0)

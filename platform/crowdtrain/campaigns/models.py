@@ -199,7 +199,7 @@ class Campaign(models.Model):
     # honest training is never cut, while a scaled-up gradient is held to 10 times a typical one. 0 disables.
     clip_factor = models.FloatField(default=10.0, help_text="multiple of the recent median norm; 0 disables")
     trim_fraction = models.FloatField(default=0.1, help_text="share of values dropped at each end (trimmed mean)")
-    # Read by verification (crowdtrain.leaderboard), not by the aggregators.
+    # Read by verification (crowdtrain.verification), not by the aggregators; newcomers get 4x, trusted 1/4.
     check_fraction = models.FloatField(
         default=0.05, help_text="share of leases also computed by another volunteer to verify them"
     )

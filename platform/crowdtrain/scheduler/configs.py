@@ -54,6 +54,7 @@ class CampaignConfig:
     slices: tuple[SliceRoute, ...]
     aggregator_ids: tuple[int, ...]
     ticket_key: bytes  # signs the campaign's tickets and checks its receipts (``ticket_key``)
+    check_fraction: float = 0.05  # share of leases verified by a copy (``crowdtrain.verification``)
 
 
 _cache: dict[int, CampaignConfig] = {}
@@ -111,6 +112,7 @@ def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
         ),
         aggregator_ids=tuple(s.aggregator_id for s in slices),
         ticket_key=ticket_key(campaign.pk),
+        check_fraction=campaign.check_fraction,
     )
 
 

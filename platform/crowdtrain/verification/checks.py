@@ -93,7 +93,7 @@ def sketch_of(config: CampaignConfig, done: LeaseDone) -> list[float] | None:
 
 def maybe_pick(config: CampaignConfig, device_id: int, done: LeaseDone, record: dict[str, Any]) -> bool:
     """Pick an accepted lease for verification at the volunteer's rate; whether it was (its credit then waits)."""
-    base = float(getattr(config, "check_fraction", settings.CROWDTRAIN_CHECK_FRACTION))
+    base = config.check_fraction
     owner = standing.owner_of(device_id)
     if base <= 0 or owner is None or random.random() >= standing.check_rate(base, standing.record_of(owner)):
         return False

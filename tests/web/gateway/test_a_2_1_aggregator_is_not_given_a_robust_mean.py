@@ -22,7 +22,7 @@ def test_a_robust_mean_cannot_be_sent_to_a_2_1_aggregator() -> None:
 
     event = send_event(backbone._assign_message(campaign.slices.get(), campaign))
 
-    assert event.get("unsendable") == {"1": "aggregation"}
+    assert event.get("unsendable", {}).get("1") == "aggregation"  # (2.0 also lacks ticket_key)
     assert json.loads(event["text"])["aggregation"] == "trimmed_mean"
 
 
@@ -32,6 +32,6 @@ def test_a_plain_mean_reaches_a_2_1_aggregator_without_the_new_fields() -> None:
     event = send_event(backbone._assign_message(campaign.slices.get(), campaign))
 
     for_2_1 = json.loads(event["older"]["1"])
-    assert "unsendable" not in event
+    assert "1" not in event.get("unsendable", {})
     assert not {"aggregation", "clip_factor", "trim_fraction"} & set(for_2_1)
     assert json.loads(event["text"])["clip_factor"] == 3.0

@@ -17,7 +17,7 @@ from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 
 from crowdtrain.asgi import application
-from crowdtrain_agent.protocol import OLDEST_MINOR, PROTOCOL_MINOR, Lease, offered_subprotocols
+from crowdtrain_agent.protocol import PROTOCOL_MINOR, Lease, offered_subprotocols
 from tests.factories import make_campaign, make_device, receipts_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -51,7 +51,6 @@ async def received(communicator: WebsocketCommunicator) -> dict[str, Any]:
     return frame
 
 
-@pytest.mark.skipif(OLDEST_MINOR > 0, reason=f"this site speaks 2.{OLDEST_MINOR} and newer: 2.0 agents must upgrade")
 async def test_a_2_0_agent_leases_reports_and_its_step_commits() -> None:
     await sync_to_async(make_campaign)(target_batch_size=8, microbatch_size=4)
     _, token = await sync_to_async(make_device)()

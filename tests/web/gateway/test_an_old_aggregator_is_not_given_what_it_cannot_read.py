@@ -70,7 +70,6 @@ async def test_an_aggregator_of_minor_0_is_told_to_upgrade_before_it_joins() -> 
     await old.disconnect()
 
 
-@pytest.mark.skipif(OLDEST_MINOR > 0, reason=f"this site speaks 2.{OLDEST_MINOR} and newer: it cannot be pinned to 2.0")
 async def test_a_site_pinned_to_2_0_gives_it_the_one_key_and_plain_assignments() -> None:
     token = await sync_to_async(_setup)(False)
     with override_settings(CROWDTRAIN_PROTOCOL_MINOR=0):
