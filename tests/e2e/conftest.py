@@ -126,14 +126,15 @@ def seed(swarm: Swarm, spec: dict[str, Any], spec_path: Path) -> dict[str, Any]:
 
 @pytest.fixture
 def seeded_run(tmp_path: Path, service_env: dict[str, str]) -> Iterator[Any]:
-    """A factory: ``seeded_run(spec, site_env)`` migrates and seeds a fresh var folder; everything stops at teardown."""
+    """A factory: ``seeded_run(spec, site_env, name)`` migrates and seeds a fresh var folder (one per name);
+    everything stops at teardown."""
     swarms: list[Swarm] = []
 
-    def make(spec: dict[str, Any], site_env: dict[str, str] | None = None) -> Run:
-        env = {"CROWDTRAIN_VAR_DIR": str(tmp_path / "run" / "var"), **service_env, **(site_env or {})}
-        swarm = Swarm(tmp_path / "run", env=env)
+    def make(spec: dict[str, Any], site_env: dict[str, str] | None = None, name: str = "run") -> Run:
+        env = {"CROWDTRAIN_VAR_DIR": str(tmp_path / name / "var"), **service_env, **(site_env or {})}
+        swarm = Swarm(tmp_path / name, env=env)
         swarms.append(swarm)
-        return Run(swarm, seed(swarm, spec, tmp_path / "spec.json"))
+        return Run(swarm, seed(swarm, spec, tmp_path / f"{name}-spec.json"))
 
     yield make
     for swarm in swarms:

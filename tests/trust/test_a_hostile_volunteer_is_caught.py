@@ -27,7 +27,7 @@ from tests.e2e.conftest import Run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-STEPS = 12
+STEPS = 40
 HOSTILE = "volunteer-agent-5"
 SPEC: dict[str, Any] = {
     "campaigns": [{
@@ -37,8 +37,10 @@ SPEC: dict[str, Any] = {
                     "validation_fraction": 0.1},
         "optimizer": {"name": "adamw", "lr": 1e-2}, "target_batch_size": 64, "microbatch_size": 16,
         "staleness": 1, "max_steps": STEPS, "validate_every": STEPS, "seed": 5,
-        # A newcomer's leases are checked at four times this rate: half of them here.
-        "check_fraction": 0.125,
+        # A newcomer's leases are checked at four times this rate: all of them here, until 10 checks passed.
+        "check_fraction": 0.25,
+        # Steps of 4 leases: the trimmed mean drops the highest and lowest of each coordinate.
+        "aggregation": "trimmed_mean", "trim_fraction": 0.25,
     }],
     "aggregators": ["agg-1"],
     "agents": ["agent-1", "agent-2", "agent-3", "agent-4", "agent-5"],
@@ -53,7 +55,7 @@ HOSTILE_PATH = str(Path(__file__).with_name("hostile"))
 
 def train(seeded_run: Any, mode: str) -> tuple[float, dict[str, Any], float]:
     """One run to the last step with agent-5 ``mode`` ("" for honest); its final validation loss and dump."""
-    run: Run = seeded_run(SPEC, SITE_ENV)
+    run: Run = seeded_run(SPEC, SITE_ENV, name=mode or "honest")
     started = time.monotonic()
     site = run.site = run.swarm.start_site()
     run.swarm.start_aggregators(site, run.seed["aggregators"])
@@ -98,7 +100,7 @@ def test_a_hostile_volunteer_is_quarantined_uncredited_and_harmless(
         f"hostile_credit={dump['credit'].get(HOSTILE, 0)} run_s={took:.0f}"
     )
 
-    assert dump["credit"].get(HOSTILE, 0) == 0
+    assert dump["credit"].get(HOSTILE, 0) == 0, (dump["checks"], dump["answers"])
     assert abs(ratio - 1) <= 0.05, f"validation loss {loss:.4f} against {honest_loss['loss']:.4f} honest"
     honest_credit = [dump["credit"].get(f"volunteer-agent-{i}", 0) for i in range(1, 5)]
     assert sum(honest_credit) > 0, "honest volunteers must get credit"
