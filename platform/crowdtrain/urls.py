@@ -10,6 +10,7 @@ from crowdtrain.campaigns import join as campaign_join
 from crowdtrain.campaigns import views as campaign_views
 from crowdtrain.credit import export as credit_export
 from crowdtrain.credit import views as credit_views
+from crowdtrain.verification import review_views, standing_views
 
 urlpatterns = [
     path("", campaign_views.index, name="index"),
@@ -51,6 +52,11 @@ urlpatterns = [
     # Volunteers: sign-up, e-mail verification, log-in and password reset are allauth's.
     path("accounts/", include("allauth.urls")),
     path("me/", profile_views.profile, name="profile"),
+    # Verification: a volunteer's standing and appeal; the admins' queue of quarantined volunteers.
+    path("account/standing/", standing_views.standing_page, name="standing"),
+    path("staff/review/", review_views.review_queue, name="review-queue"),
+    path("staff/review/<int:volunteer_id>/clear", review_views.review_clear, name="review-clear"),
+    path("staff/review/<int:volunteer_id>/ban", review_views.review_ban, name="review-ban"),
     path("leaderboards/", credit_views.leaderboard, name="leaderboard"),
     path("api/leaderboards", credit_views.leaderboard_feed, name="leaderboard-feed"),
     # Every volunteer's and team's credit, rewritten daily, for third-party stats sites (as BOINC projects publish).

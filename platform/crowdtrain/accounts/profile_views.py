@@ -11,6 +11,7 @@ from django.views.decorators.http import require_http_methods
 
 from crowdtrain.credit import charts, summaries
 from crowdtrain.credit.models import FORMULA
+from crowdtrain.verification.models import Standing
 
 from .models import ANONYMOUS_NAME, Profile
 
@@ -36,6 +37,8 @@ def profile(request: HttpRequest) -> HttpResponse:
         messages.success(request, f"Profile saved. Public pages show you as “{current.public_name}”.")
         return redirect("profile")
     credit = summaries.of_volunteer(current.user_id)
+    # No standing row yet: no check of their work has been decided, so they are in good standing.
+    state = Standing.objects.filter(volunteer_id=current.user_id).values_list("state", flat=True).first()
     context = {
         "form": form,
         "profile": current,
@@ -43,5 +46,6 @@ def profile(request: HttpRequest) -> HttpResponse:
         "credit_chart": charts.daily_credit(credit.days),
         "recent_definition": summaries.RECENT_DEFINITION,
         "formula": FORMULA,
+        "standing": Standing.State(state or Standing.State.GOOD),
     }
     return render(request, "accounts/profile.html", context)

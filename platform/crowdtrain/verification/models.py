@@ -46,6 +46,15 @@ class Standing(models.Model):
     def checks(self) -> int:
         return self.checks_passed + self.checks_failed
 
+    @property
+    def current_appeal(self) -> str:
+        """The appeal against the present state; one sent before the state last changed answers an old decision."""
+        if not self.appeal or self.appealed_at is None:
+            return ""
+        if self.changed_at is not None and self.appealed_at < self.changed_at:
+            return ""
+        return self.appeal
+
 
 class Check(models.Model):
     """One lease picked for verification, and how its copies came out."""
