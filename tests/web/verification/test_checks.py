@@ -272,3 +272,11 @@ def test_a_forged_sketch_fails_the_receipt(campaign: Campaign) -> None:
     )
     ack = leasing.report_done(alice.pk, tampered).ack
     assert not ack.accepted and "receipt" in ack.reason
+
+
+def test_the_refusal_names_the_standing_page_that_exists() -> None:
+    from django.urls import reverse
+
+    from crowdtrain.verification import standing
+
+    assert reverse("standing") == standing.STANDING_PATH
