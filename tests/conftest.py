@@ -61,7 +61,7 @@ def fresh_scheduler_state() -> Iterator[None]:
     import uuid
 
     from crowdtrain.scheduler import configs, hotstate, ids, records
-    from crowdtrain.verification import standing
+    from crowdtrain.verification import checks, standing
 
     prefix = f"ct-test-{uuid.uuid4().hex[:12]}"
     with override_settings(CROWDTRAIN_REDIS_PREFIX=prefix, CROWDTRAIN_RECORDS_INLINE=True):
@@ -70,6 +70,7 @@ def fresh_scheduler_state() -> Iterator[None]:
         configs.clear_caches()
         ids.lease_ids.reset()
         standing.clear_caches()
+        checks.clear_caches()
         yield
         state = hotstate._instance
         if state is not None:
@@ -81,6 +82,7 @@ def fresh_scheduler_state() -> Iterator[None]:
         configs.clear_caches()
         ids.lease_ids.reset()
         standing.clear_caches()
+        checks.clear_caches()
 
 
 class FakeClock:
