@@ -82,6 +82,11 @@ def campaign_edit(request: HttpRequest, campaign_id: int) -> HttpResponse:
     form = CampaignForm(request.POST or None, user=request.user, instance=campaign)
     if request.method == "POST" and form.is_valid():
         form.save()
+        # Every site process re-reads the campaign: a setting that may change while it runs
+        # (check_fraction, max_steps, ...) takes effect at the next lease, not at a restart.
+        from crowdtrain.scheduler.configs import publish_state
+
+        publish_state(campaign.pk)
         messages.success(request, f"Campaign “{campaign.name}” saved.")
         return redirect("campaign-detail", campaign_id=campaign.pk)
     return render(request, "campaigns/form.html", {"form": form, "campaign": campaign})
