@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 from django.db.models import Count, OuterRef, Subquery, Sum
@@ -38,7 +38,8 @@ def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricF
 def _agents() -> Iterator[Metric]:
     state = hot_state()
     fresh = state.clock() - settings.CROWDTRAIN_GONE_AFTER_S
-    online_ids = [int(member) for member in state.client.zrangebyscore(state.seen_key, fresh, "+inf")]
+    members = cast(list[str], state.client.zrangebyscore(state.seen_key, fresh, "+inf"))  # decode_responses=True
+    online_ids = [int(member) for member in members]
     yield _gauge_value("crowdtrain_agents_online", "Agents holding a socket to the site now", len(online_ids))
     by_kind: dict[str, int] = {}
     for start in range(0, len(online_ids), KIND_BATCH):

@@ -77,10 +77,10 @@ def _running_campaigns() -> list[_Running]:
 def _silent_aggregators(running: list[_Running]) -> tuple[list[Alert], dict[int, list[dict[str, Any]]]]:
     """Aggregators holding slices of running campaigns that are not connected or not heard from lately."""
     slices: dict[int, list[dict[str, Any]]] = {c.id: [] for c in running}
-    for row in SliceAssignment.objects.filter(campaign_id__in=list(slices)).values(
+    for held in SliceAssignment.objects.filter(campaign_id__in=list(slices)).values(
         "campaign_id", "index", "ready", "aggregator_id", "aggregator__name", "aggregator__connected"
     ):
-        slices[row["campaign_id"]].append(row)
+        slices[held["campaign_id"]].append(dict(held))
     heard = heartbeats.heard_at()
     now = hot_state().clock()
     gone_s = settings.CROWDTRAIN_GONE_AFTER_S

@@ -8,6 +8,8 @@ every ``CROWDTRAIN_HEARTBEAT_S``, whatever the number of volunteers.
 
 from __future__ import annotations
 
+from typing import cast
+
 from crowdtrain.scheduler.hotstate import hot_state
 
 
@@ -23,5 +25,5 @@ def aggregator_heard(aggregator_id: int) -> None:
 
 def heard_at() -> dict[int, float]:
     """Every aggregator's last heartbeat, as Unix seconds (aggregators never heard from are absent)."""
-    raw = hot_state().client.zrange(_key(), 0, -1, withscores=True)
+    raw = cast(list[tuple[str, float]], hot_state().client.zrange(_key(), 0, -1, withscores=True))
     return {int(member): float(score) for member, score in raw}

@@ -9,7 +9,7 @@ matters.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 from crowdtrain.scheduler.hotstate import hot_state
 
@@ -35,7 +35,9 @@ def failures() -> dict[str, tuple[int, float]]:
     """Per task name: (failures counted, Unix time of the last one)."""
     count_key, at_key = _keys()
     client = hot_state().client
-    counts, times = client.hgetall(count_key), client.hgetall(at_key)
+    # decode_responses=True: names and values are str.
+    counts = cast(dict[str, str], client.hgetall(count_key))
+    times = cast(dict[str, str], client.hgetall(at_key))
     return {name: (int(counts[name]), float(times.get(name, 0.0))) for name in counts}
 
 
