@@ -88,3 +88,13 @@ def env_email_url(name: str) -> dict[str, object] | None:
             f"(e.g. smtp://user:password@mail.example.org:587/?tls=True), got {raw!r}"
         )
     return parsed
+
+
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = os.getenv(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ImproperlyConfigured(f"{name} must be one of {', '.join(choices)}, got {raw!r}")
+    return value

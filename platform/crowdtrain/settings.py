@@ -16,7 +16,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from crowdtrain_agent.protocol.frames import OLDEST_MINOR, PROTOCOL_MINOR
 
-from .env import env_bool, env_email_url, env_float, env_hex_bytes, env_int, env_list, env_str
+from .env import env_bool, env_choice, env_email_url, env_float, env_hex_bytes, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parents[2]
 VAR_DIR = Path(env_str("CROWDTRAIN_VAR_DIR", str(BASE_DIR / "var")))
@@ -50,7 +50,8 @@ SECURE_PROXY_SSL_HEADER = (
 )
 SECURE_SSL_REDIRECT = env_bool("CROWDTRAIN_SECURE_SSL_REDIRECT", False)
 # The balancer's health checks speak plain HTTP to each site process; a redirect would read as "down".
-SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+# /metrics too: Prometheus scrapes each site process directly, inside the deployment's network.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^livez$", r"^metrics$"]
 # Browsers reach the site over HTTPS when it redirects them there or a trusted proxy ends TLS for it
 # (deploy/ and make cluster do both). Cookies then travel over HTTPS only, and e-mailed links say https.
 SERVED_OVER_HTTPS = SECURE_SSL_REDIRECT or SECURE_PROXY_SSL_HEADER is not None
@@ -75,6 +76,7 @@ INSTALLED_APPS = [
     "crowdtrain.credit",
     "crowdtrain.verification",
     "crowdtrain.gateway",
+    "crowdtrain.ops",
 ]
 
 MIDDLEWARE = [
@@ -247,11 +249,22 @@ TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
 
+# text: one readable line per record; json: one JSON object per line (crowdtrain_agent.logformat), with the
+# campaign, lease, device and step ids the training path passes as extra= fields, for a log pipeline.
+CROWDTRAIN_LOG_FORMAT = env_choice("CROWDTRAIN_LOG_FORMAT", "text", ("text", "json"))
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
+        "json": {"()": "crowdtrain_agent.logformat.JsonFormatter"},
+    },
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "json" if CROWDTRAIN_LOG_FORMAT == "json" else "plain",
+        }
+    },
     "loggers": {
         "crowdtrain": {"handlers": ["console"], "level": env_str("CROWDTRAIN_LOG_LEVEL", "INFO"), "propagate": False},
         # Django prints a 500's traceback only when DEBUG is on (otherwise it mails it to ADMINS, whom we
@@ -259,6 +272,16 @@ LOGGING = {
         "django": {"handlers": ["console"], "level": "ERROR", "propagate": False},
     },
 }
+
+# ----------------------------------------------------------- operations (crowdtrain.ops)
+
+# Set, /metrics answers only requests with `Authorization: Bearer <token>` (Prometheus reads it from a
+# file). Unset, it answers only loopback and private addresses that no proxy relayed (no X-Forwarded-For).
+CROWDTRAIN_METRICS_TOKEN = env_str("CROWDTRAIN_METRICS_TOKEN", "")
+# A running campaign with every aggregator ready that has committed no step for this long is stalled.
+CROWDTRAIN_STALLED_AFTER_MIN = env_float("CROWDTRAIN_STALLED_AFTER_MIN", 10.0, minimum=0.1)
+# Expired and rejected leases above this share of a campaign's lease outcomes in 10 minutes raise an alert.
+CROWDTRAIN_LEASE_FAILURE_SHARE = env_float("CROWDTRAIN_LEASE_FAILURE_SHARE", 0.5, minimum=0.0)
 
 # ----------------------------------------------------------- the scheduler
 

@@ -10,11 +10,15 @@ from crowdtrain.campaigns import join as campaign_join
 from crowdtrain.campaigns import views as campaign_views
 from crowdtrain.credit import export as credit_export
 from crowdtrain.credit import views as credit_views
+from crowdtrain.ops import views as ops_views
 from crowdtrain.verification import review_views, standing_views
 
 urlpatterns = [
     path("", campaign_views.index, name="index"),
-    path("healthz", campaign_views.healthz, name="healthz"),
+    # Balancers check /livez (the process answers); monitors /healthz (alerts); Prometheus scrapes /metrics.
+    path("livez", ops_views.livez, name="livez"),
+    path("healthz", ops_views.healthz, name="healthz"),
+    path("metrics", ops_views.metrics, name="metrics"),
     path("api/shards/<str:sha256>", campaign_views.shard, name="shard"),
     path("api/campaigns/<int:campaign_id>/progress", campaign_views.progress, name="campaign-progress"),
     path("admin/", admin.site.urls),

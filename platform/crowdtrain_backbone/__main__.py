@@ -54,7 +54,17 @@ def _parser() -> argparse.ArgumentParser:
         dest="header_timeout_s",
         help="seconds an upload socket has to send its first upload header before it is closed (default 5)",
     )
+    parser.add_argument(
+        "--metrics-token",
+        dest="metrics_token",
+        help="bearer token /metrics wants (default: none; then only loopback and private addresses may scrape)",
+    )
     parser.add_argument("--log-level", default=os.getenv(ENV_PREFIX + "LOG_LEVEL", "INFO"), help="default INFO")
+    parser.add_argument(
+        "--log-format",
+        default=os.getenv(ENV_PREFIX + "LOG_FORMAT", "text"),
+        help="text (default) or json: one JSON object per line, with campaign, lease and step ids",
+    )
     return parser
 
 
@@ -93,13 +103,23 @@ async def _main(config: BackboneConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, configure logging, run until stopped; returns the exit code."""
+    from crowdtrain_agent.logformat import JsonFormatter, parse_log_format
+
     args = _parser().parse_args(argv)
+    try:
+        log_format = parse_log_format(args.log_format, "--log-format")
+    except ValueError as exc:
+        print(f"crowdtrain-backbone: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if log_format == "json":
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
     logging.getLogger(WS_LOGGER_NAME).setLevel(logging.WARNING)
     try:
-        config = load_config({k: v for k, v in vars(args).items() if k != "log_level"}, os.environ)
+        config = load_config({k: v for k, v in vars(args).items() if k not in ("log_level", "log_format")}, os.environ)
     except ConfigError as exc:
         print(f"crowdtrain-backbone: {exc}", file=sys.stderr)
         return 2

@@ -63,6 +63,8 @@ class BackboneConfig:
     # 76 ms with two while the other core was busy). Raise it on a dedicated host with large slices.
     torch_threads: int = 1
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    # Set: /metrics wants Authorization: Bearer <token>. Empty: it answers loopback and private addresses only.
+    metrics_token: str = ""
 
     def checkpoint_store(self, environ: Mapping[str, str]) -> CheckpointStore:
         """The bucket of ``checkpoint_url`` if set, else the folder ``checkpoint_dir``."""
@@ -158,6 +160,12 @@ def _parse_text(raw: str, where: str) -> str:
     return raw
 
 
+def _parse_optional_text(raw: str, where: str) -> str:
+    if not raw:
+        return ""  # set but empty (compose passes unset variables so): none
+    return _parse_text(raw, where)
+
+
 def load_config(flags: Mapping[str, Any], environ: Mapping[str, str]) -> BackboneConfig:
     """Build the config from parsed CLI flags (None = not given), then the environment, then defaults.
 
@@ -197,4 +205,5 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str]) -> Backbon
         max_pending_bytes=get("max_pending_bytes", _parse_bytes, DEFAULT_MAX_PENDING_BYTES),
         torch_threads=get("torch_threads", _parse_threads, 1),
         header_timeout_s=get("header_timeout_s", _parse_seconds, DEFAULT_HEADER_TIMEOUT_S),
+        metrics_token=get("metrics_token", _parse_optional_text, ""),
     )

@@ -1,4 +1,4 @@
-"""Plain HTTP on the aggregator's port: parameter slices by version, and a health check."""
+"""Plain HTTP on the aggregator's port: parameter slices by version, a health check and Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from crowdtrain_agent.protocol import ProtocolError, ticket_campaign, verify_ticket
 
+from .metrics import metrics_refusal
 from .node import AggregatorNode
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,16 @@ async def params_response(
     return _response(HTTPStatus.OK, snapshot.body, "application/octet-stream", extra)
 
 
+def metrics_response(node: AggregatorNode, connection: ServerConnection, request: Request) -> Response:
+    """The node's metrics in Prometheus's text format, to a scraper the token rule lets in (``metrics``)."""
+    remote = connection.remote_address[0] if connection.remote_address else None
+    refused = metrics_refusal(node.config.metrics_token, request.headers.get("Authorization"), remote)
+    if refused is not None:
+        status = HTTPStatus.UNAUTHORIZED if node.config.metrics_token else HTTPStatus.FORBIDDEN
+        return json_response(status, {"error": refused})
+    return _response(HTTPStatus.OK, node.metrics.render(), CONTENT_TYPE_LATEST)
+
+
 def _check_ticket(node: AggregatorNode, request: Request, campaign_id: int) -> Response | None:
     """Parameters go only to holders of a ticket the site signed for this campaign (a lease's, or its own).
 
@@ -123,6 +135,8 @@ def make_process_request(
             return None
         if path == "/healthz":
             return json_response(HTTPStatus.OK, node.health())
+        if path == "/metrics":
+            return metrics_response(node, connection, request)
         match = _PARAMS.match(path)
         if match:
             campaign_id, slice_index, version = (int(g) for g in match.groups())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Any, NamedTuple
 
 import torch
@@ -31,6 +32,7 @@ from .checkpoints import (
     to_prune,
 )
 from .config import BackboneConfig
+from .metrics import BackboneMetrics
 from .robust import ClipHistory
 from .slices import MemoryBudget, SliceState, StepRefused, initial_params
 
@@ -152,6 +154,7 @@ class AggregatorNode:
         self.config = config
         self.store = store if store is not None else config.checkpoint_store(os.environ)
         self.budget = MemoryBudget(config.max_pending_bytes)
+        self.metrics = BackboneMetrics(self)
         self.slices: dict[tuple[int, int], SliceState] = {}
         self.complete: dict[int, list[int]] = {}  # per campaign: versions every slice has a checkpoint of
         self.saved: dict[tuple[int, int], int] = {}  # per slice: the version of its newest checkpoint here
@@ -374,10 +377,12 @@ class AggregatorNode:
             ]
         try:
             # Off the event loop: uploads and heartbeats keep flowing while the optimizer runs.
+            started = time.perf_counter()
             snapshot = await asyncio.to_thread(state.apply_step_, uploads, commit.num_samples)
             dropped = state.finish_step(snapshot, commit.lease_ids)
         except Exception as exc:  # a torch error, out of memory, a bug: the site must hear, or it waits for ever
             return [self._could_not_apply(state, commit.step, exc)]
+        self.metrics.step_applied(cid, idx, time.perf_counter() - started)
         logger.info(
             "campaign %s slice %s applied step %s (%s leases, %s samples, %s stale dropped)",
             cid,
@@ -386,6 +391,7 @@ class AggregatorNode:
             len(uploads),
             commit.num_samples,
             len(dropped),
+            extra={"campaign_id": cid, "slice_index": idx, "step": commit.step},
         )
         replies: list[Reply] = [StepApplied(campaign_id=cid, slice_index=idx, step=commit.step, version=state.version)]
         every = state.assignment.checkpoint_every

@@ -198,7 +198,11 @@ class UploadSession:
             except Rejected as rej:
                 rejections += 1
                 discarding = rej.discard
-                logger.debug("upload rejected (%s): %s", rej.code, rej.detail)
+                self.node.metrics.upload_rejected(rej.code)
+                logger.debug(
+                    "upload rejected (%s): %s", rej.code, rej.detail,
+                    extra={"lease_id": rej.lease_id, "slice_index": rej.slice_index},
+                )  # fmt: skip
                 reply = UploadRejected(
                     lease_id=rej.lease_id, slice_index=rej.slice_index, code=rej.code, detail=rej.detail
                 )
@@ -350,9 +354,11 @@ class UploadSession:
                 exc.lease_id, exc.slice_index = lease, index
             raise
 
+        self.node.metrics.upload_accepted(nbytes)
         logger.debug(
-            "campaign %s slice %s: lease %s pending (%s samples)", ticket.campaign_id, index, lease, ticket.num_samples
-        )
+            "campaign %s slice %s: lease %s pending (%s samples)", ticket.campaign_id, index, lease, ticket.num_samples,
+            extra={"campaign_id": ticket.campaign_id, "slice_index": index, "lease_id": lease},
+        )  # fmt: skip
         token = sign_receipt(
             key,
             campaign_id=ticket.campaign_id,

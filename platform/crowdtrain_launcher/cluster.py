@@ -337,21 +337,24 @@ class Cluster:
         return self.swarm.start("haproxy", [haproxy, "-db", "-f", str(config)], role="balancer")
 
     def _wait_for_public(self, timeout_s: float) -> None:
-        """Until GET /healthz through the balancer answers 200: TLS, routing and a site process all work."""
+        """Until GET /livez through the balancer answers 200: TLS, routing and a site process all work.
+
+        Not /healthz: it is 503 while a running campaign waits for the aggregators this launcher starts next.
+        """
         context = ssl.create_default_context(cafile=str(self.client_cert) if self.client_cert else None)
         deadline = time.monotonic() + timeout_s
         last: Exception | None = None
         while True:
             self.swarm.check()
             try:
-                with urllib.request.urlopen(f"{self.url}/healthz", timeout=5, context=context) as response:
+                with urllib.request.urlopen(f"{self.url}/livez", timeout=5, context=context) as response:
                     if response.status == 200:
                         return
             except (urllib.error.URLError, OSError) as exc:
                 last = exc
             if time.monotonic() > deadline:
                 raise LaunchError(
-                    f"{self.url}/healthz did not answer within {timeout_s:.0f} s ({last}); "
+                    f"{self.url}/livez did not answer within {timeout_s:.0f} s ({last}); "
                     f"see {self.swarm.logs}/haproxy.log"
                 )
             time.sleep(0.2)

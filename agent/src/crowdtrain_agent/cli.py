@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from .allocator import keep_freed_memory
 from .config import (
     DEFAULT_SERVER,
     DEVICE_CHOICES,
+    ENV_PREFIX,
     AgentConfig,
     ConfigError,
     default_config_path,
@@ -47,6 +49,7 @@ from .config import (
     write_config_file,
 )
 from .control import AgentStopped
+from .logformat import JsonFormatter, parse_log_format
 from .progress import AgentStatus, LiveProgress
 
 logger = logging.getLogger(__name__)
@@ -101,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="log plain lines instead of the live panel (automatic when stdout is not a terminal)",
     )
     run.add_argument("-v", "--verbose", action="count", default=0, help="more detail: -v debug lines from the agent")
+    run.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help="text (default) or json: one JSON object per log line, for a log collector",
+    )
 
     login = commands.add_parser(
         "login",
@@ -138,13 +146,16 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-def configure_logging(verbose: int, *, live: bool) -> None:
-    """Send log lines to stderr; under the live panel only warnings, unless -v."""
+def configure_logging(verbose: int, *, live: bool, log_format: str = "text") -> None:
+    """Send log lines to stderr; under the live panel only warnings, unless -v. ``json``: one object a line."""
     level = logging.DEBUG if verbose else (logging.WARNING if live else logging.INFO)
     handler = logging.StreamHandler(_CurrentStderr())
     # Debug lines time the pipeline's phases, so -v shows milliseconds.
     stamp = "%(asctime)s.%(msecs)03d" if verbose else "%(asctime)s"
-    handler.setFormatter(logging.Formatter(f"{stamp} %(levelname)-7s %(message)s", "%H:%M:%S"))
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter(f"{stamp} %(levelname)-7s %(message)s", "%H:%M:%S"))
     handler.set_name("crowdtrain-agent")
     root = logging.getLogger()
     for old in [h for h in root.handlers if h.get_name() == "crowdtrain-agent"]:
@@ -174,7 +185,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_CONFIG
     live = bool(args.progress) and sys.stdout.isatty()
-    configure_logging(args.verbose, live=live)
+    try:
+        log_format = args.log_format or parse_log_format(
+            os.environ.get(ENV_PREFIX + "LOG_FORMAT", "text"), ENV_PREFIX + "LOG_FORMAT"
+        )
+    except ValueError as exc:
+        print(f"crowdtrain-agent: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    configure_logging(args.verbose, live=live, log_format=log_format)
     try:
         config = load_config(vars(args))
     except ConfigError as exc:

@@ -124,9 +124,3 @@ def index(request: HttpRequest) -> HttpResponse:
         .order_by("-id")
     )
     return render(request, "campaigns/index.html", {"campaigns": [_progress(c) for c in campaigns]})
-
-
-@require_GET
-def healthz(request: HttpRequest) -> JsonResponse:
-    running = Campaign.objects.filter(state=Campaign.State.RUNNING).count()
-    return JsonResponse({"ok": True, "running_campaigns": running})

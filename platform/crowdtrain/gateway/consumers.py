@@ -19,6 +19,8 @@ from django.utils import timezone
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.names import account_name
 from crowdtrain.accounts.tokens import bearer_token, hash_token
+from crowdtrain.ops import heartbeats
+from crowdtrain.ops.metrics import LEASE_REQUEST_SECONDS
 from crowdtrain.scheduler import backbone, leasing
 from crowdtrain.scheduler.hotstate import hot_state, presence
 from crowdtrain.scheduler.models import Aggregator
@@ -478,6 +480,7 @@ class AgentConsumer(_ProtocolConsumer):
 
     async def _ask(self, request: LeaseRequest, *, may_be_resent: bool = False) -> leasing.LeaseAnswer:
         admission.lease_calls += 1
+        started = time.perf_counter()
         try:
             answer = await offloop(leasing.ask_lease)(
                 self.device.pk,
@@ -489,6 +492,7 @@ class AgentConsumer(_ProtocolConsumer):
             )
         finally:
             admission.lease_calls -= 1
+            LEASE_REQUEST_SECONDS.observe(time.perf_counter() - started)
         if isinstance(answer.message, NoLease) and admission.load > 0:
             # A busy site spreads the next requests out: the refusal's wait grows with the load.
             stretched = admission.retry_after(answer.message.retry_after_s)
@@ -647,9 +651,15 @@ class BackboneConsumer(_ProtocolConsumer):
             self.aggregator.pk, hello, channel_name=self.channel_name
         )
         await send_outbox(joined)
-        logger.info("aggregator %s joined from %s", self.aggregator.name, hello.upload_url)
+        await offloop(heartbeats.aggregator_heard)(self.aggregator.pk)
+        logger.info(
+            "aggregator %s joined from %s", self.aggregator.name, hello.upload_url,
+            extra={"aggregator": self.aggregator.name},
+        )  # fmt: skip
 
     async def on_heartbeat(self, _: Heartbeat) -> None:
+        # For the silent-aggregator alert (crowdtrain.ops.health): one Redis write, seconds-accurate.
+        await offloop(heartbeats.aggregator_heard)(self.aggregator.pk)
         now = time.monotonic()
         if now - self.last_touched > LAST_SEEN_EVERY_S:  # the database's "last seen" is for people, written lazily
             self.last_touched = now

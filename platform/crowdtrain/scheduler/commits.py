@@ -23,6 +23,7 @@ from django.db.models import Case, F, FloatField, Value, When
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Step
 from crowdtrain.credit import ledger
+from crowdtrain.ops.metrics import STEP_COMMIT_SECONDS
 from crowdtrain.verification import checks
 from crowdtrain_agent.protocol import StepCommit
 
@@ -151,7 +152,8 @@ def commit_full_steps(config: CampaignConfig, full: dict[str, Any]) -> list[Comm
     commits: list[Commit] = []
     while full:
         index = int(full["step"])
-        lease_ids = _write_step(config, index, list(full["leases"]))
+        with STEP_COMMIT_SECONDS.time():
+            lease_ids = _write_step(config, index, list(full["leases"]))
         num_samples = sum(int(lease["n"]) for lease in full["leases"])
         try:
             answer = hot_state().run("committed", config.hot_key, {"step": index})
@@ -159,7 +161,12 @@ def commit_full_steps(config: CampaignConfig, full: dict[str, Any]) -> list[Comm
             load_campaign(config.id)
             answer = {}
         logger.info(
-            "campaign %s: step %s committed (%s samples, %s leases)", config.id, index, num_samples, len(lease_ids)
+            "campaign %s: step %s committed (%s samples, %s leases)",
+            config.id,
+            index,
+            num_samples,
+            len(lease_ids),
+            extra={"campaign_id": config.id, "step": index},
         )
         message = StepCommit(campaign_id=config.id, step=index, lease_ids=lease_ids, num_samples=num_samples)
         commits.append(Commit(message, list(config.aggregator_ids), [str(c) for c in answer.get("woken") or []]))

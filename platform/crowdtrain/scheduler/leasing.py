@@ -24,6 +24,7 @@ from django.conf import settings
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Step, shard_table
+from crowdtrain.ops import metrics
 from crowdtrain.verification import checks, standing
 from crowdtrain_agent.protocol import (
     DoneAck,
@@ -79,12 +80,20 @@ def _run(config: CampaignConfig, script: str, args: dict[str, Any]) -> dict[str,
         return hot_state().run(script, config.hot_key, args)
 
 
-def record_retired(retired: list[list[Any]]) -> None:
-    """Queue the record of leases a script ended (``[id, state, reason]`` triples)."""
+def record_retired(retired: list[list[Any]], campaign_id: int | None = None) -> None:
+    """Queue the record of leases a script ended (``[id, state, reason]`` triples), and count them.
+
+    ``campaign_id``: the campaign they belong to, for the metrics and the log (None: counted without one).
+    """
+    if not retired:
+        return
     when = moment(hot_state().clock())
     for lease_id, state, reason in retired:
         writer().lease_finished(Finished(int(lease_id), str(state), str(reason), when))
-        logger.info("lease %s %s: %s", lease_id, state, reason)
+        metrics.lease_ended(campaign_id, str(state), str(reason))
+        logger.info(
+            "lease %s %s: %s", lease_id, state, reason, extra={"campaign_id": campaign_id, "lease_id": int(lease_id)}
+        )
 
 
 def _no_lease(
@@ -183,7 +192,7 @@ def _try_lease(
             "backups": int(backups),
         },
     )
-    record_retired(answer.get("expired") or [])
+    record_retired(answer.get("expired") or [], config.id)
     if int(answer.get("gen") or 0) > config.gen:
         config = campaign_config(config.id, gen=int(answer["gen"])) or config
     if answer.get("kind") != "lease":
@@ -192,6 +201,14 @@ def _try_lease(
     lease = _row(config, cast(dict[str, Any], answer["lease"]), request_id)
     writer().lease_issued(lease)
     writer().cursor_moved(config.id, int(answer["epoch"]), int(answer["cursor"]))
+    logger.debug(
+        "lease %s issued to device %s: %s samples for step %s",
+        lease.pk,
+        device_id,
+        lease.num_samples,
+        lease.target_step,
+        extra={"campaign_id": config.id, "lease_id": lease.pk, "device_id": device_id, "step": lease.target_step},
+    )
     return lease_message(lease, config)
 
 
@@ -480,7 +497,7 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
         raise RuntimeError(
             f"campaign {config.id}: its generation keeps moving; the report of lease {done.lease_id} was not counted"
         )
-    record_retired(answer.get("retired") or [])
+    record_retired(answer.get("retired") or [], config.id)
     if not answer.get("accepted"):
         reason = str(answer.get("reason"))
         if reason == "unknown lease" and _counted(done.lease_id, device_id):
@@ -491,10 +508,18 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
     writer().lease_finished(
         Finished(done.lease_id, Lease.State.ACCEPTED, "", finished, float(lease["loss"]), compute_s)
     )
-    picked = checks.maybe_pick(config, device_id, done, lease)
-    ack = DoneAck(
-        lease_id=done.lease_id, accepted=True, step=int(answer["step"]), verification="pending" if picked else ""
+    metrics.lease_ended(config.id, Lease.State.ACCEPTED, "")
+    step = int(answer["step"])
+    logger.debug(
+        "lease %s reported by device %s: %s samples counted in step %s",
+        done.lease_id,
+        device_id,
+        done.num_samples,
+        step,
+        extra={"campaign_id": config.id, "lease_id": done.lease_id, "device_id": device_id, "step": step},
     )
+    picked = checks.maybe_pick(config, device_id, done, lease)
+    ack = DoneAck(lease_id=done.lease_id, accepted=True, step=step, verification="pending" if picked else "")
     outcome = DoneOutcome(ack)
     if answer.get("commit"):
         outcome.commits = commit_full_steps(config, answer["commit"])
@@ -551,7 +576,7 @@ def release_leases(device_id: int, lease_ids: Sequence[int], reason: str = "rele
             continue
         answer = _run(config, "release", {"id": lease_id, "device": device_id, "reason": reason, "state": "released"})
         retired = answer.get("retired") or []
-        record_retired(retired)
+        record_retired(retired, config.id)
         if retired:
             count += 1
             woken.setdefault(config.id, []).extend(pass_on_wake(config.id, any_step=True))
@@ -583,7 +608,7 @@ def sweep_campaign(campaign_id: int) -> tuple[int, list[Commit]]:
         return 0, []
     answer = _run(config, "sweep", {"limit": 1000, "gone_s": settings.CROWDTRAIN_GONE_AFTER_S})
     expired = answer.get("expired") or []
-    record_retired(expired)
+    record_retired(expired, config.id)
     commits = commit_full_steps(config, answer["commit"]) if answer.get("commit") else []
     return len(expired), commits
 

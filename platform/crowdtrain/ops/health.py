@@ -1,0 +1,240 @@
+"""What is wrong with the site right now, as alerts an operator can act on: ``/healthz`` and ``crowdtrain_alert``.
+
+One evaluation feeds the health check, the ``crowdtrain_alert`` gauge of
+``/metrics`` and the admin dashboard, so they never disagree. Its cost grows
+with running campaigns and aggregators, never with volunteers or leases: a few
+aggregate queries and two Redis reads. deploy/prometheus/alerts.yml states the
+same conditions in PromQL; keep the two in step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from django.conf import settings
+from django.db.models import OuterRef, Subquery
+from django.utils import timezone
+
+from crowdtrain.campaigns.models import Campaign, Step
+from crowdtrain.scheduler.hotstate import hot_state
+from crowdtrain.scheduler.models import SliceAssignment
+
+from . import heartbeats, task_failures
+from .metrics import WINDOW_S, outcomes
+
+Severity = Literal["critical", "warning"]
+
+# A campaign needs this many lease outcomes in the window before its failure share means anything.
+MIN_OUTCOMES = 20
+TASK_FAILURE_WINDOW_S = 900.0  # a Celery task that failed in the last 15 minutes
+
+AGGREGATOR_SILENT = "aggregator_silent"
+CAMPAIGN_WAITING = "campaign_waiting_for_aggregators"
+CAMPAIGN_BLOCKED = "campaign_blocked"
+CAMPAIGN_STALLED = "campaign_stalled"
+LEASE_FAILURES = "lease_failures_spike"
+TASK_FAILING = "celery_task_failing"
+CODES = (AGGREGATOR_SILENT, CAMPAIGN_WAITING, CAMPAIGN_BLOCKED, CAMPAIGN_STALLED, LEASE_FAILURES, TASK_FAILING)
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One thing wrong: ``code`` (one of ``CODES``), the campaign it concerns (None: the whole site),
+    what is wrong in words, with the values, and what an operator should do about it."""
+
+    code: str
+    severity: Severity
+    campaign_id: int | None
+    message: str
+    what_to_do: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Running:
+    id: int
+    name: str
+    num_aggregators: int
+    blocked_reason: str
+    last_step_at: datetime | None
+
+
+def _running_campaigns() -> list[_Running]:
+    newest = Step.objects.filter(campaign=OuterRef("pk")).order_by("-index").values("committed_at")[:1]
+    rows = (
+        Campaign.objects.filter(state=Campaign.State.RUNNING)
+        .annotate(last_step_at=Subquery(newest))
+        .values_list("id", "name", "num_aggregators", "blocked_reason", "last_step_at")
+        .order_by("id")
+    )
+    return [_Running(*row) for row in rows]
+
+
+def _silent_aggregators(running: list[_Running]) -> tuple[list[Alert], dict[int, list[dict[str, Any]]]]:
+    """Aggregators holding slices of running campaigns that are not connected or not heard from lately."""
+    slices: dict[int, list[dict[str, Any]]] = {c.id: [] for c in running}
+    for held in SliceAssignment.objects.filter(campaign_id__in=list(slices)).values(
+        "campaign_id", "index", "ready", "aggregator_id", "aggregator__name", "aggregator__connected"
+    ):
+        slices[held["campaign_id"]].append(dict(held))
+    heard = heartbeats.heard_at()
+    now = hot_state().clock()
+    gone_s = settings.CROWDTRAIN_GONE_AFTER_S
+    alerts = []
+    for campaign in running:
+        silent = []
+        for row in slices[campaign.id]:
+            at = heard.get(row["aggregator_id"])
+            if not row["aggregator__connected"]:
+                since = f"last heard {now - at:.0f} s ago" if at is not None else "never heard from by this site"
+                silent.append(f"{row['aggregator__name']} (slice {row['index']}: disconnected, {since})")
+            elif at is not None and now - at > gone_s:
+                silent.append(f"{row['aggregator__name']} (slice {row['index']}: no heartbeat for {now - at:.0f} s)")
+        if silent:
+            alerts.append(
+                Alert(
+                    AGGREGATOR_SILENT,
+                    "critical",
+                    campaign.id,
+                    f"campaign {campaign.id} ({campaign.name!r}): aggregator {', '.join(silent)}; "
+                    "its volunteers get no leases",
+                    "check the aggregator's process and log on its host; restart it with the same --name "
+                    "(python -m crowdtrain_backbone --name NAME) so the site gives it its slices back, "
+                    "or start a replacement with that name: it resumes from the newest complete checkpoint",
+                )
+            )
+    return alerts, slices
+
+
+def _waiting_for_aggregators(
+    running: list[_Running], slices: dict[int, list[dict[str, Any]]], silent: set[int]
+) -> list[Alert]:
+    alerts = []
+    for campaign in running:
+        if campaign.id in silent or campaign.blocked_reason:
+            continue  # the silent aggregator or the block is the cause, and its alert says so
+        held = slices[campaign.id]
+        ready = sum(1 for row in held if row["ready"])
+        if len(held) >= campaign.num_aggregators and ready == len(held):
+            continue
+        alerts.append(
+            Alert(
+                CAMPAIGN_WAITING,
+                "critical",
+                campaign.id,
+                f"campaign {campaign.id} ({campaign.name!r}) is running with {ready} of its "
+                f"{campaign.num_aggregators} aggregator slices ready; its volunteers get no leases",
+                f"start aggregators until {campaign.num_aggregators} are connected (python -m crowdtrain_backbone "
+                "with a token from manage.py create_backbone_token); one that is connected but not ready is "
+                "loading a checkpoint: its log says which, and whether the checkpoint storage answers",
+            )
+        )
+    return alerts
+
+
+def _blocked(running: list[_Running]) -> list[Alert]:
+    return [
+        Alert(
+            CAMPAIGN_BLOCKED,
+            "critical",
+            c.id,
+            f"campaign {c.id} ({c.name!r}) is blocked: {c.blocked_reason}",
+            "restore it to a complete checkpoint from the campaign's page (Restore), or pause it; "
+            "it takes no work until then",
+        )
+        for c in running
+        if c.blocked_reason
+    ]
+
+
+def _stalled(running: list[_Running], now: datetime, excused: set[int]) -> list[Alert]:
+    after = timedelta(minutes=settings.CROWDTRAIN_STALLED_AFTER_MIN)
+    alerts = []
+    for c in running:
+        # A campaign that never stepped is left out: the site does not record when it started running.
+        if c.id in excused or c.last_step_at is None or now - c.last_step_at <= after:
+            continue
+        minutes = (now - c.last_step_at).total_seconds() / 60
+        alerts.append(
+            Alert(
+                CAMPAIGN_STALLED,
+                "critical",
+                c.id,
+                f"campaign {c.id} ({c.name!r}) is running but committed no step for {minutes:.0f} minutes "
+                f"(limit {settings.CROWDTRAIN_STALLED_AFTER_MIN:g})",
+                "look at the agents online and the lease outcomes on the dashboard: no agents means no "
+                "volunteers (pause it, or invite some); leases that all expire or are rejected point at a "
+                "broken agent version or dataset; otherwise read the site's log for the campaign's id",
+            )
+        )
+    return alerts
+
+
+def _lease_failures() -> list[Alert]:
+    share_limit = settings.CROWDTRAIN_LEASE_FAILURE_SHARE
+    alerts = []
+    for campaign_id, (failed, total) in sorted(outcomes.totals().items()):
+        if total < MIN_OUTCOMES or failed / total <= share_limit:
+            continue
+        alerts.append(
+            Alert(
+                LEASE_FAILURES,
+                "warning",
+                campaign_id,
+                f"campaign {campaign_id}: {failed} of the last {total} leases expired or were rejected "
+                f"in {WINDOW_S / 60:.0f} minutes (limit {share_limit:.0%})",
+                "read the reasons in crowdtrain_lease_outcomes_total (the dashboard's lease outcomes): "
+                "'deadline passed' means agents die or are too slow for their leases; 'stale version' means "
+                "aggregators apply steps slowly; 'bad receipt' points at an aggregator that restarted; "
+                "many rejections from one volunteer are for the review queue",
+            )
+        )
+    return alerts
+
+
+def _failing_tasks() -> list[Alert]:
+    now = hot_state().clock()
+    alerts = []
+    for name, (count, at) in sorted(task_failures.failures().items()):
+        if now - at > TASK_FAILURE_WINDOW_S:
+            continue
+        alerts.append(
+            Alert(
+                TASK_FAILING,
+                "warning",
+                None,
+                f"Celery task {name} failed {now - at:.0f} s ago ({count} failures counted in all)",
+                "read the Celery worker's log for the task's traceback; check that the worker and beat "
+                "are running (docker compose ps worker beat) and reach PostgreSQL, Redis and the storage",
+            )
+        )
+    return alerts
+
+
+def evaluate(now: datetime | None = None) -> list[Alert]:
+    """Every alert firing now, campaign alerts in campaign order, then the site's own.
+
+    Args:
+        now: the time to judge "stalled" against (default: now).
+    """
+    now = now or timezone.now()
+    running = _running_campaigns()
+    silent, slices = _silent_aggregators(running)
+    silent_ids = {a.campaign_id for a in silent if a.campaign_id is not None}
+    waiting = _waiting_for_aggregators(running, slices, silent_ids)
+    blocked = _blocked(running)
+    excused = silent_ids | {a.campaign_id for a in waiting + blocked if a.campaign_id is not None}
+    campaign_alerts = silent + waiting + blocked + _stalled(running, now, excused) + _lease_failures()
+    campaign_alerts.sort(key=lambda a: (a.campaign_id or 0, CODES.index(a.code)))
+    return campaign_alerts + _failing_tasks()
+
+
+def status_of(alerts: list[Alert]) -> Literal["ok", "warning", "degraded"]:
+    """``degraded`` with any critical alert, ``warning`` with warnings only, else ``ok``."""
+    if any(a.severity == "critical" for a in alerts):
+        return "degraded"
+    return "warning" if alerts else "ok"
