@@ -37,11 +37,14 @@ $(STAMP): pyproject.toml agent/pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e ./agent -e '.[test]'
 	touch $(STAMP)
 
+# The join pages tell volunteers to pip install the agent wheel the site serves: built from agent/ first.
 demo: $(STAMP)
+	$(BIN)/python manage.py build_agent_wheel
 	$(BIN)/python manage.py demo $(ARGS)
 
 serve: $(STAMP)
 	$(BIN)/python manage.py migrate --noinput
+	$(BIN)/python manage.py build_agent_wheel
 	$(BIN)/python manage.py serve --port $(PORT)
 
 # Until Ctrl-C: PostgreSQL and Redis (DATABASE_URL, REDIS_URL, or private ones), 2 daphne processes behind

@@ -105,6 +105,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "crowdtrain.campaigns.navigation.navigation",
             ],
         },
     },
@@ -418,6 +419,9 @@ CROWDTRAIN_DEVICE_CODE_INTERVAL_S = env_int("CROWDTRAIN_DEVICE_CODE_INTERVAL_S",
 # Codes one client IP may ask for, and wrong user codes one account may type, per 10 minutes.
 CROWDTRAIN_DEVICE_CODES_PER_IP = env_int("CROWDTRAIN_DEVICE_CODES_PER_IP", 30, minimum=1)
 CROWDTRAIN_USER_CODE_FAILURES = env_int("CROWDTRAIN_USER_CODE_FAILURES", 20, minimum=1)
-# What the join page tells volunteers to `pip install`: a PyPI name, or a URL such as
-# git+https://example.org/crowdtrain.git#subdirectory=agent while the agent is not on PyPI.
-CROWDTRAIN_AGENT_PIP_SPEC = env_str("CROWDTRAIN_AGENT_PIP_SPEC", "crowdtrain-agent")
+# What the join page tells volunteers to `pip install`. Empty (the default): the agent wheel this site
+# serves at /agent/crowdtrain_agent-<version>-py3-none-any.whl, the one it is compatible with. Otherwise a
+# PyPI name or any URL pip accepts, for a site whose agents come from elsewhere.
+CROWDTRAIN_AGENT_PIP_SPEC = env_str("CROWDTRAIN_AGENT_PIP_SPEC", "")
+# Where `manage.py build_agent_wheel` writes that wheel and the site reads it from (never committed).
+CROWDTRAIN_AGENT_WHEEL_DIR = Path(env_str("CROWDTRAIN_AGENT_WHEEL_DIR", str(VAR_DIR / "agent")))

@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.urls import include, path
 
 from crowdtrain.accounts import profile_views, team_views
-from crowdtrain.campaigns import dataset_views, organizer_views, role_views, uploads
+from crowdtrain.campaigns import agent_wheel, dataset_views, organizer_views, role_views, uploads
 from crowdtrain.campaigns import export as campaign_export
 from crowdtrain.campaigns import join as campaign_join
 from crowdtrain.campaigns import views as campaign_views
@@ -23,6 +23,8 @@ urlpatterns = [
     path("api/campaigns/<int:campaign_id>/progress", campaign_views.progress, name="campaign-progress"),
     path("admin/", admin.site.urls),
     path("campaigns/<int:campaign_id>/join", campaign_join.join, name="campaign-join"),
+    # The agent the join pages install: crowdtrain_agent-<version>-py3-none-any.whl (manage.py build_agent_wheel).
+    path("agent/<str:filename>", agent_wheel.agent_wheel, name="agent-wheel"),
     # Organizers: their campaigns, the form, lifecycle buttons, invite links; the role and its requests.
     path("campaigns/", organizer_views.campaign_list, name="campaign-list"),
     path("campaigns/new", organizer_views.campaign_create, name="campaign-create"),

@@ -208,14 +208,15 @@ class Cluster:
             self.client_cert, self.cert = self_signed_certificate(self.run_dir / "tls")
         self.swarm.env.update(self.site_env())
         _write_private(self.run_dir / "site.env", "".join(f"{k}={v}\n" for k, v in sorted(self.swarm.env.items())))
-        # Three Django start-ups at once: the checks and collectstatic need no migrated database.
-        with ThreadPoolExecutor(3) as pool:
+        # Django start-ups at once: the checks, collectstatic and the agent wheel need no migrated database.
+        with ThreadPoolExecutor(4) as pool:
             jobs = [
                 pool.submit(self.swarm.manage, *args, timeout_s=300)
                 for args in (
                     ("migrate", "--noinput"),
                     ("check", "--deploy", "--fail-level", "WARNING"),
                     ("collectstatic", "--noinput", "--verbosity", "0"),
+                    ("build_agent_wheel",),  # what the join pages tell volunteers to pip install
                 )
             ]
             for job in jobs:

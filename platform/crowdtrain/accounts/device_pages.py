@@ -11,9 +11,13 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from crowdtrain.campaigns.views import open_campaigns
+
 from . import device_grant, devices, throttle
 from .models import Device, DeviceAuthorization
 from .users import signed_in_user
+
+OPEN_CAMPAIGNS_SHOWN = 5  # on an empty My devices page; the home page lists them all
 
 
 def _failures_key(request: HttpRequest) -> str:
@@ -100,7 +104,11 @@ def device_list(request: HttpRequest) -> HttpResponse:
     owned = list(Device.objects.filter(owner=signed_in_user(request)).order_by("revoked_at", "-created_at"))
     online = devices.online_ids(owned)
     rows = [DeviceRow(device=d, online=d.pk in online, hardware=devices.hardware_summary(d.hardware)) for d in owned]
-    return render(request, "devices/list.html", {"rows": rows, "max_name": devices.MAX_NAME})
+    # A volunteer with no device yet is one step from the way in: each open campaign's join page.
+    campaigns = [] if rows else list(open_campaigns()[:OPEN_CAMPAIGNS_SHOWN])
+    return render(
+        request, "devices/list.html", {"rows": rows, "max_name": devices.MAX_NAME, "open_campaigns": campaigns}
+    )
 
 
 def _own_device(request: HttpRequest, device_id: int) -> Device:

@@ -13,6 +13,7 @@ from crowdtrain_agent.fields import ConfigError
 from crowdtrain_agent.models import REGISTRY
 
 from .models import Campaign, Dataset, OrganizerRequest, Shard, Step, Upload, ValidationResult
+from .organizer_mail import mail_outcome
 from .organizers import RoleRequestError, decide
 from .settings_table import SETTINGS
 from .setup import CampaignConfigError, validate_campaign
@@ -143,9 +144,11 @@ class OrganizerRequestAdmin(admin.ModelAdmin):
     def _decide(self, request: HttpRequest, queryset: QuerySet[OrganizerRequest], *, grant: bool) -> None:
         for row in queryset:
             try:
-                decide(row.pk, request.user, grant=grant)
+                decided = decide(row.pk, request.user, grant=grant)
             except RoleRequestError as exc:
                 self.message_user(request, str(exc), messages.WARNING)
+            else:
+                mail_outcome(decided, request.build_absolute_uri("/"))
 
     @admin.action(description="Grant the organizer role")
     def grant(self, request: HttpRequest, queryset: QuerySet[OrganizerRequest]) -> None:

@@ -11,6 +11,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
+from .agent_wheel import agent_version, wheel_url
 from .models import Campaign
 from .views import can_watch
 
@@ -21,7 +22,7 @@ class Platform:
     title: str
     shell: str
     steps: list[tuple[str, str]]  # (what it does, command)
-    from_source: str  # install from a checkout of the site's source, while the agent is not on PyPI
+    from_source: str  # install from a checkout of the site's source, if pip cannot reach pip_spec
 
 
 def _powershell_quote(text: str) -> str:
@@ -63,11 +64,15 @@ def join(request: HttpRequest, campaign_id: int) -> HttpResponse:
     if not can_watch(request.user, campaign):  # invite-only: only for its volunteers
         raise Http404(f"no campaign {campaign_id}")
     server = request.build_absolute_uri("/").rstrip("/")
+    # The site's own wheel unless the operator names another source: the agent this site speaks with.
+    pip_spec = settings.CROWDTRAIN_AGENT_PIP_SPEC or wheel_url(request)
     context = {
         "campaign": campaign,
         "server": server,
-        "platforms": _platforms(server, campaign.pk, settings.CROWDTRAIN_AGENT_PIP_SPEC),
-        "pip_spec": settings.CROWDTRAIN_AGENT_PIP_SPEC,
+        "platforms": _platforms(server, campaign.pk, pip_spec),
+        "pip_spec": pip_spec,
+        "own_wheel": not settings.CROWDTRAIN_AGENT_PIP_SPEC,
+        "agent_version": agent_version(),
         "finished": campaign.state == Campaign.State.FINISHED,
     }
     return render(request, "campaigns/join.html", context)

@@ -1,8 +1,8 @@
 """A campaign's life: draft -> running <-> paused -> finished -> archived, and what each move does.
 
 Pausing only changes the state: the scheduler leases work from running
-campaigns alone, and leases already out are still counted when they come
-back, so the current ones drain. Starting makes the campaign wait for its
+campaigns alone, and leases already out are counted when they come back
+before their deadlines (later ones expire), so the current ones drain. Starting makes the campaign wait for its
 aggregators; ``assign_waiting_campaigns`` (also run on every aggregator
 heartbeat) gives it slices as soon as enough are live.
 """
@@ -47,7 +47,10 @@ MOVES: dict[str, Move] = {
         "Start", frozenset({State.DRAFT}), State.RUNNING, "started: it trains as soon as its aggregators are ready"
     ),
     "pause": Move(
-        "Pause", frozenset({State.RUNNING}), State.PAUSED, "paused: no new leases; leases already out still count"
+        "Pause",
+        frozenset({State.RUNNING}),
+        State.PAUSED,
+        "paused: no new leases; leases already out count if reported before their deadlines",
     ),
     "resume": Move("Resume", frozenset({State.PAUSED}), State.RUNNING, "resumed"),
     "finish": Move("Finish", frozenset({State.RUNNING, State.PAUSED}), State.FINISHED, "finished"),

@@ -2,7 +2,9 @@
 
 Anonymous visitors are sent to log in; volunteers without the organizer role
 get 403 with a way to ask for it; an organizer who opens another's campaign
-gets 404, as if it did not exist. Staff see every campaign.
+gets 404, as if it did not exist. Staff see every campaign. The campaign's
+own address is the exception: whoever does not manage it is sent to its
+public join page when they may see the campaign.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from asgiref.sync import async_to_sync
 from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
+from django.contrib.auth.views import redirect_to_login
+from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
@@ -30,7 +33,7 @@ from .forms import CampaignForm, OrganizerRequestForm
 from .lifecycle import LOCK_REASON, MOVES, LifecycleError, apply_move, available_moves, config_locked
 from .models import Campaign
 from .organizers import is_organizer, managed_campaigns, pending_request
-from .views import _progress
+from .views import _progress, can_watch
 
 View = Callable[..., HttpResponse]
 
@@ -92,10 +95,18 @@ def campaign_edit(request: HttpRequest, campaign_id: int) -> HttpResponse:
     return render(request, "campaigns/form.html", {"form": form, "campaign": campaign})
 
 
-@organizer_required
 @require_GET
 def campaign_detail(request: HttpRequest, campaign_id: int) -> HttpResponse:
-    campaign = _managed(request, campaign_id)
+    # A guessed or shared address of a campaign one does not manage leads to its public page, where
+    # anyone who may see the campaign can join it; one that is not theirs to see stays a 404.
+    campaign = managed_campaigns(request.user).filter(pk=campaign_id).first() if is_organizer(request.user) else None
+    if campaign is None:
+        public = Campaign.objects.filter(pk=campaign_id).exclude(state=Campaign.State.DRAFT).first()
+        if public is not None and can_watch(request.user, public):
+            return redirect("campaign-join", campaign_id=public.pk)
+        if not request.user.is_authenticated:  # it may be theirs once they log in
+            return redirect_to_login(request.get_full_path())
+        raise Http404(f"no campaign {campaign_id}")
     slices = campaign.slices.count()
     context = {
         "campaign": campaign,

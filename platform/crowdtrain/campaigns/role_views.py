@@ -11,12 +11,14 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from crowdtrain.accounts.users import signed_in_user
 
 from .forms import OrganizerRequestForm
 from .models import OrganizerRequest
+from .organizer_mail import mail_outcome, mail_staff_about
 from .organizers import RoleRequestError, decide, is_organizer, pending_request, request_role
 
 
@@ -41,11 +43,14 @@ def organizer_request(request: HttpRequest) -> HttpResponse:
         return redirect("campaign-list")
     form = OrganizerRequestForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
+        already_pending = pending_request(user) is not None  # asking twice mails nobody twice
         try:
-            request_role(user, form.cleaned_data["reason"])
+            row = request_role(user, form.cleaned_data["reason"])
         except RoleRequestError as exc:
             form.add_error("reason", f"{str(exc)[0].upper()}{str(exc)[1:]}.")
         else:
+            if not already_pending:
+                mail_staff_about(row, request.build_absolute_uri(reverse("organizer-requests")))
             messages.success(request, "Request sent. An admin will grant or refuse it; this page shows the answer.")
             return redirect("organizer-request")
     decided = OrganizerRequest.objects.filter(user=user).exclude(decision=OrganizerRequest.Decision.PENDING)
@@ -78,6 +83,7 @@ def organizer_decide(request: HttpRequest, request_id: int) -> HttpResponse:
     except RoleRequestError as exc:
         messages.error(request, f"Nothing changed: {exc}.")
     else:
+        mail_outcome(row, request.build_absolute_uri("/"))
         who = row.user.email or row.user.get_username()
         messages.success(request, f"{who} is now an organizer." if row.decision == "granted" else f"Refused {who}.")
     return redirect("organizer-requests")

@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from django.core.files.storage import default_storage
-from django.db.models import Count
+from django.db.models import Count, QuerySet
 from django.http import FileResponse, HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
@@ -115,12 +115,18 @@ def can_watch(user: Any, campaign: Campaign) -> bool:
     return campaign.state != Campaign.State.DRAFT and campaign.is_open_to(user)
 
 
-@require_GET
-def index(request: HttpRequest) -> HttpResponse:
-    # Invite-only campaigns are not advertised: their volunteers arrive through the invite link.
-    campaigns = (
+def open_campaigns() -> QuerySet[Campaign]:
+    """The campaigns anyone may join, newest first: the home page's, and My devices' when it is empty.
+
+    Invite-only campaigns are not advertised: their volunteers arrive through the invite link.
+    """
+    return (
         Campaign.objects.exclude(state__in=[Campaign.State.DRAFT, Campaign.State.ARCHIVED])
         .filter(visibility=Campaign.Visibility.PUBLIC)
         .order_by("-id")
     )
-    return render(request, "campaigns/index.html", {"campaigns": [_progress(c) for c in campaigns]})
+
+
+@require_GET
+def index(request: HttpRequest) -> HttpResponse:
+    return render(request, "campaigns/index.html", {"campaigns": [_progress(c) for c in open_campaigns()]})

@@ -8,6 +8,7 @@ import pytest
 from django.test import Client
 
 from crowdtrain.campaigns.models import Campaign
+from crowdtrain_agent import __version__
 from tests.factories import make_campaign
 
 pytestmark = pytest.mark.django_db
@@ -22,8 +23,9 @@ def test_it_shows_install_login_and_run_commands_for_this_site_and_campaign(clie
     assert page.status_code == 200
     assert html.count(" login --server http://testserver") == 3  # Linux, macOS, Windows
     assert html.count(f"run --campaign {campaign.pk}") == 3
-    assert html.count("pip install crowdtrain-agent<") == 2 and "pip.exe install crowdtrain-agent<" in html
-    assert "pip install ./agent" in html
+    wheel = f"http://testserver/agent/crowdtrain_agent-{__version__}-py3-none-any.whl<"
+    assert html.count(f"pip install {wheel}") == 2 and f"pip.exe install {wheel}" in html
+    assert f"serves crowdtrain-agent {__version__}," in html
     assert html.count('data-copy="cmd-') == 12
 
 
@@ -43,3 +45,4 @@ def test_an_install_url_from_the_settings_is_quoted_for_each_shell(client: Clien
 
     assert "pip install &#x27;crowdtrain-agent @ git+https://example.org/ct.git#subdirectory=agent&#x27;" in html
     assert "pip.exe install &#x27;crowdtrain-agent @ git+" in html
+    assert "pip install ./agent" in html  # the fallback when that source is out of reach
