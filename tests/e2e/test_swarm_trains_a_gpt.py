@@ -17,6 +17,9 @@ SPEC = {
         "dataset": {"kind": "stdlib", "bytes": 512 << 10, "sample_len": 33, "shard_bytes": 64 << 10},
         "optimizer": {"name": "adamw", "lr": 1e-2}, "target_batch_size": 64, "microbatch_size": 16,
         "staleness": 1, "max_steps": STEPS, "seed": 7,
+        # No verification copies: with two agents a copy of one's lease can take the other's whole share of
+        # a short run, and this test is about both agents' leases making steps (tests/trust checks copies).
+        "check_fraction": 0.0,
     }],
     "aggregators": ["agg-1"],
     "agents": ["agent-1", "agent-2"],
