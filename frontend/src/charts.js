@@ -83,7 +83,7 @@ export class TimeChart {
         stroke: s.color || PALETTE[i % PALETTE.length],
         width: 2,
         spanGaps: true,
-        points: { show: false },
+        // uPlot's default: dots only while points are sparse, so a lone first minute still shows.
         value: (u, v) => formatValue(v, s.digits == null ? 2 : s.digits),
       })),
     ];

@@ -91,6 +91,7 @@
     field("by_kind", kinds.length ? kinds.join(", ") : "–");
     const queue = snapshot.celery.queue;
     field("queue_depth", queue.depth == null ? queue.note : `${queue.depth} waiting`);
+    testid("queue-depth").classList.toggle("dash-note", queue.depth == null);
     const s = snapshot.series;
     chart("agents", document.getElementById("chart-agents"), {
       title: "Agents online, joins and departures",

@@ -121,7 +121,8 @@ def _lease_reasons(now: Any) -> list[dict[str, Any]]:
     """Lease outcomes of the last hour by state and reason, summed over every process's minute rows."""
     totals: dict[tuple[str, str], int] = {}
     rows = DashboardSample.objects.filter(minute__gte=now - REASONS_WINDOW).exclude(source=SITE)
-    for data in rows.values_list("data", flat=True):
+    # Plus what this process counted since its last minute row (the others' come with their next row).
+    for data in [*rows.values_list("data", flat=True), {"outcomes": history.outcome_deltas.peek()}]:
         for states in data.get("outcomes", {}).values():
             for state, reasons in states.items():
                 for reason, count in reasons.items():

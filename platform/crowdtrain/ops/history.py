@@ -81,6 +81,13 @@ class OutcomeDeltas:
 
     def take(self) -> dict[str, dict[str, dict[str, int]]]:
         """campaign -> state -> reason label -> count, since the previous call."""
+        return self._since_last(reset=True)
+
+    def peek(self) -> dict[str, dict[str, dict[str, int]]]:
+        """What ``take`` would return now, without moving the mark (the minute in progress, live)."""
+        return self._since_last(reset=False)
+
+    def _since_last(self, *, reset: bool) -> dict[str, dict[str, dict[str, int]]]:
         current: dict[tuple[str, str, str], float] = {}
         for metric in LEASE_OUTCOMES.collect():
             for sample in metric.samples:
@@ -94,7 +101,8 @@ class OutcomeDeltas:
                 if delta > 0:
                     campaign, state, reason = key
                     out.setdefault(campaign, {}).setdefault(state, {})[reason] = delta
-            self._last = current
+            if reset:
+                self._last = current
         return out
 
 
@@ -241,11 +249,19 @@ def series(campaigns: dict[int, dict[str, Any]], agents_now: int, now: datetime 
     live_since = max(minute_of(now) - timedelta(minutes=LIVE_MINUTES - 1),
                      newest + timedelta(minutes=1) if newest else datetime.min.replace(tzinfo=now.tzinfo))  # fmt: skip
     live = steps_by_minute(campaigns, live_since)
+    # Lease outcomes not sampled yet: this process's own (the others' arrive with their minute rows).
+    unsampled = {s: 0 for s in OUTCOME_STATES}
+    for states in outcome_deltas.peek().values():
+        for state, reasons in states.items():
+            if state in unsampled:
+                unsampled[state] += sum(reasons.values())
     minute = live_since
     while minute <= now:
         elapsed = min(60.0, (now - minute).total_seconds())
         if elapsed >= 1.0:
-            bucket: dict[str, Any] = {"t": minute, "site_minutes": elapsed / 60, "agents": agents_now, "joins": None,
+            bucket: dict[str, Any] = {"t": minute, "site_minutes": elapsed / 60, "joins": None,
+                                      # Only the minute in progress knows its agents: it is now.
+                                      "agents": agents_now if minute == minute_of(now) else None,
                                       "departures": None, "outcomes": {}, "campaigns": {}}  # fmt: skip
             for campaign_id, row in campaigns.items():
                 count, samples, loss_sum = live.get(campaign_id, {}).get(minute, [0.0, 0.0, 0.0])
@@ -255,6 +271,8 @@ def series(campaigns: dict[int, dict[str, Any]], agents_now: int, now: datetime 
                 }  # fmt: skip
             buckets.append(bucket)
         minute += timedelta(minutes=1)
+    if buckets and buckets[-1]["joins"] is None:  # the minute in progress
+        buckets[-1]["outcomes"] = unsampled
     return _columns(buckets, stored["bucket_s"], campaigns)
 
 
