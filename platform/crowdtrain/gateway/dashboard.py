@@ -13,13 +13,11 @@ import json
 import logging
 from typing import Any
 
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
 from crowdtrain.ops import dashboard
-
-from .housekeeping import housekeeping
-from .offloop import offloop
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +33,14 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         if user is None or not getattr(user, "is_staff", False) or not user.is_active:
             await self.close(code=NOT_STAFF)
             return
-        # The minute rows the charts read are written by housekeeping; a watched site with no agent
-        # socket on this process would otherwise write none.
-        housekeeping.start()
         self._pusher = asyncio.get_running_loop().create_task(self._push(), name="crowdtrain-dashboard-push")
 
     async def _push(self) -> None:
         while True:
             try:
-                snapshot: dict[str, Any] = await offloop(dashboard.snapshot)()
+                # Channels' wrapper closes the thread's connection after the call: a push every few seconds
+                # is not the agents' hot path, and no pool thread keeps a connection open after the page closes.
+                snapshot: dict[str, Any] = await database_sync_to_async(dashboard.snapshot)()
                 await self.send(text_data=json.dumps(snapshot, default=str))
             except asyncio.CancelledError:
                 raise
