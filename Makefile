@@ -20,10 +20,15 @@ HAPROXY := /usr/sbin/haproxy
 CLUSTER_TEST := tests/e2e/test_site_processes_behind_a_balancer_share_a_campaign.py
 # Brings its own PostgreSQL and Redis to kill: it runs in the second pass only.
 ENGINES_TEST := tests/e2e/test_site_redis_and_postgres_killed.py
+# The chart bundle the dashboards load (uPlot, from npm, wrapped by frontend/src/charts.js): built, never committed.
+NODE_STAMP := frontend/node_modules/.installed
+CHARTS := frontend/static/build/charts.js
 
-.PHONY: demo serve cluster lint test test-browser bench venv chromium haproxy clean
+.PHONY: demo serve cluster lint test test-browser bench venv charts chromium haproxy clean
 
 venv: $(STAMP)
+
+charts: $(CHARTS)
 
 chromium: $(CHROMIUM)
 
@@ -37,19 +42,28 @@ $(STAMP): pyproject.toml agent/pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e ./agent -e '.[test]'
 	touch $(STAMP)
 
+# npm ci installs exactly the committed lock file; it runs again only when the package files change.
+$(NODE_STAMP): frontend/package.json frontend/package-lock.json
+	cd frontend && npm ci --no-audit --no-fund
+	touch $@
+
+# esbuild writes charts.js and charts.css together; charts.js stands for both.
+$(CHARTS): $(NODE_STAMP) $(wildcard frontend/src/*)
+	cd frontend && npm run build
+
 # The join pages tell volunteers to pip install the agent wheel the site serves: built from agent/ first.
-demo: $(STAMP)
+demo: $(STAMP) $(CHARTS)
 	$(BIN)/python manage.py build_agent_wheel
 	$(BIN)/python manage.py demo $(ARGS)
 
-serve: $(STAMP)
+serve: $(STAMP) $(CHARTS)
 	$(BIN)/python manage.py migrate --noinput
 	$(BIN)/python manage.py build_agent_wheel
 	$(BIN)/python manage.py serve --port $(PORT)
 
 # Until Ctrl-C: PostgreSQL and Redis (DATABASE_URL, REDIS_URL, or private ones), 2 daphne processes behind
 # HAProxy at https://127.0.0.1:8443/, Celery worker and beat, one aggregator. ARGS="--sites 3 --port 9443"
-cluster: $(STAMP) $(HAPROXY)
+cluster: $(STAMP) $(CHARTS) $(HAPROXY)
 	PYTHONPATH=platform:agent/src $(BIN)/python -m crowdtrain_launcher.cluster $(ARGS)
 
 # Debian packages the tests need, installed once (file targets: nothing runs once the binary is there).
@@ -88,12 +102,12 @@ lint: $(STAMP)
 # browser tests, which the first pass skips (tests/conftest.py). In the second
 # pass the test process runs Celery tasks in-process (it has no worker), while
 # the sites the end-to-end tests start get a real Celery worker on Redis.
-test: lint $(STAMP) $(CHROMIUM) $(HAPROXY)
+test: lint $(STAMP) $(CHARTS) $(CHROMIUM) $(HAPROXY)
 	$(BIN)/python -m pytest -p no:cacheprovider --ignore $(CLUSTER_TEST) --ignore $(ENGINES_TEST) $(ARGS)
 	CELERY_TASK_ALWAYS_EAGER=true $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider tests/web tests/e2e $(ARGS)
 	$(BROWSER_PASS) $(ARGS)
 
-test-browser: $(STAMP) $(CHROMIUM)
+test-browser: $(STAMP) $(CHARTS) $(CHROMIUM)
 	$(BROWSER_PASS) $(ARGS)
 
 # W1 (throughput against plain PyTorch), then the scale phases (simulated agents against two site
@@ -107,4 +121,4 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.scale $(SCALE_ARGS)
 
 clean:
-	rm -rf $(VENV) var
+	rm -rf $(VENV) var frontend/node_modules frontend/static/build

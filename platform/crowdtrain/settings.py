@@ -264,13 +264,19 @@ LOGGING = {
         "console": {
             "class": "logging.StreamHandler",
             "formatter": "json" if CROWDTRAIN_LOG_FORMAT == "json" else "plain",
-        }
+        },
+        # The admin dashboard's "errors from the last hour": ERROR records into a capped Redis list.
+        "recent_errors": {"class": "crowdtrain.ops.recent_errors.RecentErrorsHandler", "level": "ERROR"},
     },
     "loggers": {
-        "crowdtrain": {"handlers": ["console"], "level": env_str("CROWDTRAIN_LOG_LEVEL", "INFO"), "propagate": False},
+        "crowdtrain": {
+            "handlers": ["console", "recent_errors"],
+            "level": env_str("CROWDTRAIN_LOG_LEVEL", "INFO"),
+            "propagate": False,
+        },
         # Django prints a 500's traceback only when DEBUG is on (otherwise it mails it to ADMINS, whom we
         # have none of): with DEBUG off, this is what puts it in the site's log.
-        "django": {"handlers": ["console"], "level": "ERROR", "propagate": False},
+        "django": {"handlers": ["console", "recent_errors"], "level": "ERROR", "propagate": False},
     },
 }
 
@@ -283,6 +289,8 @@ CROWDTRAIN_METRICS_TOKEN = env_str("CROWDTRAIN_METRICS_TOKEN", "")
 CROWDTRAIN_STALLED_AFTER_MIN = env_float("CROWDTRAIN_STALLED_AFTER_MIN", 10.0, minimum=0.1)
 # Expired and rejected leases above this share of a campaign's lease outcomes in 10 minutes raise an alert.
 CROWDTRAIN_LEASE_FAILURE_SHARE = env_float("CROWDTRAIN_LEASE_FAILURE_SHARE", 0.5, minimum=0.0)
+# The admin dashboard (/dashboard/) pushes a fresh snapshot this often to each open page.
+CROWDTRAIN_DASHBOARD_PUSH_S = env_float("CROWDTRAIN_DASHBOARD_PUSH_S", 2.0, minimum=0.2)
 
 # ----------------------------------------------------------- the scheduler
 

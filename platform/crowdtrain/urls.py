@@ -19,6 +19,8 @@ urlpatterns = [
     path("livez", ops_views.livez, name="livez"),
     path("healthz", ops_views.healthz, name="healthz"),
     path("metrics", ops_views.metrics, name="metrics"),
+    # The admins' live dashboard: the page; its snapshots come over /ws/dashboard/ (gateway.dashboard).
+    path("dashboard/", ops_views.dashboard, name="ops-dashboard"),
     path("api/shards/<str:sha256>", campaign_views.shard, name="shard"),
     path("api/campaigns/<int:campaign_id>/progress", campaign_views.progress, name="campaign-progress"),
     path("admin/", admin.site.urls),

@@ -1,4 +1,5 @@
-"""Periodic work of one site process: publish who is connected, sweep expired leases, stamp "last seen".
+"""Periodic work of one site process: publish who is connected, sweep expired leases, stamp "last seen",
+write the admin dashboard's minute.
 
 It runs on the process's event loop as one task, started by the first
 connection, so a process that is behind on its messages still publishes its
@@ -16,6 +17,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
+from crowdtrain.ops import history
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.hotstate import presence
 from crowdtrain.verification import checks
@@ -53,6 +55,7 @@ class Housekeeping:
 
     async def _run(self) -> None:
         last_db = time.monotonic()
+        sampled_minute = int(time.time() // 60)  # the minute in progress is written once it has ended
         while True:
             asleep = time.monotonic()
             await asyncio.sleep(self.interval_s)
@@ -66,6 +69,9 @@ class Housekeeping:
                     last_db = time.monotonic()
                     await offloop(_stamp_last_seen)()
                     await offloop(checks.upkeep)()
+                if int(time.time() // 60) != sampled_minute:
+                    sampled_minute = int(time.time() // 60)
+                    await offloop(history.record_minute)()
             except asyncio.CancelledError:
                 raise
             except Exception:  # the next round tries again; a broken round must not end liveness for good

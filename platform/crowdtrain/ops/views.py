@@ -1,4 +1,5 @@
-"""Health and metrics endpoints: ``/livez`` for balancers, ``/healthz`` for monitors, ``/metrics`` for Prometheus.
+"""Health and metrics endpoints (``/livez`` for balancers, ``/healthz`` for monitors, ``/metrics`` for Prometheus)
+and the admins' live dashboard page (``/dashboard/``; its data comes over ``/ws/dashboard/``).
 
 Two health checks because a balancer and a monitor ask different questions.
 HAProxy asks "does this process answer?" (``/livez``, every second, no
@@ -17,8 +18,12 @@ from __future__ import annotations
 import logging
 
 import redis
+from django.conf import settings
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
 from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import render
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
@@ -65,3 +70,12 @@ def metrics(request: HttpRequest) -> HttpResponse:
         logger.warning("metrics: cannot read the database or Redis: %s", exc)
         return JsonResponse({"error": "cannot read the database or Redis; see the site's log"}, status=503)
     return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)
+
+
+@login_required
+@require_GET
+def dashboard(request: HttpRequest) -> HttpResponse:
+    # As the other staff pages: a volunteer gets a plain 403, not the admin's log-in form.
+    if not request.user.is_staff:
+        raise PermissionDenied("only admins see the operations dashboard")
+    return render(request, "ops/dashboard.html", {"push_s": settings.CROWDTRAIN_DASHBOARD_PUSH_S})
