@@ -43,7 +43,7 @@ from crowdtrain_agent.protocol import (
 
 from . import ids
 from .commits import Commit, commit_full_steps, held, moment
-from .configs import CampaignConfig, campaign_config, open_to, running_campaigns
+from .configs import CampaignConfig, campaign_config, forget, open_to, running_campaigns
 from .hotstate import HotStateMissing, hot_state
 from .models import Lease
 from .rebuild import load_campaign, to_shards
@@ -77,7 +77,10 @@ def _run(config: CampaignConfig, script: str, args: dict[str, Any]) -> dict[str,
         return hot_state().run(script, config.hot_key, args)
     except HotStateMissing:
         load_campaign(config.id)
-        return hot_state().run(script, config.hot_key, args)
+        # Read the campaign again: a copy cached before its row was replaced names another hot state.
+        forget(config.id)
+        fresh = campaign_config(config.id) or config
+        return hot_state().run(script, fresh.hot_key, args)
 
 
 def record_retired(retired: list[list[Any]], campaign_id: int | None = None) -> None:

@@ -39,13 +39,20 @@ def to_global(table: ShardTable, ranges: Iterable[list[int]]) -> list[list[int]]
 
 
 def to_shards(table: ShardTable, ranges: Iterable[list[int]]) -> list[list[int]]:
-    """Global ``[epoch, start, count]`` ranges cut at shard boundaries into ``[epoch, shard, start, count]``."""
+    """Global ``[epoch, start, count]`` ranges cut at shard boundaries into ``[epoch, shard, start, count]``.
+
+    Raises:
+        ValueError: a range reaches past the dataset's last sample.
+    """
     out: list[list[int]] = []
     for epoch, start, count in ranges:
         while count > 0:
             index = table.locate(start)
             offset = start - table.first_samples[index]
             take = min(count, table.sizes[index] - offset)
+            if start < 0 or take <= 0:
+                # A range from another dataset (a campaign read before its row was replaced): never loop on it.
+                raise ValueError(f"samples {start}..{start + count - 1} are outside this dataset's shards")
             out.append([epoch, index, offset, take])
             start, count = start + take, count - take
     return out
