@@ -16,6 +16,9 @@ BROWSER_PASS := $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:ca
 	--output test-artifacts/browser --screenshot only-on-failure
 # The balancer in front of several site processes (make cluster, and the end-to-end test that runs it).
 HAPROXY := /usr/sbin/haproxy
+# Debian's Prometheus (promtool comes with it): the deploy tests check deploy/prometheus/ with it and run it
+# against a live site and aggregator.
+PROMETHEUS := /usr/bin/prometheus
 # That test brings its own database and needs PostgreSQL and Redis: it runs in the second pass only.
 CLUSTER_TEST := tests/e2e/test_site_processes_behind_a_balancer_share_a_campaign.py
 # Brings its own PostgreSQL and Redis to kill: it runs in the second pass only.
@@ -24,7 +27,7 @@ ENGINES_TEST := tests/e2e/test_site_redis_and_postgres_killed.py
 NODE_STAMP := frontend/node_modules/.installed
 CHARTS := frontend/static/build/charts.js
 
-.PHONY: demo serve cluster lint test test-browser bench venv charts chromium haproxy clean
+.PHONY: demo serve cluster lint test test-browser bench venv charts chromium haproxy prometheus clean
 
 venv: $(STAMP)
 
@@ -33,6 +36,8 @@ charts: $(CHARTS)
 chromium: $(CHROMIUM)
 
 haproxy: $(HAPROXY)
+
+prometheus: $(PROMETHEUS)
 
 # torch goes in first and alone, pinned: pip then takes the CPU wheel from this
 # machine's disk instead of pulling a multi-GB CUDA build for a looser range.
@@ -89,6 +94,12 @@ $(CHROMIUM):
 $(HAPROXY):
 	$(call debian_package,$@,haproxy,the cluster)
 
+# The tests never use the package's own service (policy-rc.d keeps it from starting in containers; where it
+# does start, on :9090, nothing reads it): they run their own Prometheus on a free port, with a generated
+# config and storage in their temporary folder.
+$(PROMETHEUS):
+	$(call debian_package,$@,prometheus,the deploy tests)
+
 # The house rules a machine checks (settings in pyproject.toml): lint findings everywhere, tests included;
 # formatting and types in the site, the aggregator and the agent.
 lint: $(STAMP)
@@ -96,28 +107,40 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check platform agent
 	$(BIN)/mypy
 
+# The end-to-end tests run in the second pass, on PostgreSQL and Redis; the first pass keeps one, the swarm
+# training the demo's GPT, for the embedded defaults `make demo` runs on (together they would pass 20 minutes).
+E2E_SECOND_PASS_ONLY := $(filter-out tests/e2e/test_swarm_trains_a_gpt.py,$(wildcard tests/e2e/test_*.py))
+
 # Lint first, then three passes: everything on the embedded defaults (SQLite, in-memory channel
 # layer), then what touches the database and the channel layer on PostgreSQL
 # and Redis (tests/services.py finds them or starts private ones), then the
 # browser tests, which the first pass skips (tests/conftest.py). In the second
 # pass the test process runs Celery tasks in-process (it has no worker), while
 # the sites the end-to-end tests start get a real Celery worker on Redis.
-test: lint $(STAMP) $(CHARTS) $(CHROMIUM) $(HAPROXY)
-	$(BIN)/python -m pytest -p no:cacheprovider --ignore $(CLUSTER_TEST) --ignore $(ENGINES_TEST) $(ARGS)
+test: lint $(STAMP) $(CHARTS) $(CHROMIUM) $(HAPROXY) $(PROMETHEUS)
+	$(BIN)/python -m pytest -p no:cacheprovider --ignore $(CLUSTER_TEST) --ignore $(ENGINES_TEST) \
+		$(addprefix --ignore ,$(E2E_SECOND_PASS_ONLY)) $(ARGS)
 	CELERY_TASK_ALWAYS_EAGER=true $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider tests/web tests/e2e $(ARGS)
 	$(BROWSER_PASS) $(ARGS)
 
 test-browser: $(STAMP) $(CHARTS) $(CHROMIUM)
 	$(BROWSER_PASS) $(ARGS)
 
-# W1 (throughput against plain PyTorch), then the scale phases (simulated agents against two site
-# processes on PostgreSQL + Redis; tests/services.py's checks, a database of its own): each runs alone too.
-# ARGS go to w1, SCALE_ARGS to scale, e.g. SCALE_ARGS="--agents 100 --cpu-agents 100,1000 --idle-agents 2000".
+# W1 (throughput against plain PyTorch), then W1 over a home link (one agent at 20 Mbit/s up and 100 down in a
+# network namespace of its own: needs root, as CI has; without it its lines say skipped), int8's loss gaps over
+# several seeds in one process (sync gradients and DiLoCo pseudo-gradients, with and without error feedback),
+# then the scale phases
+# (simulated agents against two site processes on PostgreSQL + Redis; tests/services.py's checks, a database of
+# its own): each runs alone too. ARGS go to w1, HOMELINK_ARGS to homelink, SCALE_ARGS to scale, e.g.
+# HOMELINK_ARGS="--w1-samples 65536 --gpt-samples 0", SCALE_ARGS="--agents 100 --cpu-agents 100,1000 --idle-agents 2000".
+HOMELINK_ARGS ?=
 SCALE_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.protocol
 	$(BIN)/python -m tests.benchmarks.leaderboard
 	$(BIN)/python -m tests.benchmarks.w1 $(ARGS)
+	$(BIN)/python -m tests.benchmarks.homelink $(HOMELINK_ARGS)
+	$(BIN)/python -m tests.benchmarks.int8_gaps
 	$(BIN)/python -m tests.benchmarks.scale $(SCALE_ARGS)
 
 clean:

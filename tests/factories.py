@@ -7,6 +7,7 @@ from typing import Any
 from allauth.account.models import EmailAddress
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
+from django.test import Client
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
@@ -125,6 +126,31 @@ def make_admin(name: str = "admin") -> AbstractBaseUser:
     user.is_staff = True
     user.save(update_fields=["is_staff"])
     return user
+
+
+def make_persona(who: str) -> AbstractBaseUser | None:
+    """Someone who is not a campaign's owner, by role, for permission tests; None for "anonymous".
+
+    Roles: "other organizer" (otto), "volunteer" (vera), "admin" (ada), "anonymous".
+    """
+    return {
+        "other organizer": lambda: make_organizer("otto"),
+        "volunteer": lambda: make_volunteer("vera"),
+        "admin": lambda: make_admin("ada"),
+        "anonymous": lambda: None,
+    }[who]()
+
+
+def logged_in(user: AbstractBaseUser | None = None, **client_options: Any) -> Client:
+    """A test client with ``user``'s session, as if they had logged in; an anonymous one when ``user`` is None.
+
+    ``client_options`` go to ``Client``: ``enforce_csrf_checks=True`` for tests of the CSRF check,
+    ``raise_request_exception=False`` to read a server error's response.
+    """
+    client = Client(**client_options)
+    if user is not None:
+        client.force_login(user)
+    return client
 
 
 def work_one_lease(campaign: Campaign, device_id: int) -> None:

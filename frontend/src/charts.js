@@ -28,7 +28,9 @@ function formatValue(value, digits) {
  *
  * options:
  *   title      heading drawn above the plot
- *   series     [{label, unit, axis: "left" | "right", digits, color}]
+ *   series     [{label, unit, axis: "left" | "right", digits, color, dots}]  (dots: points, no line)
+ *   x          {label, unit, time}  the x axis (default: time in Unix seconds, labelled "Time (UTC)");
+ *              time: false for a plain number such as a step
  *   left       {label, unit}  the left y axis (required)
  *   right      {label, unit}  an optional right y axis for series with axis: "right"
  *   emptyText  shown while there is no point yet (default "No data yet")
@@ -51,9 +53,10 @@ export class TimeChart {
     this.plotBox.className = "ct-chart-plot";
     container.append(this.plotBox, this.empty);
 
-    const scales = { x: { time: true }, left: { auto: true } };
+    const x = options.x || { label: "Time (UTC)", time: true };
+    const scales = { x: { time: x.time !== false }, left: { auto: true } };
     const axes = [
-      { label: "Time (UTC)", labelSize: 18, stroke: "#374151", grid: { stroke: "#e5e7eb" } },
+      { label: axisLabel(x.label, x.unit), labelSize: 18, stroke: "#374151", grid: { stroke: "#e5e7eb" } },
       {
         scale: "left",
         label: axisLabel(options.left.label, options.left.unit),
@@ -76,16 +79,25 @@ export class TimeChart {
       });
     }
     const series = [
-      { label: "Time" },
-      ...options.series.map((s, i) => ({
-        label: axisLabel(s.label, s.unit),
-        scale: s.axis === "right" ? "right" : "left",
-        stroke: s.color || PALETTE[i % PALETTE.length],
-        width: 2,
-        spanGaps: true,
-        // uPlot's default: dots only while points are sparse, so a lone first minute still shows.
-        value: (u, v) => formatValue(v, s.digits == null ? 2 : s.digits),
-      })),
+      { label: x.label || "Time" },
+      ...options.series.map((s, i) => {
+        const color = s.color || PALETTE[i % PALETTE.length];
+        const one = {
+          label: axisLabel(s.label, s.unit),
+          scale: s.axis === "right" ? "right" : "left",
+          stroke: color,
+          width: 2,
+          spanGaps: true,
+          // uPlot's default: dots only while points are sparse, so a lone first minute still shows.
+          value: (u, v) => formatValue(v, s.digits == null ? 2 : s.digits),
+        };
+        if (s.dots) {
+          // Occasional measurements (a validation loss every N steps): dots, never a line between them.
+          one.paths = () => null;
+          one.points = { show: true, size: 7, fill: color, stroke: color };
+        }
+        return one;
+      }),
     ];
     this.plot = new uPlot(
       {
@@ -155,6 +167,16 @@ export class TimeChart {
 
 export function timeChart(container, options) {
   return new TimeChart(container, options);
+}
+
+/**
+ * Series measured at different x values (training loss every step, validation loss every tenth) on one
+ * x axis: `tables` is [[xs, ys], ...] with each xs ascending; returns [xs, ys1, ys2, ...] with nulls
+ * where a series has no point, ready for setData(xs, ys).
+ */
+export function joinOnX(tables) {
+  const joined = uPlot.join(tables.map(([xs, ys]) => [xs, ys]));
+  return [Array.from(joined[0]), joined.slice(1).map((ys) => Array.from(ys))];
 }
 
 export { uPlot };

@@ -23,6 +23,8 @@ urlpatterns = [
     path("dashboard/", ops_views.dashboard, name="ops-dashboard"),
     path("api/shards/<str:sha256>", campaign_views.shard, name="shard"),
     path("api/campaigns/<int:campaign_id>/progress", campaign_views.progress, name="campaign-progress"),
+    path("api/campaigns/<int:campaign_id>/monitor", organizer_views.campaign_monitor, name="campaign-monitor"),
+    path("api/campaigns/<int:campaign_id>/coverage", campaign_views.coverage, name="campaign-coverage"),
     path("admin/", admin.site.urls),
     path("campaigns/<int:campaign_id>/join", campaign_join.join, name="campaign-join"),
     # The agent the join pages install: crowdtrain_agent-<version>-py3-none-any.whl (manage.py build_agent_wheel).

@@ -6,6 +6,7 @@ import email.utils
 import json
 import logging
 import re
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -15,6 +16,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from crowdtrain_agent import deltas
 from crowdtrain_agent.protocol import ProtocolError, ticket_campaign, verify_ticket
 
 from .metrics import metrics_refusal
@@ -27,6 +29,7 @@ PARAMS_PREFIX = "/params/"
 # GET /params/<campaign_id>/<slice_index>/<version>; the site builds agents' URLs
 # as f"{params_url}{campaign_id}/{slice_index}/" + version, so keep this layout.
 _PARAMS = re.compile(r"^/params/(\d{1,18})/(\d{1,9})/(\d{1,18})/?$")
+_DIGITS = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() also takes other scripts' digits
 # A version never changes once published, so the fetcher may keep it forever; but only the
 # fetcher: an invite-only campaign's weights are not for shared caches.
 IMMUTABLE = "private, max-age=31536000, immutable"
@@ -58,15 +61,22 @@ def json_response(status: HTTPStatus, payload: dict[str, Any]) -> Response:
 async def params_response(
     node: AggregatorNode, request: Request, campaign_id: int, slice_index: int, version: int
 ) -> Response:
-    """The fp32 bytes of one slice at one version, or why not.
+    """The fp32 bytes of one slice at one version, or a delta from a version the caller holds, or why not.
 
     A version the slice is about to publish (a commit in flight) is waited
-    for, up to ``PARAMS_WAIT_S``.
+    for, up to ``PARAMS_WAIT_S``. With ``?from=<held>`` naming a kept version
+    below ``version``, the body is a delta (``crowdtrain_agent.deltas``) and
+    ``X-Crowdtrain-Delta-From`` says so; otherwise it is the full fp32 bytes.
+    Either way ``X-Crowdtrain-Sha256`` carries the checksum of the exact fp32 bytes.
 
+    400: ``from`` is not a version number.
     404: the slice is not held here, or the version is not published yet.
     410: the version was published but is no longer kept (out of the window, or rolled back past).
     """
     refused = _check_ticket(node, request, campaign_id)
+    if refused is not None:
+        return refused
+    held_version, refused = _held_version(request)
     if refused is not None:
         return refused
     state = node.get_slice(campaign_id, slice_index)
@@ -80,7 +90,29 @@ async def params_response(
     extra = [("ETag", snapshot.etag), ("Cache-Control", IMMUTABLE), ("X-Crowdtrain-Version", str(version))]
     if request.headers.get("If-None-Match") == snapshot.etag:
         return _response(HTTPStatus.NOT_MODIFIED, b"", "application/octet-stream", extra)
+    # Held references: a step published meanwhile may drop either snapshot from the slice, not from here.
+    held = state.snapshots.get(held_version) if held_version is not None and held_version < version else None
+    extra.append((deltas.CHECKSUM_HEADER, await state.downloads.checksum(snapshot)))
+    if held is not None:
+        body = await state.downloads.delta(snapshot, held)
+        if len(body) < len(snapshot.body):  # random-looking parameters do not compress: fp32 is then cheaper
+            extra += [(deltas.DELTA_FROM_HEADER, str(held.version)), (deltas.ENCODING_HEADER, deltas.ENCODING)]
+            return _response(HTTPStatus.OK, body, "application/octet-stream", extra)
     return _response(HTTPStatus.OK, snapshot.body, "application/octet-stream", extra)
+
+
+def _held_version(request: Request) -> tuple[int | None, Response | None]:
+    """The ``from`` query parameter: the version the caller holds (None without one), or a 400 to answer."""
+    _, _, query = request.path.partition("?")
+    values = urllib.parse.parse_qs(query, keep_blank_values=True).get("from")
+    if values is None:
+        return None, None
+    if len(values) != 1 or not _DIGITS.fullmatch(values[0]):
+        error = "from must be the version number you hold, digits only, once"
+        return None, json_response(HTTPStatus.BAD_REQUEST, {"error": error})
+    if len(values[0]) > 18:  # a version no campaign reaches: not held here, so the full body
+        return None, None
+    return int(values[0]), None
 
 
 def metrics_response(node: AggregatorNode, connection: ServerConnection, request: Request) -> Response:

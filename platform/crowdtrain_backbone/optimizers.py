@@ -224,7 +224,14 @@ def build_adamw(param: torch.nn.Parameter, hyper: Mapping[str, Any], layout: Sli
 
 
 def build_sgd(param: torch.nn.Parameter, hyper: Mapping[str, Any], layout: SliceLayout) -> torch.optim.Optimizer:
-    """SGD with momentum on one slice; L2 weight decay (through the momentum) on the layout's decayed spans."""
-    optimizer = torch.optim.SGD([param], lr=hyper["lr"], momentum=hyper["momentum"], weight_decay=0.0, fused=True)
+    """SGD with momentum (Nesterov's if asked) on one slice; L2 decay (through the momentum) on the decayed spans."""
+    optimizer = torch.optim.SGD(
+        [param],
+        lr=hyper["lr"],
+        momentum=hyper["momentum"],
+        nesterov=bool(hyper.get("nesterov", False)),
+        weight_decay=0.0,
+        fused=True,
+    )
     add_weight_decay(optimizer, layout.decayed_ranges(), hyper["weight_decay"], "l2")
     return optimizer

@@ -20,10 +20,11 @@ import torch
 
 from crowdtrain_agent.codec import encode_fp32
 from crowdtrain_agent.models import get_model
-from crowdtrain_agent.protocol import SliceAssignment
+from crowdtrain_agent.protocol import SliceAssignment, retained_versions
 from crowdtrain_agent.protocol.schema import to_dict
 
 from .aggregation import AggregationRule, MeanRule, PendingUpload
+from .downloads import DownloadCache
 from .optimizers import build_slice_optimizer, slice_segments
 from .robust import ClipHistory, build_rule, clip_contributions
 
@@ -168,6 +169,7 @@ class SliceState:
         self.receiving: set[int] = set()  # leases whose chunks are still arriving
         self.finished: OrderedDict[int, str] = OrderedDict()  # lease id -> "committed" | "dropped"
         self.snapshots: OrderedDict[int, Snapshot] = OrderedDict()
+        self.downloads = DownloadCache()  # checksums and deltas of the snapshots, for GET /params
         self._published = asyncio.Event()
         self.install_(params, version, optimizer_state, clip_history)
 
@@ -192,7 +194,7 @@ class SliceState:
     @property
     def retained_versions(self) -> int:
         """Agents may train on any version in the staleness window, plus one in flight."""
-        return self.assignment.staleness + 2
+        return retained_versions(self.assignment.staleness)
 
     # ------------------------------------------------------------ state
 
@@ -230,6 +232,7 @@ class SliceState:
         self.snapshots[snapshot.version] = snapshot
         while len(self.snapshots) > self.retained_versions:
             self.snapshots.popitem(last=False)
+        self.downloads.retain_only_({s.etag for s in self.snapshots.values()})
         self._published.set()  # wakes downloads waiting for this version
         self._published = asyncio.Event()
 

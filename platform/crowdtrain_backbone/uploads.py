@@ -2,7 +2,7 @@
 
 Exchange, per upload, on a ``/upload`` WebSocket that may carry many uploads:
 
-1. text ``UploadBegin`` {ticket, slice_index, codec, num_elements, num_chunks};
+1. text ``UploadBegin`` {ticket, slice_index, codec, num_elements, num_chunks, codec_block_size};
 2. ``num_chunks`` binary frames made by ``protocol.split_payload`` (every
    chunk ``CHUNK_PAYLOAD_BYTES`` long except the last), in order;
 3. one text reply: ``UploadReceipt`` or ``UploadRejected``.
@@ -121,9 +121,13 @@ def decode_gradient(
             slice, which is a necessary condition for the whole gradient's bound.
 
     Raises:
-        Rejected: "not finite" or "norm bound".
+        Rejected: "bad payload" (bytes no encoder writes: an int8 scale that is
+            NaN, infinite or negative), "not finite" or "norm bound".
     """
-    grad = codec.adopt(data, num_elements)  # ``data`` is this upload's own buffer
+    try:
+        grad = codec.adopt(data, num_elements)  # ``data`` is this upload's own buffer
+    except ProtocolError as exc:  # the length was checked on arrival; this is about the bytes themselves
+        raise Rejected("bad payload", f"lease {ticket.lease_id}: {exc}", lease_id=ticket.lease_id) from None
     values = grad.numpy()  # numpy's checks are several times faster than torch's on one thread
     if not np.isfinite(values).all():
         bad = int(values.size - np.count_nonzero(np.isfinite(values)))
@@ -286,7 +290,14 @@ class UploadSession:
                 f"campaign {ticket.campaign_id} takes {wanted} gradients, this upload is "
                 f"{begin.codec}; send it with the lease's codec",
             )
-        codec = get_codec(begin.codec)
+        block_size = state.assignment.codec_block_size
+        if begin.codec == "int8" and begin.codec_block_size != block_size:
+            raise reject(
+                "wrong codec",
+                f"campaign {ticket.campaign_id} takes int8 gradients in blocks of {block_size}, this upload "
+                f"is in blocks of {begin.codec_block_size}; send it with the lease's codec_block_size",
+            )
+        codec = get_codec(begin.codec, block_size)
         if begin.num_elements != state.numel:
             raise reject(
                 "wrong shape",
@@ -294,7 +305,7 @@ class UploadSession:
                 f"{begin.num_elements}; the agent may run an older model definition, upgrade "
                 "crowdtrain-agent",
             )
-        nbytes = state.numel * codec.bytes_per_element
+        nbytes = codec.encoded_size(state.numel)
         expected_chunks = max(1, -(-nbytes // CHUNK_PAYLOAD_BYTES))
         if begin.num_chunks != expected_chunks:
             raise reject(

@@ -19,9 +19,12 @@ then any private engine. Like the rest of the launcher, this module never import
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import logging
 import os
 import secrets
+import socket
 import ssl
 import string
 import subprocess
@@ -59,7 +62,13 @@ OVERRIDABLE = (
 
 
 def render_haproxy_config(
-    *, binds: Sequence[str], servers: Sequence[str], health_host: str, server_options: str = "", resolvers: str = ""
+    *,
+    binds: Sequence[str],
+    servers: Sequence[str],
+    health_host: str,
+    server_options: str = "",
+    resolvers: str = "",
+    stats_socket: Path | None = None,
 ) -> str:
     """deploy/haproxy.cfg.template filled in.
 
@@ -69,6 +78,7 @@ def render_haproxy_config(
         health_host: the Host header of health checks; the site answers only its ALLOWED_HOSTS.
         server_options: appended to ``default-server`` (compose: re-resolve container names).
         resolvers: extra sections (compose: Docker's DNS).
+        stats_socket: where HAProxy answers ``show stat`` (the launcher asks it whether every site is up).
     """
     template = string.Template(HAPROXY_TEMPLATE.read_text())
     return template.substitute(
@@ -77,7 +87,26 @@ def render_haproxy_config(
         health_host=health_host,
         server_options=f" {server_options}" if server_options else "",
         resolvers=f"\n{resolvers.strip()}\n" if resolvers else "",
+        global_options=f"\n    stats socket {stats_socket} mode 600 level user" if stats_socket else "",
     )
+
+
+def balancer_server_states(stats_socket: Path, backend: str = "sites") -> dict[str, str]:
+    """Each server of ``backend`` and its state as HAProxy sees it ("UP", "DOWN", "UP 1/2"...), from ``show stat``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(5.0)
+        conn.connect(str(stats_socket))
+        conn.sendall(b"show stat\n")
+        chunks = []
+        while chunk := conn.recv(65536):
+            chunks.append(chunk)
+    text = b"".join(chunks).decode().removeprefix("# ")
+    rows = csv.DictReader(io.StringIO(text))
+    return {
+        row["svname"]: row["status"]
+        for row in rows
+        if row.get("pxname") == backend and row.get("svname") not in ("FRONTEND", "BACKEND")
+    }
 
 
 def compose_haproxy_config(cert_dir: str = "/usr/local/etc/haproxy/certs/") -> str:
@@ -267,6 +296,7 @@ class Cluster:
         self.site_processes = self.swarm.start_sites(self.sites, timeout_s=timeout_s)
         self.balancer = self._start_balancer()
         self._wait_for_public(timeout_s)
+        self._wait_for_every_site_up(timeout_s)
         worker.wait_for_line(WORKER_READY, timeout_s)
         logger.info("%d site processes behind %s", self.sites, self.url)
         return self.url
@@ -329,6 +359,7 @@ class Cluster:
                 binds=[f"127.0.0.1:{self.port} ssl crt {self.cert} alpn h2,http/1.1"],
                 servers=[f"server {s.child.name} {s.url.removeprefix('http://')}" for s in self.site_processes],
                 health_host="127.0.0.1",
+                stats_socket=self.stats_socket,
             )
         )
         checked = subprocess.run([haproxy, "-c", "-q", "-f", str(config)], capture_output=True, text=True)
@@ -357,6 +388,35 @@ class Cluster:
                 raise LaunchError(
                     f"{self.url}/livez did not answer within {timeout_s:.0f} s ({last}); "
                     f"see {self.swarm.logs}/haproxy.log"
+                )
+            time.sleep(0.2)
+
+    @property
+    def stats_socket(self) -> Path:
+        return self.run_dir / "haproxy.sock"
+
+    def _wait_for_every_site_up(self, timeout_s: float) -> None:
+        """Until the balancer counts every site process as up.
+
+        /livez through the balancer proves one is. A process whose first health checks were slow (a
+        loaded machine, a cold start) is out of the rotation for a few seconds more, and the agents
+        that connect meanwhile would all land on the others and stay there: their WebSockets last
+        for hours.
+        """
+        deadline = time.monotonic() + timeout_s
+        states: dict[str, str] = {}
+        while True:
+            self.swarm.check()
+            try:
+                states = balancer_server_states(self.stats_socket)
+            except OSError as exc:
+                states = {"(stats socket)": str(exc)}
+            if states and all(state.startswith("UP") for state in states.values()):
+                return
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"the balancer did not count every site process as up within {timeout_s:.0f} s: {states}; "
+                    f"see {self.swarm.logs}/haproxy.log and the site logs"
                 )
             time.sleep(0.2)
 

@@ -418,9 +418,10 @@ class Swarm:
         cpus: Sequence[int] | None = None,
         env: Mapping[str, str] | None = None,
         timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
     ) -> str:
         """Start ``python -m crowdtrain_backbone`` on a free loopback port; returns its base URL."""
-        return self.start_aggregators(site, {name: token}, cpus=cpus, env=env, timeout_s=timeout_s)[0]
+        return self.start_aggregators(site, {name: token}, cpus=cpus, env=env, timeout_s=timeout_s, host=host)[0]
 
     def start_aggregators(
         self,
@@ -430,10 +431,13 @@ class Swarm:
         cpus: Sequence[int] | None = None,
         env: Mapping[str, str] | None = None,
         timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
     ) -> list[str]:
         """Start one aggregator per (name, token) at once, then wait for each; returns their base URLs.
 
-        Each checkpoints to ``run_dir/checkpoints/<name>``.
+        Each checkpoints to ``run_dir/checkpoints/<name>``. ``host`` is the address it binds and
+        advertises to agents: the home-link benchmark gives agents an address of their own on loopback
+        (127.0.0.2), so that only their traffic crosses its shaped link.
         """
         children = []
         for name, token in tokens.items():
@@ -446,7 +450,7 @@ class Swarm:
                 "--name",
                 name,
                 "--host",
-                "127.0.0.1",
+                host,
                 "--port",
                 "0",
                 "--checkpoint-dir",

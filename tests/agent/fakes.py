@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
 
 from crowdtrain_agent.codec import get_codec
 from crowdtrain_agent.data import make_tensor_shards, sha256_hex
@@ -36,15 +38,18 @@ from crowdtrain_agent.protocol import (
     LeaseRequest,
     ModelSpec,
     NoLease,
+    OptimizerSpec,
     ReleaseAck,
     SampleRange,
     SliceRoute,
     Ticket,
+    TrainingMode,
     UploadBegin,
     UploadReceipt,
     UploadRejected,
     VersionPublished,
     Welcome,
+    choose_subprotocol,
     decode_chunk,
     decode_message,
     encode_message,
@@ -166,6 +171,10 @@ class FakeSite:
                 await ws.send(encode_message(ReleaseAck(lease_id=message.lease_id)))
 
 
+def _select_subprotocol(_: ServerConnection, offered: Sequence[Subprotocol]) -> Subprotocol | None:
+    return cast("Subprotocol | None", choose_subprotocol(list(offered))[0])
+
+
 @dataclass
 class FakeAggregator:
     """One aggregator: serves parameter slices over HTTP and takes gradient uploads."""
@@ -175,7 +184,9 @@ class FakeAggregator:
     slow_versions: dict[int, float] = field(default_factory=dict)  # version -> seconds before answering
     reject_code: str | None = None
     uploads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (lease, slice) -> gradient
-    param_requests: list[str] = field(default_factory=list)
+    upload_bytes: dict[int, int] = field(default_factory=dict)  # lease -> bytes of the chunk messages received
+    param_requests: list[str] = field(default_factory=list)  # paths, without the query
+    param_queries: list[str] = field(default_factory=list)  # the query of each GET ("from=3"), "" without one
     param_downloads: int = 0  # answers with a body (a 304 to a revalidation is not one)
     param_auth: list[str | None] = field(default_factory=list)  # the Authorization header of each GET
     connections: int = 0
@@ -189,7 +200,10 @@ class FakeAggregator:
         return f"http://127.0.0.1:{_port(self.server)}/params/{slice_index}/"  # type: ignore[arg-type]
 
     async def start(self) -> None:
-        self.server = await serve(self._handle, "127.0.0.1", 0, process_request=self._http)
+        # Speaks this code's minor, as a real aggregator does (its upload headers carry 2.3's codec_block_size).
+        self.server = await serve(
+            self._handle, "127.0.0.1", 0, process_request=self._http, select_subprotocol=_select_subprotocol
+        )
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -199,9 +213,12 @@ class FakeAggregator:
     async def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         if request.path == "/upload":
             return None
-        self.param_requests.append(request.path)
+        # Like an aggregator older than deltas: a query (``?from=``) is ignored, the answer is fp32.
+        path, _, query = request.path.partition("?")
+        self.param_requests.append(path)
+        self.param_queries.append(query)
         self.param_auth.append(request.headers.get("Authorization"))
-        _, _, slice_index, version = request.path.split("/")
+        _, _, slice_index, version = path.split("/")
         await asyncio.sleep(self.slow_versions.get(int(version), 0.0))
         if self.missing_first > 0:
             self.missing_first -= 1
@@ -223,6 +240,7 @@ class FakeAggregator:
             begin = decode_message(raw, allowed=[UploadBegin])
             ticket = verify_ticket(begin.ticket, TICKET_KEY)
             chunks = [await ws.recv() for _ in range(begin.num_chunks)]
+            self.upload_bytes[ticket.lease_id] = self.upload_bytes.get(ticket.lease_id, 0) + sum(map(len, chunks))
             payload = b"".join(bytes(decode_chunk(chunk)[1]) for chunk in chunks)
             if self.reject_code is not None:
                 rejected = UploadRejected(
@@ -230,7 +248,7 @@ class FakeAggregator:
                 )
                 await ws.send(encode_message(rejected))
                 continue
-            grad = get_codec(begin.codec).decode(payload, begin.num_elements)
+            grad = get_codec(begin.codec, begin.codec_block_size).decode(payload, begin.num_elements)
             self.uploads[(ticket.lease_id, begin.slice_index)] = grad
             token = sign_receipt(
                 TICKET_KEY, campaign_id=ticket.campaign_id, lease_id=ticket.lease_id,
@@ -268,6 +286,9 @@ class World:
         version: int = 0,
         microbatch: int = 4,
         codec: CodecName = "fp32",
+        codec_block_size: int = 256,
+        mode: TrainingMode = "sync",
+        inner: OptimizerSpec | None = None,
     ) -> Lease:
         sample_ranges = [SampleRange(shard=self.sha, start=s, count=c) for s, c in ranges]
         num = sum(c for _, c in ranges)
@@ -279,7 +300,8 @@ class World:
             lease_id=lease_id, campaign_id=7, base_version=version, ranges=sample_ranges, num_samples=num,
             microbatch_size=microbatch, deadline_s=60.0, ticket=sign_ticket(ticket, TICKET_KEY), codec=codec,
             model=ModelSpec(architecture="mlp", config=MLP_CONFIG), data=DataSpec(kind="tensors"),
-            param_count=self.params.numel(), slices=self.routes(),
+            param_count=self.params.numel(), slices=self.routes(), codec_block_size=codec_block_size,
+            mode=mode, inner=inner,
         )  # fmt: skip
 
     def samples(self, ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from msgspec.structs import replace
 
-from crowdtrain_agent.fetch import FetchError, fetch_params, fetch_slice
+from crowdtrain_agent.fetch import FetchError, HeldParams, fetch_params, fetch_slice
 
 from .fakes import World
 
@@ -50,3 +50,17 @@ async def test_the_leases_ticket_goes_with_every_slice_request(world: World) -> 
     await asyncio.to_thread(fetch_params, world.routes(), 0, world.params.numel(), ticket="ticket-of-lease-7")
 
     assert [a.param_auth for a in world.aggregators] == [["Bearer ticket-of-lease-7"]] * 2
+
+
+async def test_an_aggregator_older_than_deltas_answers_fp32_and_the_agent_takes_it(world: World) -> None:
+    held = HeldParams()
+    await asyncio.to_thread(fetch_params, world.routes(), 0, world.params.numel(), held=held, campaign_id=7)
+    newer = (world.params * 1.01).numpy().astype("<f4")
+    world.aggregators[0].params[(0, 1)] = newer[: world.split].tobytes()
+    world.aggregators[1].params[(1, 1)] = newer[world.split :].tobytes()
+
+    flat = await asyncio.to_thread(fetch_params, world.routes(), 1, world.params.numel(), held=held, campaign_id=7)
+
+    assert flat.numpy().tobytes() == newer.tobytes()
+    assert [a.param_requests[-1] for a in world.aggregators] == ["/params/0/1", "/params/1/1"]
+    assert [a.param_queries[-1] for a in world.aggregators] == ["from=0", "from=0"]

@@ -75,6 +75,23 @@ async def test_fp16_leases_upload_half_precision_gradients(world: World, config:
     torch.testing.assert_close(uploaded, expected.half().float())
 
 
+async def test_int8_leases_feed_each_uploads_rounding_error_into_the_next(world: World, config: AgentConfig) -> None:
+    world.site.replies = [world.lease(1, LEASE_1, codec="int8", codec_block_size=32),
+                          world.lease(2, LEASE_2, codec="int8", codec_block_size=32)]  # fmt: skip
+
+    await Agent(config, backoff=FAST_BACKOFF, benchmark_s=0.01).run()
+
+    def uploaded(lease_id: int) -> torch.Tensor:
+        return torch.cat([world.aggregators[0].uploads[(lease_id, 0)], world.aggregators[1].uploads[(lease_id, 1)]])
+
+    first, second = uploaded(1), uploaded(2)
+    true_1, true_2 = world.expected_gradient(LEASE_1), world.expected_gradient(LEASE_2)
+    # The two uploads telescope: together they miss the true sum by the second's residual alone.
+    carried = true_2 + (true_1 - first)
+    assert (first + second - true_1 - true_2).abs().max() <= carried.abs().max() / 254 * 1.01
+    assert (second - true_2).abs().max() > carried.abs().max() / 254  # the first's residual went into it
+
+
 async def test_each_accepted_done_gets_a_receipt_with_its_flops_and_credit(
     world: World, config: AgentConfig, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -18,7 +18,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from crowdtrain_agent.backoff import Backoff
-from crowdtrain_agent.codec import get_codec
+from crowdtrain_agent.codec import CODECS, get_codec
 from crowdtrain_agent.protocol import (
     BackboneHello,
     BackboneWelcome,
@@ -207,9 +207,19 @@ class Agent:
         self.ws = ws
 
     async def upload(
-        self, ticket_text: str, grad: torch.Tensor, *, slice_index: int = 0, codec: str = "fp32", **header: Any
+        self,
+        ticket_text: str,
+        grad: torch.Tensor,
+        *,
+        slice_index: int = 0,
+        codec: str = "fp32",
+        payload: bytes | None = None,
+        **header: Any,
     ) -> UploadReceipt | UploadRejected:
-        payload = get_codec(codec if codec in ("fp32", "fp16") else "fp32").encode(grad)
+        """Upload ``grad`` in ``codec`` (an unknown codec sends fp32 bytes), or ``payload`` as it is."""
+        block_size = header.get("codec_block_size", 256)
+        if payload is None:
+            payload = get_codec(codec if codec in CODECS else "fp32", block_size).encode(grad)
         chunks = split_payload(payload)
         begin = UploadBegin(ticket=ticket_text, slice_index=slice_index, codec=codec,  # type: ignore[arg-type]
                             num_elements=grad.numel(), num_chunks=len(chunks))  # fmt: skip

@@ -83,6 +83,19 @@ def test_sgd_momentum_slices_with_warmup_and_cosine_match_the_full_model() -> No
     torch.testing.assert_close(got, _reference(full, model, spec), rtol=0, atol=1e-7)
 
 
+def test_nesterov_sgd_slices_match_the_full_model_and_differ_from_heavy_ball() -> None:
+    # DiLoCo's outer optimizer; without weight decay, as local campaigns use it.
+    spec = OptimizerSpec(name="sgd", lr=0.7, momentum=0.9, nesterov=True, **SCHEDULE)
+    model = get_model("mlp").build(MLP.config, seed=1234)
+    full = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9, nesterov=True, foreach=False)
+
+    got = _train(_slices(spec, [SLICE0, SLICE1]))
+    heavy_ball = _train(_slices(OptimizerSpec(name="sgd", lr=0.7, momentum=0.9, **SCHEDULE), [SLICE0, SLICE1]))
+
+    torch.testing.assert_close(got, _reference(full, model, spec), rtol=0, atol=1e-6)
+    assert not torch.allclose(got, heavy_ball, rtol=0, atol=1e-6)
+
+
 def test_lamb_slices_compute_the_trust_ratio_of_each_whole_tensor() -> None:
     spec = OptimizerSpec(name="lamb", lr=5e-2, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.01, **SCHEDULE)
     model = get_model("mlp").build(MLP.config, seed=1234)

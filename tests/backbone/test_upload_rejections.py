@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import json
+import struct
 
 import pytest
 import torch
 from websockets.exceptions import ConnectionClosed
 
+from crowdtrain_agent.codec import get_codec
 from crowdtrain_agent.protocol import (
     MAX_WS_MESSAGE_BYTES,
     SliceReady,
     UploadBegin,
+    UploadReceipt,
     UploadRejected,
     encode_chunk,
     encode_message,
 )
 from crowdtrain_backbone.server import BackboneServer
 
-from .conftest import KEY, SLICE0, Agent, FakeSite, agent_connection, gradient, take_step, ticket
+from .conftest import KEY, SLICE0, Agent, FakeSite, agent_connection, assignment, gradient, take_step, ticket
 
 NUMEL = SLICE0[1] - SLICE0[0]
 
@@ -134,9 +137,9 @@ async def test_it_rejects_a_wrong_number_of_elements(held: SliceReady, agent: Ag
 
 
 async def test_it_rejects_an_unknown_codec(held: SliceReady, agent: Agent, backbone: BackboneServer) -> None:
-    reply = await agent.upload(ticket(1), gradient(NUMEL, 1), codec="int8")
+    reply = await agent.upload(ticket(1), gradient(NUMEL, 1), codec="int4")
 
-    await _assert_rejected_then_usable(agent, backbone, reply, "unknown codec", "int8")
+    await _assert_rejected_then_usable(agent, backbone, reply, "unknown codec", "int4")
 
 
 @pytest.mark.parametrize(("value", "codec"), [(float("nan"), "fp32"), (float("inf"), "fp32"), (1e6, "fp16")])
@@ -158,6 +161,72 @@ async def test_it_accepts_fp16_uploads(held: SliceReady, agent: Agent, backbone:
     await agent.upload(ticket(1), grad, codec="fp16")
 
     torch.testing.assert_close(backbone.node.get_slice(1, 0).pending[1].grad, grad.half().float(), rtol=0, atol=0)
+
+
+async def test_it_accepts_int8_uploads(site: FakeSite, agent: Agent, backbone: BackboneServer) -> None:
+    await site.assign(assignment(codec="int8", codec_block_size=32))
+    grad = gradient(NUMEL, 1)  # 40 elements: a block of 32 and one of 8
+
+    reply = await agent.upload(ticket(1), grad, codec="int8", codec_block_size=32)
+
+    assert isinstance(reply, UploadReceipt), reply
+    pending = backbone.node.get_slice(1, 0).pending[1].grad
+    torch.testing.assert_close(pending, get_codec("int8", 32).decode(get_codec("int8", 32).encode(grad), NUMEL))
+    assert (pending - grad).abs().max() <= grad.abs().max() / 254 * (1 + 1e-6)
+    assert backbone.node.metrics.ingest_bytes._value.get() == NUMEL + 2 * 4  # a byte per value, a scale per block
+
+
+def _int8_payload(scale: float | None = None, *, value: int | None = None, cut: int = 0) -> bytes:
+    payload = bytearray(get_codec("int8", 32).encode(gradient(NUMEL, 1)))
+    if scale is not None:
+        payload[4:8] = struct.pack("<f", scale)  # the second block's
+    if value is not None:
+        payload[-1] = value
+    return bytes(payload[: len(payload) - cut])
+
+
+@pytest.mark.parametrize(
+    ("payload", "code", "text"),
+    [
+        (_int8_payload(float("nan")), "bad payload", "the scale of block 1 is nan"),
+        (_int8_payload(float("inf")), "bad payload", "the scale of block 1 is inf"),
+        (_int8_payload(-0.5), "bad payload", "the scale of block 1 is -0.5"),
+        (_int8_payload(value=0x80), "bad payload", "a value is -128"),
+        (_int8_payload(3e38), "not finite", "NaN or infinite"),  # 127 * 3e38 overflows float32
+        (_int8_payload(cut=1), "wrong chunk size", "carries 47 bytes, expected 48"),
+    ],
+    ids=["nan scale", "inf scale", "negative scale", "-128", "overflow", "truncated"],
+)
+async def test_it_rejects_int8_bytes_no_encoder_writes(
+    site: FakeSite, agent: Agent, backbone: BackboneServer, payload: bytes, code: str, text: str
+) -> None:
+    await site.assign(assignment(codec="int8", codec_block_size=32))
+
+    reply = await agent.upload(ticket(1), gradient(NUMEL, 1), codec="int8", codec_block_size=32, payload=payload)
+
+    await _assert_rejected_then_usable_int8(agent, backbone, reply, code, text)
+    assert backbone.node.budget.used == NUMEL * 4  # only the good upload's reservation is held
+
+
+async def test_it_rejects_int8_in_other_blocks_than_the_campaigns(
+    site: FakeSite, agent: Agent, backbone: BackboneServer
+) -> None:
+    await site.assign(assignment(codec="int8", codec_block_size=32))
+
+    reply = await agent.upload(ticket(1), gradient(NUMEL, 1), codec="int8", codec_block_size=64)
+
+    await _assert_rejected_then_usable_int8(agent, backbone, reply, "wrong codec", "in blocks of 32")
+
+
+async def _assert_rejected_then_usable_int8(
+    agent: Agent, backbone: BackboneServer, reply: object, code: str, text: str
+) -> None:
+    assert isinstance(reply, UploadRejected), reply
+    assert (reply.code, reply.lease_id) == (code, 1), reply
+    assert text in reply.detail, reply.detail
+    good = await agent.upload(ticket(500), gradient(NUMEL, 500), codec="int8", codec_block_size=32)
+    assert isinstance(good, UploadReceipt), good
+    assert set(backbone.node.get_slice(1, 0).pending) == {500}
 
 
 async def test_it_rejects_a_forged_ticket(held: SliceReady, agent: Agent, backbone: BackboneServer) -> None:

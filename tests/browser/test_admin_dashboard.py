@@ -12,67 +12,33 @@ reload happened). Then the aggregator is killed (SIGKILL, no goodbye), and the
 
 from __future__ import annotations
 
-import io
 import signal
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 from django.conf import settings
-from django.core.management import call_command
-from django.db import connection
-from django.test import override_settings
 from playwright.sync_api import Page, expect
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.campaigns import lifecycle
-from crowdtrain.campaigns.setup import create_campaign
-from crowdtrain.campaigns.sharding import create_text_dataset, stdlib_corpus
-from crowdtrain_launcher import REPO_ROOT, Site, Swarm
+from crowdtrain_launcher import REPO_ROOT
 from tests.browser.live_site import LiveSite, Shot, log_in
+from tests.browser.live_training import running_tiny_gpt, training_swarm
 from tests.factories import make_admin, make_organizer, make_volunteer
 
 pytestmark = pytest.mark.timeout(240)
 
 CHARTS_BUNDLE = REPO_ROOT / "frontend" / "static" / "build" / "charts.js"
-SAMPLE_LEN = 17  # block_size + 1
 TRAINING_MS = 90_000  # a generous bound: the first step usually comes some 5 s after the agents start
 # The site calls an aggregator gone after CROWDTRAIN_GONE_AFTER_S without a heartbeat (a killed one's
 # socket usually closes at once); the page hears of it at the next push.
 SILENT_MS = int((settings.CROWDTRAIN_GONE_AFTER_S + 3 * settings.CROWDTRAIN_DASHBOARD_PUSH_S + 10) * 1000)
 
 
-def backbone_token(name: str) -> str:
-    out = io.StringIO()
-    call_command("create_backbone_token", "--name", name, stdout=out)
-    return out.getvalue().strip()
-
-
-def start(campaign_id: int, organizer: Any) -> None:
-    try:
-        lifecycle.apply_move(campaign_id, "start", organizer)
-    finally:
-        connection.close()  # this thread's own connection would keep the test database from being dropped
-
-
 def test_the_dashboard_moves_while_agents_train_and_flags_a_killed_aggregator(
     page: Page, shot: Shot, live_site: LiveSite, tmp_path: Path
 ) -> None:
     assert CHARTS_BUNDLE.is_file(), f"{CHARTS_BUNDLE} is missing: build it with `make charts` (npm ci, npm run build)"
-    organizer = make_organizer("olga")
-    # The shards go where the site process reads them (its media folder, beside its log folder).
-    with override_settings(MEDIA_ROOT=str(live_site.log_path.parent.parent / "media")):
-        dataset = create_text_dataset("stdlib", stdlib_corpus(20 << 10), SAMPLE_LEN, shard_bytes=4096)
-    campaign = create_campaign(
-        name="watched GPT", owner=organizer, dataset=dataset, architecture="gpt",
-        model_config={"n_layer": 1, "n_head": 1, "n_embd": 16, "block_size": 16},
-        target_batch_size=32, microbatch_size=16, max_steps=100_000,
-    )  # fmt: skip
-    # Starting wakes agents through the channel layer (async_to_sync), which refuses the thread that
-    # runs Playwright's event loop: start it from another thread.
-    with ThreadPoolExecutor(1) as pool:
-        pool.submit(start, campaign.pk, organizer).result()
+    campaign = running_tiny_gpt(live_site, make_organizer("olga"))
     agent_tokens = [Device.issue(make_volunteer(name), f"{name}-laptop")[1] for name in ("vera", "victor")]
     make_admin("ada")
     log_in(page, "ada@example.org")
@@ -90,12 +56,7 @@ def test_the_dashboard_moves_while_agents_train_and_flags_a_killed_aggregator(
     shot(page, "no data yet")
     page.evaluate("window.__sameDashboardPage = true")  # gone if the page reloads
 
-    site = Site(live_site.url, live_site.swarm.children[0])
-    with Swarm(tmp_path / "swarm") as swarm:
-        swarm.start_aggregator(site, token=backbone_token("agg-1"), name="agg-1")
-        for token in agent_tokens:
-            swarm.start_agent(site, token=token, threads=1, campaign_id=campaign.pk)
-
+    with training_swarm(live_site, tmp_path / "swarm", campaign.pk, agent_tokens) as swarm:
         # Training: the step counter and the loss chart move, on the same page.
         steps = page.get_by_test_id(f"steps-{campaign.pk}")
         expect(steps).not_to_have_text("0", timeout=TRAINING_MS)

@@ -35,7 +35,7 @@ def test_an_organizer_creates_a_campaign_and_moves_it_through_its_life(page: Pag
     page.get_by_label("Dataset").select_option(label="tiny bytes (text, 100 samples, 9-byte samples)")
     for name, value in {"n_layer": "1", "n_head": "1", "n_embd": "8", "block_size": "8"}.items():
         gpt.get_by_label(name).fill(value)
-    page.get_by_label("Learning rate").fill("0")
+    page.get_by_label("Learning rate:", exact=True).fill("0")
     page.get_by_label("Target batch size").fill("8")
     page.get_by_label("Microbatch size").fill("4")
     page.get_by_label("Max steps").fill("3")
@@ -44,7 +44,7 @@ def test_an_organizer_creates_a_campaign_and_moves_it_through_its_life(page: Pag
     shot(page, "inline error")
     assert not Campaign.objects.exists()
 
-    page.get_by_label("Learning rate").fill("0.003")
+    page.get_by_label("Learning rate:", exact=True).fill("0.003")
     page.get_by_role("button", name="Create campaign").click()
     expect(page.get_by_test_id("state")).to_have_text("draft")
     shot(page, "draft")
@@ -52,7 +52,9 @@ def test_an_organizer_creates_a_campaign_and_moves_it_through_its_life(page: Pag
 
     page.get_by_test_id("action-start").click()
     expect(page.get_by_test_id("state")).to_have_text("running")
-    expect(page.get_by_test_id("waiting")).to_be_visible()  # no aggregator in this test
+    # no aggregator in this test: the page says so instead of a bare RUNNING
+    expect(page.get_by_test_id("condition")).to_have_attribute("data-code", "waiting_for_aggregators")
+    expect(page.get_by_test_id("condition")).to_contain_text("Waiting for aggregators: 0 of 1 slice ready")
 
     # Progress arrives through the feed: the page redraws the chart without a reload.
     for index, loss in enumerate([5.0, 4.0]):
@@ -62,8 +64,10 @@ def test_an_organizer_creates_a_campaign_and_moves_it_through_its_life(page: Pag
     expect(page.locator('[data-stat="committed_steps"]')).to_have_text("2", timeout=15_000)
     expect(page.locator('[data-stat="train_loss"]')).to_have_text("4.000")
     expect(page.locator('[data-stat="val_loss"]')).to_have_text("4.250")
-    expect(page.locator("#loss-chart polyline")).to_have_count(1)
-    expect(page.locator("#loss-chart circle.val-point")).to_have_count(1)
+    # Both curves on the step axis (steps 1 and 2, the validation point at 2) and on the time axis.
+    expect(page.get_by_test_id("chart-loss-step")).to_have_attribute("data-points", "2")
+    expect(page.get_by_test_id("chart-loss-time")).not_to_have_attribute("data-points", "0")
+    expect(page.get_by_test_id("chart-loss-step").get_by_test_id("chart-empty")).to_be_hidden()
     shot(page, "running")
 
     page.get_by_role("link", name="Edit").click()
@@ -75,7 +79,13 @@ def test_an_organizer_creates_a_campaign_and_moves_it_through_its_life(page: Pag
 
     for action, state in [("pause", "paused"), ("resume", "running"), ("finish", "finished"), ("archive", "archived")]:
         page.get_by_test_id(f"action-{action}").click()
+        if action in ("finish", "archive"):  # neither can be undone: a page asks first
+            expect(page.get_by_test_id("confirm-move")).to_contain_text("This cannot be undone.")
+            page.get_by_test_id(f"confirm-{action}").click()
         expect(page.get_by_test_id("state")).to_have_text(state)
+        if state == "finished":  # no live rate for a model that no longer trains
+            expect(page.get_by_text("Samples/s now")).to_have_count(0)
+            expect(page.get_by_text("Average samples/s")).to_be_visible()
     shot(page, "archived")
     campaign.refresh_from_db()
     assert campaign.state == Campaign.State.ARCHIVED and campaign.max_steps == 5

@@ -16,7 +16,6 @@ Olga's click, not the stop rule's.
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import time
@@ -24,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from django.core.management import call_command
 from playwright.sync_api import Page, expect
 from torch.nn import functional as F
 
@@ -33,8 +31,9 @@ from crowdtrain.campaigns.models import Campaign, Dataset, ValidationResult
 from crowdtrain.campaigns.sharding import stdlib_corpus
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.models import load_exported
-from crowdtrain_launcher import Site, Swarm
+from crowdtrain_launcher import Swarm
 from tests.browser.live_site import LiveSite, Shot, log_in
+from tests.browser.live_training import training_swarm
 from tests.factories import make_organizer, make_volunteer
 
 pytestmark = pytest.mark.timeout(180)
@@ -45,13 +44,6 @@ SAMPLE_LEN = 17  # block_size + 1: the input bytes and the next byte of the last
 VALIDATE_EVERY = 10  # Campaign.validate_every's default; the form does not set it
 MAX_STEPS = 100_000
 TRAINING_MS = 60_000  # a generous bound: the first step usually comes some 5 s after the agents start
-
-
-def backbone_token(name: str) -> str:
-    """What an operator runs to register an aggregator: ``manage.py create_backbone_token --name NAME``."""
-    out = io.StringIO()
-    call_command("create_backbone_token", "--name", name, stdout=out)
-    return out.getvalue().strip()
 
 
 def wait_until_drained(campaign: Campaign, timeout_s: float = 30.0) -> int:
@@ -133,7 +125,7 @@ def test_an_organizer_trains_a_tiny_gpt_with_real_agents_and_downloads_it(
     for name, value in MODEL.items():
         gpt.get_by_label(name).fill(value)
     page.locator("select[name=optimizer]").select_option("adamw")
-    page.get_by_label("Learning rate").fill("0.01")
+    page.get_by_label("Learning rate:", exact=True).fill("0.01")
     page.get_by_label("Warmup steps").fill("1")
     page.get_by_label("Schedule:", exact=True).select_option("cosine")
     page.get_by_label("Minimum LR ratio").fill("0.1")
@@ -150,21 +142,29 @@ def test_an_organizer_trains_a_tiny_gpt_with_real_agents_and_downloads_it(
 
     page.get_by_test_id("action-start").click()
     expect(page.get_by_test_id("state")).to_have_text("running")
-    expect(page.get_by_test_id("waiting")).to_be_visible()
+    condition = page.get_by_test_id("condition")
+    expect(condition).to_have_attribute("data-code", "waiting_for_aggregators")
 
-    site = Site(live_site.url, live_site.swarm.children[0])
-    with Swarm(tmp_path / "swarm") as swarm:  # leaving the block stops the agents, then the aggregator
-        swarm.start_aggregator(site, token=backbone_token("agg-1"), name="agg-1")
-        for token in agent_tokens:
-            swarm.start_agent(site, token=token, threads=1, campaign_id=campaign.pk)
-
+    with training_swarm(live_site, tmp_path / "swarm", campaign.pk, agent_tokens) as swarm:
         # Steps advance on the page, and the held-out loss of version 10 shows up while it trains.
         steps = page.locator('[data-stat="committed_steps"]')
         expect(steps).not_to_have_text("0", timeout=TRAINING_MS)
-        expect(page.get_by_test_id("waiting")).to_be_hidden()  # drawn at load, gone with the first step
+        expect(condition).to_have_attribute("data-code", "training")  # live, without a reload
         expect(page.locator('[data-stat="val_loss"]')).to_have_text(re.compile(r"^\d+\.\d{3}$"), timeout=TRAINING_MS)
-        expect(page.locator('[data-stat="contributors"]')).to_have_text("2")
-        expect(page.locator("#loss-chart circle.val-point").first).to_be_visible()
+        expect(page.locator('[data-stat="contributors"]')).to_have_text("2", timeout=TRAINING_MS)
+        expect(page.get_by_test_id("chart-loss-step")).not_to_have_attribute("data-points", "0")
+        expect(page.get_by_test_id("chart-throughput")).not_to_have_attribute("data-points", "0")
+        expect(page.get_by_test_id("contributors").locator("tbody tr")).to_have_count(2)
+        # The coverage map: squares for the epoch's shards, some with committed work, and the numbers on select.
+        # A square's colour (data-state) is its largest share, and two agents run through this small dataset's
+        # epoch in seconds, so done work need not be any square's largest share when the map polls (CI caught
+        # that); the label lists every state the square has samples in.
+        done_square = page.locator(
+            '#coverage-map button:is([aria-label*=" done"], [aria-label*=" verified"])'
+        ).first
+        expect(done_square).to_be_visible(timeout=TRAINING_MS)
+        done_square.click()
+        expect(page.locator("[data-coverage-details]")).to_contain_text(re.compile(r"\d done|\d verified"))
         # validated weights become downloadable on the open page, without a reload (the newest ones:
         # older versions' weights are pruned as training runs on, so version 10's may be gone already)
         expect(page.locator('[data-testid^="export-weights-"]').first).to_be_visible(timeout=TRAINING_MS)
@@ -186,6 +186,7 @@ def test_an_organizer_trains_a_tiny_gpt_with_real_agents_and_downloads_it(
         shot(page, "resumed")
 
         page.get_by_test_id("action-finish").click()
+        page.get_by_test_id("confirm-finish").click()  # it cannot be undone: the site asks first
         expect(page.get_by_test_id("state")).to_have_text("finished")
         final = wait_for_final_export(campaign, swarm)
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -53,6 +54,11 @@ def spec(npz: Path) -> dict[str, Any]:
         "aggregators": ["agg-1", "agg-2"],
         "agents": ["agent-1", "agent-2"],
     }  # fmt: skip
+
+
+class Trained(NamedTuple):
+    dump: dict[str, Any]
+    params: torch.Tensor  # the platform's flat parameters at the last step trained
 
 
 def rerun_in_pytorch(dump: dict[str, Any], steps: int = STEPS) -> tuple[torch.Tensor, list[float]]:
@@ -110,15 +116,19 @@ def platform_params(dump: dict[str, Any], version: int, key: bytes | None = None
     return torch.cat(parts)
 
 
-def test_two_aggregators_reach_the_parameters_of_plain_pytorch(seeded_run: Any, tmp_path: Path) -> None:
+def trained(seeded_run: Any, tmp_path: Path, make_spec: Callable[[Path], dict[str, Any]], steps: int) -> Trained:
+    """Seed a run of ``make_spec``'s campaign on the projection dataset, train ``steps`` steps: its dump and params."""
     npz = tmp_path / "projection.npz"
     write_dataset(npz)
-    run = seeded_run(spec(npz), SITE_ENV)
-
+    run = seeded_run(make_spec(npz), SITE_ENV)
     run.start(agents_first=True)
-    run.wait_for_version(STEPS, timeout_s=90)
+    run.wait_for_version(steps, timeout_s=90)
     dump = run.dump()
-    platform = platform_params(dump, STEPS)
+    return Trained(dump, platform_params(dump, steps))
+
+
+def test_two_aggregators_reach_the_parameters_of_plain_pytorch(seeded_run: Any, tmp_path: Path) -> None:
+    dump, platform = trained(seeded_run, tmp_path, spec, STEPS)
     reference, reference_losses = rerun_in_pytorch(dump)
 
     assert len(dump["slices"]) == 2 and dump["slices"][0]["params_url"] != dump["slices"][1]["params_url"]

@@ -245,3 +245,31 @@ def test_every_message_class_is_exported_by_the_protocol_package() -> None:
     for cls in MESSAGE_TYPES.values():
         assert cls.__name__ in messages.__all__
         assert getattr(package, cls.__name__) is cls
+
+
+def test_the_int8_codec_and_its_block_size_came_with_minor_3() -> None:
+    message = _assignment(codec="int8", codec_block_size=128)
+
+    for_2 = json.loads(encode_message(message, minor=2))
+    for_3 = json.loads(encode_message(message, minor=3))
+
+    assert SliceAssignment.since["codec_block_size"] == 3 and PROTOCOL_MINOR >= 3
+    assert "codec_block_size" not in for_2
+    assert (for_3["codec"], for_3["codec_block_size"]) == ("int8", 128)
+    assert decode_message(encode_message(message)) == message
+
+
+def test_an_int8_campaign_is_never_sent_to_a_peer_that_cannot_read_the_codec() -> None:
+    int8 = _assignment(codec="int8")
+    fp16 = _assignment(codec="fp16", codec_block_size=64)  # a block size means nothing without int8
+
+    assert lost_in(int8, 2) == ["codec=int8"] and lost_in(int8, 3) == []
+    assert lost_in(fp16, 0) == lost_in(fp16, 2) == []
+
+
+@pytest.mark.parametrize("size", [31, 65537])
+def test_a_block_size_out_of_bounds_is_refused_by_the_decoder(size: int) -> None:
+    text = json.dumps({**json.loads(encode_message(_assignment(codec="int8"))), "codec_block_size": size})
+
+    with pytest.raises(ProtocolError, match="codec_block_size"):
+        decode_message(text)

@@ -106,9 +106,15 @@ def test_a_protocol_with_extra_carries_every_hyperparameter(
 
 
 def test_the_aggregator_reads_hyperparameters_from_their_fields() -> None:
-    spec = OptimizerSpec(name="sgd", lr=0.2, momentum=0.5, weight_decay=0.1)
+    spec = OptimizerSpec(name="sgd", lr=0.2, momentum=0.5, nesterov=True, weight_decay=0.1)
 
-    assert hyperparameters_of(spec) == {"lr": 0.2, "momentum": 0.5, "weight_decay": 0.1, "decay_all": False}
+    assert hyperparameters_of(spec) == {
+        "lr": 0.2,
+        "momentum": 0.5,
+        "nesterov": True,
+        "weight_decay": 0.1,
+        "decay_all": False,
+    }
 
 
 def test_the_aggregator_refuses_an_unknown_optimizer_rather_than_running_sgd() -> None:

@@ -17,6 +17,7 @@ the trust model, which the second pass's engines do not change.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,11 @@ def test_a_hostile_volunteer_is_quarantined_uncredited_and_harmless(
         assert not hostile_leases, "a NaN gradient must never reach a step"
         return
     assert standing.get("state") == "quarantined", standing
-    assert standing["reason"].startswith("2 of 2 "), f"quarantined at its second failed check: {standing['reason']}"
+    # Quarantined once it crossed the line (2 failed checks), every one of its checked results disagreeing. The
+    # count is read when the rule runs: a check settled by another process meanwhile can make it "3 of 3".
+    counted = re.match(r"^(\d+) of (\d+) of its results disagreed", standing["reason"])
+    assert counted and counted[1] == counted[2], f"every checked result disagreed: {standing['reason']}"
+    assert int(counted[1]) >= 2, f"quarantined only past its second failed check: {standing['reason']}"
     assert not [a for a in decided if a[2] == "agreed"], "a hostile answer never agrees with honest ones"
 
 

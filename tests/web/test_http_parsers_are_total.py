@@ -10,11 +10,10 @@ import json
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.test import Client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.factories import make_organizer
+from tests.factories import logged_in, make_organizer
 from tests.protocol.strategies import ANY_JSON
 
 pytestmark = pytest.mark.django_db
@@ -51,8 +50,7 @@ BODIES = st.one_of(
     ],
 )
 def test_a_lone_surrogate_is_a_named_400(path: str, body: dict[str, object], problem: str) -> None:
-    client = Client()
-    client.force_login(make_organizer("org"))
+    client = logged_in(make_organizer("org"))
 
     response = client.post(path, json.dumps(body), content_type="application/json")
 
@@ -65,8 +63,9 @@ def test_a_lone_surrogate_is_a_named_400(path: str, body: dict[str, object], pro
 )
 @given(body=BODIES, path=st.sampled_from(["/api/device/code", "/api/device/token", "/datasets/uploads"]))
 def test_any_json_body_is_answered_without_a_server_error(body: object, path: str) -> None:
-    client = Client(raise_request_exception=False)
-    client.force_login(get_user_model().objects.filter(username="fuzz").first() or make_organizer("fuzz"))
+    # Hypothesis runs every example in the test's one transaction: the first example makes the user.
+    fuzzer = get_user_model().objects.filter(username="fuzz").first() or make_organizer("fuzz")
+    client = logged_in(fuzzer, raise_request_exception=False)
 
     response = client.post(path, json.dumps(body), content_type="application/json")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -12,13 +13,24 @@ import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .data import sha256_hex
+from .deltas import (
+    CHECKSUM_HEADER,
+    DELTA_FROM_HEADER,
+    ENCODING,
+    ENCODING_HEADER,
+    DeltaError,
+    decode_delta_into,
+    max_delta_size,
+)
+from .netmeter import METER
 from .protocol import SliceRoute
 
 logger = logging.getLogger(__name__)
@@ -48,9 +60,11 @@ def http_get(url: str, *, token: str | None = None, timeout: float = HTTP_TIMEOU
     """
     with _open(url, token=token, timeout=timeout) as response:
         try:
-            return response.read()
+            body: bytes = response.read()
         except OSError as exc:
             raise FetchError(f"cannot download {url}: {exc}") from None
+    METER.received(len(body))
+    return body
 
 
 def http_get_into(url: str, out: memoryview, *, token: str | None = None, timeout: float = HTTP_TIMEOUT_S) -> str:
@@ -64,19 +78,35 @@ def http_get_into(url: str, out: memoryview, *, token: str | None = None, timeou
         FetchError: if the server cannot be reached or the body is not ``len(out)`` bytes.
     """
     with _open(url, token=token, timeout=timeout) as response:
-        announced = response.headers.get("Content-Length")
-        if announced is None or not announced.isdigit() or int(announced) != len(out):
-            raise FetchError(f"{url} sends {announced or 'an unknown number of'} bytes, expected {len(out)}")
-        filled = 0
-        try:
-            while filled < len(out):
-                count = response.readinto(out[filled:])
-                if not count:
-                    raise FetchError(f"{url}: the connection closed after {filled} of {len(out)} bytes")
-                filled += count
-        except OSError as exc:
-            raise FetchError(f"cannot download {url}: {exc}") from None
+        _read_exactly_into(response, url, out)
         return str(response.headers.get("ETag") or "")
+
+
+def _read_exactly_into(response: Any, url: str, out: memoryview) -> None:
+    """Fill ``out`` with the body, which must announce and have exactly ``len(out)`` bytes; counted as received."""
+    announced = response.headers.get("Content-Length")
+    if announced is None or not announced.isdigit() or int(announced) != len(out):
+        raise FetchError(f"{url} sends {announced or 'an unknown number of'} bytes, expected {len(out)}")
+    filled = 0
+    try:
+        while filled < len(out):
+            count = response.readinto(out[filled:])
+            if not count:
+                raise FetchError(f"{url}: the connection closed after {filled} of {len(out)} bytes")
+            filled += count
+            METER.received(count)
+    except OSError as exc:
+        raise FetchError(f"cannot download {url}: {exc}") from None
+
+
+def _read_bounded(response: Any, url: str, limit: int) -> bytearray:
+    """The whole body, refused before reading if it announces more than ``limit`` bytes (or nothing)."""
+    announced = response.headers.get("Content-Length")
+    if announced is None or not announced.isdigit() or int(announced) > limit:
+        raise DeltaError(f"{url} announces a delta of {announced or 'unknown'} bytes; at most {limit} are expected")
+    body = bytearray(int(announced))
+    _read_exactly_into(response, url, memoryview(body))
+    return body
 
 
 def _open(url: str, *, token: str | None = None, timeout: float, etag: str = "") -> Any:
@@ -198,6 +228,64 @@ class ShardCache:
             )
 
 
+class _DeltaUnusable(FetchError):
+    """A delta download that cannot be trusted; the slice is then downloaded in full.
+
+    A FetchError, so that a delta nobody asked for (on the full download) fails the lease like any bad body.
+    """
+
+
+@dataclass(frozen=True)
+class HeldVersion:
+    """The exact fp32 parameters of one version as downloaded: the base of a later version's delta."""
+
+    version: int
+    flat: torch.Tensor  # owned by the store, never loaded into a model
+
+
+class HeldParams:
+    """The last parameter version each campaign's downloads produced, kept exactly as the aggregators sent it.
+
+    A copy of its own, not the model: a model loaded on the CPU uses the
+    downloaded vector's memory for its parameters, and a compute thread may
+    change them (local steps) while the next lease's download runs. A delta
+    applied to anything but the published bytes would fail its checksum.
+
+    It costs one fp32 copy of the model per campaign kept; ``campaigns`` bounds
+    that (least recently downloaded dropped first). Thread-safe.
+
+    Args:
+        campaigns: how many campaigns to keep a version of.
+    """
+
+    def __init__(self, campaigns: int = 2) -> None:
+        self.campaigns = campaigns
+        self._held: OrderedDict[int, HeldVersion] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def base_for(self, campaign_id: int, param_count: int, version: int) -> HeldVersion | None:
+        """A held version of this campaign that ``version`` can be sent as a delta of, if any.
+
+        Only an older version of the same size: the slice layout may change
+        between leases (each slice's base is cut from the whole vector), the
+        parameter count may not.
+        """
+        with self._lock:
+            held = self._held.get(campaign_id)
+        if held is None or held.flat.numel() != param_count or held.version >= version:
+            return None
+        return held
+
+    def keep_(self, campaign_id: int, version: int, flat: torch.Tensor) -> None:
+        """Remember a copy of ``flat``, verified parameters of ``version``, as this campaign's base."""
+        copy = flat.detach().to("cpu", torch.float32, copy=True)
+        with self._lock:
+            self._held[campaign_id] = HeldVersion(version, copy)
+            self._held.move_to_end(campaign_id)
+            while len(self._held) > self.campaigns:
+                self._held.popitem(last=False)
+
+
 def fetch_slice(
     route: SliceRoute,
     version: int,
@@ -206,6 +294,7 @@ def fetch_slice(
     ticket: str | None = None,
     retry_for_s: float = 10.0,
     etags: list[str] | None = None,
+    held: tuple[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Download elements ``route.start:route.end`` of parameter version ``version`` (into ``out`` if given).
 
@@ -215,23 +304,56 @@ def fetch_slice(
     A 404 usually means the version is being published right now (the lease
     was handed out as the last slice stepped), so it is retried for a while.
 
+    With ``held``, ``(held_version, its elements of this slice)``, the slice is
+    asked for as a delta from that version (``crowdtrain_agent.deltas``); an
+    aggregator that does not keep it, or predates deltas, answers fp32. The
+    result is checked against the aggregator's sha256 of the exact fp32 bytes
+    whenever it sends one (it always does with a delta); a delta that fails
+    the check is replaced by a full download, never used.
+
     Raises:
-        FetchError: if the slice stays missing, has the wrong size, or cannot be downloaded.
+        FetchError: if the slice stays missing, has the wrong size, fails its
+            checksum, or cannot be downloaded.
     """
     numel = route.end - route.start
     if out is None:
         out = torch.empty(numel, dtype=torch.float32)
     array = out.numpy()
+    target = array.data.cast("B")
     url = f"{route.params_url}{version}"
-    # The ticket, never the device token: the device token is for the site alone.
+    etag: str | None = None
+    if held is not None:
+        held_version, held_flat = held
+        # The wire's bytes (little-endian); a view, no copy, on little-endian machines.
+        base = held_flat.detach().contiguous().numpy().astype("<f4", copy=False).data.cast("B")
+        try:
+            etag = _retrying(route, version, url, lambda: _get_params(url, target, ticket, (held_version, base)),
+                             retry_for_s)  # fmt: skip
+        except _DeltaUnusable as exc:
+            logger.warning(
+                "parameters of version %d, slice %d: the delta from version %d is unusable (%s); "
+                "downloading the full version instead",
+                version,
+                route.index,
+                held_version,
+                exc,
+            )
+    if etag is None:
+        etag = _retrying(route, version, url, lambda: _get_params(url, target, ticket, None), retry_for_s)
+    if etags is not None:
+        etags.append(etag)
+    if sys.byteorder == "big":  # the wire is little-endian
+        array.byteswap(inplace=True)
+    return out
+
+
+def _retrying(route: SliceRoute, version: int, url: str, attempt: Callable[[], str], retry_for_s: float) -> str:
+    """``attempt()`` again while it meets a 404 (a version being published) for up to ``retry_for_s``."""
     deadline = time.monotonic() + retry_for_s
     delay = 0.05
     while True:
         try:
-            etag = http_get_into(url, array.data.cast("B"), token=ticket)
-            if etags is not None:
-                etags.append(etag)
-            break
+            return attempt()
         except HttpStatusError as exc:
             if exc.code != 404 or time.monotonic() + delay > deadline:
                 raise FetchError(
@@ -240,13 +362,57 @@ def fetch_slice(
             logger.debug("slice %d of version %d not published yet; retrying in %.2f s", route.index, version, delay)
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
+        except _DeltaUnusable:
+            raise  # fetch_slice falls back to a full download
         except FetchError as exc:
             raise FetchError(
                 f"parameters of version {version}, slice {route.index} (fp32 elements {route.start}:{route.end}): {exc}"
             ) from None
-    if sys.byteorder == "big":  # the wire is little-endian
-        array.byteswap(inplace=True)
-    return out
+
+
+def _get_params(url: str, out: memoryview, ticket: str | None, held: tuple[int, memoryview] | None) -> str:
+    """One GET of a slice's parameters into ``out`` (little-endian fp32 bytes), verified; returns the ETag.
+
+    Raises:
+        HttpStatusError: for a non-2xx answer.
+        FetchError: for a full body of the wrong size or whose checksum does not match.
+        _DeltaUnusable: for a delta that cannot be decoded, or whose result cannot be verified.
+    """
+    # The ticket, never the device token: the device token is for the site alone.
+    with _open(url if held is None else f"{url}?from={held[0]}", token=ticket, timeout=HTTP_TIMEOUT_S) as response:
+        headers = response.headers
+        delta_from = headers.get(DELTA_FROM_HEADER)
+        if delta_from is None:  # fp32, from an aggregator without the held version or older than deltas
+            _read_exactly_into(response, url, out)
+        else:
+            encoding = headers.get(ENCODING_HEADER)
+            if held is None or delta_from != str(held[0]) or encoding != ENCODING:
+                raise _DeltaUnusable(
+                    f"the aggregator sent a delta from version {delta_from!r} encoded as {encoding!r}, "
+                    f"where {ENCODING!r} from {held[0] if held else 'no version'} was asked for"
+                )
+            try:
+                body = _read_bounded(response, url, max_delta_size(len(out)))
+                decode_delta_into(body, held[1], out)
+            except DeltaError as exc:
+                raise _DeltaUnusable(str(exc)) from None
+            logger.debug("%s: a delta of %d bytes instead of %d", url, len(body), len(out))
+        expected = headers.get(CHECKSUM_HEADER)
+        if expected is None:
+            if delta_from is not None:
+                raise _DeltaUnusable("it came without a checksum to verify the rebuilt parameters against")
+        else:
+            actual = hashlib.sha256(out).hexdigest()
+            if actual != expected:
+                if delta_from is not None:
+                    raise _DeltaUnusable(
+                        f"the rebuilt parameters' sha256 is {actual[:12]}, the aggregator's {expected[:12]}"
+                    )
+                raise FetchError(
+                    f"{url}: the downloaded parameters' sha256 is {actual[:12]}, the aggregator's {expected[:12]}; "
+                    "the download was damaged on the way, the lease will be retried"
+                )
+        return str(headers.get("ETag") or "")
 
 
 def fetch_params(
@@ -256,19 +422,29 @@ def fetch_params(
     *,
     ticket: str | None = None,
     etags: list[str] | None = None,
+    held: HeldParams | None = None,
+    campaign_id: int | None = None,
 ) -> torch.Tensor:
     """Assemble the flat fp32 parameter vector of ``version`` from every aggregator's slice.
 
     Args:
         etags: if given, each slice's ETag is appended, in route order (for ``still_current``).
+        held: the agent's store of downloaded versions; with ``campaign_id``, an
+            older version held for the campaign makes each slice a delta
+            download, and the verified result becomes the campaign's new base.
+        campaign_id: the campaign whose parameters these are (the key into ``held``).
 
     Raises:
         FetchError: if the slices do not tile 0..param_count exactly, or a download fails.
     """
     check_routes(routes, param_count)
+    base = held.base_for(campaign_id, param_count, version) if held is not None and campaign_id is not None else None
     flat = torch.empty(param_count, dtype=torch.float32)
     for route in routes:
-        fetch_slice(route, version, flat[route.start : route.end], ticket=ticket, etags=etags)
+        slice_base = None if base is None else (base.version, base.flat[route.start : route.end])
+        fetch_slice(route, version, flat[route.start : route.end], ticket=ticket, etags=etags, held=slice_base)
+    if held is not None and campaign_id is not None:
+        held.keep_(campaign_id, version, flat)
     return flat
 
 

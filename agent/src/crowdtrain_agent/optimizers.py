@@ -18,7 +18,7 @@ name and an organizer's learning rate survives switching optimizers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,9 @@ from .protocol import OptimizerSpec
 from .protocol.schema import to_dict
 
 DEFAULT_OPTIMIZER = "adamw"
+# What an agent runs itself as a local-mode campaign's inner optimizer: elementwise optimizers torch builds
+# (LAMB's trust ratio is the aggregator's own code).
+INNER_OPTIMIZERS = ("adamw", "sgd")
 
 
 class OptimizerConfigError(ConfigError):
@@ -49,6 +52,8 @@ class OptimizerEntry:
     hyperparameters: dict[str, ConfigField]
     builder: str
     per_tensor: bool = False
+    # Raises OptimizerConfigError when hyperparameters that are each in bounds do not go together.
+    check_together: Callable[[Mapping[str, Any]], None] | None = None
 
     def validate(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """This optimizer's hyperparameters from ``values``, defaults filled in and every bound checked.
@@ -59,10 +64,13 @@ class OptimizerEntry:
         Raises:
             OptimizerConfigError: naming the hyperparameter, its value and the accepted range.
         """
-        return {
+        checked = {
             name: spec.check(values.get(name, spec.default), setting_name(name), field=name, error=OptimizerConfigError)
             for name, spec in self.hyperparameters.items()
         }
+        if self.check_together is not None:
+            self.check_together(checked)
+        return checked
 
 
 def setting_name(name: str) -> str:
@@ -95,6 +103,13 @@ DECAY_ALL = ConfigField(
     False,
     help="decay biases and norm gains too (default: only tensors of 2 or more dimensions)",
     label="Decay every tensor",
+)
+
+NESTEROV = ConfigField(
+    "bool",
+    False,
+    help="Nesterov momentum (needs a momentum above 0); DiLoCo's outer optimizer uses it",
+    label="Nesterov",
 )
 
 # The learning-rate schedule: the same for every optimizer (the aggregator sets each step's rate).
@@ -287,13 +302,31 @@ register(
         builder="crowdtrain_backbone.optimizers:build_adamw",
     )
 )
+
+
+def _nesterov_needs_momentum(values: Mapping[str, Any]) -> None:
+    if values.get("nesterov") and not values.get("momentum"):
+        raise OptimizerConfigError(
+            f"{setting_name('nesterov')} needs a momentum above 0 (DiLoCo's outer optimizer uses 0.9); "
+            "set a momentum or turn Nesterov off",
+            "nesterov",
+        )
+
+
 register(
     OptimizerEntry(
         name="sgd",
         label="SGD with momentum",
         description="Stochastic gradient descent with heavy-ball momentum.",
-        hyperparameters={"lr": LR, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY, "decay_all": DECAY_ALL},
+        hyperparameters={
+            "lr": LR,
+            "momentum": MOMENTUM,
+            "nesterov": NESTEROV,
+            "weight_decay": WEIGHT_DECAY,
+            "decay_all": DECAY_ALL,
+        },
         builder="crowdtrain_backbone.optimizers:build_sgd",
+        check_together=_nesterov_needs_momentum,
     )
 )
 register(

@@ -11,6 +11,8 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
+from .netmeter import NetworkMeter, describe
+
 
 @dataclass
 class AgentStatus:
@@ -28,6 +30,7 @@ class AgentStatus:
     credit: float = 0.0  # earned by accepted leases, granted when their steps commit
     status: str = "starting"
     status_since: float = field(default_factory=time.monotonic)
+    network: NetworkMeter | None = None  # the link's rates and the time waited on it (``netmeter``)
 
     def set_status(self, text: str) -> None:
         """Change the status line; the panel shows how long it has held, so waits are visible."""
@@ -53,6 +56,8 @@ def render_status(status: AgentStatus) -> RenderableType:
     table.add_row("last loss", _fmt(status.last_loss, ".4f"))
     table.add_row("leases", f"{status.accepted} accepted, {status.rejected} not counted")
     table.add_row("credit", f"{status.credit:,.1f} (1 credit = 1 GFLOP of accepted work, granted as steps commit)")
+    if status.network is not None:
+        table.add_row("network", describe(status.network.figures()))
     waited = time.monotonic() - status.status_since
     table.add_row("status", f"{status.status} ({waited:.0f} s)" if waited >= 2 else status.status)
     return Panel(table, title="crowdtrain-agent", subtitle="Ctrl-C: finish this lease and stop", expand=False)

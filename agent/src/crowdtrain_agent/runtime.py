@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import signal
@@ -22,8 +23,11 @@ from .control import AgentStopped, Backoff, ConnectionLost, ControlChannel
 from .credit import credit_for
 from .data import ShardReader
 from .device import describe_device, select_device
-from .fetch import FetchError, ShardCache, fetch_params, still_current
+from .feedback import ErrorFeedback, SliceKey
+from .fetch import FetchError, HeldParams, ShardCache, fetch_params, still_current
+from .local_steps import InnerOptimizers, compute_pseudo_gradient, local_lease_problem
 from .models import ModelConfigError, get_model
+from .netmeter import METER, LeaseCost
 from .progress import AgentStatus
 from .protocol import (
     PROTOCOL_VERSION,
@@ -39,6 +43,9 @@ from .protocol import (
     UploadBegin,
     VersionPublished,
     chunk_fragments,
+    no_lease_status,
+    no_lease_why,
+    ticket_is_check,
 )
 from .trainer import CampaignModel, ComputeCancelled, GradientResult, ModelCache
 from .uploader import Uploader, UploadError
@@ -54,7 +61,8 @@ LEASE_ERROR_PAUSE_S = 2.0  # after a lease that could not be prepared, before as
 # pipelined agent asks during its compute, and the commit that makes room answers at once.
 LEASE_WAIT_S = 10.0
 READER_CACHE_ITEMS = 8  # decoded shards kept in memory (a shard is a few MiB)
-MAX_PREFETCH_SHARDS = 2  # of the shards a lease says the next leases will read
+MAX_PREFETCH_SHARDS = 8  # of the shards a lease says the next leases will read (the site names at most 8)
+MAX_REPORTED_S = 1e9  # the protocol's bound on seconds (``Seconds``): a report past it would be refused whole
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -156,6 +164,7 @@ class Prepared:
     x: torch.Tensor
     y: torch.Tensor
     etags: list[str] = field(default_factory=list)
+    leased_at: float = 0.0  # perf_counter when the lease arrived: later waiting was for its downloads
 
 
 class LeaseFailed(RuntimeError):
@@ -184,6 +193,7 @@ class Agent:
     ) -> None:
         self.config = config
         self.status = status or AgentStatus()
+        self.status.network = METER
         self._backoff = backoff
         self._handle_signals = handle_signals
         self._benchmark_s = benchmark_s
@@ -201,6 +211,8 @@ class Agent:
         self.leases_taken = 0
         self._control: ControlChannel
         self._uploader = Uploader()
+        self._inner = InnerOptimizers()  # local mode: each campaign's inner optimizer, kept between leases
+        self._feedback = ErrorFeedback()  # int8's rounding errors, fed into the next upload of each slice
         self._computer = DaemonWorker("crowdtrain-compute")
         self._fetcher = DaemonWorker("crowdtrain-fetch")
         self._prefetcher = DaemonWorker("crowdtrain-prefetch")  # apart: a lease's own fetch never queues behind it
@@ -233,6 +245,7 @@ class Agent:
         info = await in_daemon_thread(describe_device, device, benchmark_s=self._benchmark_s)
         self.status.device = f"{info.kind}: {info.name}"
         self._models = ModelCache(device)
+        self._downloaded = HeldParams()  # each campaign's last parameters as sent: the base of the next delta
         self._shards = ShardCache(self.config.cache_dir, self.config.shards_url, self.config.token)
         self._control = ControlChannel(
             self.config.control_url,
@@ -291,17 +304,23 @@ class Agent:
         report: asyncio.Task[None] | None = None
         unsent: tuple[Lease, GradientResult] | None = None  # computed, upload not started yet
         compute_end: float | None = None  # when the last compute finished: the gap to the next is overhead
+        METER.start_working()
         try:
             while following is not None:
                 if unsent is not None and not following.done():
                     # The next lease may wait for this very upload (its commit makes the room): send it now.
+                    started = time.perf_counter()
                     report = await self._start_report(report, *unsent)
+                    METER.waited(time.perf_counter() - started)  # the previous upload was still going
                     unsent = None
                 # fetch work: the lease requested (and downloaded) while the last one computed
+                waiting_from = time.perf_counter()
                 work = await following
                 following = None
                 if work is None:
                     break  # stopping while we waited for work
+                # Waiting for the site to hand out work is not the link's fault; waiting for its downloads is.
+                METER.waited(time.perf_counter() - max(waiting_from, work.leased_at))
                 lease = work.lease
                 if self._stopping.is_set():
                     # Ctrl-C came before this lease started: the site can give it to someone else now.
@@ -325,11 +344,7 @@ class Agent:
                     logger.debug(
                         "lease %d: %.1f ms idle between computes", lease.lease_id, 1e3 * (compute_start - compute_end)
                     )
-                compute = asyncio.ensure_future(
-                    self._computer.run(
-                        trainer.compute_gradient, work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort
-                    )
-                )
+                compute = asyncio.ensure_future(self._computer.run(self._compute, work))
                 if unsent is not None:
                     # Sent once this compute runs: the upload's CPU then overlaps it instead of delaying its start.
                     report = await self._start_report(report, *unsent)
@@ -353,6 +368,16 @@ class Agent:
         self.status.set_status("stopped")
         return EXIT_OK
 
+    def _compute(self, work: Prepared) -> GradientResult:
+        """In the compute thread: the lease's summed gradient (sync) or pseudo-gradient of inner steps (local)."""
+        lease = work.lease
+        if lease.mode == "local" and lease.inner is not None:
+            optimizer = self._inner.get(lease.campaign_id, work.cm, lease.inner, lease.base_version)
+            return compute_pseudo_gradient(
+                work.cm, optimizer, lease.inner.lr, work.x, work.y, lease.microbatch_size, cancel=self._abort
+            )
+        return trainer.compute_gradient(work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort)
+
     async def _start_report(
         self, previous: asyncio.Task[None] | None, lease: Lease, result: GradientResult
     ) -> asyncio.Task[None]:
@@ -370,8 +395,15 @@ class Agent:
             lease = await self._next_lease()
             if lease is None:
                 return None
+            problem = local_lease_problem(lease)
+            if problem:
+                logger.warning("lease %d cannot be worked on: %s; giving it back", lease.lease_id, problem)
+                await self._release(lease)
+                await self._pause(LEASE_ERROR_PAUSE_S)
+                continue
+            leased_at = time.perf_counter()
             try:
-                return await self._fetch(lease)
+                return dataclasses.replace(await self._fetch(lease), leased_at=leased_at)
             except LeaseFailed as exc:
                 logger.warning("lease %d cannot be worked on: %s; giving it back", lease.lease_id, exc)
                 await self._release(lease)
@@ -422,9 +454,9 @@ class Agent:
                 return reply
             request_id = uuid.uuid4().hex  # answered: the next request is a new one
             # no lease: say why, then ask again after retry_after_s or as soon as a version is published
-            reason = reply.reason.replace("_", " ")
-            why = f"{reason}: {reply.detail}" if reply.detail else reason
-            self.status.set_status(f"waiting for work ({why})")
+            why = no_lease_why(reply.reason, reply.detail)
+            # The site's My devices page shows the same words (crowdtrain_agent.protocol.no_lease_status).
+            self.status.set_status(no_lease_status(reply.reason, reply.detail))
             # Once per reason at INFO: a site that cannot hold requests answers "step full" every step.
             if reply.reason == "quarantined" and reply.reason != self._last_no_lease:
                 logger.warning("the site refuses work: %s", reply.detail)
@@ -458,8 +490,9 @@ class Agent:
             if not (held and still_current(lease.slices, lease.base_version, cm.etags, ticket=lease.ticket)):
                 started = time.perf_counter()
                 flat = fetch_params(
-                    lease.slices, lease.base_version, lease.param_count, ticket=lease.ticket, etags=etags
-                )
+                    lease.slices, lease.base_version, lease.param_count, ticket=lease.ticket, etags=etags,
+                    held=self._downloaded, campaign_id=lease.campaign_id,
+                )  # fmt: skip
                 logger.debug(
                     "lease %d: parameters of version %d in %.1f ms",
                     lease.lease_id,
@@ -524,19 +557,14 @@ class Agent:
         """Upload every slice of the lease's gradient, then report the receipts to the site."""
         try:
             # send: each slice to the aggregator that owns it, all aggregators at once
-            codec = get_codec(lease.codec)
+            codec = get_codec(lease.codec, lease.codec_block_size)
             started = time.perf_counter()
-            sends = [self._send_slice(lease, route, result.grad, codec) for route in lease.slices]
+            cost = LeaseCost()
+            sends = [self._send_slice(lease, route, result.grad, codec, cost) for route in lease.slices]
             receipts = await asyncio.gather(*sends)
             logger.debug("lease %d: uploaded in %.1f ms", lease.lease_id, 1e3 * (time.perf_counter() - started))
             # report: the receipts prove that the aggregators hold this lease's gradient
-            done = LeaseDone(
-                lease_id=lease.lease_id,
-                receipts=list(receipts),
-                num_samples=result.num_samples,
-                loss_sum=result.loss_sum,
-                compute_s=result.compute_s,
-            )
+            done = self._done_report(lease, result, list(receipts), cost)
             ack = await self._control.call(done, f"done:{lease.lease_id}", timeout=30.0, retries=3)
         except (UploadError, ProtocolError) as exc:
             logger.warning("lease %d: %s; giving the lease back", lease.lease_id, exc)
@@ -581,12 +609,44 @@ class Agent:
             self.status.rejected += 1
             logger.warning("lease %d was not counted: %s", lease.lease_id, ack.reason or "no reason given")
 
-    async def _send_slice(self, lease: Lease, route: SliceRoute, grad: torch.Tensor, codec: Codec) -> Receipt:
+    def _done_report(self, lease: Lease, result: GradientResult, receipts: list[Receipt], cost: LeaseCost) -> LeaseDone:
+        """The done report, with what the lease cost the link (``netmeter.LeaseCost``).
+
+        Taken once the upload succeeded, right before sending: a lease given
+        back instead leaves its downloads and waits to the next report.
+        """
+        cost.bytes_down, cost.network_s = METER.unreported()
+        logger.debug(
+            "lease %d: %d bytes up, %d bytes down, %.2f s waiting on the network",
+            lease.lease_id,
+            cost.bytes_up,
+            cost.bytes_down,
+            cost.network_s,
+        )
+        return LeaseDone(
+            lease_id=lease.lease_id,
+            receipts=receipts,
+            num_samples=result.num_samples,
+            loss_sum=result.loss_sum,
+            compute_s=result.compute_s,
+            bytes_up=cost.bytes_up,
+            bytes_down=cost.bytes_down,
+            network_s=round(min(cost.network_s, MAX_REPORTED_S), 6),
+        )
+
+    async def _send_slice(
+        self, lease: Lease, route: SliceRoute, grad: torch.Tensor, codec: Codec, cost: LeaseCost | None = None
+    ) -> Receipt:
         # fp32 goes out straight from the gradient's memory (chunk views, no copies); other codecs
         # encode first, which for a large slice takes a while: off the event loop, then.
+        # A lossy codec (int8) adds the slice's last rounding error and keeps this one's, except for a
+        # verification copy, which no step uses (``feedback``).
         piece = grad[route.start : route.end]
         if codec.name == "fp32":
             chunks = chunk_fragments(codec.view(piece))
+        elif codec.lossy and not ticket_is_check(lease.ticket):
+            key = SliceKey(lease.campaign_id, lease.param_count, codec.name, codec.block_size, route.start, route.end)
+            chunks = await in_daemon_thread(lambda: chunk_fragments(self._feedback.encode(key, piece, codec)))
         else:
             chunks = await in_daemon_thread(lambda: chunk_fragments(codec.view(piece)))
         begin = UploadBegin(
@@ -595,8 +655,9 @@ class Agent:
             codec=lease.codec,
             num_elements=route.end - route.start,
             num_chunks=len(chunks),
+            codec_block_size=lease.codec_block_size,
         )
-        receipt = await self._uploader.upload(route.upload_url, begin, chunks)
+        receipt = await self._uploader.upload(route.upload_url, begin, chunks, cost=cost)
         return Receipt(slice_index=route.index, token=receipt.token)
 
     # ------------------------------------------------------------------ helpers

@@ -10,6 +10,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from websockets.typing import Subprotocol
 
+from .netmeter import METER, LeaseCost
 from .protocol import (
     AGGREGATOR_TO_AGENT,
     MAX_WS_MESSAGE_BYTES,
@@ -58,13 +59,23 @@ class Uploader:
         self._locks: dict[str, asyncio.Lock] = {}
         self.connects = 0
 
-    async def upload(self, url: str, begin: UploadBegin, chunks: Sequence[tuple[bytes, memoryview]]) -> UploadReceipt:
+    async def upload(
+        self,
+        url: str,
+        begin: UploadBegin,
+        chunks: Sequence[tuple[bytes, memoryview]],
+        *,
+        cost: LeaseCost | None = None,
+    ) -> UploadReceipt:
         """Send one slice (header, then its binary chunks) and wait for the aggregator's answer.
 
         Chunks are ``chunk_fragments`` pairs, each sent as two fragments of one
         message, so the payload is not copied first.
 
         A connection that dropped is reopened once and the slice sent again.
+
+        Args:
+            cost: the lease's tally: every chunk byte sent is added to its ``bytes_up``, a resend too.
 
         Raises:
             UploadError: if the aggregator rejected the slice, closed on it, or cannot be reached.
@@ -77,6 +88,10 @@ class Uploader:
                     await ws.send(encode_message(begin, negotiated_minor(ws.subprotocol)))
                     for chunk in chunks:
                         await ws.send(list(chunk))
+                        sent = sum(len(part) for part in chunk)
+                        METER.sent(sent)
+                        if cost is not None:
+                            cost.bytes_up += sent
                     raw = await asyncio.wait_for(ws.recv(), self._reply_timeout_s)
                 except ConnectionClosed as exc:
                     self._connections.pop(url, None)

@@ -1,5 +1,5 @@
-// The campaign form: show the config fields of the chosen architecture and the
-// hyperparameters of the chosen optimizer. The server reads only those, so hiding
+// The campaign form: show the config fields of the chosen architecture, the
+// hyperparameters of the chosen optimizer, and the inner optimizer's only in local mode. The server reads only those, so hiding
 // the others changes nothing it checks; without JavaScript every field shows.
 (function () {
   "use strict";
@@ -27,8 +27,30 @@
     }
   }
 
+  // The inner optimizer's settings mean something in local mode only.
+  const mode = form.querySelector("select[name=training_mode]");
+  function showMode() {
+    if (!mode) return;
+    for (const box of form.querySelectorAll('[data-field^="inner_"]')) box.hidden = mode.value !== "local";
+  }
+  // Local mode needs a staleness of 0 and no verification copies (the form says why if they are set): choosing
+  // it moves those two from their defaults, and only from their defaults, so no choice of the organizer is undone.
+  const LOCAL_NEEDS = { staleness: "1", check_fraction: "0.05" };
+  function fitMode() {
+    if (!mode || mode.value !== "local") return;
+    for (const [name, fallback] of Object.entries(LOCAL_NEEDS)) {
+      const input = form.querySelector(`input[name=${name}]`);
+      if (input && !input.disabled && Number(input.value) === Number(fallback)) input.value = "0";
+    }
+  }
+
   architecture.addEventListener("change", showArchitecture);
   optimizer.addEventListener("change", showOptimizer);
+  if (mode) {
+    mode.addEventListener("change", showMode);
+    mode.addEventListener("change", fitMode);
+  }
   showArchitecture();
   showOptimizer();
+  showMode();
 })();

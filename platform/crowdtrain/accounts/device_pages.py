@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from django.conf import settings
 from django.contrib import messages
@@ -14,6 +15,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from crowdtrain.campaigns.views import open_campaigns
 
 from . import device_grant, devices, throttle
+from .device_status import owned_devices, status_rows
 from .models import Device, DeviceAuthorization
 from .users import signed_in_user
 
@@ -94,16 +96,16 @@ def confirm(request: HttpRequest) -> HttpResponse:
 @dataclass(frozen=True)
 class DeviceRow:
     device: Device
-    online: bool
+    status: dict[str, Any]  # what /devices/status says of it; devices-live.js keeps it current
     hardware: list[tuple[str, str]]
 
 
 @login_required
 @require_GET
 def device_list(request: HttpRequest) -> HttpResponse:
-    owned = list(Device.objects.filter(owner=signed_in_user(request)).order_by("revoked_at", "-created_at"))
-    online = devices.online_ids(owned)
-    rows = [DeviceRow(device=d, online=d.pk in online, hardware=devices.hardware_summary(d.hardware)) for d in owned]
+    owned = owned_devices(signed_in_user(request))
+    statuses = status_rows(owned)
+    rows = [DeviceRow(d, statuses[d.pk], devices.hardware_summary(d.hardware)) for d in owned]
     # A volunteer with no device yet is one step from the way in: each open campaign's join page.
     campaigns = [] if rows else list(open_campaigns()[:OPEN_CAMPAIGNS_SHOWN])
     return render(

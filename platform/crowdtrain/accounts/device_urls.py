@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from . import device_api, device_pages
+from . import device_api, device_pages, device_status
 
 urlpatterns = [
     # the agent (RFC 8628 device login, then its bearer token)
@@ -16,6 +16,7 @@ urlpatterns = [
     path("device", device_pages.verify, name="device-verify"),
     path("device/confirm", device_pages.confirm, name="device-confirm"),
     path("devices/", device_pages.device_list, name="devices"),
+    path("devices/status", device_status.device_status, name="devices-status"),
     path("devices/<int:device_id>/rename", device_pages.rename, name="device-rename"),
     path("devices/<int:device_id>/revoke", device_pages.revoke, name="device-revoke"),
 ]

@@ -16,7 +16,7 @@ from .models import Campaign, Dataset, OrganizerRequest, Shard, Step, Upload, Va
 from .organizer_mail import mail_outcome
 from .organizers import RoleRequestError, decide
 from .settings_table import SETTINGS
-from .setup import CampaignConfigError, validate_campaign
+from .setup import INNER_SETTINGS, CampaignConfigError, validate_campaign
 
 
 class ShardInline(admin.TabularInline):
@@ -94,6 +94,10 @@ class CampaignAdminForm(forms.ModelForm):
                 codec=data["codec"],
                 max_steps=data.get("max_steps"),
                 num_aggregators=data["num_aggregators"],
+                training_mode=data.get("training_mode", "sync"),
+                inner={name: data[name] for name in INNER_SETTINGS if name in data},
+                check_fraction=data.get("check_fraction", 0.0),
+                staleness=data.get("staleness", 0),
             )
         except CampaignConfigError as exc:
             self.add_error(self._admin_field(exc.field, data.get("architecture")), str(exc))

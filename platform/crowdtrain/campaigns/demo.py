@@ -49,5 +49,5 @@ def seed_demo_campaign(
         seed=1234,
     )
     campaign.state = Campaign.State.RUNNING
-    campaign.save(update_fields=["state"])
+    campaign.save(update_fields=["state", *campaign.stamp_state()])
     return campaign

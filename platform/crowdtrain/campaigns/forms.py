@@ -35,7 +35,7 @@ from .lifecycle import LOCK_REASON, config_locked
 from .models import Campaign, Dataset
 from .permissions import visible_datasets
 from .settings_table import GROUPS, SETTINGS, Group, locked_fields
-from .setup import CampaignConfigError, config_field_name, validate_campaign
+from .setup import INNER_SETTINGS, CampaignConfigError, config_field_name, validate_campaign
 
 ABOUT_FIELDS = ("name", "description", "visibility")
 # The schedule fields an organizer sets; total_steps follows max steps (``validate_optimizer``).
@@ -293,6 +293,13 @@ class CampaignForm(forms.Form):
                 del self.errors[key]
 
     def _clean_started(self, data: dict[str, Any]) -> None:
+        fraction = data.get("check_fraction")
+        if self.instance is not None and self.instance.training_mode == Campaign.TrainingMode.LOCAL and fraction:
+            self.add_error(
+                "check_fraction",
+                "A local-mode campaign cannot verify leases by a second copy (each pseudo-gradient depends on its "
+                "volunteer's own inner optimizer state); keep the check fraction at 0.",
+            )
         done = self.instance.committed_steps if self.instance else 0
         max_steps = data.get("max_steps")
         if max_steps is not None and max_steps <= done:
@@ -373,6 +380,10 @@ class CampaignForm(forms.Form):
                 codec=data["codec"],
                 max_steps=data.get("max_steps"),
                 num_aggregators=data["num_aggregators"],
+                training_mode=data["training_mode"],
+                inner={name: data[name] for name in INNER_SETTINGS},
+                check_fraction=data["check_fraction"],
+                staleness=data["staleness"],
             )
         except CampaignConfigError as exc:
             self.add_error(exc.field if exc.field in self.fields else None, str(exc))

@@ -11,6 +11,7 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
+from . import monitor
 from .agent_wheel import agent_version, wheel_url
 from .models import Campaign
 from .views import can_watch
@@ -74,5 +75,7 @@ def join(request: HttpRequest, campaign_id: int) -> HttpResponse:
         "own_wheel": not settings.CROWDTRAIN_AGENT_PIP_SPEC,
         "agent_version": agent_version(),
         "finished": campaign.state == Campaign.State.FINISHED,
+        # What the campaign costs a volunteer's link, measured by the agents already in it.
+        "network": monitor.network(campaign),
     }
     return render(request, "campaigns/join.html", context)

@@ -40,6 +40,8 @@ class Move:
     sources: frozenset[str]
     target: str
     done: str  # the message after it succeeded
+    # Moves that cannot be undone ask first: what happens, in a sentence, on the confirmation page.
+    confirm: str = ""
 
 
 MOVES: dict[str, Move] = {
@@ -53,8 +55,23 @@ MOVES: dict[str, Move] = {
         "paused: no new leases; leases already out count if reported before their deadlines",
     ),
     "resume": Move("Resume", frozenset({State.PAUSED}), State.RUNNING, "resumed"),
-    "finish": Move("Finish", frozenset({State.RUNNING, State.PAUSED}), State.FINISHED, "finished"),
-    "archive": Move("Archive", frozenset({State.DRAFT, State.FINISHED}), State.ARCHIVED, "archived"),
+    "finish": Move(
+        "Finish",
+        frozenset({State.RUNNING, State.PAUSED}),
+        State.FINISHED,
+        "finished",
+        confirm=(
+            "Training stops for good: volunteers get no more leases, leases still out are not counted, and a "
+            "finished campaign cannot be resumed. Its last version is validated and offered for download."
+        ),
+    ),
+    "archive": Move(
+        "Archive",
+        frozenset({State.DRAFT, State.FINISHED}),
+        State.ARCHIVED,
+        "archived",
+        confirm="It leaves the campaign lists for good; its exports stay downloadable from this page.",
+    ),
 }
 
 # What agents and aggregators built the model from: changing any of it after the start
@@ -123,7 +140,7 @@ def apply_move(campaign_id: int, name: str, by: Any) -> Campaign:
                     f"the campaign already made its {campaign.max_steps} max steps; raise max steps before resuming"
                 )
         campaign.state = move.target
-        campaign.save(update_fields=["state"])
+        campaign.save(update_fields=["state", *campaign.stamp_state()])
         if move.target == State.FINISHED and campaign.version > 0:
             # A campaign finished by hand between validation rounds still gets its last version's
             # loss, and with it an export of the weights it ended with (after this commits).

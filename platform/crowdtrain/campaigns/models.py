@@ -172,6 +172,19 @@ class Campaign(models.Model):
     target_batch_size = models.PositiveIntegerField(default=256)
     microbatch_size = models.PositiveIntegerField(default=16)
     codec = models.CharField(max_length=16, default="fp32")
+    # Elements per scale of the int8 codec (crowdtrain_agent.codec); other codecs have no blocks.
+    codec_block_size = models.PositiveIntegerField(default=256, help_text="int8 codec: elements per scale")
+
+    class TrainingMode(models.TextChoices):
+        SYNC = "sync", "sync: every lease sends a gradient, one optimizer step per global batch"
+        LOCAL = "local", "local: every lease takes inner steps and sends a pseudo-gradient (DiLoCo)"
+
+    training_mode = models.CharField(max_length=8, choices=TrainingMode.choices, default=TrainingMode.SYNC)
+    # Local mode's inner optimizer, run by each agent on its copy of the model (the campaign's ``optimizer``
+    # is then the outer one); the other hyperparameters are the registry's defaults.
+    inner_optimizer = models.CharField(max_length=16, default="adamw")
+    inner_lr = models.FloatField(default=1e-3)
+    inner_weight_decay = models.FloatField(default=0.0)
     staleness = models.PositiveSmallIntegerField(default=1, help_text="0 = fully synchronous")
     num_aggregators = models.PositiveSmallIntegerField(default=1)
     checkpoint_every = models.PositiveIntegerField(default=10)
@@ -216,9 +229,27 @@ class Campaign(models.Model):
     # waits, with this explanation on its page, until staff restore it (scheduler.recovery).
     blocked_reason = models.CharField(max_length=1000, blank=True, default="", editable=False)
     created_at = models.DateTimeField(default=timezone.now)
+    # When the campaign first started, last entered running (a start or a resume), and finished: the
+    # organizer's elapsed time and estimate, and the "no step since it started" stall, read them.
+    started_at = models.DateTimeField(null=True, blank=True, editable=False)
+    running_since = models.DateTimeField(null=True, blank=True, editable=False)
+    finished_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     def __str__(self) -> str:
         return self.name
+
+    def stamp_state(self, now: Any = None) -> list[str]:
+        """Record the time of the state just set; returns the fields to save with ``state``."""
+        now = now or timezone.now()
+        if self.state == self.State.RUNNING:
+            self.running_since = now
+            if self.started_at is None:
+                self.started_at = now
+            return ["running_since", "started_at"]
+        if self.state == self.State.FINISHED:
+            self.finished_at = now
+            return ["finished_at"]
+        return []
 
     @property
     def open_step(self) -> int:

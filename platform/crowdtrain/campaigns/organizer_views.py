@@ -18,7 +18,7 @@ from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.views import redirect_to_login
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
@@ -28,12 +28,13 @@ from crowdtrain.accounts.users import signed_in_user
 from crowdtrain.gateway.outbox import send_outbox
 from crowdtrain.scheduler.backbone import complete_versions, restore_campaign
 
+from . import monitor
 from .export import export_context
 from .forms import CampaignForm, OrganizerRequestForm
 from .lifecycle import LOCK_REASON, MOVES, LifecycleError, apply_move, available_moves, config_locked
 from .models import Campaign
 from .organizers import is_organizer, managed_campaigns, pending_request
-from .views import _progress, can_watch
+from .views import can_watch
 
 View = Callable[..., HttpResponse]
 
@@ -107,15 +108,12 @@ def campaign_detail(request: HttpRequest, campaign_id: int) -> HttpResponse:
         if not request.user.is_authenticated:  # it may be theirs once they log in
             return redirect_to_login(request.get_full_path())
         raise Http404(f"no campaign {campaign_id}")
-    slices = campaign.slices.count()
     context = {
         "campaign": campaign,
-        "progress": _progress(campaign),
+        "live": monitor.snapshot(campaign),
         "moves": available_moves(campaign),
         "locked": config_locked(campaign),
         "lock_reason": LOCK_REASON,
-        "waiting_for_aggregators": campaign.state == Campaign.State.RUNNING and slices < campaign.num_aggregators,
-        "slices": slices,
         "invite_url": (
             request.build_absolute_uri(reverse("campaign-invite", args=[campaign.invite_code]))
             if campaign.visibility == Campaign.Visibility.INVITE and campaign.invite_code
@@ -146,11 +144,25 @@ def campaign_restore(request: HttpRequest, campaign_id: int) -> HttpResponse:
     return redirect("campaign-detail", campaign_id=campaign.pk)
 
 
+@require_GET
+def campaign_monitor(request: HttpRequest, campaign_id: int) -> JsonResponse:
+    """The organizer page's live feed (``monitor.snapshot``): for whoever manages the campaign."""
+    campaign = managed_campaigns(request.user).filter(pk=campaign_id).first() if is_organizer(request.user) else None
+    if campaign is None:  # the same answer for "not yours" and "no such campaign": nothing leaks
+        return JsonResponse({"error": f"no campaign {campaign_id} that you manage"}, status=404)
+    return JsonResponse(monitor.snapshot(campaign))
+
+
 @organizer_required
 @require_POST
 def campaign_lifecycle(request: HttpRequest, campaign_id: int) -> HttpResponse:
     campaign = _managed(request, campaign_id)
     action = request.POST.get("action", "")
+    move = MOVES.get(action)
+    if move is not None and move.confirm and campaign.state in move.sources and request.POST.get("confirmed") != "yes":
+        # A move that cannot be undone asks first, on a page of its own: it works without scripts,
+        # and a stray click or a resubmitted form cannot finish a campaign.
+        return render(request, "campaigns/confirm_move.html", {"campaign": campaign, "action": action, "move": move})
     try:
         apply_move(campaign.pk, action, request.user)
     except LifecycleError as exc:

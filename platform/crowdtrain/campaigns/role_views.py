@@ -2,36 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import wraps
-from typing import Any
-
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from crowdtrain.accounts.access import staff_required
 from crowdtrain.accounts.users import signed_in_user
 
 from .forms import OrganizerRequestForm
 from .models import OrganizerRequest
 from .organizer_mail import mail_outcome, mail_staff_about
 from .organizers import RoleRequestError, decide, is_organizer, pending_request, request_role
-
-
-def staff_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    # Django's staff_member_required sends volunteers to the admin log-in; a 403 says it plainly.
-    @wraps(view)
-    @login_required
-    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-        if not request.user.is_staff:
-            raise PermissionDenied("only admins decide organizer requests")
-        return view(request, *args, **kwargs)
-
-    return wrapper
 
 
 @login_required

@@ -16,8 +16,9 @@ from typing import Any
 
 from django.db import models
 
-from crowdtrain_agent.codec import CODECS
+from crowdtrain_agent.codec import CODECS, MAX_INT8_BLOCK_SIZE, MIN_INT8_BLOCK_SIZE
 from crowdtrain_agent.fields import ConfigError, ConfigField
+from crowdtrain_agent.optimizers import INNER_OPTIMIZERS
 
 from .models import Campaign
 
@@ -35,6 +36,14 @@ class Group:
 
 GROUPS: dict[str, Group] = {
     "batch": Group("Batches and codec"),
+    "mode": Group(
+        "Training mode",
+        "sync trains exactly as one machine would; local (DiLoCo) lets each volunteer take several inner steps "
+        "per lease and send far fewer bytes per sample, for volunteers on home links. In local mode the optimizer "
+        "above is the outer one (SGD with Nesterov momentum, lr 0.7, momentum 0.9 is the usual choice), the target "
+        "batch size is the samples of one outer step, each microbatch is one inner step, and the staleness and "
+        "check fraction are 0.",
+    ),
     "stop": Group(
         "Stop rule and validation",
         "Training stops at max steps, or once the validation loss reaches the target: set one or both.",
@@ -98,6 +107,63 @@ SETTINGS: dict[str, Setting] = {
                 choices=tuple(CODECS),
             ),
             to_aggregator=True,
+        ),
+        Setting(
+            "codec_block_size",
+            "batch",
+            _int(
+                "Int8 block size",
+                MIN_INT8_BLOCK_SIZE,
+                MAX_INT8_BLOCK_SIZE,
+                "int8 codec: elements sharing one scale; smaller is more exact and costs 4 bytes per block "
+                "(any size, a power of two not required)",
+            ),
+            to_aggregator=True,
+        ),
+        Setting(
+            "training_mode",
+            "mode",
+            ConfigField(
+                "choice",
+                help="sync: leases send gradients; local: leases send pseudo-gradients of inner steps (DiLoCo)",
+                label="Training mode",
+                choices=tuple(Campaign.TrainingMode.values),
+            ),
+        ),
+        Setting(
+            "inner_optimizer",
+            "mode",
+            ConfigField(
+                "choice",
+                help="local mode: the optimizer each agent runs on its copy of the model, kept between its leases",
+                label="Inner optimizer",
+                choices=INNER_OPTIMIZERS,
+            ),
+        ),
+        Setting(
+            "inner_lr",
+            "mode",
+            ConfigField(
+                "float",
+                None,
+                0.0,
+                10.0,
+                "local mode: the inner optimizer's peak learning rate (the schedule above applies to it too)",
+                "Inner learning rate",
+                open_minimum=True,
+            ),
+        ),
+        Setting(
+            "inner_weight_decay",
+            "mode",
+            ConfigField(
+                "float",
+                None,
+                0.0,
+                1.0,
+                "local mode: the inner optimizer's weight decay, on matrices and embeddings",
+                "Inner weight decay",
+            ),
         ),
         Setting(
             "max_steps",

@@ -168,7 +168,7 @@ def compute(campaign_id: int, version: int) -> ValidationResult | None:
     prune_exports(campaign)
     if result.loss is not None and campaign.target_val_loss is not None and result.loss <= campaign.target_val_loss:
         finished = Campaign.objects.filter(pk=campaign.pk, state=Campaign.State.RUNNING).update(
-            state=Campaign.State.FINISHED
+            state=Campaign.State.FINISHED, finished_at=timezone.now()
         )
         if finished:
             from crowdtrain.scheduler.configs import publish_state

@@ -1,4 +1,4 @@
-"""HTTP views: shard downloads for agents and the campaign progress feed."""
+"""HTTP views: shard downloads for agents, and the campaign progress and shard coverage feeds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from django.core.files.storage import default_storage
-from django.db.models import Count, QuerySet
+from django.db.models import QuerySet, Sum
 from django.http import FileResponse, HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
@@ -14,6 +14,8 @@ from django.views.decorators.http import require_GET
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.tokens import bearer_token
 
+from . import monitor
+from .coverage import coverage_map
 from .models import Campaign, Shard, shard_storage_name
 from .organizers import managed_campaigns
 from .permissions import can_download_shard
@@ -68,13 +70,14 @@ def shard(request: HttpRequest, sha256: str) -> HttpResponseBase:
 
 
 def _progress(campaign: Campaign) -> dict:
-    steps = list(campaign.steps.order_by("index").values("index", "num_samples", "loss_sum", "committed_at"))
-    contributors = campaign.leases.filter(step__isnull=False).aggregate(n=Count("device__owner", distinct=True))["n"]
-    samples = sum(s["num_samples"] for s in steps)
-    rate = 0.0
-    if len(steps) >= 2:
-        span = (steps[-1]["committed_at"] - steps[0]["committed_at"]).total_seconds()
-        rate = sum(s["num_samples"] for s in steps[1:]) / span if span > 0 else 0.0
+    """The public progress feed and the campaign list's card: the monitor's own figures, cheap for long runs.
+
+    Contributors are the leaderboard's (the organizer page counts the same way), and the loss
+    curve is the monitor's downsampled series (one point per step up to ``monitor.MAX_POINTS``
+    steps), so a campaign three weeks old costs what a young one does.
+    """
+    series = monitor.series(campaign)
+    pace = monitor.recent_pace(campaign)
     return {
         "id": campaign.pk,
         "name": campaign.name,
@@ -86,11 +89,14 @@ def _progress(campaign: Campaign) -> dict:
         "committed_steps": campaign.committed_steps,
         "version": campaign.version,
         "epoch": campaign.epoch,
-        "samples": samples,
-        "samples_per_s": rate,
-        "contributors": contributors,
+        "samples": campaign.steps.aggregate(n=Sum("num_samples"))["n"] or 0,
+        "samples_per_s": pace.samples_per_s or 0.0,
+        "contributors": monitor.contributor_count(campaign),
         "active_leases": campaign.leases.filter(state="active").count(),
-        "losses": [s["loss_sum"] / s["num_samples"] for s in steps if s["num_samples"]],
+        # Training loss per point of the series: per step while there are at most MAX_POINTS steps.
+        "losses": [loss for loss in series["loss"] if loss is not None],
+        "steps_per_point": series["steps_per_point"],
+        "series": {key: series[key] for key in ("step", "loss", "val_step", "val_loss")},
         # Held-out loss every validate_every steps: [{"version", "loss", "num_samples"}], oldest first.
         "val_loss": list(
             campaign.validation_results.filter(loss__isnull=False)
@@ -106,6 +112,17 @@ def progress(request: HttpRequest, campaign_id: int) -> JsonResponse:
     if not can_watch(request.user, campaign):  # the same answer as for no campaign: nothing leaks
         return _error(f"no campaign {campaign_id}", 404)
     return JsonResponse(_progress(campaign))
+
+
+@require_GET
+def coverage(request: HttpRequest, campaign_id: int) -> JsonResponse:
+    """Which samples of the current epoch each shard has done, leased, returned...: ``coverage.coverage_map``."""
+    campaign = Campaign.objects.select_related("dataset").filter(pk=campaign_id).first()
+    # Whoever may watch the progress feed may watch this; to anyone else the campaign does not exist.
+    if campaign is None or not can_watch(request.user, campaign):
+        return _error(f"no campaign {campaign_id}", 404)
+    # Compact separators: a map of 2,000 cells is polled every 10 s by each open campaign page.
+    return JsonResponse(coverage_map(campaign), json_dumps_params={"separators": (",", ":")})
 
 
 def can_watch(user: Any, campaign: Campaign) -> bool:
@@ -129,4 +146,5 @@ def open_campaigns() -> QuerySet[Campaign]:
 
 @require_GET
 def index(request: HttpRequest) -> HttpResponse:
-    return render(request, "campaigns/index.html", {"campaigns": [_progress(c) for c in open_campaigns()]})
+    cards = [{**_progress(c), "series_element": f"campaign-series-{c.pk}"} for c in open_campaigns()]
+    return render(request, "campaigns/index.html", {"campaigns": cards})

@@ -255,6 +255,12 @@ def page(scope: int, subject: Subject, period: Period, offset: int, count: int) 
     return rows, int(total)
 
 
+def size(scope: int, subject: Subject, period: Period) -> int:
+    """How many rows a board has (subjects with credit), without reading any."""
+    _ready()
+    return int(hot_state().client.zcount(_board(scope, subject, period), 1e-9, "+inf"))
+
+
 def standing(scope: int, subject: Subject, period: Period, subject_id: int) -> Row | None:
     """One subject's rank and credit on a board; None when it has no credit there."""
     _ready()

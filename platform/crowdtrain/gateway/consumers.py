@@ -16,6 +16,7 @@ from django.conf import settings
 from django.db import DatabaseError
 from django.utils import timezone
 
+from crowdtrain.accounts.activity import Tracker
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.names import account_name
 from crowdtrain.accounts.tokens import bearer_token, hash_token
@@ -28,6 +29,7 @@ from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
     BACKBONE_TO_SITE,
     OLDEST_MINOR,
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     AgentHello,
     BackboneHello,
@@ -53,6 +55,7 @@ from crowdtrain_agent.protocol import (
     decode_message,
     encode_message,
 )
+from crowdtrain_agent.protocol.schema import lost_in
 
 from .admission import TRY_AGAIN_LATER, admission
 from .housekeeping import LAST_SEEN_DB_EVERY_S, housekeeping
@@ -290,6 +293,7 @@ class AgentConsumer(_ProtocolConsumer):
     admitted = False
     waiting: _WaitingRequest | None = None
     last_request_id: str | None = None  # None until the connection's first request
+    activity: Tracker | None = None  # set once the token is checked
     _serial = 0
 
     async def connect(self) -> None:
@@ -322,10 +326,12 @@ class AgentConsumer(_ProtocolConsumer):
         self.device = device
         self.campaigns: set[int] = set()
         self.leases: set[int] = set()  # handed out on this socket and not reported yet
+        self.activity = Tracker(device.pk)  # what My devices says this device does now
         # One socket per device: a second agent on the same token (or this agent's reconnect while the
         # site still holds its dead socket) replaces the older one, which hears 4012.
         await self.take_over(device_group(device.pk))
         await offloop(presence.connected)(device.pk)
+        self.activity.connected()
         housekeeping.start()
 
     async def disconnect(self, code: int) -> None:
@@ -394,14 +400,44 @@ class AgentConsumer(_ProtocolConsumer):
             if held is None:
                 return
             answer = held
-        await self.send_message(answer.message)
+        await self.send_message(answer.message, campaign_id=answer.campaign_id)
 
-    async def send_message(self, message: Any) -> None:
+    async def send_message(self, message: Any, *, campaign_id: int | None = None) -> None:
+        """Every message to the agent goes out here; its answers are recorded for My devices on the way.
+
+        Args:
+            message: the message.
+            campaign_id: the campaign a ``NoLease`` speaks for, when known (the page names it).
+        """
         if isinstance(message, Lease):
+            # Only an older agent can miss something: the newest pays no walk over the lease's fields.
+            if self.minor < PROTOCOL_MINOR and (lost := lost_in(message, self.minor)):
+                await self._refuse_unreadable_lease(message, ", ".join(lost))
+                return
             self.leases.add(message.lease_id)
         elif isinstance(message, NoLease) and message.reason == "quarantined" and self.minor < 2:
             message = msgspec.structs.replace(message, reason="no_campaign")  # a 2.1 agent knows no such reason
+        if self.activity is not None:  # after the rewrite: the page says what this agent's terminal says
+            self.activity.told(message, campaign_id)
         await super().send_message(message)
+
+    async def _refuse_unreadable_lease(self, lease: Lease, lost: str) -> None:
+        """A lease this agent's minor cannot read (an int8 campaign for a 2.2 agent): give it back, say to upgrade.
+
+        The campaign is chosen when the lease is made; an agent that cannot read it
+        would ask again and get the same one, so it is told to upgrade, as an
+        aggregator is for a slice it cannot serve.
+        """
+        released = await offloop(leasing.release_leases)(self.device.pk, [lease.lease_id])
+        for campaign_id, channels in released.woken.items():
+            await wake(campaign_id, channels)
+        detail = (
+            f"protocol {PROTOCOL_VERSION}.{self.minor} cannot carry {lost}, which campaign {lease.campaign_id} "
+            f"needs; upgrade crowdtrain-agent to speak {PROTOCOL_VERSION}.{self.minor + 1} or newer"
+        )
+        logger.info("device %s: %s", self.device.pk, detail)
+        await super().send_message(ErrorMessage(code="unsupported version", detail=detail))
+        await self.close(code=CloseCode.UNSUPPORTED_VERSION)
 
     async def _wait(
         self, request: LeaseRequest, answer: leasing.LeaseAnswer, wait_s: float
@@ -425,6 +461,8 @@ class AgentConsumer(_ProtocolConsumer):
                 self.waiting = _WaitingRequest(
                     request, answer.campaign_id, refusal.ready_at_step, self._serial, timer, place
                 )
+                if self.activity is not None:
+                    self.activity.queued(answer.campaign_id, refusal.ready_at_step)
                 return None
             answer = await self._ask(request)
         return answer
@@ -465,11 +503,13 @@ class AgentConsumer(_ProtocolConsumer):
             )
             if place is not None:
                 waiting.place, waiting.ready_at_step = place, message.ready_at_step
+                if self.activity is not None:
+                    self.activity.queued(waiting.campaign_id, message.ready_at_step)
                 return
             await self._settle(waiting, await self._ask(waiting.request), final=True)
             return
         await self._stop_waiting()
-        await self.send_message(message)
+        await self.send_message(message, campaign_id=answer.campaign_id)
 
     async def _stop_waiting(self) -> None:
         waiting, self.waiting = self.waiting, None

@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Step, ValidationResult
 from crowdtrain.scheduler.hotstate import hot_state
-from crowdtrain.scheduler.models import Aggregator, Lease
+from crowdtrain.scheduler.models import Aggregator, Lease, SliceAssignment
 from crowdtrain.verification.models import Check, Standing
 
 from . import health, heartbeats, task_failures
@@ -115,6 +115,12 @@ def _campaigns() -> Iterator[Metric]:
 
 def _aggregators() -> Iterator[Metric]:
     rows = list(Aggregator.objects.values_list("id", "name", "connected").order_by("id"))
+    running_slices = dict(
+        SliceAssignment.objects.filter(campaign__state=Campaign.State.RUNNING)
+        .values("aggregator_id")
+        .annotate(n=Count("id"))
+        .values_list("aggregator_id", "n")
+    )
     heard = heartbeats.heard_at()
     now = hot_state().clock()
     yield _gauge_value(
@@ -123,12 +129,18 @@ def _aggregators() -> Iterator[Metric]:
     connected = _gauge("crowdtrain_aggregator_connected", "1 while the aggregator's socket is open", ["aggregator"])
     age = _gauge("crowdtrain_aggregator_heartbeat_age_seconds", "Seconds since the aggregator's last heartbeat",
                  ["aggregator"])  # fmt: skip
+    # The silent-aggregator alert judges only these, as crowdtrain.ops.health does: a token whose
+    # aggregator never started, or one whose campaigns finished, stalls nothing.
+    slices = _gauge("crowdtrain_aggregator_running_slices", "Slices of running campaigns the aggregator holds",
+                    ["aggregator"])  # fmt: skip
     for aggregator_id, name, is_connected in rows:
         connected.add_metric([name], int(is_connected))
+        slices.add_metric([name], running_slices.get(aggregator_id, 0))
         if aggregator_id in heard:
             age.add_metric([name], max(0.0, now - heard[aggregator_id]))
     yield connected
     yield age
+    yield slices
 
 
 def _verification() -> Iterator[Metric]:

@@ -61,14 +61,17 @@ class _Running:
     num_aggregators: int
     blocked_reason: str
     last_step_at: datetime | None
+    running_since: datetime | None
 
 
-def _running_campaigns() -> list[_Running]:
+def _running_campaigns(campaign_id: int | None = None) -> list[_Running]:
     newest = Step.objects.filter(campaign=OuterRef("pk")).order_by("-index").values("committed_at")[:1]
+    running = Campaign.objects.filter(state=Campaign.State.RUNNING)
+    if campaign_id is not None:
+        running = running.filter(pk=campaign_id)
     rows = (
-        Campaign.objects.filter(state=Campaign.State.RUNNING)
-        .annotate(last_step_at=Subquery(newest))
-        .values_list("id", "name", "num_aggregators", "blocked_reason", "last_step_at")
+        running.annotate(last_step_at=Subquery(newest))
+        .values_list("id", "name", "num_aggregators", "blocked_reason", "last_step_at", "running_since")
         .order_by("id")
     )
     return [_Running(*row) for row in rows]
@@ -155,16 +158,19 @@ def _stalled(running: list[_Running], now: datetime, excused: set[int]) -> list[
     after = timedelta(minutes=settings.CROWDTRAIN_STALLED_AFTER_MIN)
     alerts = []
     for c in running:
-        # A campaign that never stepped is left out: the site does not record when it started running.
-        if c.id in excused or c.last_step_at is None or now - c.last_step_at <= after:
+        # Counted from the newest step, or from the start or resume when no step came since: a paused
+        # campaign that was just resumed is not stalled for the time it spent paused.
+        since = max((t for t in (c.last_step_at, c.running_since) if t is not None), default=None)
+        if c.id in excused or since is None or now - since <= after:
             continue
-        minutes = (now - c.last_step_at).total_seconds() / 60
+        minutes = (now - since).total_seconds() / 60
+        what = "committed no step for" if since == c.last_step_at else "committed no step since it started running"
         alerts.append(
             Alert(
                 CAMPAIGN_STALLED,
                 "critical",
                 c.id,
-                f"campaign {c.id} ({c.name!r}) is running but committed no step for {minutes:.0f} minutes "
+                f"campaign {c.id} ({c.name!r}) is running but {what} {minutes:.0f} minutes "
                 f"(limit {settings.CROWDTRAIN_STALLED_AFTER_MIN:g})",
                 "look at the agents online and the lease outcomes on the dashboard: no agents means no "
                 "volunteers (pause it, or invite some); leases that all expire or are rejected point at a "
@@ -174,11 +180,13 @@ def _stalled(running: list[_Running], now: datetime, excused: set[int]) -> list[
     return alerts
 
 
-def _lease_failures() -> list[Alert]:
+def _lease_failures(running: list[_Running] | None = None) -> list[Alert]:
+    """Campaigns whose leases fail too often (only those of ``running``, when given)."""
     share_limit = settings.CROWDTRAIN_LEASE_FAILURE_SHARE
+    only = None if running is None else {c.id for c in running}
     alerts = []
     for campaign_id, (failed, total) in sorted(outcomes.totals().items()):
-        if total < MIN_OUTCOMES or failed / total <= share_limit:
+        if total < MIN_OUTCOMES or failed / total <= share_limit or (only is not None and campaign_id not in only):
             continue
         alerts.append(
             Alert(
@@ -221,16 +229,28 @@ def evaluate(now: datetime | None = None) -> list[Alert]:
     Args:
         now: the time to judge "stalled" against (default: now).
     """
-    now = now or timezone.now()
-    running = _running_campaigns()
+    return _campaign_alerts(_running_campaigns(), now or timezone.now(), every=True) + _failing_tasks()
+
+
+def evaluate_campaign(campaign_id: int, now: datetime | None = None) -> list[Alert]:
+    """The alerts of one campaign, as ``evaluate`` judges them: what its organizer's page shows.
+
+    Empty unless the campaign is running (a paused or finished one is not expected to step).
+    """
+    running = _running_campaigns(campaign_id)
+    return _campaign_alerts(running, now or timezone.now(), every=False) if running else []
+
+
+def _campaign_alerts(running: list[_Running], now: datetime, *, every: bool) -> list[Alert]:
     silent, slices = _silent_aggregators(running)
     silent_ids = {a.campaign_id for a in silent if a.campaign_id is not None}
     waiting = _waiting_for_aggregators(running, slices, silent_ids)
     blocked = _blocked(running)
     excused = silent_ids | {a.campaign_id for a in waiting + blocked if a.campaign_id is not None}
-    campaign_alerts = silent + waiting + blocked + _stalled(running, now, excused) + _lease_failures()
-    campaign_alerts.sort(key=lambda a: (a.campaign_id or 0, CODES.index(a.code)))
-    return campaign_alerts + _failing_tasks()
+    failures = _lease_failures(None if every else running)
+    alerts = silent + waiting + blocked + _stalled(running, now, excused) + failures
+    alerts.sort(key=lambda a: (a.campaign_id or 0, CODES.index(a.code)))
+    return alerts
 
 
 def status_of(alerts: list[Alert]) -> Literal["ok", "warning", "degraded"]:

@@ -19,14 +19,13 @@ import logging
 
 import redis
 from django.conf import settings
-from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from crowdtrain.accounts.access import staff_required
 from crowdtrain.campaigns.models import Campaign
 
 from . import health
@@ -72,10 +71,7 @@ def metrics(request: HttpRequest) -> HttpResponse:
     return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)
 
 
-@login_required
+@staff_required
 @require_GET
 def dashboard(request: HttpRequest) -> HttpResponse:
-    # As the other staff pages: a volunteer gets a plain 403, not the admin's log-in form.
-    if not request.user.is_staff:
-        raise PermissionDenied("only admins see the operations dashboard")
     return render(request, "ops/dashboard.html", {"push_s": settings.CROWDTRAIN_DASHBOARD_PUSH_S})

@@ -26,6 +26,7 @@ _LEASE_FIELDS = frozenset(
         "staleness",
         "max_steps",
         "codec",
+        "codec_block_size",
         "num_aggregators",
     }
 )

@@ -577,7 +577,7 @@ def step_applied(aggregator_id: int, applied: StepApplied) -> VersionPublished |
         finished = campaign.max_steps is not None and newest >= campaign.max_steps
         if finished:
             campaign.state = Campaign.State.FINISHED
-            fields.append("state")
+            fields += ["state", *campaign.stamp_state()]
         campaign.save(update_fields=fields)  # a finish reaches the lease path through the save signal
         # Steps committed before a finish by hand are applied after it: the version they make is the
         # model the campaign ends with, so it is validated and exported like a last step.

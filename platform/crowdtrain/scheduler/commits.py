@@ -29,12 +29,14 @@ from crowdtrain_agent.protocol import StepCommit
 
 from .configs import CampaignConfig
 from .hotstate import HotStateMissing, hot_state
-from .models import Lease
+from .models import Lease, StepNetwork
+from .network import step_totals
 from .rebuild import load_campaign, to_shards
 
 logger = logging.getLogger(__name__)
 
 WRITE_ATTEMPTS = 3
+SPEED_WEIGHT = 0.2  # of each step's measured rate in a device's moving-average speed (My devices)
 
 
 @dataclass
@@ -89,6 +91,8 @@ def _write_step_once(config: CampaignConfig, index: int, leases: list[dict[str, 
                 num_samples=sum(int(lease["n"]) for lease in leases),
                 loss_sum=math.fsum(float(lease["loss"]) for lease in leases),
             )
+            # What the step cost the volunteers' links (its leases' reports): one row, with the step.
+            StepNetwork.objects.create(step=step, campaign_id=config.id, **step_totals(leases))
             rows = [_row(config, lease, step) for lease in leases]
             # Inserted when the batched record has not written them yet (another process issued them).
             Lease.objects.bulk_create(
@@ -139,8 +143,20 @@ def _credit(leases: list[dict[str, Any]]) -> None:
         samples[lease["d"]] = samples.get(lease["d"], 0) + int(lease["n"])
         busy_s[lease["d"]] = busy_s.get(lease["d"], 0.0) + float(lease["cs"])
     added = Case(*(When(pk=d, then=Value(n)) for d, n in samples.items()), default=Value(0))
-    # The speed "My devices" shows: what its accepted work took, as the agent reported it.
-    speeds = [When(pk=d, then=Value(samples[d] / s)) for d, s in busy_s.items() if s >= 1e-3]
+    # The speed "My devices" shows: what its accepted work took, as the agent reported it, averaged.
+    # One step's rate jumps with lease size, data fetches and whatever else the volunteer runs, so the
+    # page shows an exponentially weighted moving average: new = (1 - w) * old + w * this step's rate,
+    # computed in this same UPDATE from the stored value (no read first, so concurrent commits cannot
+    # lose each other's measurement). The first measurement (stored 0) is taken as it is, not averaged
+    # with a speed of 0.
+    speeds: list[When] = []
+    for d, s in busy_s.items():
+        if s >= 1e-3:
+            rate = samples[d] / s
+            speeds.append(
+                When(pk=d, samples_per_s__gt=0, then=F("samples_per_s") * (1 - SPEED_WEIGHT) + SPEED_WEIGHT * rate)
+            )
+            speeds.append(When(pk=d, then=Value(rate)))
     updates: dict[str, Any] = {"samples_accepted": F("samples_accepted") + added}
     if speeds:
         updates["samples_per_s"] = Case(*speeds, default=F("samples_per_s"), output_field=FloatField())

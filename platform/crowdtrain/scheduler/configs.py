@@ -14,13 +14,25 @@ import time
 from dataclasses import dataclass
 from typing import cast
 
+import msgspec
 from django.conf import settings
 from django.db.models import Exists, Q
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
+from crowdtrain.campaigns.setup import inner_optimizer_spec
 from crowdtrain_agent.models import get_model
-from crowdtrain_agent.protocol import CodecName, DataKind, DataSpec, ModelSpec, SliceRoute, campaign_key
+from crowdtrain_agent.protocol import (
+    CodecName,
+    DataKind,
+    DataSpec,
+    ModelSpec,
+    OptimizerSpec,
+    SliceRoute,
+    TrainingMode,
+    campaign_key,
+)
+from crowdtrain_agent.protocol.schema import from_dict
 
 from .hotstate import HotStateMissing, hot_state
 from .models import SliceAssignment
@@ -45,6 +57,7 @@ class CampaignConfig:
     staleness: int
     max_steps: int | None
     codec: CodecName
+    codec_block_size: int
     model: ModelSpec
     flops_per_sample: float
     data: DataSpec
@@ -55,6 +68,16 @@ class CampaignConfig:
     aggregator_ids: tuple[int, ...]
     ticket_key: bytes  # signs the campaign's tickets and checks its receipts (``ticket_key``)
     check_fraction: float = 0.05  # share of leases verified by a copy (``crowdtrain.verification``)
+    mode: TrainingMode = "sync"
+    inner: OptimizerSpec | None = None  # local mode's inner optimizer, its lr unscheduled (``inner_for``)
+    schedule: OptimizerSpec | None = None  # the campaign's optimizer, whose schedule the inner lr follows
+
+    def inner_for(self, base_version: int) -> OptimizerSpec | None:
+        """The inner optimizer of a lease on ``base_version``: the campaign's schedule applied to its lr."""
+        if self.inner is None:
+            return None
+        factor = self.schedule.lr_multiplier(base_version) if self.schedule is not None else 1.0
+        return msgspec.structs.replace(self.inner, lr=self.inner.lr * factor)
 
 
 _cache: dict[int, CampaignConfig] = {}
@@ -83,6 +106,7 @@ def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
         SliceAssignment.objects.filter(campaign_id=campaign_id).select_related("aggregator").order_by("index")
     )
     spec = get_model(campaign.architecture)
+    local = campaign.training_mode == Campaign.TrainingMode.LOCAL
     return CampaignConfig(
         id=campaign.pk,
         hot_key=campaign.hot_key.hex,
@@ -94,6 +118,7 @@ def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
         staleness=campaign.staleness,
         max_steps=campaign.max_steps,
         codec=cast(CodecName, campaign.codec),
+        codec_block_size=campaign.codec_block_size,
         model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
         flops_per_sample=spec.flops_per_sample(campaign.model_config),
         data=DataSpec(kind=cast(DataKind, campaign.dataset.kind), sample_len=campaign.dataset.sample_len),
@@ -112,7 +137,14 @@ def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
         ),
         aggregator_ids=tuple(s.aggregator_id for s in slices),
         ticket_key=ticket_key(campaign.pk),
-        check_fraction=campaign.check_fraction,
+        # Local mode cannot verify (a pseudo-gradient depends on its volunteer's own inner optimizer state);
+        # the form refuses a check fraction there, and a value set another way is not acted on.
+        check_fraction=0.0 if local else campaign.check_fraction,
+        mode=cast(TrainingMode, campaign.training_mode),
+        inner=inner_optimizer_spec(campaign.inner_optimizer, campaign.inner_lr, campaign.inner_weight_decay)
+        if local
+        else None,
+        schedule=from_dict(OptimizerSpec, campaign.optimizer, "optimizer") if local else None,
     )
 
 

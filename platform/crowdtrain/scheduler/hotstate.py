@@ -34,6 +34,16 @@ logger = logging.getLogger(__name__)
 LUA_DIR = Path(__file__).with_name("lua")
 # The presence set keeps devices this long after they were last seen ("online now" needs seconds).
 FORGET_SEEN_AFTER_S = 86400.0
+# A device's activity record (crowdtrain.accounts.activity) outlives a site process that died without
+# removing it this long; its connection refreshes it at half this age. My devices reads a record only
+# for a device the presence set says is online, so a leftover is never shown.
+ACTIVITY_TTL_S = 3600.0
+# Deletes a device's activity only if it is still the record this process wrote: after a reconnect to
+# another process, the newer connection's record stays.
+_FORGET_IF_OURS = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 SCRIPTS = ("lease", "done", "committed", "release", "sweep", "park", "rollback", "load", "configure", "drop")
 
 
@@ -63,6 +73,7 @@ class HotState:
         self.lease_campaigns_key = f"{prefix}:lc"
         self.requests_key = f"{prefix}:rid"  # device -> "campaign:lease:request id" of its last lease
         self._scripts = {name: client.register_script(_script_text(name)) for name in SCRIPTS}
+        self.forget_if_ours = client.register_script(_FORGET_IF_OURS)
 
     def campaign_key(self, hot_key: str) -> str:
         # The hash tag keeps one campaign's keys in one slot of a Redis Cluster.
@@ -98,14 +109,29 @@ class HotState:
             "waiting": self.client.zcard(f"{key}wait"),
         }
 
+    def activity_key(self, device_id: int) -> str:
+        # One hash tag for all of them: My devices reads a volunteer's devices with one MGET, in a Cluster too.
+        return f"{self.prefix}:{{now}}:{device_id}"
+
     def mark_seen(self, device_ids: Iterable[int], *, at: float | None = None) -> None:
         """Record that these devices are connected now (their leases outlive their deadlines meanwhile)."""
+        with self.client.pipeline(transaction=False) as pipe:
+            self.queue_seen(pipe, device_ids, at=at)
+            pipe.execute()
+
+    def queue_seen(self, pipe: Any, device_ids: Iterable[int], *, at: float | None = None) -> None:
         stamp = self.clock() if at is None else at
         ids = list(device_ids)
-        with self.client.pipeline(transaction=False) as pipe:
-            for start in range(0, len(ids), 1000):
-                pipe.zadd(self.seen_key, {str(d): stamp for d in ids[start : start + 1000]})
-            pipe.execute()
+        for start in range(0, len(ids), 1000):
+            pipe.zadd(self.seen_key, {str(d): stamp for d in ids[start : start + 1000]})
+
+    def activities(self, device_ids: Iterable[int]) -> dict[int, str]:
+        """The activity records of these devices, as written (``crowdtrain.accounts.activity``); one MGET."""
+        ids = list(device_ids)
+        if not ids:
+            return {}
+        values = self.client.mget([self.activity_key(d) for d in ids])
+        return {d: str(v) for d, v in zip(ids, values, strict=True) if v is not None}
 
     def last_seen(self, device_ids: Iterable[int]) -> dict[int, float]:
         ids = list(device_ids)
@@ -157,6 +183,12 @@ class Presence:
         self._connected: Counter[int] = Counter()
         self._lock = threading.Lock()
         self._seen_since_db_write: set[int] = set()
+        # Each connected device's newest activity record (My devices' "Now:"), and which changed since
+        # the last batch; what the last batches wrote, and when; records to delete for devices that left.
+        self._activity: dict[int, str] = {}
+        self._changed: set[int] = set()
+        self._written: dict[int, tuple[str, float]] = {}
+        self._gone: dict[int, str] = {}
 
     def connected(self, device_id: int) -> None:
         with self._lock:
@@ -169,18 +201,69 @@ class Presence:
             self._connected[device_id] -= 1
             if self._connected[device_id] <= 0:
                 del self._connected[device_id]
+                # Its record goes with it (at the next batch), so the page never shows a gone device busy.
+                self._activity.pop(device_id, None)
+                self._changed.discard(device_id)
+                written = self._written.pop(device_id, None)
+                if written is not None:
+                    self._gone[device_id] = written[0]
+
+    def note(self, device_id: int, record: str) -> None:
+        """Keep a connected device's newest activity record for the next batch: a dict write, no I/O.
+
+        Called for every answer a connection sends its agent, so it must stay
+        O(1): the site serves thousands of agents, and only the batch talks to Redis.
+        """
+        with self._lock:
+            if device_id in self._connected:  # a late answer to a socket that closed is nobody's news
+                self._activity[device_id] = record
+                self._changed.add(device_id)
 
     def device_ids(self) -> list[int]:
         with self._lock:
             return list(self._connected)
 
     def publish(self) -> int:
-        """Mark every connected device as seen now, and forget devices not seen for a day; returns how many."""
-        ids = self.device_ids()
+        """Mark every connected device as seen now, write the activity records that changed, delete those of
+        devices that left, and forget devices not seen for a day: one pipelined round trip. Returns how many
+        devices are connected.
+        """
         state = hot_state()
-        if ids:
-            state.mark_seen(ids)
-        state.client.zremrangebyscore(state.seen_key, "-inf", state.clock() - FORGET_SEEN_AFTER_S)
+        now = state.clock()
+        with self._lock:
+            ids = list(self._connected)
+            changed = {d: self._activity[d] for d in self._changed if d in self._activity}
+            self._changed = set()
+            gone, self._gone = self._gone, {}
+            # Unchanged records are only kept alive (EXPIRE, not SET): another process may hold the
+            # device's newer connection, and its record must not be overwritten with ours.
+            stale = [d for d, (_, at) in self._written.items() if at < now - ACTIVITY_TTL_S / 2 and d not in changed]
+        try:
+            with state.client.pipeline(transaction=False) as pipe:
+                if ids:
+                    state.queue_seen(pipe, ids, at=now)
+                pipe.zremrangebyscore(state.seen_key, "-inf", now - FORGET_SEEN_AFTER_S)
+                for device_id, record in gone.items():
+                    state.forget_if_ours(keys=[state.activity_key(device_id)], args=[record], client=pipe)
+                for device_id, record in changed.items():
+                    pipe.set(state.activity_key(device_id), record, ex=int(ACTIVITY_TTL_S))
+                for device_id in stale:
+                    pipe.expire(state.activity_key(device_id), int(ACTIVITY_TTL_S))
+                pipe.execute()
+        except Exception:
+            with self._lock:  # the next batch tries again, unless newer news replaced them meanwhile
+                self._changed |= {d for d in changed if d in self._activity}
+                self._gone = {**gone, **self._gone}
+            raise
+        with self._lock:
+            for device_id, record in changed.items():
+                if device_id in self._connected:
+                    self._written[device_id] = (record, now)
+                else:  # it left while the batch was on its way: delete what the batch wrote
+                    self._gone[device_id] = record
+            for device_id in stale:
+                if device_id in self._written:
+                    self._written[device_id] = (self._written[device_id][0], now)
         return len(ids)
 
     def take_db_batch(self) -> list[int]:

@@ -41,7 +41,7 @@ from crowdtrain_agent.protocol import (
     Lease as LeaseMessage,
 )
 
-from . import ids
+from . import ids, network
 from .commits import Commit, commit_full_steps, held, moment
 from .configs import CampaignConfig, campaign_config, forget, open_to, running_campaigns
 from .hotstate import HotStateMissing, hot_state
@@ -270,6 +270,9 @@ def lease_message(lease: Lease, config: CampaignConfig, *, check: bool = False) 
         deadline_s=seconds,
         ticket=sign_ticket(ticket, config.ticket_key),
         codec=config.codec,
+        codec_block_size=config.codec_block_size,
+        mode=config.mode,
+        inner=config.inner_for(lease.base_version),
         model=config.model,
         data=config.data,
         param_count=config.param_count,
@@ -278,13 +281,28 @@ def lease_message(lease: Lease, config: CampaignConfig, *, check: bool = False) 
     )
 
 
+# A lease names at most this many shards to fetch ahead: the next lease's, if it is as large as this one.
+MAX_PREFETCH_SHARDS = 8
+
+
 def _upcoming_shards(config: CampaignConfig, lease: Lease) -> list[str]:
-    """The shard after this lease's last range and the one after it: where the next leases' samples come from."""
+    """The shards the next lease of this size will read: from this lease's last shard on, enough to hold its samples.
+
+    An agent fetches them while this lease computes, so its next lease seldom waits for data; a lease of
+    many shards (a local-steps lease of hundreds of microbatches) names as many, at most ``MAX_PREFETCH_SHARDS``.
+    """
     table = config.table
     if not table.sha256s or not lease.ranges:
         return []
-    index = lease.ranges[-1][1]
-    upcoming = [table.sha256s[index], table.sha256s[(index + 1) % len(table.sha256s)]]
+    index, count = lease.ranges[-1][1], len(table.sha256s)
+    upcoming: list[str] = []
+    held = 0
+    for k in range(min(MAX_PREFETCH_SHARDS, count)):
+        shard = (index + k) % count
+        upcoming.append(table.sha256s[shard])
+        held += table.sizes[shard] if k else 0  # this lease's last shard is partly read already
+        if k >= 1 and held >= lease.num_samples:
+            break
     return list(dict.fromkeys(upcoming))
 
 
@@ -491,6 +509,7 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
                 "cs": done.compute_s if math.isfinite(done.compute_s) else 0.0,
                 "problem": _receipt_problem(config, done),
                 "gen": config.gen,
+                **network.hot_args(network.bounded(config, done)),
             },
         )
         if "accepted" in answer:

@@ -27,7 +27,8 @@ class Lease(models.Model):
         REJECTED = "rejected"
 
     campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="leases")
-    device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="leases")
+    # Indexed with its id below (device, id), which serves every lookup by device as well.
+    device = models.ForeignKey(Device, on_delete=models.CASCADE, related_name="leases", db_index=False)
     base_version = models.PositiveIntegerField()
     target_step = models.PositiveIntegerField(default=0, help_text="the step this lease's samples are reserved in")
     ranges = models.JSONField()
@@ -46,7 +47,12 @@ class Lease(models.Model):
 
     class Meta:
         ordering = ["id"]
-        indexes = [models.Index(fields=["campaign", "state"]), models.Index(fields=["campaign", "epoch"])]
+        indexes = [
+            models.Index(fields=["campaign", "state"]),
+            models.Index(fields=["campaign", "epoch"]),
+            # My devices reads each device's newest leases: an index scan of a few rows, however many it has.
+            models.Index(fields=["device", "id"], name="lease_device_newest"),
+        ]
 
     def __str__(self) -> str:
         return f"lease {self.pk} ({self.state})"
@@ -129,3 +135,29 @@ class Checkpoint(models.Model):
 
     def __str__(self) -> str:
         return f"campaign {self.campaign_id} slice {self.slice_index} v{self.version}"
+
+
+class StepNetwork(models.Model):
+    """What a committed step cost the volunteers' links, summed from its leases' done reports (protocol 2.3).
+
+    Written with the step, in its transaction (``commits``), and gone with it
+    when a rollback forgets the step. ``samples`` are those of leases whose
+    agent stated its traffic; the figures (bytes, seconds) are theirs alone.
+    ``unreported_samples`` came from older agents that state nothing: unknown,
+    not free. ``compute_s`` is the reporting leases' compute time, so that
+    ``network_s / (network_s + compute_s)`` is the share of their time the
+    network took.
+    """
+
+    step = models.OneToOneField(Step, on_delete=models.CASCADE, primary_key=True, related_name="network")
+    # The campaign's own key (a step's is one join away): the whole run's totals are one indexed sum.
+    campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="step_network")
+    samples = models.PositiveIntegerField(default=0)
+    unreported_samples = models.PositiveIntegerField(default=0)
+    bytes_up = models.BigIntegerField(default=0)
+    bytes_down = models.BigIntegerField(default=0)
+    network_s = models.FloatField(default=0.0)
+    compute_s = models.FloatField(default=0.0)
+
+    def __str__(self) -> str:
+        return f"network cost of {self.step}"

@@ -34,7 +34,7 @@ from crowdtrain.scheduler.configs import CampaignConfig, campaign_config
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import Lease as LeaseMessage
-from crowdtrain_agent.protocol import LeaseDone, receipt_sketch
+from crowdtrain_agent.protocol import LeaseDone, receipt_sketch, retained_versions
 from crowdtrain_agent.sketch import SKETCH_SIZE, Agreement, compare, from_bytes
 
 from . import standing
@@ -51,11 +51,15 @@ EMPTY_RECHECK_S = 0.25
 _empty_until: dict[int, float] = {}
 _TAKE = """
 local raws = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
-local now, me, chosen, stale = tonumber(ARGV[1]), tonumber(ARGV[2]), false, {}
+local now, me, chosen, stale, gone = tonumber(ARGV[1]), tonumber(ARGV[2]), false, {}, {}
+local oldest = tonumber(ARGV[4])
 for _, raw in ipairs(raws) do
   local e = cjson.decode(raw)
   if e.u < now then
     stale[#stale + 1] = e.c
+    redis.call('LREM', KEYS[1], 1, raw)
+  elseif e.v ~= nil and e.v < oldest then
+    gone[#gone + 1] = e.c
     redis.call('LREM', KEYS[1], 1, raw)
   elseif not chosen then
     local mine = false
@@ -66,7 +70,7 @@ for _, raw in ipairs(raws) do
     end
   end
 end
-return cjson.encode({chosen = chosen, stale = stale})
+return cjson.encode({chosen = chosen, stale = stale, gone = gone})
 """
 
 
@@ -131,9 +135,23 @@ def maybe_pick(config: CampaignConfig, device_id: int, done: LeaseDone, record: 
     return True
 
 
+def oldest_copyable(open_step: int, staleness: int) -> int:
+    """The oldest base version a copy can still train on when step ``open_step`` is open.
+
+    Aggregators keep the parameters of ``retained_versions(staleness)`` versions below
+    the newest they applied, which trails ``open_step`` by a version or so while a commit is
+    applied: one version of that lag is allowed for, as a copy served in doubt costs one failed
+    download while a check dropped in doubt costs a verification. A copy of an older lease would
+    fetch parameters that are gone (410) and come back undone, over and over, keeping its
+    volunteer from real work; such a check ends with no verdict instead (its lease is credited,
+    as for any check nobody answered).
+    """
+    return open_step - retained_versions(staleness)
+
+
 def _enqueue(case: Check, excluded: list[int]) -> None:
     until = hot_state().clock() + settings.CROWDTRAIN_CHECK_WAIT_S
-    entry = json.dumps({"c": case.pk, "x": excluded, "u": until}, separators=(",", ":"))
+    entry = json.dumps({"c": case.pk, "x": excluded, "u": until, "v": case.base_version}, separators=(",", ":"))
     hot_state().client.rpush(_queue_key(case.campaign_id), entry)
     _empty_until.pop(case.campaign_id, None)
 
@@ -148,16 +166,23 @@ def take_copy(config: CampaignConfig, device_id: int) -> LeaseMessage | None:
         return None
     state = hot_state()
     key = _queue_key(config.id)
-    if not state.client.exists(key):
+    pipe = state.client.pipeline(transaction=False)
+    pipe.exists(key)
+    pipe.hget(state.campaign_key(config.hot_key) + "meta", "open")
+    waiting, open_step = pipe.execute()
+    if not waiting:
         _empty_until[config.id] = now + EMPTY_RECHECK_S
         return None
     owner = standing.owner_of(device_id)
     if owner is None:
         return None
-    raw = state.client.eval(_TAKE, 1, key, repr(state.clock()), str(owner), str(SCAN))
+    oldest = oldest_copyable(int(open_step or 0), config.staleness)
+    raw = state.client.eval(_TAKE, 1, key, repr(state.clock()), str(owner), str(SCAN), str(oldest))
     answer = json.loads(cast(str, raw))
     for check_id in answer.get("stale") or []:
         settle(int(check_id), Check.State.ABANDONED, "no volunteer of another account took its copy in time")
+    for check_id in answer.get("gone") or []:
+        settle(int(check_id), Check.State.ABANDONED, "its base version left the aggregators' window before a copy")
     if not answer.get("chosen"):
         return None
     entry = json.loads(answer["chosen"])
@@ -199,7 +224,9 @@ def copy_done(config: CampaignConfig, device_id: int, done: LeaseDone, problem: 
         return problem
     sketch = sketch_of(config, done)
     Answer.objects.filter(pk=answer.pk).update(
-        reported_at=timezone.now(), sketch=sketch or [], verdict=Answer.Verdict.PENDING if sketch else "none"
+        reported_at=timezone.now(),
+        sketch=sketch or [],
+        verdict=Answer.Verdict.PENDING if sketch else Answer.Verdict.NONE,
     )
     if sketch is None:
         _requeue_or_abandon(answer.case, "a copy came back without sketches (an aggregator older than 2.2)")
@@ -372,10 +399,11 @@ def release_credit(check_ids: list[int] | None = None) -> int:
     Called when a check ends, and by the periodic sweep for checks that ended
     before their step was committed.
     """
-    cases = Check.objects.exclude(state__in=WITHHOLDING)
-    cases = cases.filter(pk__in=check_ids) if check_ids is not None else cases.filter(credited=False)
+    cases = Check.objects.exclude(state__in=WITHHOLDING).filter(credited=False)
+    if check_ids is not None:
+        cases = cases.filter(pk__in=check_ids)
     count = 0
-    for case in cases.filter(credited=False):
+    for case in cases:
         if standing.refusal(case.volunteer_id):
             continue  # a quarantined volunteer's credit stays with the review
         lease = (

@@ -43,20 +43,10 @@ def consider(volunteer_id: int) -> bool:
 
 def quarantine(volunteer_id: int, reason: str) -> bool:
     """Put a volunteer in quarantine (see the module docstring); whether they were not in it already."""
-    with transaction.atomic():
-        row, _ = Standing.objects.select_for_update().get_or_create(volunteer_id=volunteer_id)
-        if row.state != Standing.State.GOOD:
-            return False
-        row.state, row.reason, row.changed_at, row.reviewed_by = (
-            Standing.State.QUARANTINED,
-            reason[:500],
-            timezone.now(),
-            None,
-        )
-        row.save(update_fields=["state", "reason", "changed_at", "reviewed_by"])
-        taken = ledger.quarantine(volunteer_id, "volunteer quarantined")
-    standing.forget(volunteer_id)
-    dropped = drop_pending_work(volunteer_id, "volunteer quarantined")
+    outcome = _set_aside(volunteer_id, Standing.State.QUARANTINED, reason, None, "volunteer quarantined")
+    if outcome is None:
+        return False
+    taken, dropped = outcome
     logger.warning(
         "volunteer %s quarantined (%s): %s leases left out of steps, credit of %s leases taken back",
         volunteer_id,
@@ -65,6 +55,24 @@ def quarantine(volunteer_id: int, reason: str) -> bool:
         taken,
     )
     return True
+
+
+def _set_aside(volunteer_id: int, state: str, reason: str, admin_id: int | None, why: str) -> tuple[int, int] | None:
+    """Quarantine or ban: the new state, credit taken back, pending work dropped.
+
+    Returns:
+        (leases whose credit was taken, leases dropped), or None if the volunteer was in that state
+        already (quarantine applies to volunteers in good standing only).
+    """
+    with transaction.atomic():
+        row, _ = Standing.objects.select_for_update().get_or_create(volunteer_id=volunteer_id)
+        if row.state == state or (state == Standing.State.QUARANTINED and row.state != Standing.State.GOOD):
+            return None
+        row.state, row.reason, row.changed_at, row.reviewed_by_id = state, reason[:500], timezone.now(), admin_id
+        row.save(update_fields=["state", "reason", "changed_at", "reviewed_by"])
+        taken = ledger.quarantine(volunteer_id, why)
+    standing.forget(volunteer_id)
+    return taken, drop_pending_work(volunteer_id, why)
 
 
 def drop_pending_work(volunteer_id: int, reason: str) -> int:
@@ -115,20 +123,8 @@ def ban(volunteer_id: int, admin_id: int | None, reason: str = "banned after rev
     """An admin found the volunteer hostile: their devices are revoked for good and their credit stays taken back."""
     from crowdtrain.accounts.devices import revoke
 
-    with transaction.atomic():
-        row, _ = Standing.objects.select_for_update().get_or_create(volunteer_id=volunteer_id)
-        if row.state == Standing.State.BANNED:
-            return False
-        row.state, row.reason, row.changed_at, row.reviewed_by_id = (
-            Standing.State.BANNED,
-            reason[:500],
-            timezone.now(),
-            admin_id,
-        )
-        row.save()
-        ledger.quarantine(volunteer_id, "volunteer banned")
-    standing.forget(volunteer_id)
-    drop_pending_work(volunteer_id, "volunteer banned")
+    if _set_aside(volunteer_id, Standing.State.BANNED, reason, admin_id, "volunteer banned") is None:
+        return False
     for device in Device.objects.filter(owner_id=volunteer_id, revoked_at__isnull=True):
         revoke(device, "the account was banned")
     logger.warning("volunteer %s banned by admin %s: %s", volunteer_id, admin_id, reason)

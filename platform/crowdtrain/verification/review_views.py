@@ -2,35 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import wraps
-from typing import Any
-
 from django.contrib import messages
 from django.contrib.auth import get_user_model
-from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
+from crowdtrain.accounts.access import staff_required
 from crowdtrain.accounts.models import Profile
 
 from . import quarantine, review
 from .forms import BanForm
 from .models import Standing
-
-
-def staff_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    # As on the organizer requests page: a volunteer gets a plain 403, not the admin's log-in form.
-    @wraps(view)
-    @login_required
-    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-        if not request.user.is_staff:
-            raise PermissionDenied("only admins review quarantined volunteers")
-        return view(request, *args, **kwargs)
-
-    return wrapper
 
 
 def _who(volunteer_id: int) -> str:

@@ -16,22 +16,11 @@ from django.utils import timezone
 from crowdtrain.accounts.device_grant import GRANT_TYPE
 from crowdtrain.accounts.models import Device, DeviceAuthorization
 from crowdtrain.accounts.tokens import hash_token
-from tests.factories import make_volunteer
+from tests.factories import logged_in, make_volunteer
 
 pytestmark = pytest.mark.django_db
 
 HARDWARE = {"hostname": "lab-box", "os": "Linux 6.8", "cpu_count": 16, "accelerator": "NVIDIA H100"}
-
-
-@pytest.fixture
-def owner() -> AbstractBaseUser:
-    return make_volunteer("owner")
-
-
-def _as(user: AbstractBaseUser, **client_options: bool) -> Client:
-    client = Client(**client_options)
-    client.force_login(user)
-    return client
 
 
 def _start(client: Client, **fields: Any) -> dict[str, Any]:
@@ -54,7 +43,7 @@ def _allow_next_poll(user_code: str) -> None:
 
 
 def _decide(user: AbstractBaseUser, user_code: str, decision: str, name: str = "desk gpu") -> HttpResponse:
-    return _as(user).post("/device/confirm", {"user_code": user_code, "decision": decision, "name": name})
+    return logged_in(user).post("/device/confirm", {"user_code": user_code, "decision": decision, "name": name})
 
 
 def test_an_agent_gets_a_code_pair_with_verification_addresses(client: Client) -> None:
@@ -136,7 +125,7 @@ def test_an_approved_code_expires_if_the_agent_never_collects_it(client: Client,
 
 def test_wrong_codes_are_refused_with_a_reason(client: Client, owner: AbstractBaseUser) -> None:
     pair = _start(client)
-    browser = _as(owner)
+    browser = logged_in(owner)
 
     unknown_device_code = _poll(client, "not-a-device-code")
     malformed = browser.post("/device", {"user_code": "hello"})
@@ -161,7 +150,7 @@ def test_user_codes_match_whatever_the_case_spaces_and_dashes(client: Client, ow
     pair = _start(client)
     typed = pair["user_code"].lower().replace("-", " ")
 
-    page = _as(owner).post("/device", {"user_code": typed})
+    page = logged_in(owner).post("/device", {"user_code": typed})
 
     assert page.status_code == 200 and b"Approve this device?" in page.content
     assert pair["user_code"].encode() in page.content
@@ -170,7 +159,7 @@ def test_user_codes_match_whatever_the_case_spaces_and_dashes(client: Client, ow
 def test_a_prefilled_link_shows_the_device_but_approves_nothing(client: Client, owner: AbstractBaseUser) -> None:
     pair = _start(client)
 
-    page = _as(owner).get(pair["verification_uri_complete"].removeprefix("http://testserver"))
+    page = logged_in(owner).get(pair["verification_uri_complete"].removeprefix("http://testserver"))
 
     assert b"Approve this device?" in page.content
     assert b"lab-box" in page.content and b"NVIDIA H100" in page.content
@@ -180,7 +169,7 @@ def test_a_prefilled_link_shows_the_device_but_approves_nothing(client: Client, 
 def test_what_the_agent_reports_is_escaped_on_the_confirmation_page(client: Client, owner: AbstractBaseUser) -> None:
     pair = _start(client, name="<script>alert(1)</script>", hardware=json.dumps({"os": "<img src=x onerror=alert(2)>"}))
 
-    page = _as(owner).get(f"/device?user_code={pair['user_code']}")
+    page = logged_in(owner).get(f"/device?user_code={pair['user_code']}")
 
     assert b"<script>alert(1)" not in page.content and b"&lt;script&gt;alert(1)" in page.content
     assert b"<img src=x" not in page.content
@@ -204,7 +193,7 @@ def test_device_codes_and_tokens_are_stored_only_hashed(client: Client, owner: A
 def test_approving_and_denying_need_the_csrf_token(client: Client, owner: AbstractBaseUser) -> None:
     pair = _start(client)
 
-    forged = _as(owner, enforce_csrf_checks=True).post(
+    forged = logged_in(owner, enforce_csrf_checks=True).post(
         "/device/confirm", {"user_code": pair["user_code"], "decision": "approve", "name": "x"}
     )
 
@@ -277,13 +266,13 @@ def test_wrong_user_codes_are_rate_limited_per_volunteer(
 ) -> None:
     settings.CROWDTRAIN_USER_CODE_FAILURES = 2
     pair = _start(client)
-    browser = _as(owner)
+    browser = logged_in(owner)
     wrong = "BBBB-BBBB" if pair["user_code"] != "BBBB-BBBB" else "CCCC-CCCC"
     browser.post("/device", {"user_code": wrong})
     browser.post("/device", {"user_code": wrong})
 
     right_but_late = browser.post("/device", {"user_code": pair["user_code"]})
-    other_volunteer = _as(make_volunteer("stranger")).post("/device", {"user_code": pair["user_code"]})
+    other_volunteer = logged_in(make_volunteer("stranger")).post("/device", {"user_code": pair["user_code"]})
 
     assert right_but_late.status_code == 429 and b"Too many codes" in right_but_late.content
     assert other_volunteer.status_code == 200

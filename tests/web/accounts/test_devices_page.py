@@ -17,27 +17,11 @@ from crowdtrain.accounts.models import Device
 from crowdtrain.asgi import application
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain_agent.protocol import CloseCode, Welcome
-from tests.factories import make_volunteer
+from tests.factories import logged_in
 from tests.web.gateway.conftest import HELLO, Connect, connect, receive, send  # noqa: F401  (connect: a fixture)
 
 H100 = {"kind": "cuda", "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85_520_809_984, "threads": 16,
         "torch_version": "2.13.0", "flops_per_s": 5.1e14, "os": "Linux 6.8", "hostname": "lab-box"}  # fmt: skip
-
-
-@pytest.fixture
-def owner() -> AbstractBaseUser:
-    return make_volunteer("owner")
-
-
-@pytest.fixture
-def stranger() -> AbstractBaseUser:
-    return make_volunteer("stranger")
-
-
-def _as(user: AbstractBaseUser) -> Client:
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 def _device(owner: AbstractBaseUser, name: str, *, seen_s_ago: float | None = 1.0, **fields: object) -> Device:
@@ -55,7 +39,9 @@ def _device_through_login(approver: AbstractBaseUser) -> tuple[Device, str]:
     """A device as `crowdtrain-agent login` makes it: code, approval in the browser, token."""
     agent = Client()
     pair = agent.post("/api/device/code", {"name": "lab-box"}).json()
-    _as(approver).post("/device/confirm", {"user_code": pair["user_code"], "decision": "approve", "name": "lab-box"})
+    logged_in(approver).post(
+        "/device/confirm", {"user_code": pair["user_code"], "decision": "approve", "name": "lab-box"}
+    )
     token = agent.post("/api/device/token", {"grant_type": GRANT_TYPE, "device_code": pair["device_code"]})
     body = token.json()
     return Device.objects.get(pk=body["device_id"]), body["access_token"]
@@ -70,7 +56,7 @@ def test_the_page_lists_my_devices_with_hardware_speed_and_state(
     _device(owner, "sold box", revoked_at=timezone.now())
     _device(stranger, "someone else's rig")
 
-    page = _as(owner).get("/devices/")
+    page = logged_in(owner).get("/devices/")
 
     html = page.content.decode()
     assert page.status_code == 200
@@ -88,7 +74,7 @@ def test_a_device_approved_by_one_volunteer_is_invisible_and_untouchable_to_anot
     owner: AbstractBaseUser, stranger: AbstractBaseUser
 ) -> None:
     device, _ = _device_through_login(owner)
-    browser = _as(stranger)
+    browser = logged_in(stranger)
 
     page = browser.get("/devices/")
     rename = browser.post(f"/devices/{device.pk}/rename", {"name": "mine now"})
@@ -104,7 +90,7 @@ def test_a_device_approved_by_one_volunteer_is_invisible_and_untouchable_to_anot
 @pytest.mark.django_db
 def test_renaming_checks_the_new_name(owner: AbstractBaseUser) -> None:
     device = _device(owner, "desk gpu")
-    browser = _as(owner)
+    browser = logged_in(owner)
 
     blank = browser.post(f"/devices/{device.pk}/rename", {"name": " "}, follow=True)
     control = browser.post(f"/devices/{device.pk}/rename", {"name": "bad\x00name"}, follow=True)
@@ -121,7 +107,7 @@ def test_renaming_checks_the_new_name(owner: AbstractBaseUser) -> None:
 @pytest.mark.django_db
 def test_renaming_and_revoking_need_post(owner: AbstractBaseUser) -> None:
     device = _device(owner, "desk gpu")
-    browser = _as(owner)
+    browser = logged_in(owner)
 
     assert browser.get(f"/devices/{device.pk}/revoke").status_code == 405
     assert browser.get(f"/devices/{device.pk}/rename").status_code == 405
@@ -144,7 +130,7 @@ def test_an_agent_token_cannot_open_web_pages_as_its_volunteer(owner: AbstractBa
 
 @pytest.mark.django_db(transaction=True)
 async def test_a_web_session_cannot_act_as_an_agent(owner: AbstractBaseUser) -> None:
-    browser = await sync_to_async(_as)(owner)
+    browser = await sync_to_async(logged_in)(owner)
     cookie = f"{settings.SESSION_COOKIE_NAME}={browser.cookies[settings.SESSION_COOKIE_NAME].value}"
 
     socket = WebsocketCommunicator(application, "/ws/agent/", headers=[(b"cookie", cookie.encode())])
@@ -166,7 +152,7 @@ async def test_revoking_on_the_page_disconnects_the_running_agent_with_4003(
     socket, connected, _ = await connect("/ws/agent/", token)
     await send(socket, HELLO)
     welcome = await receive(socket)
-    browser = await sync_to_async(_as)(owner)
+    browser = await sync_to_async(logged_in)(owner)
 
     page = await sync_to_async(browser.post)(f"/devices/{device.pk}/revoke", follow=True)
     closed = await socket.receive_output(timeout=5)

@@ -6,24 +6,9 @@ from django.test import Client
 
 from crowdtrain.accounts.models import ANONYMOUS_NAME, Profile, Team
 from crowdtrain.accounts.teams import create_team
-from tests.factories import make_volunteer
+from tests.factories import logged_in
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def owner() -> AbstractBaseUser:
-    return make_volunteer("owner")
-
-
-@pytest.fixture
-def teammate() -> AbstractBaseUser:
-    return make_volunteer("teammate")
-
-
-@pytest.fixture
-def stranger() -> AbstractBaseUser:
-    return make_volunteer("stranger")
 
 
 @pytest.fixture
@@ -31,18 +16,12 @@ def team(owner: AbstractBaseUser) -> Team:
     return create_team(owner, "Gradient Gardeners")
 
 
-def _as(user: AbstractBaseUser, **client_options: bool) -> Client:
-    client = Client(**client_options)
-    client.force_login(user)
-    return client
-
-
 def _team_of(user: AbstractBaseUser) -> Team | None:
     return Profile.objects.select_related("team").get(user=user).team
 
 
 def test_a_volunteer_creates_a_team_and_becomes_its_first_member(owner: AbstractBaseUser) -> None:
-    response = _as(owner).post("/teams/new", {"name": "Gradient Gardeners", "description": "We prune."})
+    response = logged_in(owner).post("/teams/new", {"name": "Gradient Gardeners", "description": "We prune."})
 
     team = Team.objects.get()
     assert response.url == "/teams/gradient-gardeners/"
@@ -51,7 +30,7 @@ def test_a_volunteer_creates_a_team_and_becomes_its_first_member(owner: Abstract
 
 
 def test_team_names_are_unique_whatever_their_case(team: Team, stranger: AbstractBaseUser) -> None:
-    response = _as(stranger).post("/teams/new", {"name": "GRADIENT gardeners"})
+    response = logged_in(stranger).post("/teams/new", {"name": "GRADIENT gardeners"})
 
     assert response.status_code == 200
     assert "already exists" in response.context["form"].errors["name"][0]
@@ -59,7 +38,7 @@ def test_team_names_are_unique_whatever_their_case(team: Team, stranger: Abstrac
 
 
 def test_a_teammate_joins_through_the_invite_link(team: Team, teammate: AbstractBaseUser) -> None:
-    client = _as(teammate)
+    client = logged_in(teammate)
 
     confirm = client.get(f"/teams/join/{team.invite_code}")
     response = client.post(f"/teams/join/{team.invite_code}")
@@ -70,14 +49,14 @@ def test_a_teammate_joins_through_the_invite_link(team: Team, teammate: Abstract
 
 
 def test_opening_the_invite_link_does_not_join(team: Team, teammate: AbstractBaseUser) -> None:
-    response = _as(teammate).get(f"/teams/join/{team.invite_code}")
+    response = logged_in(teammate).get(f"/teams/join/{team.invite_code}")
 
     assert b"Join Gradient Gardeners" in response.content
     assert _team_of(teammate) is None
 
 
 def test_joining_needs_a_csrf_token(team: Team, teammate: AbstractBaseUser) -> None:
-    response = _as(teammate, enforce_csrf_checks=True).post(f"/teams/join/{team.invite_code}")
+    response = logged_in(teammate, enforce_csrf_checks=True).post(f"/teams/join/{team.invite_code}")
 
     assert response.status_code == 403
     assert _team_of(teammate) is None
@@ -86,10 +65,10 @@ def test_joining_needs_a_csrf_token(team: Team, teammate: AbstractBaseUser) -> N
 def test_members_see_the_invite_link_and_strangers_do_not(
     team: Team, teammate: AbstractBaseUser, stranger: AbstractBaseUser
 ) -> None:
-    _as(teammate).post(f"/teams/join/{team.invite_code}")
+    logged_in(teammate).post(f"/teams/join/{team.invite_code}")
 
-    member_page = _as(teammate).get(team.get_absolute_url()).content.decode()
-    stranger_page = _as(stranger).get(team.get_absolute_url()).content.decode()
+    member_page = logged_in(teammate).get(team.get_absolute_url()).content.decode()
+    stranger_page = logged_in(stranger).get(team.get_absolute_url()).content.decode()
     visitor_page = Client().get(team.get_absolute_url()).content.decode()
 
     assert team.invite_code in member_page
@@ -100,7 +79,7 @@ def test_members_see_the_invite_link_and_strangers_do_not(
 
 def test_the_team_page_lists_anonymous_members_as_anonymous(team: Team, teammate: AbstractBaseUser) -> None:
     Profile.objects.filter(user=teammate).update(display_name="Grace H.", anonymous=True)
-    _as(teammate).post(f"/teams/join/{team.invite_code}")
+    logged_in(teammate).post(f"/teams/join/{team.invite_code}")
 
     page = Client().get(team.get_absolute_url()).content.decode()
 
@@ -123,7 +102,7 @@ def test_a_visitor_is_sent_to_log_in_and_then_back_to_the_invite(team: Team, tea
 
 def test_joining_another_team_asks_to_leave_the_current_one(team: Team, stranger: AbstractBaseUser) -> None:
     other = create_team(stranger, "Tensor Tinkerers")
-    client = _as(stranger)
+    client = logged_in(stranger)
 
     unconfirmed = client.post(f"/teams/join/{team.invite_code}")
     still_in = _team_of(stranger)
@@ -135,7 +114,7 @@ def test_joining_another_team_asks_to_leave_the_current_one(team: Team, stranger
 
 
 def test_a_member_leaves_their_team(team: Team, owner: AbstractBaseUser) -> None:
-    client = _as(owner)
+    client = logged_in(owner)
 
     refused_get = client.get(f"/teams/{team.slug}/leave")
     client.post(f"/teams/{team.slug}/leave")
@@ -148,8 +127,8 @@ def test_a_member_leaves_their_team(team: Team, owner: AbstractBaseUser) -> None
 def test_a_new_invite_link_kills_the_old_one(team: Team, owner: AbstractBaseUser, teammate: AbstractBaseUser) -> None:
     old_code = team.invite_code
 
-    _as(owner).post(f"/teams/{team.slug}/invite")
-    dead = _as(teammate).post(f"/teams/join/{old_code}")
+    logged_in(owner).post(f"/teams/{team.slug}/invite")
+    dead = logged_in(teammate).post(f"/teams/join/{old_code}")
 
     team.refresh_from_db()
     assert team.invite_code != old_code
@@ -159,10 +138,10 @@ def test_a_new_invite_link_kills_the_old_one(team: Team, owner: AbstractBaseUser
 
 
 def test_only_the_creator_makes_a_new_invite_link(team: Team, teammate: AbstractBaseUser) -> None:
-    _as(teammate).post(f"/teams/join/{team.invite_code}")
+    logged_in(teammate).post(f"/teams/join/{team.invite_code}")
     old_code = team.invite_code
 
-    response = _as(teammate).post(f"/teams/{team.slug}/invite")
+    response = logged_in(teammate).post(f"/teams/{team.slug}/invite")
 
     team.refresh_from_db()
     assert response.status_code == 403
@@ -170,7 +149,7 @@ def test_only_the_creator_makes_a_new_invite_link(team: Team, teammate: Abstract
 
 
 def test_a_made_up_invite_code_is_a_clear_404(stranger: AbstractBaseUser) -> None:
-    response = _as(stranger).get("/teams/join/not-a-real-code")
+    response = logged_in(stranger).get("/teams/join/not-a-real-code")
 
     assert response.status_code == 404
     assert b"Ask a member of the team for the current link" in response.content
@@ -180,4 +159,4 @@ def test_a_team_named_like_a_fixed_page_gets_another_slug(owner: AbstractBaseUse
     team = create_team(owner, "New")
 
     assert team.slug == "new-2"
-    assert _as(owner).get("/teams/new-2/").status_code == 200
+    assert logged_in(owner).get("/teams/new-2/").status_code == 200

@@ -53,7 +53,7 @@ def test_the_page_shows_only_the_chosen_optimizers_fields(page: str) -> None:
                                  re.DOTALL).group(1))  # type: ignore[union-attr]  # fmt: skip
 
     assert shown["novel"] == ["lr", "rho"]
-    assert shown["sgd"] == ["lr", "momentum", "weight_decay", "decay_all"]
+    assert shown["sgd"] == ["lr", "momentum", "nesterov", "weight_decay", "decay_all"]
 
 
 def test_without_it_the_form_has_no_trace_of_it(client: Client) -> None:

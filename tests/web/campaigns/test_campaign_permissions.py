@@ -7,7 +7,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.test import Client
 
 from crowdtrain.campaigns.models import Campaign
-from tests.factories import make_admin, make_campaign, make_organizer, make_volunteer
+from tests.factories import logged_in, make_admin, make_campaign, make_organizer, make_persona, make_volunteer
 
 pytestmark = pytest.mark.django_db
 
@@ -26,45 +26,29 @@ def campaign(owner: AbstractBaseUser) -> Campaign:
     return Campaign.objects.get(pk=campaign.pk)
 
 
-def client_for(user: AbstractBaseUser | None) -> Client:
-    client = Client()
-    if user is not None:
-        client.force_login(user)
-    return client
-
-
-def persona(name: str) -> AbstractBaseUser | None:
-    return {
-        "other organizer": lambda: make_organizer("otto"),
-        "volunteer": lambda: make_volunteer("vera"),
-        "admin": lambda: make_admin("ada"),
-        "anonymous": lambda: None,
-    }[name]()
-
-
 @pytest.mark.parametrize("page", PAGES)
 def test_the_owner_opens_their_campaign_pages(owner: AbstractBaseUser, campaign: Campaign, page: str) -> None:
-    response = client_for(owner).get(page.format(id=campaign.pk))
+    response = logged_in(owner).get(page.format(id=campaign.pk))
 
     assert response.status_code == 200 and "Olga&#x27;s run" in response.content.decode()
 
 
 @pytest.mark.parametrize(("who", "status"), [("other organizer", 404), ("volunteer", 403), ("admin", 200)])
 def test_other_people_get_what_their_role_allows(campaign: Campaign, who: str, status: int) -> None:
-    response = client_for(persona(who)).get(f"/campaigns/{campaign.pk}/edit")
+    response = logged_in(make_persona(who)).get(f"/campaigns/{campaign.pk}/edit")
 
     assert response.status_code == status
 
 
 @pytest.mark.parametrize("who", ["other organizer", "volunteer", "anonymous"])
 def test_a_guessed_campaign_address_leads_others_to_its_public_page(campaign: Campaign, who: str) -> None:
-    response = client_for(persona(who)).get(f"/campaigns/{campaign.pk}/")
+    response = logged_in(make_persona(who)).get(f"/campaigns/{campaign.pk}/")
 
     assert response.status_code == 302 and response["Location"] == f"/campaigns/{campaign.pk}/join"
 
 
 def test_an_admin_manages_any_campaign_at_its_address(campaign: Campaign) -> None:
-    response = client_for(make_admin("ada")).get(f"/campaigns/{campaign.pk}/")
+    response = logged_in(make_admin("ada")).get(f"/campaigns/{campaign.pk}/")
 
     assert response.status_code == 200 and "Lifecycle" in response.content.decode()
 
@@ -73,7 +57,7 @@ def test_an_admin_manages_any_campaign_at_its_address(campaign: Campaign) -> Non
 def test_a_draft_stays_hidden_from_whoever_does_not_manage_it(campaign: Campaign, who: str, status: int) -> None:
     Campaign.objects.filter(pk=campaign.pk).update(state=Campaign.State.DRAFT)
 
-    response = client_for(persona(who)).get(f"/campaigns/{campaign.pk}/")
+    response = logged_in(make_persona(who)).get(f"/campaigns/{campaign.pk}/")
 
     assert response.status_code == status
     assert status != 302 or response["Location"].startswith("/accounts/login/")
@@ -88,7 +72,7 @@ def test_anonymous_visitors_are_sent_to_log_in(campaign: Campaign, page: str) ->
 
 @pytest.mark.parametrize("page", ["/campaigns/", "/campaigns/new"])
 def test_a_volunteer_is_told_to_request_the_organizer_role(page: str) -> None:
-    response = client_for(make_volunteer("vera")).get(page)
+    response = logged_in(make_volunteer("vera")).get(page)
 
     assert response.status_code == 403
     html = response.content.decode()
@@ -100,8 +84,8 @@ def test_organizers_list_only_their_own_campaigns_and_admins_all(campaign: Campa
     theirs = make_campaign()
     Campaign.objects.filter(pk=theirs.pk).update(owner=otto, name="Otto's run")
 
-    mine = client_for(otto).get("/campaigns/").content.decode()
-    everything = client_for(make_admin("ada")).get("/campaigns/").content.decode()
+    mine = logged_in(otto).get("/campaigns/").content.decode()
+    everything = logged_in(make_admin("ada")).get("/campaigns/").content.decode()
 
     assert "Otto&#x27;s run" in mine and "Olga&#x27;s run" not in mine
     assert "Otto&#x27;s run" in everything and "Olga&#x27;s run" in everything
@@ -109,7 +93,7 @@ def test_organizers_list_only_their_own_campaigns_and_admins_all(campaign: Campa
 
 @pytest.mark.parametrize(("who", "status"), [("other organizer", 404), ("volunteer", 403), ("anonymous", 302)])
 def test_lifecycle_posts_by_others_change_nothing(campaign: Campaign, who: str, status: int) -> None:
-    response = client_for(persona(who)).post(f"/campaigns/{campaign.pk}/lifecycle", {"action": "pause"})
+    response = logged_in(make_persona(who)).post(f"/campaigns/{campaign.pk}/lifecycle", {"action": "pause"})
 
     campaign.refresh_from_db()
     assert response.status_code == status
@@ -121,7 +105,7 @@ def test_the_owner_and_an_admin_can_move_the_campaign(owner: AbstractBaseUser, c
     for user in (owner, make_admin(f"ada-{action}")):
         Campaign.objects.filter(pk=campaign.pk).update(state=Campaign.State.RUNNING)
 
-        client_for(user).post(f"/campaigns/{campaign.pk}/lifecycle", {"action": action})
+        logged_in(user).post(f"/campaigns/{campaign.pk}/lifecycle", {"action": action, "confirmed": "yes"})
 
         campaign.refresh_from_db()
         assert campaign.state != Campaign.State.RUNNING
@@ -129,7 +113,7 @@ def test_the_owner_and_an_admin_can_move_the_campaign(owner: AbstractBaseUser, c
 
 @pytest.mark.parametrize(("who", "status"), [("other organizer", 404), ("volunteer", 403), ("anonymous", 302)])
 def test_edits_by_others_change_nothing(campaign: Campaign, who: str, status: int) -> None:
-    response = client_for(persona(who)).post(f"/campaigns/{campaign.pk}/edit", {"name": "Hijacked", "max_steps": 5})
+    response = logged_in(make_persona(who)).post(f"/campaigns/{campaign.pk}/edit", {"name": "Hijacked", "max_steps": 5})
 
     campaign.refresh_from_db()
     assert response.status_code == status and campaign.name == "Olga's run"
@@ -139,15 +123,14 @@ def test_edits_by_others_change_nothing(campaign: Campaign, who: str, status: in
 def test_only_the_owner_can_replace_the_invite_link(campaign: Campaign, who: str, status: int) -> None:
     Campaign.objects.filter(pk=campaign.pk).update(visibility="invite", invite_code="secret-code")
 
-    response = client_for(persona(who)).post(f"/campaigns/{campaign.pk}/invite")
+    response = logged_in(make_persona(who)).post(f"/campaigns/{campaign.pk}/invite")
 
     campaign.refresh_from_db()
     assert response.status_code == status and campaign.invite_code == "secret-code"
 
 
 def test_lifecycle_posts_need_the_csrf_token(owner: AbstractBaseUser, campaign: Campaign) -> None:
-    client = Client(enforce_csrf_checks=True)
-    client.force_login(owner)
+    client = logged_in(owner, enforce_csrf_checks=True)
 
     response = client.post(f"/campaigns/{campaign.pk}/lifecycle", {"action": "pause"})
 
@@ -156,8 +139,7 @@ def test_lifecycle_posts_need_the_csrf_token(owner: AbstractBaseUser, campaign: 
 
 
 def test_the_campaign_form_needs_the_csrf_token(owner: AbstractBaseUser, campaign: Campaign) -> None:
-    client = Client(enforce_csrf_checks=True)
-    client.force_login(owner)
+    client = logged_in(owner, enforce_csrf_checks=True)
 
     response = client.post(f"/campaigns/{campaign.pk}/edit", {"name": "No token"})
 
@@ -166,13 +148,13 @@ def test_the_campaign_form_needs_the_csrf_token(owner: AbstractBaseUser, campaig
 
 
 def test_a_volunteer_with_the_invite_link_becomes_invited(owner: AbstractBaseUser, campaign: Campaign) -> None:
-    owner_client = client_for(owner)
+    owner_client = logged_in(owner)
     owner_client.post(f"/campaigns/{campaign.pk}/edit", {
         "name": campaign.name, "visibility": "invite", "max_steps": 100, "dataset": campaign.dataset_id,
     })
     campaign.refresh_from_db()
     vera = make_volunteer("vera")
-    vera_client = client_for(vera)
+    vera_client = logged_in(vera)
 
     shown = vera_client.get(f"/campaigns/invite/{campaign.invite_code}")
     open_before = campaign.is_open_to(vera)
@@ -185,8 +167,8 @@ def test_a_volunteer_with_the_invite_link_becomes_invited(owner: AbstractBaseUse
 
 def test_a_replaced_or_wrong_invite_link_is_refused(owner: AbstractBaseUser, campaign: Campaign) -> None:
     Campaign.objects.filter(pk=campaign.pk).update(visibility="invite", invite_code="old-code")
-    client_for(owner).post(f"/campaigns/{campaign.pk}/invite")
-    vera_client = client_for(make_volunteer("vera"))
+    logged_in(owner).post(f"/campaigns/{campaign.pk}/invite")
+    vera_client = logged_in(make_volunteer("vera"))
 
     old = vera_client.post("/campaigns/invite/old-code")
     anonymous = Client().get(f"/campaigns/invite/{Campaign.objects.get(pk=campaign.pk).invite_code}")
@@ -226,8 +208,8 @@ def test_progress_and_join_pages_show_only_what_a_persona_may_watch(
         user = make_volunteer("ivy")
         campaign.invited.add(user)
     else:
-        user = persona(who)
-    client = client_for(user)
+        user = make_persona(who)
+    client = logged_in(user)
 
     progress = client.get(f"/api/campaigns/{campaign.pk}/progress")
     join = client.get(f"/campaigns/{campaign.pk}/join")

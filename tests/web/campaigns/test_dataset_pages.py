@@ -9,15 +9,9 @@ from django.test import Client
 
 from crowdtrain.campaigns.models import Dataset, Upload
 from crowdtrain.campaigns.sharding import create_text_dataset
-from tests.factories import make_admin, make_organizer, make_volunteer
+from tests.factories import logged_in, make_admin, make_organizer, make_volunteer
 
 pytestmark = pytest.mark.django_db
-
-
-def _client(user: Any) -> Client:
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 def _dataset(owner: Any, name: str = "owned") -> Dataset:
@@ -25,7 +19,7 @@ def _dataset(owner: Any, name: str = "owned") -> Dataset:
 
 
 def test_the_upload_page_has_the_chunked_uploader() -> None:
-    response = _client(make_organizer("olga")).get("/datasets/new")
+    response = logged_in(make_organizer("olga")).get("/datasets/new")
 
     assert response.status_code == 200
     assert b'data-create-url="/datasets/uploads"' in response.content
@@ -35,7 +29,7 @@ def test_the_upload_page_has_the_chunked_uploader() -> None:
 
 def test_anonymous_visitors_are_sent_to_log_in_and_volunteers_are_refused() -> None:
     anonymous = Client().get("/datasets/new")
-    volunteer = _client(make_volunteer("vera"))
+    volunteer = logged_in(make_volunteer("vera"))
 
     assert anonymous.status_code == 302 and anonymous["Location"].startswith("/accounts/login/")
     assert volunteer.get("/datasets/new").status_code == 403
@@ -49,7 +43,7 @@ def test_an_organizer_lists_only_their_datasets_and_unfinished_uploads() -> None
     _dataset(sam, "sam's corpus")
     Upload.objects.create(owner=olga, name="big", filename="big.txt", size=10_000, format="text", received=4096)
 
-    page = _client(olga).get("/datasets/").content.decode()
+    page = logged_in(olga).get("/datasets/").content.decode()
 
     assert "olga&#x27;s corpus" in page and "sam&#x27;s corpus" not in page
     assert "big.txt" in page
@@ -58,7 +52,7 @@ def test_an_organizer_lists_only_their_datasets_and_unfinished_uploads() -> None
 def test_staff_see_every_dataset() -> None:
     _dataset(make_organizer("olga"), "olga's corpus")
 
-    page = _client(make_admin()).get("/datasets/").content.decode()
+    page = logged_in(make_admin()).get("/datasets/").content.decode()
 
     assert "olga&#x27;s corpus" in page
 
@@ -68,7 +62,7 @@ def test_the_status_feed_reports_the_splits_and_the_error() -> None:
     dataset = _dataset(olga)
     Dataset.objects.filter(pk=dataset.pk).update(status="failed", error="line 2 is not valid JSON")
 
-    status = _client(olga).get(f"/datasets/{dataset.pk}/status").json()
+    status = logged_in(olga).get(f"/datasets/{dataset.pk}/status").json()
 
     assert status["status"] == "failed" and status["error"] == "line 2 is not valid JSON"
     assert (status["num_samples"], status["num_validation_samples"]) == (27, 3)
@@ -77,7 +71,7 @@ def test_the_status_feed_reports_the_splits_and_the_error() -> None:
 
 def test_someone_elses_dataset_is_unknown() -> None:
     dataset = _dataset(make_organizer("olga"))
-    sam = _client(make_organizer("sam"))
+    sam = logged_in(make_organizer("sam"))
 
     assert sam.get(f"/datasets/{dataset.pk}/").status_code == 404
     assert sam.get(f"/datasets/{dataset.pk}/status").status_code == 404
@@ -88,7 +82,7 @@ def test_the_detail_page_polls_while_sharding() -> None:
     dataset = _dataset(olga)
     Dataset.objects.filter(pk=dataset.pk).update(status="sharding", progress=0.4)
 
-    page = _client(olga).get(f"/datasets/{dataset.pk}/").content.decode()
+    page = logged_in(olga).get(f"/datasets/{dataset.pk}/").content.decode()
 
     assert f'data-status-url="/datasets/{dataset.pk}/status"' in page
     assert 'data-state="sharding"' in page and "40%" in page

@@ -15,7 +15,7 @@ from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.sharding import create_text_dataset
 from crowdtrain.campaigns.tasks import compute_validation_loss
 from crowdtrain_agent.models import get_model, load_exported
-from tests.factories import make_admin, make_campaign, make_organizer, make_volunteer
+from tests.factories import logged_in, make_admin, make_campaign, make_organizer, make_volunteer
 
 pytestmark = pytest.mark.django_db
 
@@ -41,13 +41,6 @@ def campaign(monkeypatch: pytest.MonkeyPatch) -> Campaign:
     return c
 
 
-def _client(user: object | None) -> Client:
-    client = Client()
-    if user is not None:
-        client.force_login(user)
-    return client
-
-
 def _get(client: Client, name: str, campaign: Campaign, version: object | None = None) -> object:
     url = reverse(name, args=[campaign.pk])
     return client.get(url, {"version": version} if version is not None else {})
@@ -56,7 +49,7 @@ def _get(client: Client, name: str, campaign: Campaign, version: object | None =
 def test_the_owner_downloads_a_version_that_loads_and_reproduces_its_validation_loss(
     campaign: Campaign, tmp_path: Path
 ) -> None:
-    client = _client(campaign.owner)
+    client = logged_in(campaign.owner)
 
     weights = _get(client, "campaign-export", campaign, 10)
     config = _get(client, "campaign-export-config", campaign, 10)
@@ -75,13 +68,13 @@ def test_the_owner_downloads_a_version_that_loads_and_reproduces_its_validation_
 
 
 def test_without_a_version_the_newest_export_is_served(campaign: Campaign) -> None:
-    config = _get(_client(campaign.owner), "campaign-export-config", campaign)
+    config = _get(logged_in(campaign.owner), "campaign-export-config", campaign)
 
     assert config.json()["version"] == 20
 
 
 def test_staff_may_export_any_campaign(campaign: Campaign) -> None:
-    response = _get(_client(make_admin()), "campaign-export", campaign, 20)
+    response = _get(logged_in(make_admin()), "campaign-export", campaign, 20)
 
     assert response.status_code == 200
 
@@ -90,27 +83,27 @@ def test_staff_may_export_any_campaign(campaign: Campaign) -> None:
 def test_nobody_else_learns_the_campaign_exists(campaign: Campaign, persona: str) -> None:
     user = make_organizer("stranger") if persona == "another organizer" else make_volunteer("volunteer")
 
-    weights = _get(_client(user), "campaign-export", campaign, 10)
-    config = _get(_client(user), "campaign-export-config", campaign, 10)
+    weights = _get(logged_in(user), "campaign-export", campaign, 10)
+    config = _get(logged_in(user), "campaign-export-config", campaign, 10)
 
     assert weights.status_code == 404 and config.status_code == 404
 
 
 def test_an_anonymous_visitor_is_sent_to_sign_in(campaign: Campaign) -> None:
-    response = _get(_client(None), "campaign-export", campaign, 10)
+    response = _get(logged_in(None), "campaign-export", campaign, 10)
 
     assert response.status_code == 302 and reverse("account_login") in response["Location"]
 
 
 def test_a_version_that_is_not_a_number_is_refused(campaign: Campaign) -> None:
-    response = _get(_client(campaign.owner), "campaign-export", campaign, "ten")
+    response = _get(logged_in(campaign.owner), "campaign-export", campaign, "ten")
 
     assert response.status_code == 400
     assert response.json() == {"error": "version must be an integer, got 'ten'"}
 
 
 def test_a_version_without_stored_weights_names_the_ones_there_are(campaign: Campaign) -> None:
-    response = _get(_client(campaign.owner), "campaign-export-config", campaign, 15)
+    response = _get(logged_in(campaign.owner), "campaign-export-config", campaign, 15)
 
     assert response.status_code == 404
     assert response.json() == {"error": "version 15 was not exported; exported versions: 20, 10"}
@@ -121,13 +114,13 @@ def test_a_campaign_with_nothing_validated_has_nothing_to_export() -> None:
     c.owner = make_organizer("owner")
     c.save(update_fields=["owner"])
 
-    response = _get(_client(c.owner), "campaign-export", c)
+    response = _get(logged_in(c.owner), "campaign-export", c)
 
     assert response.status_code == 404 and "nothing to export yet" in response.json()["error"]
 
 
 def test_the_campaign_page_shows_the_snippet_and_the_download_links(campaign: Campaign) -> None:
-    page = _client(campaign.owner).get(reverse("campaign-detail", args=[campaign.pk]))
+    page = logged_in(campaign.owner).get(reverse("campaign-detail", args=[campaign.pk]))
 
     html = page.content.decode()
     assert page.status_code == 200

@@ -39,7 +39,8 @@ def campaign_in(state: str, owner: AbstractBaseUser, **fields: object) -> Campai
 
 
 def act(client: Client, campaign: Campaign, action: str) -> list[str]:
-    response = client.post(f"/campaigns/{campaign.pk}/lifecycle", {"action": action}, follow=True)
+    # confirmed: Finish and Archive ask first (test_irreversible_moves_ask_first covers the asking)
+    response = client.post(f"/campaigns/{campaign.pk}/lifecycle", {"action": action, "confirmed": "yes"}, follow=True)
     assert response.redirect_chain[0] == (f"/campaigns/{campaign.pk}/", 302)
     return [str(m) for m in response.context["messages"]]
 
@@ -66,7 +67,7 @@ def test_a_started_campaign_without_aggregators_says_it_waits(owner_client: Clie
     act(owner_client, campaign, "start")
     page = owner_client.get(f"/campaigns/{campaign.pk}/")
 
-    assert "Waiting for aggregators: 0 of 1 assigned" in page.content.decode()
+    assert "Waiting for aggregators: 0 of 1 slice ready" in page.content.decode()
 
 
 def test_a_dataset_still_being_sharded_cannot_start(owner_client: Client, owner: AbstractBaseUser) -> None:

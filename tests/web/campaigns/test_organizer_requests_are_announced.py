@@ -6,18 +6,11 @@ from typing import Any
 
 import pytest
 from django.core import mail
-from django.test import Client
 
 from crowdtrain.campaigns.models import OrganizerRequest
-from tests.factories import make_admin, make_volunteer
+from tests.factories import logged_in, make_admin, make_volunteer
 
 pytestmark = pytest.mark.django_db
-
-
-def logged_in(user: Any) -> Client:
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 def ask(volunteer: Any, reason: str = "A small GPT on Shakespeare for my class.") -> None:

@@ -8,7 +8,7 @@ from django.test import Client
 
 from crowdtrain.campaigns.models import OrganizerRequest
 from crowdtrain.campaigns.organizers import ORGANIZERS_GROUP, is_organizer
-from tests.factories import make_admin, make_organizer, make_volunteer
+from tests.factories import logged_in, make_admin, make_organizer, make_volunteer
 
 pytestmark = pytest.mark.django_db
 
@@ -21,12 +21,6 @@ def vera() -> AbstractBaseUser:
 @pytest.fixture
 def admin_client(client: Client) -> Client:
     client.force_login(make_admin("ada"))
-    return client
-
-
-def logged_in(user: AbstractBaseUser) -> Client:
-    client = Client()
-    client.force_login(user)
     return client
 
 
@@ -161,8 +155,7 @@ def test_an_admin_grants_from_the_django_admin(vera: AbstractBaseUser) -> None:
 def test_the_staff_page_decides_with_the_csrf_token_only(vera: AbstractBaseUser) -> None:
     logged_in(vera).post("/organizers/request", {"reason": "x"})
     request = OrganizerRequest.objects.get()
-    client = Client(enforce_csrf_checks=True)
-    client.force_login(make_admin("ada"))
+    client = logged_in(make_admin("ada"), enforce_csrf_checks=True)
 
     response = client.post(f"/organizers/requests/{request.pk}/decide", {"decision": "grant"})
 

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from django.test import Client
 
-from tests.factories import make_organizer, make_volunteer
+from tests.factories import logged_in, make_organizer, make_volunteer
 
 pytestmark = pytest.mark.django_db
-
-
-def logged_in(user: Any) -> Client:
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 def test_organizers_find_datasets_in_the_navigation_and_volunteers_do_not() -> None:

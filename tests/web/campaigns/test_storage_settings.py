@@ -15,7 +15,7 @@ from storages.backends.s3 import S3Storage
 
 import crowdtrain.settings
 from crowdtrain.campaigns.models import Dataset
-from tests.factories import make_device, make_organizer
+from tests.factories import logged_in, make_device, make_organizer
 
 S3_VARIABLES = {
     "CROWDTRAIN_S3_BUCKET": "crowdtrain-data",
@@ -88,8 +88,7 @@ IN_MEMORY = {
 def test_upload_sharding_and_download_use_only_the_storage_api(media_root: Any) -> None:
     # A storage with no files on disk stands in for S3: any code that used a path would fail here.
     corpus = bytes(32 + (i * 17) % 95 for i in range(2500))
-    client = Client()
-    client.force_login(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
     body = {"filename": "c.txt", "size": len(corpus), "format": "text", "sample_len": 10}
     upload_id = client.post("/datasets/uploads", json.dumps(body), content_type="application/json").json()["id"]
     for offset in range(0, len(corpus), 1024):

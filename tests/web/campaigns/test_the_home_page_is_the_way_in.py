@@ -6,7 +6,7 @@ import pytest
 from django.test import Client
 
 from crowdtrain.campaigns.models import Campaign
-from tests.factories import commit_steps, make_campaign, make_device, make_volunteer
+from tests.factories import commit_steps, logged_in, make_campaign, make_device, make_volunteer
 
 pytestmark = pytest.mark.django_db
 
@@ -35,8 +35,7 @@ def test_a_count_of_one_contributor_is_singular(client: Client) -> None:
 
 def test_an_empty_my_devices_page_offers_the_open_campaigns() -> None:
     campaign = make_campaign()
-    browser = Client()
-    browser.force_login(make_volunteer("newcomer"))
+    browser = logged_in(make_volunteer("newcomer"))
 
     html = browser.get("/devices/").content.decode()
 
@@ -47,8 +46,7 @@ def test_an_empty_my_devices_page_offers_the_open_campaigns() -> None:
 def test_my_devices_with_a_device_lists_no_join_buttons() -> None:
     campaign = make_campaign()
     device, _token = make_device("owner")
-    browser = Client()
-    browser.force_login(device.owner)
+    browser = logged_in(device.owner)
 
     html = browser.get("/devices/").content.decode()
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from django.test import Client
 
 from crowdtrain.campaigns.models import Campaign
-from tests.factories import make_campaign, make_organizer
+from tests.factories import logged_in, make_campaign, make_organizer
 
 pytestmark = pytest.mark.django_db
 
@@ -15,8 +14,7 @@ def test_the_pause_button_and_the_paused_page_name_the_deadline() -> None:
     owner = make_organizer("olga")
     campaign = make_campaign()
     Campaign.objects.filter(pk=campaign.pk).update(owner=owner)
-    browser = Client()
-    browser.force_login(owner)
+    browser = logged_in(owner)
 
     paused = browser.post(f"/campaigns/{campaign.pk}/lifecycle", {"action": "pause"}, follow=True).content.decode()
 

@@ -7,19 +7,17 @@ from typing import Any
 
 import pytest
 import torch
-from django.test import Client
 from torch import nn
 
 from crowdtrain_agent.models import REGISTRY, ModelEntry, max_text_sample_len
 from crowdtrain_agent.models.registry import ConfigField
-from tests.factories import make_organizer
+from tests.factories import logged_in, make_organizer
 
 pytestmark = pytest.mark.django_db
 
 
 def _start(sample_len: int) -> Any:
-    client = Client()
-    client.force_login(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
     body = {"filename": "corpus.txt", "size": 100_000, "format": "text", "sample_len": sample_len}
     return client.post("/datasets/uploads", json.dumps(body), content_type="application/json")
 
@@ -54,8 +52,7 @@ def test_a_text_architecture_with_longer_samples_raises_the_limit(monkeypatch: p
 
 
 def test_the_upload_page_offers_the_registrys_limit() -> None:
-    client = Client()
-    client.force_login(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
 
     response = client.get("/datasets/new")
 

@@ -11,7 +11,7 @@ from django.core.files.storage import default_storage
 from django.test import Client
 
 from crowdtrain.campaigns.models import Dataset, Upload
-from tests.factories import make_admin, make_organizer, make_volunteer
+from tests.factories import logged_in, make_admin, make_organizer, make_volunteer
 
 pytestmark = pytest.mark.django_db
 
@@ -21,12 +21,6 @@ CORPUS = bytes(32 + (i * 31 + 7) % 95 for i in range(3000))
 @pytest.fixture(autouse=True)
 def small_chunks(settings: Any) -> None:
     settings.CROWDTRAIN_UPLOAD_CHUNK_BYTES = 1024
-
-
-def _client(user: Any) -> Client:
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 def _start(client: Client, **fields: Any) -> Any:
@@ -46,7 +40,7 @@ def _send_all(client: Client, upload_id: str, data: bytes, chunk: int = 1024) ->
 
 
 def test_an_organizer_uploads_in_chunks_and_completing_shards_the_file() -> None:
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
     upload_id = _start(client).json()["id"]
     _send_all(client, upload_id, CORPUS)
 
@@ -61,7 +55,7 @@ def test_an_organizer_uploads_in_chunks_and_completing_shards_the_file() -> None
 
 
 def test_the_upload_says_how_many_bytes_arrived_so_a_reload_can_resume() -> None:
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
     upload_id = _start(client).json()["id"]
     _put(client, upload_id, 0, CORPUS[:1024])
     _put(client, upload_id, 1024, CORPUS[1024:1500])
@@ -75,7 +69,7 @@ def test_the_upload_says_how_many_bytes_arrived_so_a_reload_can_resume() -> None
 
 @pytest.mark.parametrize("offset", [0, 700, 2048])
 def test_a_chunk_at_the_wrong_offset_gets_409_with_the_resume_point(offset: int) -> None:
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
     upload_id = _start(client).json()["id"]
     _put(client, upload_id, 0, CORPUS[:1024])
 
@@ -88,7 +82,7 @@ def test_a_chunk_at_the_wrong_offset_gets_409_with_the_resume_point(offset: int)
 
 
 def test_a_chunk_over_the_chunk_limit_gets_413() -> None:
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
     upload_id = _start(client).json()["id"]
 
     response = _put(client, upload_id, 0, CORPUS[:1025])
@@ -99,7 +93,7 @@ def test_a_chunk_over_the_chunk_limit_gets_413() -> None:
 
 
 def test_a_chunk_past_the_declared_size_gets_413() -> None:
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
     upload_id = _start(client, size=100).json()["id"]
 
     response = _put(client, upload_id, 0, CORPUS[:200])
@@ -110,7 +104,7 @@ def test_a_chunk_past_the_declared_size_gets_413() -> None:
 
 def test_a_file_over_the_size_cap_is_refused_before_any_byte(settings: Any) -> None:
     settings.CROWDTRAIN_MAX_UPLOAD_BYTES = 2000
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
 
     response = _start(client)
 
@@ -135,7 +129,7 @@ def test_a_file_over_the_size_cap_is_refused_before_any_byte(settings: Any) -> N
     ],
 )
 def test_a_bad_upload_request_is_refused_with_the_field_named(fields: dict[str, Any], problem: str) -> None:
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
 
     response = _start(client, **fields)
 
@@ -145,7 +139,7 @@ def test_a_bad_upload_request_is_refused_with_the_field_named(fields: dict[str, 
 
 
 def test_optional_fields_may_be_null() -> None:
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
 
     response = _start(client, sha256=None, name=None, format="jsonl", text_field=None)
 
@@ -155,7 +149,7 @@ def test_optional_fields_may_be_null() -> None:
 
 
 def test_a_body_that_is_not_json_is_refused() -> None:
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
 
     response = client.post("/datasets/uploads", "size=3", content_type="application/json")
 
@@ -165,7 +159,7 @@ def test_a_body_that_is_not_json_is_refused() -> None:
 
 @pytest.mark.parametrize("offset", ["", "-1", "ten"])
 def test_a_chunk_without_a_byte_offset_is_refused(offset: str) -> None:
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
     upload_id = _start(client).json()["id"]
 
     response = _put(client, upload_id, offset, CORPUS[:10])
@@ -175,7 +169,7 @@ def test_a_chunk_without_a_byte_offset_is_refused(offset: str) -> None:
 
 
 def test_completing_before_every_byte_arrived_gets_409() -> None:
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
     upload_id = _start(client).json()["id"]
     _put(client, upload_id, 0, CORPUS[:1024])
 
@@ -187,7 +181,7 @@ def test_completing_before_every_byte_arrived_gets_409() -> None:
 
 
 def test_completing_twice_gives_the_same_dataset_and_refuses_more_chunks() -> None:
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
     upload_id = _start(client).json()["id"]
     _send_all(client, upload_id, CORPUS)
     first = client.post(f"/datasets/uploads/{upload_id}/complete").json()["dataset"]
@@ -202,7 +196,7 @@ def test_completing_twice_gives_the_same_dataset_and_refuses_more_chunks() -> No
 
 def test_anonymous_visitors_and_plain_volunteers_cannot_upload() -> None:
     anonymous = _start(Client())
-    volunteer = _start(_client(make_volunteer("vera")))
+    volunteer = _start(logged_in(make_volunteer("vera")))
 
     assert anonymous.status_code == 401 and anonymous.json() == {"error": "log in first"}
     assert volunteer.status_code == 403
@@ -212,10 +206,10 @@ def test_anonymous_visitors_and_plain_volunteers_cannot_upload() -> None:
 
 @pytest.mark.parametrize("persona", ["stranger", "admin"])
 def test_someone_elses_upload_is_unknown(persona: str) -> None:
-    owner = _client(make_organizer("olga"))
+    owner = logged_in(make_organizer("olga"))
     upload_id = _start(owner).json()["id"]
     _put(owner, upload_id, 0, CORPUS[:1024])
-    other = _client(make_organizer("sam") if persona == "stranger" else make_admin())
+    other = logged_in(make_organizer("sam") if persona == "stranger" else make_admin())
 
     answers = [
         other.get(f"/datasets/uploads/{upload_id}"),
@@ -231,7 +225,7 @@ def test_someone_elses_upload_is_unknown(persona: str) -> None:
 @pytest.mark.django_db(transaction=True)
 def test_without_a_worker_the_request_returns_and_sharding_finishes_in_the_background(settings: Any) -> None:
     settings.CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND = True  # the embedded default: eager Celery, no worker
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
     upload_id = _start(client).json()["id"]
     _send_all(client, upload_id, CORPUS)
 
@@ -248,7 +242,7 @@ def test_without_a_worker_the_request_returns_and_sharding_finishes_in_the_backg
 
 @pytest.mark.parametrize("offset", ["%C2%B2", "1" * 40, "-1"])
 def test_an_offset_that_is_not_plain_digits_is_a_clear_400(offset: str) -> None:
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
     upload_id = _start(client).json()["id"]
 
     response = client.put(
@@ -259,7 +253,7 @@ def test_an_offset_that_is_not_plain_digits_is_a_clear_400(offset: str) -> None:
 
 
 def test_a_create_request_nested_beyond_the_parser_is_a_clear_400() -> None:
-    client = _client(make_organizer("olga"))
+    client = logged_in(make_organizer("olga"))
 
     response = client.post("/datasets/uploads", "[" * 5000, content_type="application/json")
 

@@ -17,7 +17,7 @@ from crowdtrain.credit import boards
 from crowdtrain.credit.models import FLOPS_PER_CREDIT, CreditEntry
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
-from tests.factories import commit_leases, make_campaign, make_device, make_user
+from tests.factories import commit_leases, logged_in, make_campaign, make_device, make_user
 
 pytestmark = pytest.mark.django_db
 
@@ -121,8 +121,7 @@ def test_the_page_shows_public_names_and_the_viewers_row_even_far_down(monkeypat
     Profile.objects.filter(user=users[1]).update(display_name="Secret", anonymous=True)
     boards.add([_delta(u.pk, 100.0 - i) for i, u in enumerate(users)], now=NOW)
     viewer = users[55]
-    client = Client()
-    client.force_login(viewer)
+    client = logged_in(viewer)
 
     first = client.get("/leaderboards/?period=24h")
     jumped = client.get("/leaderboards/?period=24h&me=1")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -45,6 +46,30 @@ async def greeted_agent(connect: Connect, name: str = "", *, token: str = "") ->
     await send(communicator, HELLO)
     await receive(communicator)
     return communicator
+
+
+async def lease_asked_by_an_agent_of_minor(minor: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A new device's agent speaking 2.``minor`` asks for a lease: the frame it gets, then how its socket closes."""
+    from asgiref.sync import sync_to_async
+
+    from crowdtrain_agent.protocol import LeaseRequest
+    from crowdtrain_agent.protocol.frames import subprotocol
+    from tests.factories import make_device
+
+    _, token = await sync_to_async(make_device)()
+    old = WebsocketCommunicator(
+        application, "/ws/agent/", headers=[(b"authorization", f"Bearer {token}".encode())],
+        subprotocols=[subprotocol(minor)],
+    )  # fmt: skip
+    connected, chosen = await old.connect()
+    assert connected and chosen == subprotocol(minor)
+    await old.send_to(text_data=encode_message(HELLO, minor))
+    await old.receive_from(timeout=5)  # welcome
+    await old.send_to(text_data=encode_message(LeaseRequest(), minor))
+    frame = json.loads(await old.receive_from(timeout=5))
+    closed = await old.receive_output(timeout=5)
+    await old.disconnect()
+    return frame, closed
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from crowdtrain.ops.aggregator_probe import probe
 from crowdtrain.ops.models import SITE, DashboardSample
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Aggregator, Lease, SliceAssignment
-from tests.factories import make_admin, make_campaign, make_device, make_volunteer, work_until_committed
+from tests.factories import logged_in, make_admin, make_campaign, make_device, make_volunteer, work_until_committed
 
 
 @pytest.fixture(autouse=True)
@@ -37,9 +37,7 @@ def fresh_dashboard() -> Iterator[None]:
 
 @pytest.mark.django_db
 def test_only_staff_see_the_dashboard_page() -> None:
-    anonymous, volunteer, admin = Client(), Client(), Client()
-    volunteer.force_login(make_volunteer("stranger"))
-    admin.force_login(make_admin("admin"))
+    anonymous, volunteer, admin = logged_in(), logged_in(make_volunteer("stranger")), logged_in(make_admin("admin"))
 
     page = admin.get("/dashboard/")
 

@@ -9,7 +9,7 @@ from django.test import Client
 from crowdtrain.campaigns.models import Step, ValidationResult
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.hotstate import hot_state
-from crowdtrain.scheduler.models import Lease, SliceAssignment
+from crowdtrain.scheduler.models import Aggregator, Lease, SliceAssignment
 from crowdtrain.verification.models import Standing
 from tests.conftest import FakeClock
 from tests.factories import make_campaign, make_device, make_user, work_until_committed
@@ -120,3 +120,19 @@ def test_the_latency_histograms_count_lease_requests_and_commits() -> None:
     )
     assert commits == Step.objects.filter(campaign=campaign).count() == 2
     assert value(after, "crowdtrain_lease_request_seconds_bucket", le="+Inf") is not None
+
+
+def test_only_aggregators_holding_slices_of_running_campaigns_count_for_the_silent_alert() -> None:
+    campaign = make_campaign()
+    holder = SliceAssignment.objects.get(campaign=campaign).aggregator.name
+    Aggregator.objects.create(name="spare", token_hash="spare-token-hash")  # a token whose aggregator never ran
+
+    running = scrape(Client())
+    campaign.state = campaign.State.PAUSED
+    campaign.save(update_fields=["state"])
+    paused = scrape(Client())
+
+    assert value(running, "crowdtrain_aggregator_running_slices", aggregator=holder) == 1
+    assert value(running, "crowdtrain_aggregator_running_slices", aggregator="spare") == 0
+    assert value(running, "crowdtrain_aggregator_connected", aggregator="spare") == 0
+    assert value(paused, "crowdtrain_aggregator_running_slices", aggregator=holder) == 0

@@ -6,7 +6,6 @@ import logging
 from datetime import timedelta
 
 import pytest
-from django.test import Client
 from django.utils import timezone
 
 from crowdtrain.campaigns.models import Campaign
@@ -14,7 +13,7 @@ from crowdtrain.campaigns.organizers import grant_role
 from crowdtrain.scheduler import backbone
 from crowdtrain.scheduler.configs import run_state
 from crowdtrain_agent.protocol import SliceReady, StepCommit, StepFailed
-from tests.factories import commit_steps, make_campaign, make_device
+from tests.factories import commit_steps, logged_in, make_campaign, make_device
 
 pytestmark = pytest.mark.django_db
 
@@ -94,8 +93,7 @@ def test_the_organizer_reads_it_on_the_campaign_page() -> None:
     campaign = _campaign_with_one_committed_step()
     _fail_step_0(campaign)
     grant_role(campaign.owner)
-    client = Client()
-    client.force_login(campaign.owner)
+    client = logged_in(campaign.owner)
 
     page = client.get(f"/campaigns/{campaign.pk}/").content.decode()
 

@@ -177,7 +177,7 @@ def test_the_campaign_page_shows_the_block_and_only_staff_can_restore(client: Cl
     grant_role(campaign.owner)
     client.force_login(campaign.owner)
     page = client.get(f"/campaigns/{campaign.pk}/").content.decode()
-    assert "Blocked:" in page and "lost slice 0" in page and 'data-testid="restore"' not in page
+    assert 'data-code="blocked"' in page and "lost slice 0" in page and 'data-testid="restore"' not in page
     refused = client.post(f"/campaigns/{campaign.pk}/restore", {"version": "4"})
     assert refused.status_code == 302 and "/admin/login" in refused["Location"]
 

@@ -365,6 +365,21 @@ def test_a_lease_names_the_shards_the_next_leases_will_read() -> None:
     assert lease.prefetch == [table.sha256s[at_cursor], table.sha256s[(at_cursor + 1) % len(table.sha256s)]]
 
 
+def test_a_lease_of_many_shards_names_as_many_ahead_up_to_a_bound() -> None:
+    # 100 samples in 4 shards of 25: a lease of 40 samples reads two shards; the next one will read as many.
+    campaign = make_campaign(target_batch_size=40, microbatch_size=4)
+    device, _ = make_device()
+    table = shard_table(campaign.dataset)
+
+    lease = leasing.request_lease(device.pk, None, 1e9)  # a fast device: the whole step in one lease
+
+    assert lease.num_samples == 40 and len(table.sha256s) == 4
+    last = table.sha256s.index(lease.ranges[-1].shard)
+    # From the lease's last shard on, until the shards after it hold another 40 samples: two more.
+    assert lease.prefetch == [table.sha256s[(last + k) % 4] for k in range(3)]
+    assert len(lease.prefetch) <= leasing.MAX_PREFETCH_SHARDS
+
+
 def test_a_report_sent_again_after_its_step_committed_is_told_it_was_counted() -> None:
     make_campaign(target_batch_size=8, microbatch_size=4)
     device, _ = make_device()

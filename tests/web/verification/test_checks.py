@@ -244,6 +244,31 @@ def test_a_copy_given_back_goes_to_another_volunteer(campaign: Campaign) -> None
     assert Check.objects.get(lease_id=original.lease_id).state == Check.State.OPEN
 
 
+def test_a_copy_whose_version_left_the_aggregators_window_is_not_served_and_ends_without_verdict(
+    campaign: Campaign, django_capture_on_commit_callbacks
+) -> None:
+    from crowdtrain.scheduler.hotstate import hot_state
+
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    original, _ = _work(campaign, alice.pk, HONEST)
+    # Steps went on meanwhile: with staleness 0 the aggregators keep two versions, at most a version behind open.
+    state = hot_state()
+    open_step = original.base_version + campaign.staleness + 3
+    state.client.hset(state.campaign_key(campaign.hot_key.hex) + "meta", "open", open_step)
+    assert checks.oldest_copyable(open_step, campaign.staleness) > original.base_version
+
+    with django_capture_on_commit_callbacks(execute=True):
+        work = _lease(campaign, bob.pk)
+
+    # Bob gets real work rather than a copy no aggregator can serve parameters for ...
+    assert not verify_ticket(work.ticket, ticket_key(campaign.pk)).check
+    case = Check.objects.get(lease_id=original.lease_id)
+    # ... and the check ends with no verdict on anyone, so Alice's lease is not held back for good.
+    assert case.state == Check.State.ABANDONED and "window" in case.detail
+    assert not Answer.objects.filter(case=case, role=Answer.Role.COPY).exists()
+
+
 def test_receipts_without_sketches_are_never_picked(campaign: Campaign) -> None:
     from tests.factories import done_for
 

@@ -11,7 +11,7 @@ from django.utils import timezone
 from crowdtrain.accounts.models import Device, Profile
 from crowdtrain.verification import quarantine
 from crowdtrain.verification.models import Answer, Check, Standing
-from tests.factories import make_admin, make_campaign, make_device, make_volunteer
+from tests.factories import logged_in, make_admin, make_campaign, make_device, make_volunteer
 
 pytestmark = pytest.mark.django_db
 
@@ -36,12 +36,6 @@ def ada() -> AbstractBaseUser:
 def stan() -> AbstractBaseUser:
     """A volunteer in good standing, not staff."""
     return make_volunteer("stan")
-
-
-def logged_in(user: AbstractBaseUser) -> Client:
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 def _state(user: AbstractBaseUser) -> str:

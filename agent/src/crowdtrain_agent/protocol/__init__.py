@@ -31,6 +31,7 @@ from .tickets import (
     sign_receipt,
     sign_ticket,
     ticket_campaign,
+    ticket_is_check,
     verify_receipt,
     verify_ticket,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "sign_ticket",
     "split_payload",
     "ticket_campaign",
+    "ticket_is_check",
     "verify_receipt",
     "verify_ticket",
 ]

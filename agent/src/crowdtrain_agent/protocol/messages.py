@@ -46,7 +46,11 @@ from .schema import (
 
 M = TypeVar("M", bound=Message)
 
-CodecName = Literal["fp32", "fp16"]
+# "sync": a lease's upload is its summed gradient; "local" (2.3): a pseudo-gradient of inner steps (see Lease).
+TrainingMode = Literal["sync", "local"]
+CodecName = Literal["fp32", "fp16", "int8"]  # "int8" since 2.3: an older peer cannot read it (``since_values``)
+# Elements per scale of the int8 codec (crowdtrain_agent.codec.MIN_INT8_BLOCK_SIZE to MAX_INT8_BLOCK_SIZE).
+BlockSize = Annotated[int, msgspec.Meta(ge=32, le=1 << 16)]
 DeviceKind = Literal["cpu", "cuda", "mps"]
 DataKind = Literal["text", "tensors"]
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
@@ -132,8 +136,10 @@ class OptimizerSpec(Part, frozen=True, kw_only=True):
     decay_all: bool = False  # weight decay on every tensor (default: tensors of 2 or more dimensions only)
     # Hyperparameters of registered optimizers that have no field of their own, by registry name.
     extra: dict[Name, Real] = {}
+    # 2.3: Nesterov momentum for SGD (DiLoCo's outer optimizer). Not advisory: without it the step differs.
+    nesterov: bool = False
 
-    since: ClassVar[dict[str, int]] = {"decay_all": 1, "extra": 1}
+    since: ClassVar[dict[str, int]] = {"decay_all": 1, "extra": 1, "nesterov": 3}
 
     def lr_multiplier(self, step: int) -> float:
         """The factor on ``lr`` for step ``step`` (0-based; the step that makes version ``step + 1``).
@@ -220,6 +226,18 @@ class Lease(Message, tag="lease", frozen=True, kw_only=True):
     # Shards the campaign's next leases will read (sha256): fetched ahead, while this lease computes,
     # so a lease seldom waits for its data. Agents take the first few.
     prefetch: list[Annotated[str, msgspec.Meta(max_length=64)]] = []
+    # 2.3: elements per scale when ``codec`` is int8. Advisory: it means nothing for another codec,
+    # and a lease in int8 (which ``since_values`` marks 2.3) is never sent to an older agent.
+    codec_block_size: BlockSize = 256
+    # 2.3: "local" (DiLoCo): train a copy of the model with ``inner`` over the lease's microbatches, one
+    # inner step each, and upload the pseudo-gradient (base minus final parameters) times ``num_samples``
+    # instead of the summed gradient. An older agent would upload a gradient: such a lease is never sent to it.
+    mode: TrainingMode = "sync"
+    inner: OptimizerSpec | None = None  # the inner optimizer of a "local" lease; its lr is already scheduled
+
+    since: ClassVar[dict[str, int]] = {"codec_block_size": 3, "mode": 3, "inner": 3}
+    advisory: ClassVar[frozenset[str]] = frozenset({"codec_block_size"})
+    since_values: ClassVar[dict[str, dict[str, int]]] = {"codec": {"int8": 3}}
 
 
 NoLeaseReason = Literal[
@@ -244,12 +262,50 @@ class NoLease(Message, tag="no_lease", frozen=True, kw_only=True):
     ready_at_step: Version | None = None
 
 
+def no_lease_why(reason: str, detail: str) -> str:
+    """Why no lease was given, as a person reads it: ``"step full: step 3 is full"``.
+
+    The agent's status line and the site's My devices page both say this, so
+    a volunteer reads the same words on the terminal and in the browser.
+
+    Args:
+        reason: a ``NoLease.reason`` (a ``NoLeaseReason``; an unknown one reads as it is).
+        detail: the refusal's ``detail``; may be empty.
+
+    Returns:
+        The reason with spaces for underscores, then ": " and the detail when there is one.
+    """
+    words = reason.replace("_", " ")
+    return f"{words}: {detail}" if detail else words
+
+
+def no_lease_status(reason: str, detail: str) -> str:
+    """The agent's status line while it waits after a refusal: ``"waiting for work (step full: ...)"``.
+
+    Args:
+        reason: a ``NoLease.reason``.
+        detail: the refusal's ``detail``; may be empty.
+
+    Returns:
+        The text the agent shows and My devices repeats.
+    """
+    return f"waiting for work ({no_lease_why(reason, detail)})"
+
+
 class LeaseDone(Message, tag="done", frozen=True, kw_only=True):
     lease_id: Id
     receipts: list[Receipt]
     num_samples: Count
     loss_sum: Real  # sum over samples of each sample's mean token loss
     compute_s: Seconds
+    # 2.3, advisory: what the lease cost the agent's link. Bytes it uploaded for this lease and downloaded
+    # (its share of parameter and shard downloads), and the seconds it waited on the network meanwhile.
+    bytes_up: Bytes = 0
+    bytes_down: Bytes = 0
+    network_s: Seconds = 0.0
+
+    since: ClassVar[dict[str, int]] = {"bytes_up": 3, "bytes_down": 3, "network_s": 3}
+    advisory: ClassVar[frozenset[str]] = frozenset({"bytes_up", "bytes_down", "network_s"})
 
 
 class DoneAck(Message, tag="done_ack", frozen=True, kw_only=True):
@@ -343,6 +399,9 @@ class SliceAssignment(Message, tag="assign", frozen=True, kw_only=True):
     # The share of the largest and of the smallest values dropped per coordinate by ``trimmed_mean``.
     # Advisory: it means nothing unless ``aggregation`` (which is not) says trimmed_mean.
     trim_fraction: Real = 0.1
+    # 2.3: elements per scale of the int8 codec. Advisory for the same reason as the lease's: an int8
+    # campaign (``since_values``) is never assigned to an older aggregator, and other codecs have no blocks.
+    codec_block_size: BlockSize = 256
 
     since: ClassVar[dict[str, int]] = {
         "codec": 1,
@@ -350,8 +409,20 @@ class SliceAssignment(Message, tag="assign", frozen=True, kw_only=True):
         "aggregation": 2,
         "clip_factor": 2,
         "trim_fraction": 2,
+        "codec_block_size": 3,
     }
-    advisory: ClassVar[frozenset[str]] = frozenset({"codec", "clip_factor", "trim_fraction"})
+    advisory: ClassVar[frozenset[str]] = frozenset({"codec", "clip_factor", "trim_fraction", "codec_block_size"})
+    since_values: ClassVar[dict[str, dict[str, int]]] = {"codec": {"int8": 3}}
+
+
+def retained_versions(staleness: int) -> int:
+    """How many published versions an aggregator keeps: the staleness window, plus the one in flight.
+
+    Agents may train on any version of the window, and the site leases on the
+    newest committed version while the aggregators may still be applying it;
+    the site's verification copies (``oldest_copyable``) count on the same number.
+    """
+    return staleness + 2
 
 
 class SliceReady(Message, tag="slice_ready", frozen=True, kw_only=True):
@@ -430,6 +501,12 @@ class UploadBegin(Message, tag="upload", frozen=True, kw_only=True):
     codec: CodecName
     num_elements: Count
     num_chunks: Count
+    # 2.3: the lease's ``codec_block_size``, so an aggregator refuses a payload cut into other blocks by
+    # name instead of decoding it wrong.
+    codec_block_size: BlockSize = 256
+
+    since: ClassVar[dict[str, int]] = {"codec_block_size": 3}
+    advisory: ClassVar[frozenset[str]] = frozenset({"codec_block_size"})
 
 
 class UploadReceipt(Message, tag="receipt", frozen=True, kw_only=True):
@@ -601,7 +678,10 @@ __all__ = [
     "MESSAGE_TYPES",
     "SITE_TO_AGENT",
     "SITE_TO_BACKBONE",
+    "BlockSize",
     "CodecName",
+    "TrainingMode",
+    "retained_versions",
     "DataKind",
     "DataSpec",
     "DeviceInfo",
@@ -614,6 +694,8 @@ __all__ = [
     "SliceRoute",
     "decode_message",
     "encode_message",
+    "no_lease_status",
+    "no_lease_why",
     "AgentHello",
     "BackboneHello",
     "BackboneWelcome",

@@ -57,6 +57,9 @@ class Part(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     since: ClassVar[dict[str, int]] = {}
     # Fields an older peer may go without even when set (it only loses a check, never a meaning).
     advisory: ClassVar[frozenset[str]] = frozenset()
+    # Values a later minor added to a field's choices (field -> value -> minor): an older peer's decoder
+    # refuses them, so a message holding one is never sent to it, advisory or not (see ``lost_in``).
+    since_values: ClassVar[dict[str, dict[str, int]]] = {}
 
 
 class Message(Part, frozen=True, tag_field="kind"):
@@ -210,12 +213,15 @@ def lost_in(obj: Any, minor: int, path: str = "") -> list[str]:
     """Fields a peer speaking ``minor`` would not get although they are set: the message means something else to it.
 
     Leaving out a field at its default changes nothing, nor does leaving out
-    an ``advisory`` one; anything else must not be sent to that peer.
+    an ``advisory`` one; anything else must not be sent to that peer. Nor may
+    a value its minor did not know yet (``since_values``: an ``int8`` codec).
     """
     cls = type(obj)
     lost = []
     for info in msgspec.structs.fields(cls):
         value = getattr(obj, info.name)
+        if isinstance(value, str) and cls.since_values.get(info.name, {}).get(value, 0) > minor:
+            lost.append(f"{path}{info.name}={value}")
         if cls.since.get(info.name, 0) > minor and info.name not in cls.advisory:
             default = info.default_factory() if info.default is msgspec.NODEFAULT else info.default
             if info.required or value != default:

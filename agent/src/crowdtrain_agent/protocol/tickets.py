@@ -76,6 +76,19 @@ def ticket_campaign(token: str) -> int:
     return campaign_id
 
 
+def ticket_is_check(token: str) -> bool:
+    """Whether a ticket marks a verification copy, read without its key (the agent has none).
+
+    The agent only uses it to leave its error feedback alone for a copy, whose
+    upload the aggregator keeps nothing of; a wrong answer costs nothing else.
+    """
+    try:
+        payload = json.loads(_unb64(token.split(".")[0]))
+    except (ValueError, TypeError, RecursionError):
+        return False
+    return isinstance(payload, dict) and payload.get("check") is True
+
+
 def sign_ticket(ticket: Ticket, key: bytes) -> str:
     """Encode and sign a ticket as ``<payload>.<signature>`` in base64url."""
     payload = json.dumps(to_dict(ticket), sort_keys=True, separators=(",", ":")).encode()

@@ -1,5 +1,7 @@
 -- Count a finished lease. A: id, device, n, loss, cs (compute seconds), problem (why the site refuses
--- its receipts or loss, '' when it does not), gen (the campaign generation the problem was judged at).
+-- its receipts or loss, '' when it does not), gen (the campaign generation the problem was judged at),
+-- nu, nd, ns (what the lease cost the agent's link, bounded by the site: bytes up, 0 when not reported,
+-- bytes down, seconds waited; crowdtrain.scheduler.network).
 if redis.call('EXISTS', K_META) == 0 then return cjson.encode({missing = true}) end
 local l = lease_get(A.id)
 if not l or l.d ~= A.device then return cjson.encode({accepted = false, reason = 'unknown lease'}) end
@@ -30,6 +32,9 @@ end
 l.st, l.loss, l.t1 = 'accepted', A.loss, now
 -- The agent's figure, kept within what is possible: it cannot have computed longer than it held the lease.
 l.cs = math.min(math.max(A.cs, 0), math.max(now - l.t0, 0))
+-- Kept for the step's commit (StepNetwork); the network waits too fit in the time the lease was held.
+l.nu, l.nd = A.nu or 0, A.nd or 0
+l.ns = math.min(math.max(A.ns or 0, 0), math.max(now - l.t0, 0))
 redis.call('ZREM', K_DL, l.id)
 redis.call('ZREM', K_SOFT, l.id)
 unhold(l.d)

@@ -11,7 +11,7 @@ Spec (every key optional)::
 
     {"campaigns": [
         {"preset": "demo", "max_steps": 30, "target_batch_size": 128},
-        {"dataset": {"kind": "npz", "path": "w1.npz", "name": "w1"},
+        {"dataset": {"kind": "npz", "path": "w1.npz", "name": "w1", "validation_fraction": 0.05},
          "name": "W1", "architecture": "mlp", "model_config": {...}, "optimizer": {...},
          "target_batch_size": 1024, "microbatch_size": 64, "staleness": 1, "max_steps": 40},
         {"dataset": {"kind": "stdlib", "bytes": 1048576, "sample_len": 33}, "architecture": "gpt", ...}],
@@ -55,7 +55,12 @@ def _dataset(spec: dict[str, Any]) -> Dataset:
     shard_bytes = int(spec.get("shard_bytes", 1 << 20))
     if kind == "npz":
         path = Path(spec["path"])
-        return create_npz_dataset(spec.get("name", path.stem), path.read_bytes(), shard_bytes)
+        return create_npz_dataset(
+            spec.get("name", path.stem),
+            path.read_bytes(),
+            shard_bytes,
+            validation_fraction=float(spec.get("validation_fraction", 0.0)),
+        )
     if kind == "stdlib":
         corpus = stdlib_corpus(int(spec.get("bytes", 1 << 20)))
         return create_text_dataset(
@@ -79,7 +84,7 @@ def _campaign(spec: dict[str, Any], owner: Any) -> Campaign:
     fields.setdefault("name", f"{spec.get('architecture', 'model')} campaign")
     campaign = create_campaign(owner=owner, dataset=_dataset(spec.get("dataset", {})), **fields)
     campaign.state = Campaign.State.RUNNING
-    campaign.save(update_fields=["state"])
+    campaign.save(update_fields=["state", *campaign.stamp_state()])
     return campaign
 
 

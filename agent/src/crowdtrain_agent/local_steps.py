@@ -1,0 +1,206 @@
+"""Local-steps leases (DiLoCo): inner optimizer steps on the agent's copy of the model, and their pseudo-gradient.
+
+A ``local`` lease is H inner steps, one per microbatch of its samples, from
+the lease's base version. What goes up is the pseudo-gradient, the base
+parameters minus the final ones, times the lease's sample count: aggregators
+add uploads and divide by the round's samples as they do with summed
+gradients, so a round averages its pseudo-gradients weighted by samples and
+the outer optimizer steps on that. H follows the lease's size, which the site
+already fits to the device's speed, so a slow and a fast device both finish a
+lease in about the lease target time.
+
+The inner optimizer's state (AdamW's moments) stays with the agent between
+leases of the same campaign, as each DiLoCo worker keeps its own; it is
+dropped, with a log line saying why, when the next lease's base version is too
+far ahead of the last one trained on (the moments describe a model the
+campaign has long left) or behind it (a rollback).
+
+Only optimizers torch builds itself run here (``INNER_OPTIMIZERS``): the lease
+names one and its hyperparameters, never code.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .optimizers import INNER_OPTIMIZERS
+from .protocol import Lease, OptimizerSpec
+from .trainer import CampaignModel, ComputeCancelled, GradientResult
+
+logger = logging.getLogger(__name__)
+
+# Outer steps the campaign may make between two leases of this agent before its inner state is dropped:
+# past this, the moments were gathered on parameters far from the ones the next lease starts from.
+MAX_STATE_LAG = 16
+
+
+class InnerOptimizerError(ValueError):
+    """A lease names an inner optimizer this agent does not run; the lease is given back."""
+
+
+@dataclass
+class _Inner:
+    optimizer: torch.optim.Optimizer
+    model: torch.nn.Module
+    spec: OptimizerSpec
+    version: int  # the base version of the last lease trained with it
+
+
+def local_lease_problem(lease: Lease) -> str:
+    """Why this agent cannot work a lease's mode ("" when it can): checked before anything is downloaded."""
+    if lease.mode != "local":
+        return ""
+    if lease.inner is None:
+        return "a local-steps lease without an inner optimizer; the site is misconfigured"
+    if lease.inner.name not in INNER_OPTIMIZERS:
+        return (
+            f"its inner optimizer {lease.inner.name!r} is not one this agent runs ({', '.join(INNER_OPTIMIZERS)}); "
+            "upgrade crowdtrain-agent (pip install -U crowdtrain-agent)"
+        )
+    return ""
+
+
+def _same_settings(a: OptimizerSpec, b: OptimizerSpec) -> bool:
+    """Whether two specs build the same optimizer; the learning rate is set per lease (the schedule moves it)."""
+    fields = ("name", "beta1", "beta2", "eps", "weight_decay", "momentum", "nesterov", "decay_all")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
+def build_inner_optimizer(model: torch.nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
+    """The torch optimizer of ``spec`` over ``model``'s parameters, with the platform's weight-decay rule.
+
+    Weight decay goes to tensors of 2 or more dimensions (matrices, embeddings)
+    unless ``decay_all``, as the aggregators apply it in sync mode.
+
+    Raises:
+        InnerOptimizerError: for an optimizer other than ``INNER_OPTIMIZERS``.
+    """
+    params = list(model.parameters())
+    decayed = [p for p in params if spec.decay_all or p.dim() >= 2]
+    plain = [p for p in params if not (spec.decay_all or p.dim() >= 2)]
+    groups = [
+        group
+        for group in (
+            {"params": decayed, "weight_decay": spec.weight_decay},
+            {"params": plain, "weight_decay": 0.0},
+        )
+        if group["params"]
+    ]
+    if spec.name == "adamw":
+        return torch.optim.AdamW(groups, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps, foreach=False)
+    if spec.name == "sgd":
+        return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum, nesterov=spec.nesterov, foreach=False)
+    raise InnerOptimizerError(
+        f"the lease's inner optimizer {spec.name!r} is not one this agent runs ({', '.join(INNER_OPTIMIZERS)}); "
+        "upgrade crowdtrain-agent (pip install -U crowdtrain-agent)"
+    )
+
+
+class InnerOptimizers:
+    """Each campaign's inner optimizer, kept between its leases (only the compute thread touches them)."""
+
+    def __init__(self, max_lag: int = MAX_STATE_LAG) -> None:
+        self.max_lag = max_lag
+        self._by_campaign: dict[int, _Inner] = {}
+
+    def get(self, campaign_id: int, cm: CampaignModel, spec: OptimizerSpec, base_version: int) -> torch.optim.Optimizer:
+        """The campaign's inner optimizer for a lease on ``base_version``, fresh when the old one cannot serve.
+
+        Raises:
+            InnerOptimizerError: for an optimizer this agent does not run.
+        """
+        held = self._by_campaign.get(campaign_id)
+        why = ""
+        if held is not None:
+            if held.model is not cm.model or not _same_settings(held.spec, spec):
+                why = "the campaign's model or inner optimizer changed"
+            elif base_version < held.version:
+                why = f"the campaign went back to version {base_version} from {held.version} (a rollback)"
+            elif base_version - held.version > self.max_lag:
+                why = (
+                    f"this agent last trained on version {held.version} and the lease starts from {base_version}, "
+                    f"more than {self.max_lag} steps on, so its moments describe a model the campaign has left"
+                )
+        if held is None or why:
+            if why:
+                logger.info("campaign %d: starting the inner optimizer afresh: %s", campaign_id, why)
+            held = _Inner(build_inner_optimizer(cm.model, spec), cm.model, spec, base_version)
+            self._by_campaign[campaign_id] = held
+        held.version = base_version
+        return held.optimizer
+
+    def drop(self, campaign_id: int) -> None:
+        self._by_campaign.pop(campaign_id, None)
+
+
+def compute_pseudo_gradient(
+    cm: CampaignModel,
+    optimizer: torch.optim.Optimizer,
+    lr: float,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    microbatch_size: int,
+    *,
+    cancel: threading.Event | None = None,
+) -> GradientResult:
+    """Run one inner step per microbatch from the model's current (base) parameters; return the pseudo-gradient.
+
+    The model is put back on its base parameters afterwards, also when the
+    work is cancelled, so the parameter version the model cache says it holds
+    stays true and the next lease on that version downloads nothing.
+
+    Args:
+        cm: the campaign's model, holding the lease's base version.
+        optimizer: the campaign's inner optimizer over ``cm.model`` (``InnerOptimizers.get``).
+        lr: the inner learning rate of this lease (the site applies the campaign's schedule).
+        x: inputs, one row per sample.
+        y: targets, one row per sample.
+        microbatch_size: samples per inner step.
+        cancel: set from another thread to abandon the lease between inner steps.
+
+    Returns:
+        ``grad`` = (base - final parameters) * number of samples, flat, fp32, on the CPU; ``loss_sum`` the
+        summed per-sample loss met along the way (each microbatch's before its step).
+
+    Raises:
+        ComputeCancelled: if ``cancel`` was set.
+        ValueError: for a non-positive microbatch size or no samples.
+    """
+    if microbatch_size < 1:
+        raise ValueError(f"microbatch size must be at least 1, got {microbatch_size}")
+    if len(x) == 0:
+        raise ValueError("a local lease needs at least one sample")
+    model = cm.model
+    device = next(model.parameters()).device
+    params = list(model.parameters())
+    start = time.perf_counter()
+    base = torch.nn.utils.parameters_to_vector(params).detach().clone()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    total = torch.zeros((), device=device)
+    try:
+        for lo in range(0, len(x), microbatch_size):
+            if cancel is not None and cancel.is_set():
+                raise ComputeCancelled("local steps abandoned")
+            xb = x[lo : lo + microbatch_size].to(device, non_blocking=True)
+            yb = y[lo : lo + microbatch_size].to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = cm.entry.loss_sum(model, xb, yb)
+            (loss_sum / len(xb)).backward()  # each inner step on the microbatch's mean loss
+            optimizer.step()
+            total += loss_sum.detach()
+        final = torch.nn.utils.parameters_to_vector(params).detach()
+        pseudo = (base - final).to("cpu", torch.float32) * float(len(x))
+        loss_sum_value = float(total.item())
+    finally:
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(base, params)
+        optimizer.zero_grad(set_to_none=True)
+    return GradientResult(
+        grad=pseudo, loss_sum=loss_sum_value, num_samples=len(x), compute_s=time.perf_counter() - start
+    )

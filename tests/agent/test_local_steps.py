@@ -1,0 +1,176 @@
+"""Local-steps leases on the agent: inner steps, the pseudo-gradient, the kept and the dropped inner state."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import msgspec
+import pytest
+import torch
+
+from crowdtrain_agent.config import AgentConfig
+from crowdtrain_agent.local_steps import (
+    InnerOptimizers,
+    build_inner_optimizer,
+    compute_pseudo_gradient,
+    local_lease_problem,
+)
+from crowdtrain_agent.protocol import LeaseDone, LeaseRelease, ModelSpec, OptimizerSpec
+from crowdtrain_agent.runtime import Agent
+from crowdtrain_agent.trainer import CampaignModel, ComputeCancelled, ModelCache
+
+from .conftest import FAST_BACKOFF
+from .fakes import World
+
+MODEL = ModelSpec(architecture="mlp", config={"in_dim": 8, "hidden": [16], "classes": 3})
+INNER = OptimizerSpec(name="adamw", lr=1e-2, weight_decay=0.1)
+
+
+def model() -> CampaignModel:
+    torch.manual_seed(0)
+    return ModelCache(torch.device("cpu")).get(1, MODEL)
+
+
+def data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def flat(cm: CampaignModel) -> torch.Tensor:
+    return torch.nn.utils.parameters_to_vector(cm.model.parameters()).detach().clone()
+
+
+def plain_adamw(cm: CampaignModel, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Plain PyTorch on a copy: one AdamW step per microbatch on its mean loss, decay on matrices only."""
+    copy = ModelCache(torch.device("cpu")).get(2, MODEL)
+    torch.nn.utils.vector_to_parameters(flat(cm), copy.model.parameters())
+    params = list(copy.model.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": INNER.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=INNER.lr,
+        foreach=False,
+    )
+    for x, y in batches:
+        optimizer.zero_grad()
+        (copy.entry.loss_sum(copy.model, x, y) / len(x)).backward()
+        optimizer.step()
+    return flat(copy)
+
+
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_the_pseudo_gradient_is_the_change_of_h_inner_steps_times_the_samples(microbatches: int) -> None:
+    cm = model()
+    base = flat(cm)
+    x, y = data(4 * microbatches, seed=1)
+    optimizer = InnerOptimizers().get(1, cm, INNER, base_version=0)
+    result = compute_pseudo_gradient(cm, optimizer, INNER.lr, x, y, microbatch_size=4)
+    expected = plain_adamw(cm, [(x[i : i + 4], y[i : i + 4]) for i in range(0, len(x), 4)])
+
+    assert result.num_samples == len(x)
+    torch.testing.assert_close(base - result.grad / len(x), expected, rtol=0, atol=1e-6)
+    assert torch.equal(flat(cm), base), "the model is back on its base parameters"
+    assert result.loss_sum > 0
+
+
+def test_the_inner_state_carries_over_to_the_next_lease_of_the_campaign() -> None:
+    cm = model()
+    inner = InnerOptimizers()
+    batches = [data(4, seed=s) for s in (1, 2, 3)]
+    reference = plain_adamw(cm, batches)
+    for version, (x, y) in enumerate(batches):  # each round: an outer SGD of lr 1 applies the pseudo-gradient
+        optimizer = inner.get(1, cm, INNER, base_version=version)
+        result = compute_pseudo_gradient(cm, optimizer, INNER.lr, x, y, microbatch_size=4)
+        torch.nn.utils.vector_to_parameters(flat(cm) - result.grad / len(x), cm.model.parameters())
+    torch.testing.assert_close(flat(cm), reference, rtol=0, atol=1e-6)
+
+
+def test_a_cancelled_lease_leaves_the_model_on_its_base_parameters() -> None:
+    cm = model()
+    base = flat(cm)
+    cancel = threading.Event()
+    cancel.set()
+    optimizer = InnerOptimizers().get(1, cm, INNER, base_version=0)
+    x, y = data(8, seed=1)
+    with pytest.raises(ComputeCancelled):
+        compute_pseudo_gradient(cm, optimizer, INNER.lr, x, y, microbatch_size=4, cancel=cancel)
+    assert torch.equal(flat(cm), base)
+
+
+@pytest.mark.parametrize(("next_version", "why"), [(19 + 17, "more than 16 steps on"), (1, "a rollback")])
+def test_the_inner_state_is_dropped_with_a_reason_when_the_agent_fell_behind(
+    next_version: int, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    cm = model()
+    inner = InnerOptimizers(max_lag=16)
+    first = inner.get(1, cm, INNER, base_version=3)
+    assert inner.get(1, cm, INNER, base_version=19) is first, "16 steps on, the state is kept"
+    with caplog.at_level(logging.INFO, logger="crowdtrain_agent.local_steps"):
+        again = inner.get(1, cm, INNER, base_version=next_version)
+    assert again is not first
+    assert why in caplog.text and "starting the inner optimizer afresh" in caplog.text
+
+
+def test_a_new_learning_rate_keeps_the_state_but_other_settings_do_not() -> None:
+    cm = model()
+    inner = InnerOptimizers()
+    first = inner.get(1, cm, INNER, base_version=0)
+    assert inner.get(1, cm, msgspec.structs.replace(INNER, lr=5e-3), base_version=1) is first
+    assert inner.get(1, cm, msgspec.structs.replace(INNER, beta2=0.95), base_version=2) is not first
+    assert inner.get(2, cm, INNER, base_version=0) is not inner.get(1, cm, INNER, base_version=2)
+
+
+def test_sgd_inner_optimizers_take_nesterov_and_lamb_is_refused_with_what_to_do() -> None:
+    cm = model()
+    sgd = build_inner_optimizer(cm.model, OptimizerSpec(name="sgd", lr=0.1, momentum=0.9, nesterov=True))
+    assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["nesterov"]
+    with pytest.raises(ValueError, match="upgrade crowdtrain-agent"):
+        build_inner_optimizer(cm.model, OptimizerSpec(name="lamb"))
+
+
+async def test_which_local_leases_an_agent_refuses_before_downloading_anything(world: World) -> None:
+    assert local_lease_problem(world.lease(1, [(0, 4)])) == ""
+    assert local_lease_problem(world.lease(1, [(0, 4)], mode="local", inner=INNER)) == ""
+    assert "without an inner optimizer" in local_lease_problem(world.lease(1, [(0, 4)], mode="local"))
+    lamb = world.lease(1, [(0, 4)], mode="local", inner=OptimizerSpec(name="lamb"))
+    assert "not one this agent runs" in local_lease_problem(lamb)
+
+
+async def test_a_local_lease_uploads_its_pseudo_gradient_and_the_next_keeps_the_moments(
+    world: World, config: AgentConfig
+) -> None:
+    ranges_1, ranges_2 = [(0, 8)], [(8, 8)]
+    world.site.replies = [
+        world.lease(1, ranges_1, microbatch=4, mode="local", inner=INNER),
+        world.lease(2, ranges_2, microbatch=4, mode="local", inner=INNER),
+    ]
+    await Agent(config, backoff=FAST_BACKOFF, benchmark_s=0.01).run()
+
+    # Both leases start from version 0 (the fake aggregators publish nothing new): the second one's
+    # inner steps run on the moments the first left, from the same base parameters.
+    cm = ModelCache(torch.device("cpu")).get(2, world.lease(1, ranges_1).model)
+    torch.nn.utils.vector_to_parameters(world.params.clone(), cm.model.parameters())
+    inner = InnerOptimizers()
+    for lease_id, ranges in ((1, ranges_1), (2, ranges_2)):
+        x, y = world.samples(ranges)
+        expected = compute_pseudo_gradient(cm, inner.get(1, cm, INNER, 0), INNER.lr, x, y, microbatch_size=4).grad
+        uploaded = torch.cat([world.aggregators[0].uploads[(lease_id, 0)], world.aggregators[1].uploads[(lease_id, 1)]])
+        torch.testing.assert_close(uploaded, expected)
+    assert not torch.allclose(uploaded, world.expected_gradient(ranges_2)), "a pseudo-gradient, not a gradient"
+    done = world.site.of_kind(LeaseDone)
+    assert [d.num_samples for d in done] == [8, 8]
+
+
+async def test_a_local_lease_the_agent_cannot_run_is_given_back_unworked(world: World, config: AgentConfig) -> None:
+    world.site.replies = [
+        world.lease(1, [(0, 8)], mode="local", inner=OptimizerSpec(name="lamb")),
+        world.lease(2, [(8, 8)]),
+    ]
+    await Agent(config, backoff=FAST_BACKOFF, benchmark_s=0.01).run()
+
+    assert [m.lease_id for m in world.site.of_kind(LeaseRelease)] == [1]
+    assert [d.lease_id for d in world.site.of_kind(LeaseDone)] == [2]
+    assert all(agg.param_downloads <= 1 for agg in world.aggregators)

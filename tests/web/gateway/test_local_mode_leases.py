@@ -1,0 +1,101 @@
+"""Local-mode (DiLoCo) campaigns: what their leases carry, who may get them, and the settings refused.
+
+A local lease names the inner optimizer with its learning rate already on the
+campaign's schedule for the lease's base version. An agent of 2.2 would
+upload a gradient where a pseudo-gradient is meant, so it is told to upgrade
+and the lease goes back at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.test import override_settings
+
+from crowdtrain.campaigns.setup import CampaignConfigError
+from crowdtrain.scheduler.models import Lease as LeaseRow
+from crowdtrain_agent.protocol import Lease, LeaseRequest
+from tests.factories import make_campaign
+
+from .conftest import Connect, greeted_agent, lease_asked_by_an_agent_of_minor, receive, send
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+LOCAL = {
+    "training_mode": "local",
+    "inner_optimizer": "adamw",
+    "inner_lr": 4e-3,
+    "inner_weight_decay": 0.1,
+    "check_fraction": 0.0,
+    "staleness": 0,
+    "optimizer": {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True, "warmup_steps": 4},
+    "max_steps": 100,
+}
+
+
+async def test_a_local_lease_names_the_inner_optimizer_on_the_campaigns_schedule(connect: Connect) -> None:
+    await sync_to_async(make_campaign)(**LOCAL)
+    agent = await greeted_agent(connect)
+
+    await send(agent, LeaseRequest())
+    lease = await receive(agent)
+
+    assert isinstance(lease, Lease) and lease.mode == "local" and lease.inner is not None
+    assert (lease.inner.name, lease.inner.weight_decay) == ("adamw", 0.1)
+    # Version 0 is the first of 4 warmup steps: a quarter of the inner peak rate.
+    assert lease.inner.lr == pytest.approx(4e-3 / 4)
+
+
+async def test_a_sync_lease_names_no_inner_optimizer(connect: Connect) -> None:
+    await sync_to_async(make_campaign)()
+    agent = await greeted_agent(connect)
+
+    await send(agent, LeaseRequest())
+    lease = await receive(agent)
+
+    assert isinstance(lease, Lease) and (lease.mode, lease.inner) == ("sync", None)
+
+
+async def test_an_agent_of_minor_2_is_told_to_upgrade_and_its_local_lease_goes_back() -> None:
+    await sync_to_async(make_campaign)(**LOCAL)
+
+    frame, closed = await lease_asked_by_an_agent_of_minor(2)
+
+    states = await sync_to_async(lambda: list(LeaseRow.objects.values_list("state", flat=True)))()
+    assert frame["kind"] == "error" and "mode" in frame["detail"] and "2.3" in frame["detail"]
+    assert (closed["type"], closed["code"]) == ("websocket.close", 4004)
+    assert states == [LeaseRow.State.RELEASED]
+
+
+@pytest.mark.parametrize(
+    ("settings", "field", "words"),
+    [
+        ({"check_fraction": 0.05}, "check_fraction", "local mode cannot verify leases by a second copy"),
+        ({"staleness": 1}, "staleness", "Staleness is 1, but local mode needs 0"),
+        ({"inner_optimizer": "lamb"}, "inner_optimizer", "must be one of adamw, sgd"),
+        ({"inner_lr": 0.0}, "inner_lr", "Inner learning rate (inner_lr) must be above 0"),
+        ({"inner_weight_decay": 2.0}, "inner_weight_decay", "Inner weight decay"),
+        ({"training_mode": "async"}, "training_mode", "sync, local"),
+        (
+            {"optimizer": {"name": "sgd", "lr": 0.7, "momentum": 0.0, "nesterov": True}},
+            "nesterov",
+            "needs a momentum above 0",
+        ),
+    ],
+)
+def test_local_settings_that_cannot_train_are_refused_with_the_field_named(
+    settings: dict[str, object], field: str, words: str
+) -> None:
+    with pytest.raises(CampaignConfigError) as caught:
+        make_campaign(**{**LOCAL, **settings})
+
+    assert caught.value.field == field
+    assert words in str(caught.value)
+
+
+def test_a_site_pinned_below_2_3_refuses_a_local_campaign() -> None:
+    with override_settings(CROWDTRAIN_PROTOCOL_MINOR=2), pytest.raises(CampaignConfigError) as caught:
+        make_campaign(**LOCAL)
+
+    assert caught.value.field in ("training_mode", "nesterov")
+    assert "pinned to 2.2" in str(caught.value) or "protocol cannot send" in str(caught.value)
