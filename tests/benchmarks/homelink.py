@@ -102,8 +102,8 @@ logger = logging.getLogger("tests.benchmarks.homelink")
 
 UNSHARE = ("unshare", "--net")
 AGENT_CPUS, SERVER_CPUS = [0], [1]
-W1_ROWS = 131072  # 128 MiB of features
-W1_HELD_OUT_FRACTION = 1 / 32  # the last 4,096 rows; 126,976 to train on: no epoch wraps in a default run
+W1_ROWS = 131072  # 128 MiB of features, at least: more when a run trains on more samples
+W1_HELD_OUT_FRACTION = 1 / 32  # the last 1/32 of the rows (4,096 of the default 131,072) are held out
 W1_VALIDATION_SAMPLES = 4096
 # crowdtrain.campaigns.demo's campaign, restated: that module needs Django set up, and this one runs before
 # (tests/bench_support checks that the two agree).
@@ -152,8 +152,17 @@ class CampaignRefused(RuntimeError):
 # ------------------------------------------------------------------ campaigns
 
 
-def write_w1_npz(path: Path) -> None:
-    x, y = make_data(W1, W1_ROWS, seed=0)
+def w1_rows(samples: int) -> int:
+    """Rows enough that a run of ``samples`` never wraps its epoch: a wrapped epoch reads shards the agent
+    has on disk already, and its figures would count downloads that a fresh volunteer makes as free."""
+    rows = W1_ROWS
+    while rows * (1 - W1_HELD_OUT_FRACTION) < samples:
+        rows *= 2
+    return rows
+
+
+def write_w1_npz(path: Path, rows: int = W1_ROWS) -> None:
+    x, y = make_data(W1, rows, seed=0)
     with path.open("wb") as fh:
         np.savez(fh, x=x, y=y)
 
@@ -171,14 +180,14 @@ def local_fields(local: LocalSteps) -> dict[str, Any]:
     }
 
 
-def w1_campaign(npz: Path, mode: Mode, samples: int) -> dict[str, Any]:
+def w1_campaign(npz: Path, mode: Mode, samples: int, local: LocalSteps = W1_LOCAL) -> dict[str, Any]:
     """W1 exactly as w1 runs it, with ``mode``'s codec and training mode, stopping after ``samples``."""
     spec: dict[str, Any] = campaign_spec(npz, samples // W1.global_batch, agents=1)["campaigns"][0]
     spec["name"] = f"W1 {mode.name}"
     spec["codec"] = mode.codec
     spec["dataset"] = {**spec["dataset"], "validation_fraction": W1_HELD_OUT_FRACTION}
     if mode.training_mode == "local":
-        spec.update(local_fields(W1_LOCAL), max_steps=samples // W1_LOCAL.samples)
+        spec.update(local_fields(local), max_steps=samples // local.samples)
     return spec
 
 
@@ -401,7 +410,7 @@ def inside(args: argparse.Namespace) -> int:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     npz = root / "w1.npz"
-    write_w1_npz(npz)
+    write_w1_npz(npz, w1_rows(args.w1_samples))
     site_env = dict(item.split("=", 1) for item in args.site_env if "=" in item)
 
     # This process polls the site while the agent works: it stays off the agent's core, with the servers.
@@ -410,13 +419,15 @@ def inside(args: argparse.Namespace) -> int:
     def baseline() -> float:
         return measure_in_process(threads=1, cpus=AGENT_CPUS, seconds=args.baseline_seconds)
 
+    local = dataclasses.replace(W1_LOCAL, samples=args.local_samples)
+    not_asked = NoResult("skipped", f"--runs {','.join(args.runs)}")
     before = baseline()
-    w1: dict[str, Outcome] = {}
-    for mode in MODES:
-        batch = W1_LOCAL.samples if mode.training_mode == "local" else W1.global_batch
+    w1: dict[str, Outcome] = {mode.name: not_asked for mode in MODES}
+    for mode in (m for m in MODES if m.name in args.runs):
+        batch = local.samples if mode.training_mode == "local" else W1.global_batch
         setup = RunSetup(
             root / f"w1-{mode.name}",
-            w1_campaign(npz, mode, args.w1_samples),
+            w1_campaign(npz, mode, args.w1_samples, local),
             shaped=True,
             warmup=warmup_steps(args.warmup_samples, batch),
             validation_samples=W1_VALIDATION_SAMPLES,
@@ -428,8 +439,8 @@ def inside(args: argparse.Namespace) -> int:
         )
     base: BaselinePair | NoResult = BaselinePair(before, baseline())
 
-    gpt: dict[str, Outcome] = {}
-    for mode in MODES if args.gpt_samples else ():
+    gpt: dict[str, Outcome] = {mode.name: not_asked for mode in MODES}
+    for mode in (m for m in MODES if m.name in args.runs) if args.gpt_samples else ():
         setup = RunSetup(
             root / f"gpt-{mode.name}",
             gpt_campaign(mode, args.gpt_samples),
@@ -466,13 +477,27 @@ def _multiple_of(unit: int) -> Callable[[str], int]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tests.benchmarks.homelink", description=__doc__.splitlines()[0])
-    w1_unit = math.lcm(W1.global_batch, W1_LOCAL.samples)
     gpt_unit = math.lcm(GPT_BATCH, GPT_LOCAL.samples)
     p.add_argument(
         "--w1-samples",
-        type=_multiple_of(w1_unit),
-        default=6 * w1_unit,
-        help=f"samples of each W1 run, a multiple of {w1_unit} (default {6 * w1_unit})",
+        type=int,
+        default=6 * W1_LOCAL.samples,
+        help=f"samples of each W1 run, a multiple of {W1.global_batch} and of --local-samples "
+        f"(default {6 * W1_LOCAL.samples})",
+    )
+    p.add_argument(
+        "--local-samples",
+        type=_multiple_of(W1.global_batch),
+        default=W1_LOCAL.samples,
+        help=f"samples per outer step of the W1 local run, a multiple of {W1.global_batch} "
+        f"(default {W1_LOCAL.samples}: H = {W1_LOCAL.samples // W1.microbatch})",
+    )
+    p.add_argument(
+        "--runs",
+        type=lambda raw: raw.split(","),
+        default=[mode.name for mode in MODES],
+        help=f"which runs, comma-separated (default all: {','.join(mode.name for mode in MODES)}); "
+        "a loss gap needs its run and sync_fp32",
     )
     p.add_argument(
         "--gpt-samples",
@@ -506,7 +531,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser()
     args = p.parse_args(argv)
-    for batch in (W1.global_batch, W1_LOCAL.samples):
+    unknown = sorted(set(args.runs) - {mode.name for mode in MODES})
+    if unknown:
+        p.error(f"--runs: no run named {', '.join(unknown)}; choose from {', '.join(mode.name for mode in MODES)}")
+    unit = math.lcm(W1.global_batch, args.local_samples)
+    if args.w1_samples <= 0 or args.w1_samples % unit:
+        p.error(f"--w1-samples must be a positive multiple of {unit} (W1's batch and --local-samples), "
+                f"got {args.w1_samples}")  # fmt: skip
+    for batch in (W1.global_batch, args.local_samples):
         steps, need = args.w1_samples // batch, warmup_steps(args.warmup_samples, batch) + 3
         if steps < need:  # the steady-state figures need steps after the warm-up, and one after those
             p.error(f"--w1-samples {args.w1_samples} makes {steps} steps of {batch}; with --warmup-samples "
