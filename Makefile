@@ -132,7 +132,7 @@ test-browser: $(STAMP) $(CHARTS) $(CHROMIUM)
 # then the scale phases
 # (simulated agents against two site processes on PostgreSQL + Redis; tests/services.py's checks, a database of
 # its own): each runs alone too. ARGS go to w1, HOMELINK_ARGS to homelink, SCALE_ARGS to scale, e.g.
-# HOMELINK_ARGS="--w1-samples 65536 --gpt-samples 0", SCALE_ARGS="--agents 100 --cpu-agents 100,1000 --idle-agents 2000".
+# HOMELINK_ARGS="--w1-samples 65536 --local-samples 16384 --gpt-samples 0", SCALE_ARGS="--agents 100 --cpu-agents 100,1000 --idle-agents 2000".
 HOMELINK_ARGS ?=
 SCALE_ARGS ?=
 bench: $(STAMP)

@@ -28,7 +28,11 @@ async def world() -> AsyncIterator[World]:
 @pytest.fixture
 def config(world: World, tmp_path: Path) -> AgentConfig:
     return AgentConfig(
-        server=world.site.url, token=GOOD_TOKEN, device="cpu", cache_dir=tmp_path / "cache", max_leases=2,
+        server=world.site.url,
+        token=GOOD_TOKEN,
+        device="cpu",
+        cache_dir=tmp_path / "cache",
+        max_leases=2,
         progress=False,
     )
 

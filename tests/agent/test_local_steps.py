@@ -76,6 +76,29 @@ def test_the_pseudo_gradient_is_the_change_of_h_inner_steps_times_the_samples(mi
     assert result.loss_sum > 0
 
 
+@pytest.mark.parametrize("samples", [24, 20])  # whole inner batches, and a last inner step of what is left
+def test_an_inner_batch_of_several_microbatches_takes_one_step_on_their_summed_gradients(samples: int) -> None:
+    cm = model()
+    base = flat(cm)
+    x, y = data(samples, seed=2)
+    optimizer = InnerOptimizers().get(1, cm, INNER, base_version=0)
+    result = compute_pseudo_gradient(cm, optimizer, INNER.lr, x, y, microbatch_size=4, inner_batch_size=8)
+    # Plain PyTorch holding each inner batch at once: one step per 8 samples (the last may hold fewer).
+    expected = plain_adamw(cm, [(x[i : i + 8], y[i : i + 8]) for i in range(0, len(x), 8)])
+
+    torch.testing.assert_close(base - result.grad / len(x), expected, rtol=0, atol=1e-6)
+    one_per_microbatch = plain_adamw(cm, [(x[i : i + 4], y[i : i + 4]) for i in range(0, len(x), 4)])
+    assert not torch.allclose(expected, one_per_microbatch, atol=1e-4), "the inner batch changes the steps"
+
+
+def test_an_inner_batch_that_is_not_whole_microbatches_is_refused() -> None:
+    cm = model()
+    x, y = data(12, seed=3)
+    optimizer = InnerOptimizers().get(1, cm, INNER, base_version=0)
+    with pytest.raises(ValueError, match="not a positive multiple of the microbatch"):
+        compute_pseudo_gradient(cm, optimizer, INNER.lr, x, y, microbatch_size=4, inner_batch_size=6)
+
+
 def test_the_inner_state_carries_over_to_the_next_lease_of_the_campaign() -> None:
     cm = model()
     inner = InnerOptimizers()
@@ -137,6 +160,8 @@ async def test_which_local_leases_an_agent_refuses_before_downloading_anything(w
     assert "without an inner optimizer" in local_lease_problem(world.lease(1, [(0, 4)], mode="local"))
     lamb = world.lease(1, [(0, 4)], mode="local", inner=OptimizerSpec(name="lamb"))
     assert "not one this agent runs" in local_lease_problem(lamb)
+    odd = msgspec.structs.replace(world.lease(1, [(0, 8)], microbatch=4, mode="local", inner=INNER), inner_batch_size=6)
+    assert "not a positive multiple of its microbatch of 4" in local_lease_problem(odd)
 
 
 async def test_a_local_lease_uploads_its_pseudo_gradient_and_the_next_keeps_the_moments(

@@ -1,7 +1,10 @@
 """Local-steps leases (DiLoCo): inner optimizer steps on the agent's copy of the model, and their pseudo-gradient.
 
-A ``local`` lease is H inner steps, one per microbatch of its samples, from
-the lease's base version. What goes up is the pseudo-gradient, the base
+A ``local`` lease is H inner steps from the lease's base version, one per
+``inner_batch_size`` of its samples (the gradients of that many samples'
+microbatches added up, as one big machine would with gradient accumulation):
+the campaign's inner batch is an optimization setting, the microbatch only
+what fits in a volunteer's memory. What goes up is the pseudo-gradient, the base
 parameters minus the final ones, times the lease's sample count: aggregators
 add uploads and divide by the round's samples as they do with summed
 gradients, so a round averages its pseudo-gradients weighted by samples and
@@ -61,6 +64,12 @@ def local_lease_problem(lease: Lease) -> str:
         return (
             f"its inner optimizer {lease.inner.name!r} is not one this agent runs ({', '.join(INNER_OPTIMIZERS)}); "
             "upgrade crowdtrain-agent (pip install -U crowdtrain-agent)"
+        )
+    inner_batch, micro = lease.inner_batch_size, lease.microbatch_size
+    if inner_batch is not None and (micro < 1 or not inner_batch or inner_batch % micro):
+        return (
+            f"its inner batch of {inner_batch} samples is not a positive multiple of its microbatch of "
+            f"{lease.microbatch_size}; the site is misconfigured"
         )
     return ""
 
@@ -146,9 +155,17 @@ def compute_pseudo_gradient(
     y: torch.Tensor,
     microbatch_size: int,
     *,
+    inner_batch_size: int | None = None,
     cancel: threading.Event | None = None,
 ) -> GradientResult:
-    """Run one inner step per microbatch from the model's current (base) parameters; return the pseudo-gradient.
+    """Run inner steps from the model's current (base) parameters; return the pseudo-gradient.
+
+    Each inner step follows the mean loss of ``inner_batch_size`` samples, taken
+    as microbatches whose gradients add up, so the step is the one a machine
+    holding the whole inner batch at once would take. An inner step costs an
+    optimizer update of every parameter: on small microbatches (AdamW on W1's
+    64 samples) that update took almost as long as the forward and backward
+    pass, and a larger inner batch makes it rare.
 
     The model is put back on its base parameters afterwards, also when the
     work is cancelled, so the parameter version the model cache says it holds
@@ -160,7 +177,9 @@ def compute_pseudo_gradient(
         lr: the inner learning rate of this lease (the site applies the campaign's schedule).
         x: inputs, one row per sample.
         y: targets, one row per sample.
-        microbatch_size: samples per inner step.
+        microbatch_size: samples per forward and backward pass.
+        inner_batch_size: samples per inner step, a multiple of ``microbatch_size``; None: one microbatch.
+            The last inner step takes the samples left when ``len(x)`` is not a multiple.
         cancel: set from another thread to abandon the lease between inner steps.
 
     Returns:
@@ -169,10 +188,13 @@ def compute_pseudo_gradient(
 
     Raises:
         ComputeCancelled: if ``cancel`` was set.
-        ValueError: for a non-positive microbatch size or no samples.
+        ValueError: for a non-positive microbatch size, an inner batch that is not a multiple of it, or no samples.
     """
     if microbatch_size < 1:
         raise ValueError(f"microbatch size must be at least 1, got {microbatch_size}")
+    inner_batch = microbatch_size if inner_batch_size is None else inner_batch_size
+    if inner_batch < 1 or inner_batch % microbatch_size:
+        raise ValueError(f"inner batch {inner_batch} is not a positive multiple of the microbatch {microbatch_size}")
     if len(x) == 0:
         raise ValueError("a local lease needs at least one sample")
     model = cm.model
@@ -184,16 +206,19 @@ def compute_pseudo_gradient(
         group["lr"] = lr
     total = torch.zeros((), device=device)
     try:
-        for lo in range(0, len(x), microbatch_size):
-            if cancel is not None and cancel.is_set():
-                raise ComputeCancelled("local steps abandoned")
-            xb = x[lo : lo + microbatch_size].to(device, non_blocking=True)
-            yb = y[lo : lo + microbatch_size].to(device, non_blocking=True)
+        for first in range(0, len(x), inner_batch):
+            step_samples = min(inner_batch, len(x) - first)
             optimizer.zero_grad(set_to_none=True)
-            loss_sum = cm.entry.loss_sum(model, xb, yb)
-            (loss_sum / len(xb)).backward()  # each inner step on the microbatch's mean loss
+            for lo in range(first, first + step_samples, microbatch_size):
+                if cancel is not None and cancel.is_set():
+                    raise ComputeCancelled("local steps abandoned")
+                hi = min(lo + microbatch_size, first + step_samples)
+                xb = x[lo:hi].to(device, non_blocking=True)
+                yb = y[lo:hi].to(device, non_blocking=True)
+                loss_sum = cm.entry.loss_sum(model, xb, yb)
+                (loss_sum / step_samples).backward()  # adds up to the inner batch's mean loss
+                total += loss_sum.detach()
             optimizer.step()
-            total += loss_sum.detach()
         final = torch.nn.utils.parameters_to_vector(params).detach()
         pseudo = (base - final).to("cpu", torch.float32) * float(len(x))
         loss_sum_value = float(total.item())

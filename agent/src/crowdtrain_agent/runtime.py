@@ -61,7 +61,9 @@ LEASE_ERROR_PAUSE_S = 2.0  # after a lease that could not be prepared, before as
 # pipelined agent asks during its compute, and the commit that makes room answers at once.
 LEASE_WAIT_S = 10.0
 READER_CACHE_ITEMS = 8  # decoded shards kept in memory (a shard is a few MiB)
-MAX_PREFETCH_SHARDS = 8  # of the shards a lease says the next leases will read (the site names at most 8)
+# Of the shards a lease says the next leases will read (the site names enough for a lease of the same size,
+# at most 64): a local-steps round spans many, and each one not fetched ahead is a wait on a home link.
+MAX_PREFETCH_SHARDS = 64
 MAX_REPORTED_S = 1e9  # the protocol's bound on seconds (``Seconds``): a report past it would be refused whole
 
 
@@ -374,8 +376,9 @@ class Agent:
         if lease.mode == "local" and lease.inner is not None:
             optimizer = self._inner.get(lease.campaign_id, work.cm, lease.inner, lease.base_version)
             return compute_pseudo_gradient(
-                work.cm, optimizer, lease.inner.lr, work.x, work.y, lease.microbatch_size, cancel=self._abort
-            )
+                work.cm, optimizer, lease.inner.lr, work.x, work.y, lease.microbatch_size,
+                inner_batch_size=lease.inner_batch_size, cancel=self._abort,
+            )  # fmt: skip
         return trainer.compute_gradient(work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort)
 
     async def _start_report(

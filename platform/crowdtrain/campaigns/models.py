@@ -185,6 +185,8 @@ class Campaign(models.Model):
     inner_optimizer = models.CharField(max_length=16, default="adamw")
     inner_lr = models.FloatField(default=1e-3)
     inner_weight_decay = models.FloatField(default=0.0)
+    # Samples per inner step (their microbatches' gradients add up); null: one microbatch.
+    inner_batch_size = models.PositiveIntegerField(null=True, blank=True)
     staleness = models.PositiveSmallIntegerField(default=1, help_text="0 = fully synchronous")
     num_aggregators = models.PositiveSmallIntegerField(default=1)
     checkpoint_every = models.PositiveIntegerField(default=10)

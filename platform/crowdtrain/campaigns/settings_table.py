@@ -166,6 +166,19 @@ SETTINGS: dict[str, Setting] = {
             ),
         ),
         Setting(
+            "inner_batch_size",
+            "mode",
+            _int(
+                "Inner batch size",
+                1,
+                1 << 30,
+                "local mode: samples per inner step, a multiple of the microbatch size (their gradients add up); "
+                "blank: one microbatch. Every inner step updates all parameters, so a larger inner batch spends "
+                "less of a volunteer's time in the optimizer",
+                optional=True,
+            ),
+        ),
+        Setting(
             "max_steps",
             "stop",
             _int("Max steps", 1, 1 << 30, "finish after this many steps", optional=True),

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from django.contrib.auth.models import User
 
 
-INNER_SETTINGS = ("inner_optimizer", "inner_lr", "inner_weight_decay")
+INNER_SETTINGS = ("inner_optimizer", "inner_lr", "inner_weight_decay", "inner_batch_size")
 
 
 class CampaignConfigError(ValueError):
@@ -64,8 +64,8 @@ def validate_campaign(
 ) -> tuple[dict[str, Any], dict[str, Any], int]:
     """Check a campaign's settings against the registries and its dataset.
 
-    ``inner`` holds the local mode's ``inner_optimizer``, ``inner_lr`` and
-    ``inner_weight_decay`` (defaults where missing); it is checked in sync mode
+    ``inner`` holds the local mode's ``inner_optimizer``, ``inner_lr``,
+    ``inner_weight_decay`` and ``inner_batch_size`` (defaults where missing); it is checked in sync mode
     too, so switching a draft to local later finds no surprise.
 
     Returns:
@@ -111,7 +111,30 @@ def validate_campaign(
             "microbatch_size",
         )
     check_training_mode(training_mode, inner or {}, check_fraction, staleness)
+    check_inner_batch((inner or {}).get("inner_batch_size"), microbatch_size, target_batch_size)
     return config, to_dict(spec), entry.param_count(config)
+
+
+def check_inner_batch(inner_batch_size: int | None, microbatch_size: int, target_batch_size: int) -> None:
+    """An inner batch is whole microbatches, and no more than a round (the target batch) holds.
+
+    Raises:
+        CampaignConfigError: naming ``inner_batch_size``.
+    """
+    if inner_batch_size is None:
+        return
+    if inner_batch_size < 1 or inner_batch_size % microbatch_size:
+        raise CampaignConfigError(
+            f"Inner batch size ({inner_batch_size}) must be a multiple of the microbatch size ({microbatch_size}): "
+            "an inner step adds up the gradients of whole microbatches",
+            "inner_batch_size",
+        )
+    if inner_batch_size > target_batch_size:
+        raise CampaignConfigError(
+            f"Inner batch size ({inner_batch_size}) must not exceed the target batch size ({target_batch_size}), "
+            "the samples of one outer step",
+            "inner_batch_size",
+        )
 
 
 def check_training_mode(

@@ -71,6 +71,12 @@ class CampaignConfig:
     mode: TrainingMode = "sync"
     inner: OptimizerSpec | None = None  # local mode's inner optimizer, its lr unscheduled (``inner_for``)
     schedule: OptimizerSpec | None = None  # the campaign's optimizer, whose schedule the inner lr follows
+    inner_batch_size: int | None = None  # local mode: samples per inner step (None: one microbatch)
+
+    @property
+    def lease_unit(self) -> int:
+        """Lease sizes are multiples of this: whole microbatches, and in local mode whole inner steps."""
+        return self.inner_batch_size or self.microbatch_size
 
     def inner_for(self, base_version: int) -> OptimizerSpec | None:
         """The inner optimizer of a lease on ``base_version``: the campaign's schedule applied to its lr."""
@@ -145,6 +151,7 @@ def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
         if local
         else None,
         schedule=from_dict(OptimizerSpec, campaign.optimizer, "optimizer") if local else None,
+        inner_batch_size=campaign.inner_batch_size if local else None,
     )
 
 

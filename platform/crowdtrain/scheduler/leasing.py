@@ -127,7 +127,7 @@ def _lease_size(config: CampaignConfig, device_id: int, samples_per_s: float | N
     still work side by side: staleness lets several steps be in flight, and an
     idle device is served before a busy one gets a lease ahead.
     """
-    micro = config.microbatch_size
+    micro = config.lease_unit
     speed = samples_per_s if samples_per_s is not None and math.isfinite(samples_per_s) and samples_per_s > 0 else 0.0
     if not speed:
         flops = _hardware_flops.get(device_id)
@@ -273,6 +273,7 @@ def lease_message(lease: Lease, config: CampaignConfig, *, check: bool = False) 
         codec_block_size=config.codec_block_size,
         mode=config.mode,
         inner=config.inner_for(lease.base_version),
+        inner_batch_size=config.inner_batch_size,
         model=config.model,
         data=config.data,
         param_count=config.param_count,
@@ -281,8 +282,7 @@ def lease_message(lease: Lease, config: CampaignConfig, *, check: bool = False) 
     )
 
 
-# A lease names at most this many shards to fetch ahead: the next lease's, if it is as large as this one.
-MAX_PREFETCH_SHARDS = 8
+MAX_PREFETCH_SHARDS = network.MAX_PREFETCH_SHARDS  # the next lease's shards, if it is as large as this one
 
 
 def _upcoming_shards(config: CampaignConfig, lease: Lease) -> list[str]:

@@ -24,7 +24,9 @@ from .conftest import HELLO, Connect, receive, send
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-BACKBONE_HELLO = BackboneHello(protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/")
+BACKBONE_HELLO = BackboneHello(
+    protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"
+)
 
 
 async def test_a_second_socket_of_a_device_closes_the_first_with_4012_and_keeps_working(connect: Connect) -> None:

@@ -32,7 +32,12 @@ async def _join(connect: Connect, campaign: Campaign) -> WebsocketCommunicator:
     """Connect as the campaign's aggregator, take its slice back, and wait until the site counts it ready."""
     aggregator = await sync_to_async(lambda: SliceAssignment.objects.get(campaign=campaign, index=0).aggregator)()
     communicator, _, _ = await connect("/ws/backbone/", f"token-{aggregator.name}")
-    hello = BackboneHello(protocol_version=PROTOCOL_VERSION, name=aggregator.name, upload_url="ws://x/upload", params_url="http://x/params/")
+    hello = BackboneHello(
+        protocol_version=PROTOCOL_VERSION,
+        name=aggregator.name,
+        upload_url="ws://x/upload",
+        params_url="http://x/params/",
+    )
     await send(communicator, hello)
     await receive(communicator)  # welcome
     assignment = await receive(communicator)

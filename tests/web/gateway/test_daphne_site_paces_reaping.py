@@ -47,4 +47,3 @@ def test_the_walk_over_connections_runs_every_few_seconds_and_reaps_finished_one
     # Untouched on the skipped ticks, dropped on the one that walks; every tick schedules the next, a second on.
     assert result["remaining"] == [1] * (ticks - 1) + [0]
     assert result["scheduled"] == [1] * ticks
-

@@ -46,6 +46,19 @@ async def test_a_local_lease_names_the_inner_optimizer_on_the_campaigns_schedule
     assert lease.inner.lr == pytest.approx(4e-3 / 4)
 
 
+@override_settings(CROWDTRAIN_LEASE_TARGET_S=15.0)
+async def test_a_local_lease_is_whole_inner_batches_and_names_their_size(connect: Connect) -> None:
+    await sync_to_async(make_campaign)(**LOCAL, inner_batch_size=8)  # microbatches of 4, rounds of 32
+    agent = await greeted_agent(connect)
+
+    # 15 s (the lease target) of this speed is 12 samples: three microbatches, but one and a half inner batches.
+    await send(agent, LeaseRequest(samples_per_s=0.8))
+    lease = await receive(agent)
+
+    assert isinstance(lease, Lease) and (lease.microbatch_size, lease.inner_batch_size) == (4, 8)
+    assert lease.num_samples == 8
+
+
 async def test_a_sync_lease_names_no_inner_optimizer(connect: Connect) -> None:
     await sync_to_async(make_campaign)()
     agent = await greeted_agent(connect)
@@ -76,6 +89,8 @@ async def test_an_agent_of_minor_2_is_told_to_upgrade_and_its_local_lease_goes_b
         ({"inner_lr": 0.0}, "inner_lr", "Inner learning rate (inner_lr) must be above 0"),
         ({"inner_weight_decay": 2.0}, "inner_weight_decay", "Inner weight decay"),
         ({"training_mode": "async"}, "training_mode", "sync, local"),
+        ({"inner_batch_size": 6}, "inner_batch_size", "must be a multiple of the microbatch size (4)"),
+        ({"inner_batch_size": 64}, "inner_batch_size", "must not exceed the target batch size (32)"),
         (
             {"optimizer": {"name": "sgd", "lr": 0.7, "momentum": 0.0, "nesterov": True}},
             "nesterov",

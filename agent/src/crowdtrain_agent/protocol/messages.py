@@ -229,13 +229,17 @@ class Lease(Message, tag="lease", frozen=True, kw_only=True):
     # 2.3: elements per scale when ``codec`` is int8. Advisory: it means nothing for another codec,
     # and a lease in int8 (which ``since_values`` marks 2.3) is never sent to an older agent.
     codec_block_size: BlockSize = 256
-    # 2.3: "local" (DiLoCo): train a copy of the model with ``inner`` over the lease's microbatches, one
-    # inner step each, and upload the pseudo-gradient (base minus final parameters) times ``num_samples``
-    # instead of the summed gradient. An older agent would upload a gradient: such a lease is never sent to it.
+    # 2.3: "local" (DiLoCo): train a copy of the model with ``inner`` over the lease's samples, one inner
+    # step per ``inner_batch_size`` samples (gradients of its microbatches added up), and upload the
+    # pseudo-gradient (base minus final parameters) times ``num_samples`` instead of the summed gradient.
+    # An older agent would upload a gradient: such a lease is never sent to it.
     mode: TrainingMode = "sync"
     inner: OptimizerSpec | None = None  # the inner optimizer of a "local" lease; its lr is already scheduled
+    # Samples per inner step, a multiple of ``microbatch_size``; None: one microbatch. The lease's last
+    # inner step takes what is left when ``num_samples`` is not a multiple.
+    inner_batch_size: Count | None = None
 
-    since: ClassVar[dict[str, int]] = {"codec_block_size": 3, "mode": 3, "inner": 3}
+    since: ClassVar[dict[str, int]] = {"codec_block_size": 3, "mode": 3, "inner": 3, "inner_batch_size": 3}
     advisory: ClassVar[frozenset[str]] = frozenset({"codec_block_size"})
     since_values: ClassVar[dict[str, dict[str, int]]] = {"codec": {"int8": 3}}
 
