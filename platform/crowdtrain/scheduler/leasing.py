@@ -138,9 +138,14 @@ def _lease_size(config: CampaignConfig, device_id: int, samples_per_s: float | N
         # The matmul benchmark overstates real training speed; halve it.
         speed = 0.5 * flops / config.flops_per_sample if flops > 0 and config.flops_per_sample > 0 else 0.0
     if not speed:
-        return 2 * micro, 0.0
-    want = speed * settings.CROWDTRAIN_LEASE_TARGET_S
+        return min(2 * micro, _most_samples(micro)), 0.0
+    want = min(speed * settings.CROWDTRAIN_LEASE_TARGET_S, _most_samples(micro))
     return max(micro, int(want // micro) * micro), speed
+
+
+def _most_samples(unit: int) -> int:
+    """CROWDTRAIN_MAX_LEASE_SAMPLES in whole units (a local lease's inner batches), and never below one unit."""
+    return max(unit, settings.CROWDTRAIN_MAX_LEASE_SAMPLES // unit * unit)
 
 
 # ------------------------------------------------------------------ leasing
@@ -180,7 +185,7 @@ def _try_lease(
         "lease",
         {
             "device": device_id,
-            "want": min(want, settings.CROWDTRAIN_MAX_LEASE_SAMPLES),
+            "want": want,
             "claimed": claimed,
             "id": lease_id,
             "cid": config.id,

@@ -59,6 +59,17 @@ async def test_a_local_lease_is_whole_inner_batches_and_names_their_size(connect
     assert lease.num_samples == 8
 
 
+@override_settings(CROWDTRAIN_MAX_LEASE_SAMPLES=20)
+async def test_the_largest_lease_is_cut_to_whole_inner_batches(connect: Connect) -> None:
+    await sync_to_async(make_campaign)(**LOCAL, inner_batch_size=8)
+    agent = await greeted_agent(connect)
+
+    await send(agent, LeaseRequest(samples_per_s=1e6))  # would take the whole round of 32, but 20 is the most
+    lease = await receive(agent)
+
+    assert isinstance(lease, Lease) and lease.num_samples == 16
+
+
 async def test_a_sync_lease_names_no_inner_optimizer(connect: Connect) -> None:
     await sync_to_async(make_campaign)()
     agent = await greeted_agent(connect)
