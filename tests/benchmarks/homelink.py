@@ -133,15 +133,16 @@ class LocalSteps:
 # 0.9 at lr 0.7. It treats the averaged pseudo-gradient like a gradient whose natural step size is one; a slightly
 # shorter step plus momentum is what made the outer loop beat plain averaging (lr 1, no momentum) in that paper.
 DILOCO_OUTER = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
-# W1 in local mode. Inner AdamW at sync W1's own lr 1e-3 and batch of 1,024 samples (16 microbatches of 64 whose
-# gradients add up): each inner step is the step sync W1 takes, so the inner loop computes as fast as plain
-# PyTorch does. With one inner step per microbatch of 64, AdamW's update of 1.3M parameters took 5.5 ms next to
-# the microbatch's 6.6 ms of forward and backward, and the agent computed at 0.70 of plain PyTorch.
-# 65,536 samples per outer step (H = 64, about 7 s of one core): what the round costs besides compute, an int8
+# W1 in local mode. Inner AdamW at sync W1's own lr 1e-3, on inner batches of 256 samples (4 microbatches of 64
+# whose gradients add up). One inner step per microbatch of 64 cost the agent's core 0.30 of its time: AdamW's
+# update of 1.3M parameters takes 5.5 ms next to a microbatch's 6.6 ms of forward and backward. Inner batches
+# of 1,024 (sync W1's own step) were as fast on the link but ended 27% above sync fp32's held-out loss after 4
+# rounds; batches of 256 ended 20% below it (both measured over 262,144 samples).
+# 65,536 samples per outer step (H = 256, about 7 s of one core): what the round costs besides compute, an int8
 # upload (~1.3 MB, ~0.55 s at 20 Mbit/s), the wait for the outer step and the delta download (~4.3 MB, ~0.9 s
 # with the link also carrying the next shards), is then small next to it. The shards (W1's input is 1 KiB per
 # sample, ~64 MiB a round) are fetched ahead while the round computes.
-W1_LOCAL = LocalSteps(65536, {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0}, DILOCO_OUTER, W1.global_batch)
+W1_LOCAL = LocalSteps(65536, {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0}, DILOCO_OUTER, 4 * W1.microbatch)
 # The GPT in local mode: inner AdamW at 1e-3, below the demo's 3e-3 because an inner step sees one microbatch
 # of 16 sequences instead of the demo's 256-sample step; 2,048 samples per outer step (H = 128).
 GPT_LOCAL = LocalSteps(2048, {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0}, DILOCO_OUTER)
@@ -422,7 +423,7 @@ def inside(args: argparse.Namespace) -> int:
     def baseline() -> float:
         return measure_in_process(threads=1, cpus=AGENT_CPUS, seconds=args.baseline_seconds)
 
-    local = dataclasses.replace(W1_LOCAL, samples=args.local_samples)
+    local = dataclasses.replace(W1_LOCAL, samples=args.local_samples, inner_batch=args.inner_batch)
     not_asked = NoResult("skipped", f"--runs {','.join(args.runs)}")
     before = baseline()
     w1: dict[str, Outcome] = {mode.name: not_asked for mode in MODES}
@@ -494,6 +495,13 @@ def parser() -> argparse.ArgumentParser:
         default=W1_LOCAL.samples,
         help=f"samples per outer step of the W1 local run, a multiple of {W1.global_batch} "
         f"(default {W1_LOCAL.samples}: H = {W1_LOCAL.samples // W1.microbatch})",
+    )
+    p.add_argument(
+        "--inner-batch",
+        type=_multiple_of(W1.microbatch),
+        default=W1_LOCAL.inner_batch,
+        help=f"samples per inner step of the W1 local run, a multiple of {W1.microbatch} "
+        f"(default {W1_LOCAL.inner_batch})",
     )
     p.add_argument(
         "--runs",
