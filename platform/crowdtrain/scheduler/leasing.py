@@ -127,7 +127,7 @@ def _lease_size(config: CampaignConfig, device_id: int, samples_per_s: float | N
     still work side by side: staleness lets several steps be in flight, and an
     idle device is served before a busy one gets a lease ahead.
     """
-    micro = config.lease_unit
+    unit = config.lease_unit  # whole microbatches; whole inner batches in local mode
     speed = samples_per_s if samples_per_s is not None and math.isfinite(samples_per_s) and samples_per_s > 0 else 0.0
     if not speed:
         flops = _hardware_flops.get(device_id)
@@ -138,9 +138,9 @@ def _lease_size(config: CampaignConfig, device_id: int, samples_per_s: float | N
         # The matmul benchmark overstates real training speed; halve it.
         speed = 0.5 * flops / config.flops_per_sample if flops > 0 and config.flops_per_sample > 0 else 0.0
     if not speed:
-        return min(2 * micro, _most_samples(micro)), 0.0
-    want = min(speed * settings.CROWDTRAIN_LEASE_TARGET_S, _most_samples(micro))
-    return max(micro, int(want // micro) * micro), speed
+        return min(2 * unit, _most_samples(unit)), 0.0
+    want = min(speed * settings.CROWDTRAIN_LEASE_TARGET_S, _most_samples(unit))
+    return max(unit, int(want // unit) * unit), speed
 
 
 def _most_samples(unit: int) -> int:
