@@ -289,6 +289,7 @@ class World:
         codec_block_size: int = 256,
         mode: TrainingMode = "sync",
         inner: OptimizerSpec | None = None,
+        rebase_to: int | None = None,
     ) -> Lease:
         sample_ranges = [SampleRange(shard=self.sha, start=s, count=c) for s, c in ranges]
         num = sum(c for _, c in ranges)
@@ -301,7 +302,7 @@ class World:
             microbatch_size=microbatch, deadline_s=60.0, ticket=sign_ticket(ticket, TICKET_KEY), codec=codec,
             model=ModelSpec(architecture="mlp", config=MLP_CONFIG), data=DataSpec(kind="tensors"),
             param_count=self.params.numel(), slices=self.routes(), codec_block_size=codec_block_size,
-            mode=mode, inner=inner,
+            mode=mode, inner=inner, rebase_to=rebase_to,
         )  # fmt: skip
 
     def samples(self, ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

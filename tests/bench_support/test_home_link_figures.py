@@ -13,6 +13,8 @@ from tests.benchmarks.homelink_figures import (
     figure_lines,
     figure_names,
     link_figures,
+    loss_curve,
+    loss_curves_svg,
     loss_gap,
     refusal_reason,
     warmup_steps,
@@ -135,3 +137,23 @@ def test_a_refused_campaign_is_explained_by_seed_runs_last_line() -> None:
     )
 
     assert refusal_reason(message) == "CommandError: unknown campaign field(s) ['inner_optimizer', 'training_mode']"
+
+
+def test_the_loss_curves_picture_draws_each_run_that_has_one_and_its_validation_loss() -> None:
+    steps = [{"num_samples": 1024, "loss_sum": 1024 * loss} for loss in (2.0, 1.5, 1.0)]
+    curve = loss_curve(steps)
+    assert curve == ((1024, 2.0), (2048, 1.5), (3072, 1.0))
+    runs = {
+        "sync_fp32": RunResult(samples=3072, val_loss=1.1, curve=curve),
+        "local_int8": RunResult(samples=3072, val_loss=0.9, curve=((3072, 1.2),)),
+        "sync_int8": NoResult("skipped", "--runs"),
+    }
+
+    svg = loss_curves_svg(runs, "W1 <home link>")
+
+    assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+    assert svg.count("<polyline") == 3  # the axes and one curve per run with one
+    assert "sync_fp32: val 1.100" in svg and "local_int8: val 0.900" in svg and "sync_int8" not in svg
+    assert "W1 &lt;home link&gt;" in svg
+    with pytest.raises(ValueError, match="no run has a loss curve"):
+        loss_curves_svg({"sync_int8": NoResult("failed", "broke")}, "nothing")

@@ -82,6 +82,8 @@ from .homelink_figures import (  # noqa: E402
     RunResult,
     figure_lines,
     link_figures,
+    loss_curve,
+    loss_curves_svg,
     refusal_reason,
     skipped_lines,
     warmup_steps,
@@ -180,7 +182,7 @@ def local_fields(local: LocalSteps) -> dict[str, Any]:
         "optimizer": local.outer,
         "target_batch_size": local.samples,
         "check_fraction": 0.0,  # a local lease cannot be verified by a copy (its inner state is the agent's own)
-        "staleness": 0,  # local mode is synchronous: a pseudo-gradient one version late repeats the last round's move
+        "staleness": 1,  # overlapped rounds: the next round trains while the last one is uploaded and published
     }
 
 
@@ -303,7 +305,9 @@ def run_campaign(setup: RunSetup) -> RunResult:
 
     committed = dump["steps"][:steps]
     val_loss = next(v["loss"] for v in progress["val_loss"] if v["version"] >= steps)
-    result = RunResult(samples=sum(s["num_samples"] for s in committed), val_loss=float(val_loss))
+    result = RunResult(
+        samples=sum(s["num_samples"] for s in committed), val_loss=float(val_loss), curve=loss_curve(committed)
+    )
     if not setup.shaped:
         return result
     up, down = link_figures(committed, series, setup.warmup)
@@ -313,6 +317,7 @@ def run_campaign(setup: RunSetup) -> RunResult:
         samples_per_s=steady_rate(committed, setup.warmup),
         bytes_up_per_sample=up,
         bytes_down_per_sample=down,
+        curve=result.curve,
     )
 
 
@@ -344,7 +349,8 @@ def _attempt_once(what: str, run: Callable[[], RunResult]) -> Outcome:
     except (LaunchError, RuntimeError, OSError, ValueError, KeyError) as exc:
         logger.error("home link: %s failed", what, exc_info=True)
         return NoResult("failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    logger.info("home link: %s done in %.0f s: %s", what, time.monotonic() - started, result)
+    shown = dataclasses.replace(result, curve=result.curve[-1:])  # the last point; the picture has them all
+    logger.info("home link: %s done in %.0f s: %s", what, time.monotonic() - started, shown)
     return result
 
 
@@ -442,6 +448,10 @@ def inside(args: argparse.Namespace) -> int:
             f"W1 {mode.name}, {args.w1_samples} samples", functools.partial(_run_attempt, setup), args.retries
         )
     base: BaselinePair | NoResult = BaselinePair(before, baseline())
+    if any(isinstance(o, RunResult) and o.curve for o in w1.values()):
+        picture = root / "loss_curves.svg"
+        picture.write_text(loss_curves_svg(w1, f"W1 over the home link, {args.w1_samples:,} samples a run"))
+        print(f"home link: the W1 runs' loss curves are drawn in {picture}", flush=True)
 
     gpt: dict[str, Outcome] = {mode.name: not_asked for mode in MODES}
     for mode in (m for m in MODES if m.name in args.runs) if args.gpt_samples else ():

@@ -40,6 +40,9 @@ class RunResult:
     samples_per_s: float | None = None  # steady state; None for a run that only compares losses
     bytes_up_per_sample: float | None = None
     bytes_down_per_sample: float | None = None
+    # (samples committed so far, the step's training loss) per committed step: a round's in local mode is
+    # the mean over its inner steps, so it lags a sync step's at the same sample count.
+    curve: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -168,3 +171,74 @@ def refusal_reason(message: str) -> str:
     """
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     return lines[-1].split("; ")[0] if lines else "seed_run failed"
+
+
+def loss_curve(steps: Sequence[dict[str, Any]]) -> tuple[tuple[int, float], ...]:
+    """(samples so far, training loss per sample) after each committed step of a run's dump."""
+    points, seen = [], 0
+    for step in steps:
+        seen += int(step["num_samples"])
+        if step["num_samples"]:
+            points.append((seen, float(step["loss_sum"]) / int(step["num_samples"])))
+    return tuple(points)
+
+
+CURVE_COLOURS = {"sync_fp32": "#1f77b4", "sync_int8": "#2ca02c", "local_int8": "#d62728"}
+_W, _H, _PAD = 640, 360, 48
+
+
+def loss_curves_svg(runs: dict[str, Outcome], title: str) -> str:
+    """The runs' training-loss curves against samples seen, and each final validation loss as a dot, as SVG.
+
+    A picture for the closing note and the reader of ``make bench``: where the
+    loss gap lines give one number, this shows whether the runs converge alike.
+
+    Raises:
+        ValueError: if no run has a curve to draw.
+    """
+    curves = {name: o for name, o in runs.items() if isinstance(o, RunResult) and o.curve}
+    if not curves:
+        raise ValueError("no run has a loss curve to draw")
+    xs = [x for o in curves.values() for x, _ in o.curve]
+    ys = [y for o in curves.values() for _, y in o.curve] + [o.val_loss for o in curves.values()]
+    x_max, y_max = max(xs), max(ys) * 1.05
+    y_min = min(0.0, min(ys))
+
+    def at(x: float, y: float) -> str:
+        px = _PAD + (_W - 2 * _PAD) * x / x_max
+        py = _H - _PAD - (_H - 2 * _PAD) * (y - y_min) / (y_max - y_min)
+        return f"{px:.1f},{py:.1f}"
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" '
+        'font-family="sans-serif" font-size="12">',
+        f"<title>{_escape(title)}</title>",
+        f'<rect width="{_W}" height="{_H}" fill="white"/>',
+        f'<text x="{_W / 2}" y="20" text-anchor="middle" font-size="14">{_escape(title)}</text>',
+        f'<polyline points="{at(0, y_max)} {at(0, y_min)} {at(x_max, y_min)}" fill="none" stroke="#444"/>',
+        f'<text x="{_W / 2}" y="{_H - 10}" text-anchor="middle">samples seen</text>',
+        f'<text x="12" y="{_H / 2}" transform="rotate(-90 12 {_H / 2})" text-anchor="middle">loss per sample</text>',
+    ]
+    for tick in (y_min, (y_min + y_max) / 2, y_max):
+        x, y = at(0, tick).split(",")
+        parts.append(f'<text x="{float(x) - 4}" y="{float(y) + 4}" text-anchor="end">{tick:.2f}</text>')
+    for tick in (x_max / 4, x_max / 2, 3 * x_max / 4, x_max):
+        x, y = at(tick, y_min).split(",")
+        parts.append(f'<text x="{x}" y="{float(y) + 16}" text-anchor="middle">{round(tick):,}</text>')
+    for row, (name, outcome) in enumerate(curves.items()):
+        colour = CURVE_COLOURS.get(name, "#555")
+        points = " ".join(at(x, y) for x, y in outcome.curve)
+        parts.append(f'<polyline points="{points}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
+        vx, vy = at(outcome.curve[-1][0], outcome.val_loss).split(",")
+        parts.append(f'<circle cx="{vx}" cy="{vy}" r="4" fill="{colour}"><title>{name} validation loss '
+                     f"{outcome.val_loss:.4f}</title></circle>")  # fmt: skip
+        label_y = 44 + 16 * row
+        parts.append(f'<line x1="{_W - 200}" y1="{label_y - 4}" x2="{_W - 180}" y2="{label_y - 4}" '
+                     f'stroke="{colour}" stroke-width="2"/>')  # fmt: skip
+        parts.append(f'<text x="{_W - 174}" y="{label_y}">{_escape(name)}: val {outcome.val_loss:.3f} (dot)</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

@@ -1,7 +1,8 @@
 """An organizer makes a local-steps (DiLoCo) campaign in Chromium: the inner optimizer's fields come with the mode.
 
 The inner settings show only once Training mode is local, and choosing it
-sets the staleness and check fraction to the 0 local mode needs; a check
+sets the check fraction to the 0 local mode needs (the staleness keeps its
+default of 1: overlapped rounds); a check
 fraction set again is refused with a message saying why local leases cannot
 be verified by a copy, and the campaign page then names the mode.
 """
@@ -42,8 +43,8 @@ def test_an_organizer_creates_a_local_steps_campaign(page: Page, shot: Shot) -> 
     page.get_by_label("Target batch size").fill("32")
     page.get_by_label("Microbatch size").fill("4")
     page.get_by_label("Max steps").fill("10")
-    # Choosing local mode moved the staleness and the check fraction from their defaults to the 0 it needs.
-    expect(page.locator("input[name=staleness]")).to_have_value("0")
+    # Choosing local mode moved the check fraction from its default to the 0 it needs; staleness 1 overlaps rounds.
+    expect(page.locator("input[name=staleness]")).to_have_value("1")
     expect(page.locator("input[name=check_fraction]")).to_have_value("0")
     page.locator("summary", has_text="Robustness").click()
     page.locator("input[name=check_fraction]").fill("0.05")  # an organizer who wants checks anyway
@@ -61,6 +62,7 @@ def test_an_organizer_creates_a_local_steps_campaign(page: Page, shot: Shot) -> 
     expect(page.get_by_test_id("state")).to_have_text("draft")
     campaign = Campaign.objects.get()
     assert (campaign.training_mode, campaign.inner_optimizer, campaign.inner_lr) == ("local", "adamw", 0.002)
+    assert campaign.staleness == 1
     assert campaign.optimizer["name"] == "sgd" and campaign.optimizer["nesterov"] is True
     expect(page.locator('[data-live="network.training_mode_text"]')).to_contain_text("local")
     shot(page, "local campaign")

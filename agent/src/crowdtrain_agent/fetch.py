@@ -241,6 +241,7 @@ class HeldVersion:
 
     version: int
     flat: torch.Tensor  # owned by the store, never loaded into a model
+    etags: tuple[str, ...] = ()  # of each slice's publication, in route order (``still_current``)
 
 
 class HeldParams:
@@ -262,6 +263,29 @@ class HeldParams:
         self.campaigns = campaigns
         self._held: OrderedDict[int, HeldVersion] = OrderedDict()
         self._lock = threading.Lock()
+        self._downloading: dict[tuple[int, int], threading.Lock] = {}
+
+    def downloading(self, campaign_id: int, version: int) -> threading.Lock:
+        """The lock one download of a campaign's version holds: a second download of it waits, then reuses it.
+
+        An overlapped lease downloads its round's base while the next lease,
+        issued once that version exists, downloads the same one.
+        """
+        with self._lock:
+            lock = self._downloading.get((campaign_id, version))
+            if lock is None:
+                for key in [k for k in self._downloading if k[0] == campaign_id and k[1] < version - 4]:
+                    del self._downloading[key]
+                lock = self._downloading[(campaign_id, version)] = threading.Lock()
+            return lock
+
+    def exactly(self, campaign_id: int, param_count: int, version: int) -> HeldVersion | None:
+        """The held version of this campaign if it is ``version`` itself (its ETags tell if it is still current)."""
+        with self._lock:
+            held = self._held.get(campaign_id)
+        if held is None or held.flat.numel() != param_count or held.version != version:
+            return None
+        return held
 
     def base_for(self, campaign_id: int, param_count: int, version: int) -> HeldVersion | None:
         """A held version of this campaign that ``version`` can be sent as a delta of, if any.
@@ -276,11 +300,11 @@ class HeldParams:
             return None
         return held
 
-    def keep_(self, campaign_id: int, version: int, flat: torch.Tensor) -> None:
+    def keep_(self, campaign_id: int, version: int, flat: torch.Tensor, etags: Sequence[str] = ()) -> None:
         """Remember a copy of ``flat``, verified parameters of ``version``, as this campaign's base."""
         copy = flat.detach().to("cpu", torch.float32, copy=True)
         with self._lock:
-            self._held[campaign_id] = HeldVersion(version, copy)
+            self._held[campaign_id] = HeldVersion(version, copy, tuple(etags))
             self._held.move_to_end(campaign_id)
             while len(self._held) > self.campaigns:
                 self._held.popitem(last=False)
@@ -424,6 +448,7 @@ def fetch_params(
     etags: list[str] | None = None,
     held: HeldParams | None = None,
     campaign_id: int | None = None,
+    wait_s: float = 10.0,
 ) -> torch.Tensor:
     """Assemble the flat fp32 parameter vector of ``version`` from every aggregator's slice.
 
@@ -432,19 +457,48 @@ def fetch_params(
         held: the agent's store of downloaded versions; with ``campaign_id``, an
             older version held for the campaign makes each slice a delta
             download, and the verified result becomes the campaign's new base.
+            The version itself, held and still current, is copied instead of
+            downloaded, and two downloads of one version take turns.
         campaign_id: the campaign whose parameters these are (the key into ``held``).
+        wait_s: how long to keep asking for a version that is not published yet.
 
     Raises:
         FetchError: if the slices do not tile 0..param_count exactly, or a download fails.
     """
     check_routes(routes, param_count)
-    base = held.base_for(campaign_id, param_count, version) if held is not None and campaign_id is not None else None
+    if held is None or campaign_id is None:
+        return _download_params(routes, version, param_count, ticket, etags, None, wait_s)
+    with held.downloading(campaign_id, version):
+        same = held.exactly(campaign_id, param_count, version)
+        if same is not None and still_current(routes, version, same.etags, ticket=ticket):
+            if etags is not None:
+                etags.extend(same.etags)
+            return same.flat.clone()
+        got: list[str] = []
+        base = held.base_for(campaign_id, param_count, version)
+        flat = _download_params(routes, version, param_count, ticket, got, base, wait_s)
+        held.keep_(campaign_id, version, flat, got)
+    if etags is not None:
+        etags.extend(got)
+    return flat
+
+
+def _download_params(
+    routes: list[SliceRoute],
+    version: int,
+    param_count: int,
+    ticket: str | None,
+    etags: list[str] | None,
+    base: HeldVersion | None,
+    wait_s: float,
+) -> torch.Tensor:
     flat = torch.empty(param_count, dtype=torch.float32)
     for route in routes:
         slice_base = None if base is None else (base.version, base.flat[route.start : route.end])
-        fetch_slice(route, version, flat[route.start : route.end], ticket=ticket, etags=etags, held=slice_base)
-    if held is not None and campaign_id is not None:
-        held.keep_(campaign_id, version, flat)
+        fetch_slice(
+            route, version, flat[route.start : route.end], ticket=ticket, etags=etags, held=slice_base,
+            retry_for_s=wait_s,
+        )  # fmt: skip
     return flat
 
 

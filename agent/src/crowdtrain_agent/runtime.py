@@ -25,7 +25,7 @@ from .data import ShardReader
 from .device import describe_device, select_device
 from .feedback import ErrorFeedback, SliceKey
 from .fetch import FetchError, HeldParams, ShardCache, fetch_params, still_current
-from .local_steps import InnerOptimizers, compute_pseudo_gradient, local_lease_problem
+from .local_steps import InnerOptimizers, RebaseFailed, RoundBase, compute_pseudo_gradient, local_lease_problem
 from .models import ModelConfigError, get_model
 from .netmeter import METER, LeaseCost
 from .progress import AgentStatus
@@ -167,6 +167,7 @@ class Prepared:
     y: torch.Tensor
     etags: list[str] = field(default_factory=list)
     leased_at: float = 0.0  # perf_counter when the lease arrived: later waiting was for its downloads
+    round_base: RoundBase | None = None  # an overlapped local lease's round base, downloading meanwhile
 
 
 class LeaseFailed(RuntimeError):
@@ -218,6 +219,8 @@ class Agent:
         self._computer = DaemonWorker("crowdtrain-compute")
         self._fetcher = DaemonWorker("crowdtrain-fetch")
         self._prefetcher = DaemonWorker("crowdtrain-prefetch")  # apart: a lease's own fetch never queues behind it
+        self._rebaser = DaemonWorker("crowdtrain-rebase")  # long-polls for the versions overlapped leases await
+        self._rebasing: set[asyncio.Task[None]] = set()
 
     def request_stop(self) -> None:
         """First call: finish the lease being computed, report it, then exit. Second call: exit now."""
@@ -291,6 +294,9 @@ class Agent:
             self._computer.close()
             self._fetcher.close()
             self._prefetcher.close()
+            self._rebaser.close()
+            for task in self._rebasing:
+                task.cancel()
             self.status.set_status("stopped")
 
     # ------------------------------------------------------------------ main loop
@@ -355,7 +361,13 @@ class Agent:
                     result = await compute
                 except ComputeCancelled:
                     break
+                except RebaseFailed as exc:
+                    logger.warning("lease %d: %s; giving it back", lease.lease_id, exc)
+                    await self._release(lease)
+                    continue
                 compute_end = time.perf_counter()
+                if result.rebase_wait_s:
+                    METER.waited(result.rebase_wait_s)  # the round's base was still on its way
                 logger.debug("lease %d: computed in %.1f ms", lease.lease_id, 1e3 * result.compute_s)
                 self._note_speed(lease, result)
                 unsent = (lease, result)
@@ -375,10 +387,14 @@ class Agent:
         lease = work.lease
         if lease.mode == "local" and lease.inner is not None:
             optimizer = self._inner.get(lease.campaign_id, work.cm, lease.inner, lease.base_version)
-            return compute_pseudo_gradient(
+            start = None if work.round_base is None else self._inner.estimate(lease.campaign_id, lease.round_base)
+            result = compute_pseudo_gradient(
                 work.cm, optimizer, lease.inner.lr, work.x, work.y, lease.microbatch_size,
-                inner_batch_size=lease.inner_batch_size, cancel=self._abort,
+                inner_batch_size=lease.inner_batch_size, cancel=self._abort, start=start, rebase=work.round_base,
+                rebase_wait_s=max(0.0, work.leased_at + lease.deadline_s - time.perf_counter()),
             )  # fmt: skip
+            self._inner.remember(lease.campaign_id, lease.round_base, result.final_params)
+            return dataclasses.replace(result, final_params=None)
         return trainer.compute_gradient(work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort)
 
     async def _start_report(
@@ -405,8 +421,9 @@ class Agent:
                 await self._pause(LEASE_ERROR_PAUSE_S)
                 continue
             leased_at = time.perf_counter()
+            round_base = self._await_round_base(lease)
             try:
-                return dataclasses.replace(await self._fetch(lease), leased_at=leased_at)
+                return dataclasses.replace(await self._fetch(lease), leased_at=leased_at, round_base=round_base)
             except LeaseFailed as exc:
                 logger.warning("lease %d cannot be worked on: %s; giving it back", lease.lease_id, exc)
                 await self._release(lease)
@@ -509,6 +526,38 @@ class Agent:
             return await self._fetcher.run(blocking)
         except (FetchError, ProtocolError, ModelConfigError, ValueError, OSError) as exc:
             raise LeaseFailed(str(exc)) from None
+
+    def _await_round_base(self, lease: Lease) -> RoundBase | None:
+        """For an overlapped local lease, start downloading its round base, which may not be published yet.
+
+        The download long-polls the aggregators (each holds a request for a
+        version being made until it is published) for as long as the lease
+        lasts, and goes through the same store as every parameter download: the
+        next lease's fetch of that version reuses it instead of downloading it
+        again.
+        """
+        if lease.mode != "local" or lease.rebase_to is None:
+            return None
+        target = RoundBase(lease.rebase_to)
+
+        def download() -> torch.Tensor:
+            return fetch_params(
+                lease.slices, target.version, lease.param_count, ticket=lease.ticket,
+                held=self._downloaded, campaign_id=lease.campaign_id, wait_s=lease.deadline_s,
+            )  # fmt: skip
+
+        async def fetch() -> None:
+            try:
+                target.deliver(await self._rebaser.run(download))
+            except (FetchError, ProtocolError, ValueError, OSError) as exc:
+                target.fail(str(exc))
+            finally:  # anything else, or the agent stopping: the compute must not wait out the deadline
+                target.fail("the download stopped")
+
+        task = asyncio.create_task(fetch(), name=f"crowdtrain-rebase-{lease.lease_id}")
+        self._rebasing.add(task)
+        task.add_done_callback(self._rebasing.discard)
+        return target
 
     def _prefetch(self, lease: Lease) -> None:
         """Fetch the shards the next leases will read in the background, so no lease waits for its data.

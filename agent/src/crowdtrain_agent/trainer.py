@@ -105,7 +105,11 @@ class GradientResult:
     grad: torch.Tensor
     loss_sum: float
     num_samples: int
-    compute_s: float
+    compute_s: float  # the device's own time: a wait for a download inside the compute is not in it
+    # Local leases only: the parameters the inner steps ended on (the estimate the next round starts
+    # from while its base is being published), and the seconds spent waiting for that base.
+    final_params: torch.Tensor | None = None
+    rebase_wait_s: float = 0.0
 
 
 def compute_gradient(

@@ -33,9 +33,10 @@
     if (!mode) return;
     for (const box of form.querySelectorAll('[data-field^="inner_"]')) box.hidden = mode.value !== "local";
   }
-  // Local mode needs a staleness of 0 and no verification copies (the form says why if they are set): choosing
-  // it moves those two from their defaults, and only from their defaults, so no choice of the organizer is undone.
-  const LOCAL_NEEDS = { staleness: "1", check_fraction: "0.05" };
+  // Local mode takes no verification copies (the form says why if some are asked for): choosing it moves the
+  // check fraction from its default, and only from its default, so no choice of the organizer is undone. The
+  // default staleness of 1 suits local mode too: each round overlaps the upload and publication of the last.
+  const LOCAL_NEEDS = { check_fraction: "0.05" };
   function fitMode() {
     if (!mode || mode.value !== "local") return;
     for (const [name, fallback] of Object.entries(LOCAL_NEEDS)) {

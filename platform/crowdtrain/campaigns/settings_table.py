@@ -41,8 +41,9 @@ GROUPS: dict[str, Group] = {
         "sync trains exactly as one machine would; local (DiLoCo) lets each volunteer take several inner steps "
         "per lease and send far fewer bytes per sample, for volunteers on home links. In local mode the optimizer "
         "above is the outer one (SGD with Nesterov momentum, lr 0.7, momentum 0.9 is the usual choice), the target "
-        "batch size is the samples of one outer step, each microbatch is one inner step, and the staleness and "
-        "check fraction are 0.",
+        "batch size is the samples of one outer step, the inner batch size is the samples of one inner step, "
+        "the check fraction is 0, and a staleness of 1 overlaps each round with the last one's upload (0 runs "
+        "rounds in lock step).",
     ),
     "stop": Group(
         "Stop rule and validation",

@@ -142,14 +142,16 @@ def check_training_mode(
 ) -> OptimizerSpec:
     """Check the local mode's settings; returns the inner optimizer's spec (unscheduled).
 
-    Local mode is synchronous, as DiLoCo is: a pseudo-gradient is a whole lease's movement from its base
-    version, and applied one version late it is counted again on top of the movement the round before
-    already made. Measured on W1 with one agent pipelining its leases at staleness 1: validation loss
-    2.09 after 98,304 samples, against 0.40 at staleness 0 (``tests.benchmarks.homelink``).
+    Local mode runs at staleness 0 (rounds in lock step, as DiLoCo) or 1 (overlapped rounds: the next
+    round's leases go out while the last one is uploaded and published, and agents rebase onto the new
+    version when it arrives, ``Lease.rebase_to``). A deeper window would have agents train whole leases
+    on a guess of a version two rounds away; naively applied one version late, a pseudo-gradient repeats
+    the movement the round before already made (W1, one agent at staleness 1 without rebasing: validation
+    loss 2.09 after 98,304 samples, against 0.40 at staleness 0; ``tests.benchmarks.homelink``).
 
     Raises:
-        CampaignConfigError: for an unknown mode, a bad inner setting, a staleness above 0 or
-            verification copies in local mode.
+        CampaignConfigError: for an unknown mode, a bad inner setting, a staleness above 1 (above 0 on a
+            site pinned below protocol 2.4) or verification copies in local mode.
     """
     if training_mode not in ("sync", "local"):
         raise CampaignConfigError(f"unknown training mode {training_mode!r}; choose sync or local", "training_mode")
@@ -164,12 +166,18 @@ def check_training_mode(
                 f"2.{django_settings.CROWDTRAIN_PROTOCOL_MINOR} (CROWDTRAIN_PROTOCOL_MINOR); use sync mode",
                 "training_mode",
             )
-        if staleness > 0:
+        overlap = Lease.since["rebase_to"]
+        if staleness > 1:
             raise CampaignConfigError(
-                f"Staleness is {staleness}, but local mode needs 0: a lease's pseudo-gradient is its whole movement "
-                "from its base version, and applied to a newer version it repeats the movement the last round "
-                "already made. Set the staleness to 0 (a lease of many inner steps keeps the wait between rounds "
-                "short)",
+                f"Staleness is {staleness}, but local mode overlaps at most one round: set it to 1 (the next round "
+                "starts while the last one is uploaded and published) or 0 (rounds in lock step)",
+                "staleness",
+            )
+        if staleness == 1 and overlap > django_settings.CROWDTRAIN_PROTOCOL_MINOR:
+            raise CampaignConfigError(
+                f"Staleness is 1, but overlapped local rounds need protocol 2.{overlap}, and this site is pinned "
+                f"to 2.{django_settings.CROWDTRAIN_PROTOCOL_MINOR} (CROWDTRAIN_PROTOCOL_MINOR); set the staleness "
+                "to 0",
                 "staleness",
             )
         if check_fraction > 0:

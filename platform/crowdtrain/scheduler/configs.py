@@ -78,11 +78,14 @@ class CampaignConfig:
         """Lease sizes are multiples of this: whole microbatches, and in local mode whole inner steps."""
         return self.inner_batch_size or self.microbatch_size
 
-    def inner_for(self, base_version: int) -> OptimizerSpec | None:
-        """The inner optimizer of a lease on ``base_version``: the campaign's schedule applied to its lr."""
+    def inner_for(self, round_index: int) -> OptimizerSpec | None:
+        """The inner optimizer of a lease of round ``round_index`` (its step): the schedule applied to its lr.
+
+        The round, not the base version: an overlapped lease (``rebase_to``) trains round ``base_version + 1``.
+        """
         if self.inner is None:
             return None
-        factor = self.schedule.lr_multiplier(base_version) if self.schedule is not None else 1.0
+        factor = self.schedule.lr_multiplier(round_index) if self.schedule is not None else 1.0
         return msgspec.structs.replace(self.inner, lr=self.inner.lr * factor)
 
 

@@ -277,8 +277,10 @@ def lease_message(lease: Lease, config: CampaignConfig, *, check: bool = False) 
         codec=config.codec,
         codec_block_size=config.codec_block_size,
         mode=config.mode,
-        inner=config.inner_for(lease.base_version),
+        inner=config.inner_for(lease.target_step),  # the schedule of the round the lease counts in
         inner_batch_size=config.inner_batch_size,
+        # A local lease of the round after the one still being published: the agent rebases onto it.
+        rebase_to=lease.target_step if config.mode == "local" and lease.target_step > lease.base_version else None,
         model=config.model,
         data=config.data,
         param_count=config.param_count,

@@ -3,7 +3,10 @@
 A local lease names the inner optimizer with its learning rate already on the
 campaign's schedule for the lease's base version. An agent of 2.2 would
 upload a gradient where a pseudo-gradient is meant, so it is told to upgrade
-and the lease goes back at once.
+and the lease goes back at once. At staleness 1 a lease of the next round
+goes out while the last round is still open, and names the version to rebase
+onto (2.4): an agent of 2.3 would upload a movement from the wrong version, so
+it too is told to upgrade.
 """
 
 from __future__ import annotations
@@ -80,6 +83,49 @@ async def test_a_sync_lease_names_no_inner_optimizer(connect: Connect) -> None:
     assert isinstance(lease, Lease) and (lease.mode, lease.inner) == ("sync", None)
 
 
+async def test_a_lease_of_the_next_round_names_the_version_to_rebase_onto(connect: Connect) -> None:
+    await sync_to_async(make_campaign)(**{**LOCAL, "staleness": 1})
+    first_agent, second_agent = await greeted_agent(connect), await greeted_agent(connect)
+
+    await send(first_agent, LeaseRequest(samples_per_s=1e6))  # the whole round of 32: step 0 is full
+    first = await receive(first_agent)
+    await send(second_agent, LeaseRequest(samples_per_s=1e6))
+    following = await receive(second_agent)
+
+    assert isinstance(first, Lease) and (first.base_version, first.rebase_to, first.round_base) == (0, None, 0)
+    # Version 1 is not made yet: the lease is on version 0 and counts in step 1, whose base is version 1.
+    assert isinstance(following, Lease) and (following.base_version, following.rebase_to) == (0, 1)
+    assert following.round_base == 1
+    # Its inner rate follows the schedule of its round: step 1 is the second of 4 warmup steps.
+    assert first.inner is not None and following.inner is not None
+    assert (first.inner.lr, following.inner.lr) == (pytest.approx(4e-3 / 4), pytest.approx(4e-3 / 2))
+    rows = await sync_to_async(lambda: list(LeaseRow.objects.order_by("id").values_list("target_step", flat=True)))()
+    assert rows == [0, 1]
+
+
+async def test_an_agent_of_minor_3_is_told_to_upgrade_for_an_overlapped_local_lease(connect: Connect) -> None:
+    await sync_to_async(make_campaign)(**{**LOCAL, "staleness": 1})
+    current = await greeted_agent(connect)
+    await send(current, LeaseRequest(samples_per_s=1e6))
+    assert isinstance(await receive(current), Lease)  # round 0 is all out: the next lease overlaps it
+
+    frame, closed = await lease_asked_by_an_agent_of_minor(3)
+
+    assert frame["kind"] == "error" and "rebase_to" in frame["detail"] and "2.4" in frame["detail"]
+    assert (closed["type"], closed["code"]) == ("websocket.close", 4004)
+    states = await sync_to_async(lambda: list(LeaseRow.objects.order_by("id").values_list("state", flat=True)))()
+    assert states == [LeaseRow.State.ACTIVE, LeaseRow.State.RELEASED]
+
+
+def test_a_site_pinned_below_2_4_refuses_overlapped_local_rounds() -> None:
+    with override_settings(CROWDTRAIN_PROTOCOL_MINOR=3), pytest.raises(CampaignConfigError) as caught:
+        make_campaign(**{**LOCAL, "staleness": 1})
+
+    assert caught.value.field == "staleness"
+    assert "need protocol 2.4, and this site is pinned to 2.3" in str(caught.value)
+    make_campaign(**LOCAL)  # staleness 0: rounds in lock step need nothing newer
+
+
 async def test_an_agent_of_minor_2_is_told_to_upgrade_and_its_local_lease_goes_back() -> None:
     await sync_to_async(make_campaign)(**LOCAL)
 
@@ -95,7 +141,7 @@ async def test_an_agent_of_minor_2_is_told_to_upgrade_and_its_local_lease_goes_b
     ("settings", "field", "words"),
     [
         ({"check_fraction": 0.05}, "check_fraction", "local mode cannot verify leases by a second copy"),
-        ({"staleness": 1}, "staleness", "Staleness is 1, but local mode needs 0"),
+        ({"staleness": 2}, "staleness", "Staleness is 2, but local mode overlaps at most one round"),
         ({"inner_optimizer": "lamb"}, "inner_optimizer", "must be one of adamw, sgd"),
         ({"inner_lr": 0.0}, "inner_lr", "Inner learning rate (inner_lr) must be above 0"),
         ({"inner_weight_decay": 2.0}, "inner_weight_decay", "Inner weight decay"),

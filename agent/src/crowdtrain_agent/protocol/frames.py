@@ -16,8 +16,9 @@ PROTOCOL_VERSION = 2
 #   2.1  decoders ignore unknown fields; every number bounded; hello.protocol_version required
 #   2.2  verification (ticket.check, sketches in receipts, done_ack.verification, no_lease "quarantined")
 #        and robust aggregation (assign.aggregation, clip_factor, trim_fraction)
-#   2.3  the int8 codec (codec "int8"; lease, assign and upload codec_block_size)
-PROTOCOL_MINOR = 3
+#   2.3  the int8 codec (codec "int8"; lease, assign and upload codec_block_size); local-steps leases
+#   2.4  lease.rebase_to: a local-steps lease that overlaps the publication of its round's base
+PROTOCOL_MINOR = 4
 # A site serves every minor of its major: volunteers upgrade at their own pace until the next major. An older
 # peer that cannot carry what a campaign needs is refused at that message, with the field to upgrade for.
 OLDEST_MINOR = 0

@@ -238,10 +238,23 @@ class Lease(Message, tag="lease", frozen=True, kw_only=True):
     # Samples per inner step, a multiple of ``microbatch_size``; None: one microbatch. The lease's last
     # inner step takes what is left when ``num_samples`` is not a multiple.
     inner_batch_size: Count | None = None
+    # 2.4, local leases only: the version this lease's round steps from, when it is newer than
+    # ``base_version``. The site leases the next round while the last one is still being uploaded and
+    # published (staleness 1): the agent starts from its own estimate of that version, moves its
+    # parameters onto the exact one when it is published, and uploads its movement from there.
+    # Not advisory: an older agent would upload a movement from ``base_version`` instead.
+    rebase_to: Version | None = None
 
-    since: ClassVar[dict[str, int]] = {"codec_block_size": 3, "mode": 3, "inner": 3, "inner_batch_size": 3}
+    since: ClassVar[dict[str, int]] = {
+        "codec_block_size": 3, "mode": 3, "inner": 3, "inner_batch_size": 3, "rebase_to": 4,
+    }  # fmt: skip
     advisory: ClassVar[frozenset[str]] = frozenset({"codec_block_size"})
     since_values: ClassVar[dict[str, dict[str, int]]] = {"codec": {"int8": 3}}
+
+    @property
+    def round_base(self) -> int:
+        """The version the lease's pseudo-gradient must be a movement from: the base of the step it counts in."""
+        return self.base_version if self.rebase_to is None else self.rebase_to
 
 
 NoLeaseReason = Literal[
