@@ -101,7 +101,8 @@ def test_a_hostile_volunteer_is_quarantined_uncredited_and_harmless(
         f"hostile_credit={dump['credit'].get(HOSTILE, 0)} run_s={took:.0f}"
     )
 
-    assert dump["credit"].get(HOSTILE, 0) == 0, (dump["checks"], dump["answers"])
+    # Its checks, with why each ended (a check ended without a verdict releases the lease's credit).
+    assert dump["credit"].get(HOSTILE, 0) == 0, [c for c in dump["checks"] if c["volunteer"] == HOSTILE]
     assert abs(ratio - 1) <= 0.05, f"validation loss {loss:.4f} against {honest_loss['loss']:.4f} honest"
     honest_credit = [dump["credit"].get(f"volunteer-agent-{i}", 0) for i in range(1, 5)]
     assert sum(honest_credit) > 0, "honest volunteers must get credit"

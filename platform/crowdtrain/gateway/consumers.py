@@ -25,6 +25,7 @@ from crowdtrain.ops.metrics import LEASE_REQUEST_SECONDS
 from crowdtrain.scheduler import backbone, leasing
 from crowdtrain.scheduler.hotstate import hot_state, presence
 from crowdtrain.scheduler.models import Aggregator
+from crowdtrain.verification import checks
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
     BACKBONE_TO_SITE,
@@ -474,6 +475,7 @@ class AgentConsumer(_ProtocolConsumer):
             await wake(event["campaign_id"], await offloop(leasing.pass_on_wake)(event["campaign_id"]))
             return
         waiting.place = ""  # the commit took it out of the queue
+        checks.copies_may_wait(waiting.campaign_id)  # a wake may be a call to a copy queued by another process
         await self._answer_waiting(final=False)
 
     async def lease_wait_over(self, event: WaitOverEvent) -> None:

@@ -421,16 +421,25 @@ def park(
     if config is None:
         return None
     want = min(_lease_size(config, device_id, samples_per_s)[0], config.target_batch_size)
-    answer = _run(
-        config, "park", {"channel": channel, "ready_at": ready_at, "want": want, "leave": leave, "pass_on": 0}
-    )
+    owner = standing.owner_of(device_id) or 0  # kept so a verification copy can call another volunteer
+    answer = _run(config, "park", _park_args(channel=channel, ready_at=ready_at, want=want, owner=owner, leave=leave))
     return None if answer.get("ready") else str(answer.get("member") or "") or None
+
+
+def _park_args(
+    *, channel: str = "", ready_at: int = 0, want: int = 0, owner: int = 0, leave: str = "", skip: str = "",
+    pass_on: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    return {
+        "channel": channel, "ready_at": ready_at, "want": want, "owner": owner, "leave": leave, "skip": skip,
+        "pass_on": pass_on,
+    }  # fmt: skip
 
 
 def unpark(campaign_id: int, member: str) -> None:
     config = campaign_config(campaign_id)
     if config is not None:
-        _run(config, "park", {"channel": "", "ready_at": 0, "want": 0, "leave": member, "pass_on": 0})
+        _run(config, "park", _park_args(leave=member))
 
 
 def pass_on_wake(campaign_id: int, *, any_step: bool = False) -> list[str]:
@@ -445,8 +454,24 @@ def pass_on_wake(campaign_id: int, *, any_step: bool = False) -> list[str]:
     config = campaign_config(campaign_id)
     if config is None:
         return []
-    pass_on = 2 if any_step else 1
-    answer = _run(config, "park", {"channel": "", "ready_at": 0, "want": 0, "leave": "", "pass_on": pass_on})
+    answer = _run(config, "park", _park_args(pass_on=2 if any_step else 1))
+    return [str(c) for c in answer.get("woken") or []]
+
+
+def wake_for_copy(campaign_id: int, skip_volunteers: Sequence[int]) -> list[str]:
+    """Who is called to a verification copy that just queued: the first request waiting, of another volunteer.
+
+    A copy needs no room in a step, so a request waiting for a commit can
+    take it now. Left waiting, the copy is served only to the next request
+    that comes in, and when one fast device takes every lease while the
+    others wait, none comes: its base version leaves the aggregators'
+    window, the check ends without a verdict, and that device's work is
+    credited unchecked. At most one request is called per copy.
+    """
+    config = campaign_config(campaign_id)
+    if config is None:
+        return []
+    answer = _run(config, "park", _park_args(pass_on=3, skip=",".join(str(v) for v in skip_volunteers)))
     return [str(c) for c in answer.get("woken") or []]
 
 

@@ -2,7 +2,8 @@
 
 A share of reported leases (``standing.check_rate``) becomes a *check*. Its
 copy waits in a short Redis queue per campaign and is served, before new
-work, to the next agent of another volunteer that asks; the copy trains on the
+work, to the next agent of another volunteer that asks, and one request of
+such a volunteer waiting for a commit is woken to take it; the copy trains on the
 original's samples and base version and uploads as any lease does, but its
 ticket says ``check``, so the aggregators only sketch it. Two sketches that
 agree pass the check; two that disagree call a third copy from a third
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
+from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
@@ -154,6 +156,23 @@ def _enqueue(case: Check, excluded: list[int]) -> None:
     entry = json.dumps({"c": case.pk, "x": excluded, "u": until, "v": case.base_version}, separators=(",", ":"))
     hot_state().client.rpush(_queue_key(case.campaign_id), entry)
     _empty_until.pop(case.campaign_id, None)
+    # Once the check's rows are committed, so the called request reads them.
+    transaction.on_commit(lambda: _call_a_volunteer(case.campaign_id, excluded))
+
+
+def _call_a_volunteer(campaign_id: int, excluded: list[int]) -> None:
+    """Wake one request waiting for a commit, of a volunteer who may take the copy (``leasing.wake_for_copy``)."""
+    from crowdtrain.gateway.outbox import wake
+    from crowdtrain.scheduler.leasing import wake_for_copy
+
+    channels = wake_for_copy(campaign_id, excluded)
+    if channels:
+        async_to_sync(wake)(campaign_id, channels)
+
+
+def copies_may_wait(campaign_id: int) -> None:
+    """Look in the campaign's queue of copies at this process's next lease request (a woken one is coming)."""
+    _empty_until.pop(campaign_id, None)
 
 
 # ------------------------------------------------------------------ copies

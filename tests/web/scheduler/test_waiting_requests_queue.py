@@ -57,3 +57,21 @@ def test_a_released_lease_wakes_the_first_request_waiting_for_the_next_step() ->
     assert released.count == 1 and released.woken == {campaign.pk: ["waiting"]}
     again = leasing.request_lease(waiter.pk, None, WHOLE_STEP)
     assert again.num_samples == held.num_samples  # the released samples, at once
+
+
+def test_a_verification_copy_calls_the_first_request_of_a_volunteer_who_may_take_it() -> None:
+    campaign = make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    carol, _ = make_device("carol")
+    leasing.request_lease(alice.pk, None, WHOLE_STEP)
+    for device, channel in [(alice, "alice"), (bob, "bob"), (carol, "carol")]:
+        assert leasing.park(campaign.pk, device.pk, WHOLE_STEP, channel, 1)
+
+    called = leasing.wake_for_copy(campaign.pk, [alice.owner_id])
+    again = leasing.wake_for_copy(campaign.pk, [alice.owner_id, carol.owner_id])
+
+    assert called == ["bob"]  # the first in line is the copy's own volunteer: passed over, not woken
+    assert again == []  # nobody left who may take it: the copy waits for the next request
+    assert leasing.pass_on_wake(campaign.pk, any_step=True) == ["alice"]  # still in line, in order
+    assert leasing.pass_on_wake(campaign.pk, any_step=True) == ["carol"]

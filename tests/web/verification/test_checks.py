@@ -7,9 +7,13 @@ played here by signing receipts with a chosen sketch, exactly as an aggregator w
 
 from __future__ import annotations
 
+import asyncio
 import random
+from typing import Any, cast
 
 import pytest
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
 from django.db.models import Sum
 
 from crowdtrain.campaigns.models import Campaign
@@ -63,6 +67,11 @@ def _work(campaign: Campaign, device_id: int, sketch: list[float]) -> tuple[Leas
     ack = leasing.report_done(device_id, _done(campaign, lease, sketch)).ack
     assert ack.accepted, ack.reason
     return lease, ack.verification
+
+
+async def _received(channel: str) -> dict[str, Any]:
+    """The next message the channel layer holds for ``channel`` (a timeout if none comes)."""
+    return cast(dict[str, Any], await asyncio.wait_for(get_channel_layer().receive(channel), 2.0))
 
 
 def _granted(lease_id: int) -> int:
@@ -227,6 +236,30 @@ def test_clearing_restores_quarantined_credit(campaign: Campaign, django_capture
 
 def _total(volunteer_id: int) -> int:
     return CreditEntry.objects.filter(volunteer_id=volunteer_id).aggregate(n=Sum("samples"))["n"] or 0
+
+
+def test_a_copy_calls_a_request_waiting_for_a_commit_of_another_volunteer(
+    campaign: Campaign, django_capture_on_commit_callbacks
+) -> None:
+    # One fast device can take every lease while the others wait for commits; a copy of its work
+    # then waits for a request nobody sends, and leaves the aggregators' window unchecked.
+    alice, _ = make_device("alice")
+    alice_tablet, _ = make_device("alice", "tablet")
+    bob, _ = make_device("bob")
+    held = _lease(campaign, alice.pk)  # the whole step: the others wait for its commit
+    assert leasing.park(campaign.pk, alice_tablet.pk, None, "alice-tablet-waits", 1)
+    assert leasing.park(campaign.pk, bob.pk, None, "bob-waits", 1)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        outcome = leasing.report_done(alice.pk, _done(campaign, held, HONEST))
+    assert outcome.ack.verification == "pending"
+
+    # The commit's room (one lease's worth) went to the first in line; the copy called the next, who
+    # is not Alice: Bob, who would otherwise have waited for another commit.
+    assert [c.woken for c in outcome.commits] == [["alice-tablet-waits"]]
+    assert async_to_sync(_received)("bob-waits") == {"type": "lease.wake", "campaign_id": campaign.pk}
+    copy = _lease(campaign, bob.pk)
+    assert verify_ticket(copy.ticket, ticket_key(campaign.pk)).check and copy.ranges == held.ranges
 
 
 def test_a_copy_given_back_goes_to_another_volunteer(campaign: Campaign) -> None:

@@ -19,6 +19,7 @@ if open == s then
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', K_WAIT, '-inf', open)) do
     if room >= target then break end
     local want, channel = string.match(member, '^%d+:(%d+):(.+)$')
+    channel = string.match(channel, '^o%d+:(.+)$') or channel -- 'o<owner>:' since owners are kept
     room = room + tonumber(want)
     woken[#woken + 1] = channel
     redis.call('ZREM', K_WAIT, member)

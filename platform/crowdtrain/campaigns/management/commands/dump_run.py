@@ -103,7 +103,13 @@ def _verification(campaign: Campaign) -> dict[str, Any]:
         for s in Standing.objects.select_related("volunteer")
     }
     checks = [
-        {"lease": c.lease_id, "volunteer": c.volunteer.username, "state": c.state, "created_at": _iso(c.created_at)}
+        {
+            "lease": c.lease_id,
+            "volunteer": c.volunteer.username,
+            "state": c.state,
+            "detail": c.detail,
+            "created_at": _iso(c.created_at),
+        }
         for c in Check.objects.filter(campaign=campaign).select_related("volunteer").order_by("created_at")
     ]
     answers = list(
