@@ -66,22 +66,23 @@ def make_campaign(dataset: Dataset | None = None, *, slices: int = 1, **fields: 
     return campaign
 
 
-def receipts_for(lease: Lease | int) -> list[Receipt]:
+def receipts_for(lease: Lease | int, sketch: bytes = b"") -> list[Receipt]:
+    """The receipts the aggregators would sign for a lease; with ``sketch``, each carries it (verification)."""
     lease = lease if isinstance(lease, Lease) else Lease.objects.get(pk=lease)
     return [
         Receipt(
             slice_index=index,
             token=sign_receipt(ticket_key(lease.campaign_id), campaign_id=lease.campaign_id, lease_id=lease.pk,
-                               slice_index=index, num_samples=lease.num_samples),
+                               slice_index=index, num_samples=lease.num_samples, sketch=sketch),
         )
         for index in lease.campaign.slices.values_list("index", flat=True)
     ]  # fmt: skip
 
 
-def done_for(lease_id: int, loss: float = 1.0) -> LeaseDone:
+def done_for(lease_id: int, loss: float = 1.0, sketch: bytes = b"") -> LeaseDone:
     lease = Lease.objects.get(pk=lease_id)
     return LeaseDone(
-        lease_id=lease.pk, receipts=receipts_for(lease), num_samples=lease.num_samples,
+        lease_id=lease.pk, receipts=receipts_for(lease, sketch), num_samples=lease.num_samples,
         loss_sum=loss * lease.num_samples, compute_s=0.1,
     )
 

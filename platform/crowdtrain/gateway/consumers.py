@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import msgspec
 from channels.consumer import get_handler_name
@@ -267,6 +267,7 @@ class WaitOverEvent(TypedDict):
 class WakeEvent(TypedDict):
     type: str  # "lease.wake": a commit made room for this connection's waiting request
     campaign_id: int
+    copy: NotRequired[bool]  # a verification copy waits for it instead (absent: sent by an older site process)
 
 
 @dataclass
@@ -475,7 +476,8 @@ class AgentConsumer(_ProtocolConsumer):
             await wake(event["campaign_id"], await offloop(leasing.pass_on_wake)(event["campaign_id"]))
             return
         waiting.place = ""  # the commit took it out of the queue
-        checks.copies_may_wait(waiting.campaign_id)  # a wake may be a call to a copy queued by another process
+        if event.get("copy"):
+            checks.copies_may_wait(waiting.campaign_id)  # queued maybe by another process: look now
         await self._answer_waiting(final=False)
 
     async def lease_wait_over(self, event: WaitOverEvent) -> None:

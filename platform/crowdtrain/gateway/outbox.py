@@ -93,11 +93,14 @@ async def send_commits(commits: Iterable[Commit]) -> None:
         await wake(commit.message.campaign_id, commit.woken)
 
 
-async def wake(campaign_id: int, channels: Iterable[str]) -> None:
-    """Tell these sockets' waiting lease requests that a commit of the campaign made room for them."""
+async def wake(campaign_id: int, channels: Iterable[str], *, copy: bool = False) -> None:
+    """Tell these sockets' waiting lease requests that a commit of the campaign made room for them.
+
+    With ``copy``, what waits for them is a verification copy (``checks.wake_for_copy``), not room.
+    """
     layer = get_channel_layer()
     for channel in channels:
-        await layer.send(channel, {"type": "lease.wake", "campaign_id": campaign_id})
+        await layer.send(channel, {"type": "lease.wake", "campaign_id": campaign_id, "copy": copy})
 
 
 async def revoke_device(device_id: int, reason: str) -> None:

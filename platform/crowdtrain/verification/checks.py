@@ -167,7 +167,7 @@ def _call_a_volunteer(campaign_id: int, excluded: list[int]) -> None:
 
     channels = wake_for_copy(campaign_id, excluded)
     if channels:
-        async_to_sync(wake)(campaign_id, channels)
+        async_to_sync(wake)(campaign_id, channels, copy=True)
 
 
 def copies_may_wait(campaign_id: int) -> None:

@@ -7,10 +7,12 @@ from asgiref.sync import sync_to_async
 from django.test import override_settings
 
 from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler.configs import ticket_key
 from crowdtrain.scheduler.models import Lease
-from crowdtrain_agent.protocol import DoneAck, ErrorMessage, LeaseRequest, NoLease
+from crowdtrain_agent.protocol import DoneAck, ErrorMessage, LeaseRequest, NoLease, verify_ticket
 from crowdtrain_agent.protocol import Lease as LeaseMessage
-from tests.factories import done_for, make_campaign
+from crowdtrain_agent.sketch import SKETCH_SIZE, to_bytes
+from tests.factories import done_for, make_campaign, make_device
 
 from .conftest import Connect, greeted_agent, receive, send
 
@@ -137,3 +139,29 @@ async def test_a_request_that_finds_room_while_it_queues_gets_the_lease_not_the_
     answer = await receive(bob)
 
     assert isinstance(answer, LeaseMessage) and answer.base_version == 1
+
+
+@override_settings(CROWDTRAIN_MAX_LEASE_SAMPLES=16)
+async def test_a_verification_copy_wakes_a_waiting_request_of_another_volunteer(connect: Connect) -> None:
+    # Steps of two leases, both Alice's: Bob's request waits for a commit that her report does not make.
+    # Her lease is picked for a check; its copy needs no room, so Bob is woken and given it at once.
+    await sync_to_async(make_campaign)(target_batch_size=32, staleness=0, check_fraction=1.0)
+    _, tablet_token = await sync_to_async(make_device)("alice", "tablet")
+    alice, alice_tablet = await greeted_agent(connect, "alice"), await greeted_agent(connect, token=tablet_token)
+    bob = await greeted_agent(connect, "bob")
+    leases = []
+    for agent in (alice, alice_tablet):
+        await send(agent, LeaseRequest(samples_per_s=WHOLE_STEP))
+        leases.append(await receive(agent))
+    await send(bob, LeaseRequest(samples_per_s=WHOLE_STEP, wait_s=10.0))
+    held = await bob.receive_nothing(timeout=0.3)
+
+    sketch = to_bytes([float(i % 7) for i in range(SKETCH_SIZE)])
+    await send(alice, await sync_to_async(done_for)(leases[0].lease_id, sketch=sketch))
+    ack = await receive(alice)
+    copy = await receive(bob, timeout=3.0)  # well before his request's 10 s wait is up
+
+    assert held and all(isinstance(lease, LeaseMessage) for lease in leases)
+    assert isinstance(ack, DoneAck) and ack.accepted and ack.verification == "pending" and ack.step == 0
+    assert isinstance(copy, LeaseMessage) and verify_ticket(copy.ticket, ticket_key(copy.campaign_id)).check
+    assert (copy.base_version, copy.ranges) == (leases[0].base_version, leases[0].ranges)

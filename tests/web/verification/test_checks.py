@@ -257,7 +257,7 @@ def test_a_copy_calls_a_request_waiting_for_a_commit_of_another_volunteer(
     # The commit's room (one lease's worth) went to the first in line; the copy called the next, who
     # is not Alice: Bob, who would otherwise have waited for another commit.
     assert [c.woken for c in outcome.commits] == [["alice-tablet-waits"]]
-    assert async_to_sync(_received)("bob-waits") == {"type": "lease.wake", "campaign_id": campaign.pk}
+    assert async_to_sync(_received)("bob-waits") == {"type": "lease.wake", "campaign_id": campaign.pk, "copy": True}
     copy = _lease(campaign, bob.pk)
     assert verify_ticket(copy.ticket, ticket_key(campaign.pk)).check and copy.ranges == held.ranges
 
