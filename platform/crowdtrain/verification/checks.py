@@ -331,14 +331,15 @@ def judge(check_id: int) -> None:
                 logger.info("check %s: the copy disagrees (%s); asking a third volunteer", case.pk, case.detail)
             return
         by_id = {a.pk: a for a in answers}
-        first, second = by_id[outcome.agreed[0]], by_id[outcome.agreed[1]]
-        for answer_id in outcome.agreed:
-            _mark(by_id[answer_id], Answer.Verdict.AGREED, second if answer_id == first.pk else first)
-            _record(by_id[answer_id].volunteer_id, passed=True)
-        for answer_id in outcome.disagreed:
-            _mark(by_id[answer_id], Answer.Verdict.DISAGREED, first)
-            _record(by_id[answer_id].volunteer_id, passed=False)
-            failed_volunteers.append(by_id[answer_id].volunteer_id)
+        if outcome.agreed:  # none when no two of three agree (inconclusive): nobody is judged then
+            first, second = by_id[outcome.agreed[0]], by_id[outcome.agreed[1]]
+            for answer_id in outcome.agreed:
+                _mark(by_id[answer_id], Answer.Verdict.AGREED, second if answer_id == first.pk else first)
+                _record(by_id[answer_id].volunteer_id, passed=True)
+            for answer_id in outcome.disagreed:
+                _mark(by_id[answer_id], Answer.Verdict.DISAGREED, first)
+                _record(by_id[answer_id].volunteer_id, passed=False)
+                failed_volunteers.append(by_id[answer_id].volunteer_id)
         case.answers.filter(verdict=Answer.Verdict.PENDING).update(verdict=Answer.Verdict.NONE)
         _close(case, outcome.state, outcome.detail)
     logger.info("check %s of lease %s: %s (%s)", case.pk, case.lease_id, outcome.state, outcome.detail)

@@ -159,6 +159,32 @@ def test_a_disagreement_asks_a_third_volunteer_and_the_outvoted_original_gets_no
     assert checks.withheld([original.lease_id]) == {original.lease_id}
 
 
+def test_three_answers_that_all_differ_end_the_check_without_a_verdict_on_anyone(
+    campaign: Campaign, django_capture_on_commit_callbacks
+) -> None:
+    # Seen in the scale bench, whose agents upload zero gradients (a zero sketch agrees with nothing):
+    # the third report raised IndexError, the consumer died and the reporting agent's socket with it.
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    carol, _ = make_device("carol")
+
+    with django_capture_on_commit_callbacks(execute=True):
+        original, _ = _work(campaign, alice.pk, HONEST)
+        copy = _lease(campaign, bob.pk)
+        assert leasing.report_done(bob.pk, _done(campaign, copy, FLIPPED)).ack.accepted
+        tiebreak = _lease(campaign, carol.pk)
+        ack = leasing.report_done(carol.pk, _done(campaign, tiebreak, NOISE)).ack
+        while Campaign.objects.get(pk=campaign.pk).committed_steps < 1:
+            _work(campaign, carol.pk, HONEST)
+        checks.release_credit()
+
+    case = Check.objects.get(lease_id=original.lease_id)
+    assert ack.accepted and (ack.verification, case.state) == ("check", Check.State.INCONCLUSIVE)
+    assert set(Answer.objects.filter(case=case).values_list("verdict", flat=True)) == {Answer.Verdict.NONE}
+    assert not Standing.objects.filter(checks_failed__gt=0).exists(), "nobody failed a check"
+    assert _granted(original.lease_id) == original.num_samples  # credited, as a check nobody could decide
+
+
 def test_a_second_failed_check_quarantines_drops_pending_work_takes_credit_back_and_refuses_leases(
     django_capture_on_commit_callbacks,
 ) -> None:
