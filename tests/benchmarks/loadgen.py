@@ -1,4 +1,4 @@
-"""Simulated agents for the scale bench: the agent's own control channel and uploader, a zero gradient, no compute.
+"""Simulated agents for the scale bench: the agent's own control channel and uploader, a fixed gradient, no compute.
 
     python -m tests.benchmarks.loadgen --spec var/bench/scale/wide-100/loadgen-0/spec.json
     python -m tests.benchmarks.loadgen --spec spec.json --standalone --warmup-s 3 --window-s 10
@@ -12,7 +12,7 @@ mode, repeats a *lease cycle* as fast as ``period_s`` lets it:
    every step is full; after a ``no_lease`` it asks again on the next version
    push or after ``retry_after_s``, like ``Agent._next_lease``);
 2. upload of every slice, through ``crowdtrain_agent.uploader.Uploader``, of a
-   zero gradient of the lease's ``param_count`` (real tickets, real
+   fixed gradient of the lease's ``param_count`` (``fixed_gradient``: real tickets, real
    receipts), sent again while the aggregator refuses it as a "future
    version" (the real agent downloads that version first, which waits for it
    at the aggregator);
@@ -25,7 +25,7 @@ WebSocket each to the aggregator: the bench measures the site, and 10,000
 more sockets on the aggregator would only cost file descriptors here.
 
 Per agent this keeps a ControlChannel (one socket, a reader and a heartbeat
-task) and a few slots; everything else (the hello, the zero gradient, the
+task) and a few slots; everything else (the hello, the fixed gradient, the
 uploaders) is shared, so 10,000 agents fit in one process.
 
 The bench talks to this process through files in the spec's folder:
@@ -49,6 +49,7 @@ import os
 import random
 import re
 import resource
+import struct
 import sys
 import time
 import uuid
@@ -183,10 +184,20 @@ class Stats:
         return data
 
 
+FIXED_GRADIENT = 1.0 / 1024  # exact in fp16 and fp32
+
+
 @functools.cache
-def zero_gradient(num_elements: int, codec: str) -> list[tuple[bytes, memoryview]]:
-    """The chunks of a zero slice: all-zero bytes are 0.0 in fp32 and fp16 alike, so no torch is needed."""
-    return chunk_fragments(bytes(num_elements * BYTES_PER_ELEMENT[codec]))
+def fixed_gradient(num_elements: int, codec: str) -> list[tuple[bytes, memoryview]]:
+    """The chunks of a slice whose every element is ``FIXED_GRADIENT``, in the codec's bytes (no torch needed).
+
+    The same for every lease, so a verification copy agrees with its original as an honest one does, and
+    the site's checks cost what they cost in an honest swarm. A zero gradient agrees with nothing
+    (``crowdtrain_agent.sketch.compare``): every check then went to a third copy and ended inconclusive.
+    """
+    element = struct.pack("<e" if codec == "fp16" else "<f", FIXED_GRADIENT)
+    assert len(element) == BYTES_PER_ELEMENT[codec]
+    return chunk_fragments(element * num_elements)
 
 
 @dataclass
@@ -317,7 +328,7 @@ class SimAgent:
             if lease.codec not in BYTES_PER_ELEMENT:
                 stats.upload_failed[f"codec {lease.codec} not simulated"] += 1
                 return None
-            chunks = zero_gradient(num_elements, lease.codec)
+            chunks = fixed_gradient(num_elements, lease.codec)
             begin = UploadBegin(ticket=lease.ticket, slice_index=route.index, codec=lease.codec,
                                 num_elements=num_elements, num_chunks=len(chunks))  # fmt: skip
             for attempt in range(FUTURE_VERSION_RETRIES + 1):

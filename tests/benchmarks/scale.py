@@ -11,7 +11,7 @@ emptied Redis database, two daphne processes (the load generator spreads
 its agents over both), one Celery worker with beat, and, when agents lease,
 one aggregator serving a 58-parameter MLP. The agents come from
 ``tests.benchmarks.loadgen``: the agent's own control channel and uploader,
-zero gradients, no compute. Everything listens on 127.0.0.1.
+a fixed gradient, no compute. Everything listens on 127.0.0.1.
 
 Phases and the ``bench: NAME=VALUE`` lines they print:
 
