@@ -366,7 +366,10 @@ def _record(volunteer_id: int, *, passed: bool) -> None:
         row.checks_failed += 1
         row.streak = 0
     row.save(update_fields=["checks_passed", "checks_failed", "streak"])
-    standing.forget(volunteer_id)
+    # The new record, not a reload: a check changes no one's refusal (a quarantine, in ``quarantine``,
+    # forgets those), and reading every refusal again after each check cost the lease path a query.
+    record = standing.Record(row.checks_passed, row.streak)
+    transaction.on_commit(lambda: standing.remember(volunteer_id, record))
 
 
 def settle(check_id: int, state: str, detail: str) -> None:

@@ -75,6 +75,11 @@ def record_of(volunteer_id: int) -> Record:
     return record
 
 
+def remember(volunteer_id: int, record: Record) -> None:
+    """This process changed the volunteer's record: keep the new one (its refusal did not change)."""
+    _records[volunteer_id] = (time.monotonic(), record)
+
+
 def forget(volunteer_id: int) -> None:
     """Read this volunteer's record and refusal again on next use (this process changed them)."""
     _records.pop(volunteer_id, None)

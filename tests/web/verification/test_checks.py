@@ -21,7 +21,7 @@ from crowdtrain.credit.models import CreditEntry
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.configs import ticket_key
 from crowdtrain.scheduler.models import Lease
-from crowdtrain.verification import checks, quarantine
+from crowdtrain.verification import checks, quarantine, standing
 from crowdtrain.verification.models import Answer, Check, Standing
 from crowdtrain_agent.protocol import Lease as LeaseMessage
 from crowdtrain_agent.protocol import LeaseDone, NoLease, Receipt, sign_receipt, verify_ticket
@@ -157,6 +157,26 @@ def test_a_disagreement_asks_a_third_volunteer_and_the_outvoted_original_gets_no
     assert Standing.objects.get(volunteer_id=mallory.owner_id).checks_failed == 1
     assert _granted(original.lease_id) == 0
     assert checks.withheld([original.lease_id]) == {original.lease_id}
+
+
+def test_a_decided_check_leaves_both_volunteers_new_records_in_this_process(
+    campaign: Campaign, django_capture_on_commit_callbacks, django_assert_num_queries
+) -> None:
+    # Their next reports read the record (their check rate) without a query, and nobody's refusal is
+    # read again: a check changes none.
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    original, _ = _work(campaign, alice.pk, HONEST)
+    copy = _lease(campaign, bob.pk)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
+
+    with django_assert_num_queries(0):
+        records = [standing.record_of(device.owner_id) for device in (alice, bob)]
+        refusals = [standing.refusal(device.owner_id) for device in (alice, bob)]
+    assert records == [standing.Record(passed=1, streak=1)] * 2 and refusals == ["", ""]
+    assert Check.objects.get(lease_id=original.lease_id).state == Check.State.PASSED
 
 
 def test_three_answers_that_all_differ_end_the_check_without_a_verdict_on_anyone(
