@@ -28,6 +28,7 @@ from typing import Any, cast
 from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Count, Q
 from django.utils import timezone
 
 from crowdtrain.credit import ledger
@@ -250,8 +251,47 @@ def copy_done(config: CampaignConfig, device_id: int, done: LeaseDone, problem: 
     if sketch is None:
         _requeue_or_abandon(answer.case, "a copy came back without sketches (an aggregator older than 2.2)")
     else:
-        judge(answer.case_id)
+        _judge_soon(answer.case_id)  # the answer's row is written: the report path runs in autocommit
     return ""
+
+
+def _judge_soon(check_id: int) -> None:
+    """Judge in the Celery worker: the report's ack does not wait for a verdict, and a verdict's dozen queries
+    (answers, standings, credit, maybe a quarantine) were a fifth of a site process's CPU at a newcomer's
+    check rate. Without a broker (the embedded default) the task runs here at once; with one that is
+    down, here too. A check whose task was lost is judged by the periodic ``upkeep`` (``judge_ripe``).
+    """
+    from .tasks import judge_check
+
+    try:
+        judge_check.delay(check_id)
+    except Exception:  # noqa: BLE001  (any broker failure: the verdict must not wait for the broker)
+        logger.warning("check %s: could not hand the verdict to the worker; judging it here", check_id, exc_info=True)
+        judge(check_id)
+
+
+RIPE_AFTER_S = 60.0  # a check with two answers in for this long lost its task (a worker or broker was down)
+
+
+def judge_ripe() -> int:
+    """Judge checks whose answers are in but whose verdict never came; returns how many were looked at."""
+    ripe = list(
+        Check.objects.filter(state__in=(Check.State.OPEN, Check.State.TIEBREAK))
+        .annotate(
+            waiting=Count(
+                "answers",
+                filter=Q(
+                    answers__verdict=Answer.Verdict.PENDING,
+                    answers__reported_at__lt=timezone.now() - timedelta(seconds=RIPE_AFTER_S),
+                ),
+            )
+        )
+        .filter(waiting__gte=2)
+        .values_list("pk", flat=True)[:500]
+    )
+    for check_id in ripe:
+        judge(check_id)
+    return len(ripe)
 
 
 def copy_released(lease_id: int, reason: str) -> None:
@@ -463,6 +503,7 @@ def clear_caches() -> None:
 
 
 def upkeep() -> None:
-    """Once a minute on every site process: late copies, and credit of checks that ended before their commit."""
+    """Once a minute on every site process: late copies, lost verdicts, credit of checks ended before commit."""
     expire_copies()
+    judge_ripe()
     release_credit()

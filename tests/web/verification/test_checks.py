@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import random
+from datetime import timedelta
 from typing import Any, cast
 
 import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db.models import Sum
+from django.utils import timezone
 
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.credit.models import CreditEntry
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.configs import ticket_key
 from crowdtrain.scheduler.models import Lease
-from crowdtrain.verification import checks, quarantine, standing
+from crowdtrain.verification import checks, quarantine, standing, tasks
 from crowdtrain.verification.models import Answer, Check, Standing
 from crowdtrain_agent.protocol import Lease as LeaseMessage
 from crowdtrain_agent.protocol import LeaseDone, NoLease, Receipt, sign_receipt, verify_ticket
@@ -384,3 +386,54 @@ def test_the_refusal_names_the_standing_page_that_exists() -> None:
     from crowdtrain.verification import standing
 
     assert reverse("standing") == standing.STANDING_PATH
+
+
+def _copy_reported(campaign: Campaign) -> Check:
+    """Alice's lease and Bob's agreeing copy, both reported; the check as it stands after Bob's report."""
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    original, _ = _work(campaign, alice.pk, HONEST)
+    copy = _lease(campaign, bob.pk)
+    assert leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
+    return Check.objects.get(lease_id=original.lease_id)
+
+
+def test_with_a_broker_the_verdict_is_the_workers_and_the_report_does_not_wait_for_it(
+    campaign: Campaign, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handed: list[int] = []
+    monkeypatch.setattr(tasks.judge_check, "delay", handed.append)
+
+    case = _copy_reported(campaign)
+
+    assert case.state == Check.State.OPEN and handed == [case.pk]
+    tasks.judge_check(case.pk)  # what the worker runs
+    case.refresh_from_db()
+    assert case.state == Check.State.PASSED
+
+
+def test_a_broker_that_is_down_leaves_the_verdict_to_the_reporting_process(
+    campaign: Campaign, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def down(check_id: int) -> None:
+        raise ConnectionError("broker unreachable")
+
+    monkeypatch.setattr(tasks.judge_check, "delay", down)
+
+    case = _copy_reported(campaign)
+
+    assert case.state == Check.State.PASSED
+
+
+def test_a_verdict_whose_task_was_lost_is_reached_by_the_periodic_upkeep(
+    campaign: Campaign, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tasks.judge_check, "delay", lambda check_id: None)  # accepted, then lost with its worker
+    case = _copy_reported(campaign)
+
+    assert checks.judge_ripe() == 0  # its answers are too fresh: the worker may still be on it
+    Answer.objects.filter(case=case).update(reported_at=timezone.now() - timedelta(seconds=checks.RIPE_AFTER_S + 1))
+    assert checks.judge_ripe() == 1
+    case.refresh_from_db()
+    assert case.state == Check.State.PASSED
+    assert checks.judge_ripe() == 0
