@@ -19,7 +19,8 @@ def _load(**overrides: Any) -> dict[str, Any]:
 
 
 def _run(load: dict[str, Any], *, site_cpu_s: float = 10.0, foreign: float = 0.0) -> PhaseRun:
-    return PhaseRun("wide-1000", 1000, 20.0, load, {"site": site_cpu_s}, 20.0, foreign, period_s=1.0)
+    cpu_s = {"site": site_cpu_s, "worker": 3.0}
+    return PhaseRun("wide-1000", 1000, 20.0, load, cpu_s, 20.0, foreign, period_s=1.0)
 
 
 def test_a_phase_that_keeps_up_prints_its_rate_latency_and_cpu() -> None:
@@ -28,7 +29,7 @@ def test_a_phase_that_keeps_up_prints_its_rate_latency_and_cpu() -> None:
     assert lines == [
         "bench: lease_cycles_per_s_1000=1000.0 (1000 agents offer 1000/s)",
         "bench: lease_p99_ms_1000=5.000",
-        "bench: site_cpu_ms_per_lease_1000=0.500",
+        "bench: site_cpu_ms_per_lease_1000=0.500 (the Celery worker, which judges checks, used 0.150 ms more)",
         "bench: done_rejected_1000=0",
         "bench: agents_not_connected_1000=0",
     ]

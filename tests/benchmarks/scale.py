@@ -20,7 +20,8 @@ Phases and the ``bench: NAME=VALUE`` lines they print:
   ``lease_cycles_per_s_N`` (lease, upload, accepted done report, per second of
   the window), ``lease_p99_ms_N`` (lease request to lease), and
   ``site_cpu_ms_per_lease_N`` (user + system CPU of both daphne processes
-  over the window, from /proc/<pid>/stat, per accepted cycle), then
+  over the window, from /proc/<pid>/stat, per accepted cycle; the Celery
+  worker's, which judges verification checks, in its note), then
   ``site_cpu_ms_per_lease_spread_pct`` (largest over smallest across N).
 - ``w1like`` (N in ``--agents``): steps of 32 leases, like W1's 1024 samples in
   microbatches of 32. The same three figures with ``_w1like_`` in the name.
@@ -157,6 +158,11 @@ class PhaseRun:
     @property
     def site_cpu_ms_per_lease(self) -> float:
         return 1e3 * self.cpu_s["site"] / self.load["cycles"] if self.load["cycles"] else math.inf
+
+    @property
+    def worker_cpu_ms_per_lease(self) -> float:
+        """The Celery worker's share: it judges verification checks (``verification.tasks``) off the site."""
+        return 1e3 * self.cpu_s.get("worker", 0.0) / self.load["cycles"] if self.load["cycles"] else math.inf
 
     def caveat(self) -> str:
         """The parenthesis a figure of this phase carries when something other than the site may have limited it."""
@@ -428,7 +434,8 @@ def cycle_figures(run: PhaseRun | str, agents: int, infix: str) -> list[str]:
             )
         )
     if load["cycles"]:
-        lines.append(figure_line(names[2], run.site_cpu_ms_per_lease))
+        worker = f"the Celery worker, which judges checks, used {run.worker_cpu_ms_per_lease:.3f} ms more"
+        lines.append(figure_line(names[2], run.site_cpu_ms_per_lease, worker))
     else:
         lines.append(skipped_line(names[2], "no cycle completed in the window"))
     lines.append(f"bench: {names[3]}={rejected}" + (f" ({reasons})" if reasons else ""))
