@@ -102,13 +102,24 @@ def service_database() -> Iterator[dict[str, str]]:
         conn.execute(f'CREATE DATABASE "{name}"')
     parts = urlsplit(url)
     env = {"DATABASE_URL": urlunsplit(parts._replace(path=f"/{name}"))}
-    if os.environ.get("REDIS_URL"):
-        env["REDIS_URL"] = os.environ["REDIS_URL"]
+    redis_url = os.environ.get("REDIS_URL", "")
+    if redis_url:
+        # Keys of its own too: a fresh database reuses campaign, check and lease ids, which the scheduler's
+        # keys are named after; an earlier run's keys spoke for this run's rows (a hostile volunteer was
+        # handed its own lease to check, once, because the earlier run's queue entry said someone else).
+        env["REDIS_URL"], env["CROWDTRAIN_REDIS_PREFIX"] = redis_url, name
     try:
         yield env
     finally:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if redis_url:
+            import redis
+
+            client = redis.Redis.from_url(redis_url)
+            keys = list(client.scan_iter(match=f"{name}:*", count=1000))
+            if keys:
+                client.delete(*keys)
 
 
 @pytest.fixture

@@ -209,6 +209,12 @@ def take_copy(config: CampaignConfig, device_id: int) -> LeaseMessage | None:
     case = Check.objects.filter(pk=entry["c"]).first()
     if case is None or not case.open:
         return None
+    answered = set(case.answers.values_list("volunteer_id", flat=True))
+    if owner in answered:
+        # The queue's list of who may not take it disagrees with the record (an entry left in Redis by
+        # another database, say): the record decides, and the copy waits for someone it allows.
+        _enqueue(case, sorted(answered))
+        return None
     copy_id = ids.lease_ids.take()
     role = Answer.Role.TIEBREAK if case.state == Check.State.TIEBREAK else Answer.Role.COPY
     Answer.objects.create(case=case, lease_id=copy_id, role=role, volunteer_id=owner, device_id=device_id)

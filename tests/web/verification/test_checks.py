@@ -8,6 +8,7 @@ played here by signing receipts with a chosen sketch, exactly as an aggregator w
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from datetime import timedelta
 from typing import Any, cast
@@ -22,6 +23,7 @@ from crowdtrain.campaigns.models import Campaign
 from crowdtrain.credit.models import CreditEntry
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.configs import ticket_key
+from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from crowdtrain.verification import checks, quarantine, standing, tasks
 from crowdtrain.verification.models import Answer, Check, Standing
@@ -437,3 +439,29 @@ def test_a_verdict_whose_task_was_lost_is_reached_by_the_periodic_upkeep(
     case.refresh_from_db()
     assert case.state == Check.State.PASSED
     assert checks.judge_ripe() == 0
+
+
+def test_a_queue_entry_that_names_the_wrong_volunteers_never_hands_anyone_their_own_lease(
+    campaign: Campaign,
+) -> None:
+    # The record decides who may copy: an entry left by another database named other volunteers (seen when
+    # test runs shared one Redis: a hostile volunteer checked its own lease, and passed).
+    alice, _ = make_device("alice")
+    alice_tablet, _ = make_device("alice", "tablet")
+    bob, _ = make_device("bob")
+    original, _ = _work(campaign, alice.pk, HONEST)
+    case = Check.objects.get(lease_id=original.lease_id)
+    state = hot_state()
+    key = f"{state.prefix}:chk:{campaign.pk}"
+    stray = {"c": case.pk, "x": [], "u": state.clock() + 60, "v": case.base_version}
+    state.client.lpush(key, json.dumps(stray))
+
+    own = _lease(campaign, alice_tablet.pk)
+    copy = _lease(campaign, bob.pk)
+
+    assert not verify_ticket(own.ticket, ticket_key(campaign.pk)).check
+    assert verify_ticket(copy.ticket, ticket_key(campaign.pk)).check and copy.ranges == original.ranges
+    assert set(Answer.objects.filter(case=case).values_list("volunteer_id", flat=True)) == {
+        alice.owner_id,
+        bob.owner_id,
+    }
