@@ -105,8 +105,7 @@ def service_database() -> Iterator[dict[str, str]]:
     redis_url = os.environ.get("REDIS_URL", "")
     if redis_url:
         # Keys of its own too: a fresh database reuses campaign, check and lease ids, which the scheduler's
-        # keys are named after; an earlier run's keys spoke for this run's rows (a hostile volunteer was
-        # handed its own lease to check, once, because the earlier run's queue entry said someone else).
+        # keys are named after, so an earlier run's keys would speak for this run's rows.
         env["REDIS_URL"], env["CROWDTRAIN_REDIS_PREFIX"] = redis_url, name
     try:
         yield env

@@ -444,8 +444,8 @@ def test_a_verdict_whose_task_was_lost_is_reached_by_the_periodic_upkeep(
 def test_a_queue_entry_that_names_the_wrong_volunteers_never_hands_anyone_their_own_lease(
     campaign: Campaign,
 ) -> None:
-    # The record decides who may copy: an entry left by another database named other volunteers (seen when
-    # test runs shared one Redis: a hostile volunteer checked its own lease, and passed).
+    # The record decides who may copy: an entry whose list of excluded volunteers is wrong (left in Redis by
+    # another database that reused the check's id, say) must not hand a volunteer their own lease.
     alice, _ = make_device("alice")
     alice_tablet, _ = make_device("alice", "tablet")
     bob, _ = make_device("bob")
