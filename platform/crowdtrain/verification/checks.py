@@ -30,6 +30,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
+from kombu.exceptions import OperationalError
 
 from crowdtrain.credit import ledger
 from crowdtrain.scheduler import ids
@@ -271,7 +272,7 @@ def _judge_soon(check_id: int) -> None:
 
     try:
         judge_check.delay(check_id)
-    except Exception:  # noqa: BLE001  (any broker failure: the verdict must not wait for the broker)
+    except (OperationalError, OSError):  # the broker is away (in eager mode a verdict's own error propagates)
         logger.warning("check %s: could not hand the verdict to the worker; judging it here", check_id, exc_info=True)
         judge(check_id)
 

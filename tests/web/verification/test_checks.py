@@ -18,6 +18,7 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db.models import Sum
 from django.utils import timezone
+from kombu.exceptions import OperationalError
 
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.credit.models import CreditEntry
@@ -186,7 +187,7 @@ def test_a_decided_check_leaves_both_volunteers_new_records_in_this_process(
 def test_three_answers_that_all_differ_end_the_check_without_a_verdict_on_anyone(
     campaign: Campaign, django_capture_on_commit_callbacks
 ) -> None:
-    # Seen in the scale bench, whose agents upload zero gradients (a zero sketch agrees with nothing):
+    # Seen in the scale bench while its agents uploaded zero gradients (a zero sketch agrees with nothing):
     # the third report raised IndexError, the consumer died and the reporting agent's socket with it.
     alice, _ = make_device("alice")
     bob, _ = make_device("bob")
@@ -418,7 +419,7 @@ def test_a_broker_that_is_down_leaves_the_verdict_to_the_reporting_process(
     campaign: Campaign, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def down(check_id: int) -> None:
-        raise ConnectionError("broker unreachable")
+        raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
 
     monkeypatch.setattr(tasks.judge_check, "delay", down)
 
