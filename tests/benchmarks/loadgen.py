@@ -79,6 +79,7 @@ from crowdtrain_agent.protocol import (  # noqa: E402
     UploadBegin,
     VersionPublished,
     chunk_fragments,
+    ticket_is_check,
 )
 from crowdtrain_agent.uploader import Uploader, UploadError  # noqa: E402
 
@@ -165,7 +166,8 @@ class Stats:
     future_version_retries: int = 0
     done_rejected: Counter[str] = field(default_factory=Counter)
     done_unconfirmed: int = 0
-    reported: list[int] = field(default_factory=list)  # leases uploaded and reported done
+    # Leases uploaded and reported done; not verification copies, whose record is their check's answer, not a lease.
+    reported: list[int] = field(default_factory=list)
     not_accepted: list[int] = field(default_factory=list)  # of those: rejected, or no answer
     loop_lag_max_ms: float = 0.0  # in the window: how late this process's event loop ran
     rss_mb: float = 0.0
@@ -349,7 +351,8 @@ class SimAgent:
         stats = self.ctx.stats
         done = LeaseDone(lease_id=lease.lease_id, receipts=receipts, num_samples=lease.num_samples,
                          loss_sum=LOSS_PER_SAMPLE * lease.num_samples, compute_s=0.0)  # fmt: skip
-        stats.reported.append(lease.lease_id)
+        if not ticket_is_check(lease.ticket):
+            stats.reported.append(lease.lease_id)
         try:
             ack = await self.channel.call(done, f"done:{lease.lease_id}", timeout=DONE_TIMEOUT_S,
                                           retries=DONE_CALL_RETRIES)  # fmt: skip
