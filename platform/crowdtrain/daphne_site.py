@@ -25,6 +25,10 @@ share two choices:
   record lingers a few seconds longer and a ping or a handshake timeout is
   up to 2 s later, which the timeouts above (tens of seconds) absorb.
 
+- **Threads** (``use_scheduler_threads``): the event loop's default executor,
+  where the scheduler's blocking calls run (``gateway.offloop``), gets
+  ``CROWDTRAIN_SCHEDULER_THREADS`` threads instead of asyncio's
+  ``min(32, cores + 4)``; the setting replaces daphne's ``ASGI_THREADS``.
 - **Garbage collection**: the objects loaded at start (Django, the app) are
   frozen out of the collector, so its full passes scan only what the
   connections made. (Raising the young generation's threshold to 50,000
@@ -43,6 +47,7 @@ import importlib
 import io
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 APPLICATION = "crowdtrain.asgi:application"
@@ -98,12 +103,27 @@ def refuse_failed_checks() -> None:
         sys.exit(f"crowdtrain: the site cannot start with these settings.\n{exc}")
 
 
+def use_scheduler_threads() -> ThreadPoolExecutor:
+    """Give the loop daphne serves a default executor of ``CROWDTRAIN_SCHEDULER_THREADS`` threads; returns it."""
+    from daphne.server import twisted_loop
+    from django.conf import settings
+
+    pool = ThreadPoolExecutor(
+        # 0: ThreadPoolExecutor's own size, min(32, cores + 4), as asyncio's default executor has
+        max_workers=settings.CROWDTRAIN_SCHEDULER_THREADS or None,
+        thread_name_prefix="crowdtrain-scheduler",
+    )
+    twisted_loop.set_default_executor(pool)
+    return pool
+
+
 def main(argv: Sequence[str] | None = None) -> Any:
     """Serve ``crowdtrain.asgi:application`` with daphne's command line (``argv`` without the application)."""
     from daphne.cli import CommandLineInterface
 
     importlib.import_module(APPLICATION.partition(":")[0])  # daphne finds it loaded
     refuse_failed_checks()
+    use_scheduler_threads()
     gc.freeze()
     cli = CommandLineInterface()
     cli.server_class = server_class()

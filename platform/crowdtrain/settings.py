@@ -135,6 +135,15 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     DATABASES["default"]["OPTIONS"] = _SQLITE_OPTIONS
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test.sqlite3")}
+# Threads a served site process runs the scheduler's blocking calls in (``gateway.offloop``: Redis
+# scripts, batched database writes). Each call mostly waits on a round trip, so more threads than
+# cores pay: in the scale bench at 1,000 agents, 16 served 337-340 lease cycles/s against 260-274
+# with asyncio's default of 6 on these 2 cores, and 32 no more than 16. Each thread keeps its own
+# database connection: allow this many, plus a few, per site process in PostgreSQL's max_connections.
+# SQLite takes one writer at a time, so the embedded default keeps asyncio's own pool size there (0).
+CROWDTRAIN_SCHEDULER_THREADS = env_int(
+    "CROWDTRAIN_SCHEDULER_THREADS", 0 if DATABASES["default"]["ENGINE"].endswith("sqlite3") else 16, minimum=0
+)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env_str("REDIS_URL", "")
@@ -143,14 +152,21 @@ REDIS_URL = env_str("REDIS_URL", "")
 # socket drops: aggregators and agents were cut off after every 5 idle seconds. Reads must outlast the pop.
 CHANNEL_LAYER_READ_TIMEOUT_S = 30.0
 # redis-py's asyncio pool holds 100 connections and then raises "Too many connections": with thousands
-# of sockets joining groups at once, consumers crashed and their volunteers were cut off.
+# of sockets joining groups at once, consumers crashed and their volunteers were cut off. Past this
+# many, a call now waits for a free connection (``gateway.channel_layer``).
 CHANNEL_LAYER_MAX_CONNECTIONS = env_int("CROWDTRAIN_CHANNEL_LAYER_MAX_CONNECTIONS", 1000, minimum=10)
+# channels_redis keeps every socket of one site process in a single Redis list (the part of a channel
+# name before "!"), so its capacity bounds the events queued for the whole process, not for one socket.
+# At its default of 100, a busy process's inbox filled in the scale bench's overload phase: sends to it
+# raised ChannelFull by the thousand, and a group send (a new version, a commit for the aggregators)
+# skips a full inbox. Events are a few hundred bytes; channels_redis drops any older than a minute.
+CHANNEL_LAYER_CAPACITY = env_int("CROWDTRAIN_CHANNEL_LAYER_CAPACITY", 20_000, minimum=100)
 # The cache holds allauth's rate-limit counters: with several site processes they
 # must share one Redis, or each process would count failed logins on its own.
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
-            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "BACKEND": "crowdtrain.gateway.channel_layer.WaitingRedisChannelLayer",
             "CONFIG": {
                 "hosts": [
                     {
@@ -159,6 +175,9 @@ if REDIS_URL:
                         "max_connections": CHANNEL_LAYER_MAX_CONNECTIONS,
                     }
                 ],
+                # For the process inbox only ("specific.<process>!"); "capacity" stays channels_redis's
+                # 100, which also bounds each socket's buffer in the process, a dead socket's included.
+                "channel_capacity": {"specific.*": CHANNEL_LAYER_CAPACITY},
             },
         }
     }
@@ -180,6 +199,9 @@ CELERY_TASK_EAGER_PROPAGATES = True
 # With eager Celery (no worker), long tasks a page shows progress of (sharding an upload) run in a
 # background thread instead of inside the request; the test process turns this off to run them inline.
 CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND = env_bool("CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND", True)
+# Celery's Django fixup closes the worker's database connections around every task unless told to
+# reuse them this many times; ``crowdtrain.celery`` checks them now and then instead, as the site does.
+CELERY_DB_REUSE_MAX = 1_000_000
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]

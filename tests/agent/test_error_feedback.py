@@ -49,9 +49,11 @@ def test_with_feedback_the_sum_stays_within_one_scale_however_many_uploads(value
 
     gaps = drift(grad, uploads, ErrorFeedback())
 
-    # The uploads telescope: sum received = sum sent - the last residual, at most half a scale per element
-    # (a few float32 roundings on top).
-    assert max(gaps) <= 0.5 + 1e-3, max(gaps)
+    # The uploads telescope: sum received = sum sent - the last residual, at most half of the scale that upload
+    # was encoded with. That scale is the absmax of gradient plus residual, so it can exceed the gradient's own
+    # by the residual over 127: r <= (1 + r / 127) / 2 scales, so r <= 254/253 of half a scale (hypothesis
+    # found 0.50104 in 20 uploads of a block of 1.0, 0.99912393 and 0.9). A few float32 roundings come on top.
+    assert max(gaps) <= 0.5 * 254 / 253 + 1e-3, max(gaps)
 
 
 @settings(max_examples=40, deadline=None)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.benchmarks.figures import figure_line, percentile, skipped_line, spread_pct
+from tests.benchmarks.figures import band_pct, figure_line, percentile, skipped_line, spread_pct
 
 
 def test_it_takes_the_nearest_rank() -> None:
@@ -40,3 +40,11 @@ def test_figure_lines_read_like_w1s() -> None:
     assert figure_line("lease_p99_ms_100", 12.3456) == "bench: lease_p99_ms_100=12.346"
     assert figure_line("lease_cycles_per_s_1000", 1234.56) == "bench: lease_cycles_per_s_1000=1234.6"
     assert skipped_line("idle_cpu_pct_per_1000", "no Redis") == "bench: idle_cpu_pct_per_1000=skipped (no Redis)"
+
+
+def test_the_band_is_the_narrowest_plus_or_minus_around_one_centre() -> None:
+    assert band_pct([4.0, 6.0, 5.0]) == pytest.approx(20.0)  # 5 ± 20% holds 4 and 6
+    assert spread_pct([4.0, 6.0]) == pytest.approx(50.0)  # the same series, read as largest over smallest
+    assert band_pct([3.0, 3.0]) == 0.0
+    assert band_pct([7.0]) == 0.0
+    assert band_pct([1.0, math.inf, 3.0]) == pytest.approx(50.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Any
 
@@ -30,6 +31,8 @@ def test_a_phase_that_keeps_up_prints_its_rate_latency_and_cpu() -> None:
         "bench: lease_cycles_per_s_1000=1000.0 (1000 agents offer 1000/s)",
         "bench: lease_p99_ms_1000=5.000",
         "bench: site_cpu_ms_per_lease_1000=0.500 (the Celery worker, which judges checks, used 0.150 ms more)",
+        f"bench: serving_cpu_ms_per_cycle_1000=0.650 (= cores it takes per 1,000 cycles/s; this machine has "
+        f"{os.cpu_count()}, load generator included)",
         "bench: done_rejected_1000=0",
         "bench: agents_not_connected_1000=0",
     ]
@@ -47,15 +50,15 @@ def test_rejections_and_missing_agents_are_counted_with_their_reasons() -> None:
 
     lines = cycle_figures(_run(load), 1000, "")
 
-    assert lines[3] == "bench: done_rejected_1000=9 (lease expired: 7, no answer: 2)"
-    assert lines[4] == "bench: agents_not_connected_1000=10 (4 stopped on close code 4001)"
+    assert lines[4] == "bench: done_rejected_1000=9 (lease expired: 7, no answer: 2)"
+    assert lines[5] == "bench: agents_not_connected_1000=10 (4 stopped on close code 4001)"
 
 
 def test_a_failed_phase_prints_every_figure_as_skipped() -> None:
     assert cycle_figures("the site did not start", 100, "") == [
         f"bench: {name}_100=skipped (the site did not start)"
-        for name in ("lease_cycles_per_s", "lease_p99_ms", "site_cpu_ms_per_lease", "done_rejected",
-                     "agents_not_connected")
+        for name in ("lease_cycles_per_s", "lease_p99_ms", "site_cpu_ms_per_lease", "serving_cpu_ms_per_cycle",
+                     "done_rejected", "agents_not_connected")
     ]  # fmt: skip
     assert all("=skipped (timed out)" in line for line in idle_figures("timed out", 10_000, 200.0))
     assert all("=skipped (timed out)" in line for line in overload_figures("timed out", 5000, [0]))

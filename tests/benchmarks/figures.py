@@ -52,6 +52,20 @@ def spread_pct(values: Iterable[float]) -> float:
     return disagreement_pct(min(finite), max(finite))
 
 
+def band_pct(values: Iterable[float]) -> float:
+    """The narrowest ``±x`` percent band around one centre that holds every value: ``x`` (0 when flat).
+
+    The lenient reading of "flat within ±20%": the values lie within 20% of
+    one figure, the best centre ``(max + min) / 2``. ``spread_pct`` is the
+    strict one, the largest over the smallest; a band of ±20% is a spread of up to 50%.
+    """
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) < 2:
+        return 0.0
+    low, high = min(finite), max(finite)
+    return (high - low) / (high + low) * 100.0 if high + low > 0.0 else 0.0
+
+
 @dataclass(frozen=True)
 class BaselinePair:
     """A baseline measured right before and right after the phase it divides."""

@@ -21,8 +21,16 @@ Phases and the ``bench: NAME=VALUE`` lines they print:
   the window), ``lease_p99_ms_N`` (lease request to lease), and
   ``site_cpu_ms_per_lease_N`` (user + system CPU of both daphne processes
   over the window, from /proc/<pid>/stat, per accepted cycle; the Celery
-  worker's, which judges verification checks, in its note), then
-  ``site_cpu_ms_per_lease_spread_pct`` (largest over smallest across N).
+  worker's, which judges verification checks, in its note),
+  ``serving_cpu_ms_per_cycle_N`` (the same for everything that serves a
+  cycle: both sites, the worker, the aggregator, PostgreSQL and Redis; it is
+  also the cores that side needs per 1,000 cycles/s), then
+  ``site_cpu_ms_per_lease_spread_pct`` (largest over smallest across N) and
+  ``site_cpu_ms_per_lease_band_pct`` (every N within this many percent of one
+  centre, the best one: the lenient reading of "flat within ±20%").
+  PostgreSQL's and Redis's CPU is what their processes alive at both ends of
+  the window used, machine-wide: a backend that ends within the window is
+  missed, and another program's use of those servers is counted.
 - ``w1like`` (N in ``--agents``): steps of 32 leases, like W1's 1024 samples in
   microbatches of 32. The same three figures with ``_w1like_`` in the name.
   Most agents wait for room here, so its latency includes the wait the site
@@ -90,7 +98,7 @@ from crowdtrain_launcher import Child, LaunchError, Swarm, get_json  # noqa: E40
 
 from .cpu_time import cpu_between, sample_cpu  # noqa: E402
 from .databases import database_name, flush_redis, lease_states, recreate_database, with_database  # noqa: E402
-from .figures import figure_line, format_value, percentile, skipped_line, spread_pct  # noqa: E402
+from .figures import band_pct, figure_line, format_value, percentile, skipped_line, spread_pct  # noqa: E402
 from .loadgen import raise_open_files_limit, write_json  # noqa: E402
 
 logger = logging.getLogger("tests.benchmarks.scale")
@@ -135,6 +143,9 @@ class Options:
     nofile: int
 
 
+SERVING_ROLES = ("site", "worker", "aggregator", "services")  # "services": PostgreSQL and Redis
+
+
 @dataclass
 class PhaseRun:
     """What one phase measured: merged load-generator counts and CPU per role over the window."""
@@ -163,6 +174,16 @@ class PhaseRun:
     def worker_cpu_ms_per_lease(self) -> float:
         """The Celery worker's share: it judges verification checks (``verification.tasks``) off the site."""
         return 1e3 * self.cpu_s.get("worker", 0.0) / self.load["cycles"] if self.load["cycles"] else math.inf
+
+    @property
+    def serving_cpu_ms_per_cycle(self) -> float:
+        """What a cycle costs everything that serves it (sites, worker, aggregator, PostgreSQL, Redis), in ms.
+
+        Numerically the cores that serving side needs per 1,000 cycles/s: what an
+        operator sizes a machine by, and what says whether a target is in reach of this one.
+        """
+        spent = sum(self.cpu_s.get(role, 0.0) for role in SERVING_ROLES)
+        return 1e3 * spent / self.load["cycles"] if self.load["cycles"] else math.inf
 
     def caveat(self) -> str:
         """The parenthesis a figure of this phase carries when something other than the site may have limited it."""
@@ -408,8 +429,8 @@ def _sleep_until(wall: float) -> None:
 def cycle_figures(run: PhaseRun | str, agents: int, infix: str) -> list[str]:
     """A leasing phase's cycles/s, p99 lease latency, site CPU per lease, rejected reports and missing agents."""
     names = [f"lease_cycles_per_s{infix}_{agents}", f"lease_p99_ms{infix}_{agents}",
-             f"site_cpu_ms_per_lease{infix}_{agents}", f"done_rejected{infix}_{agents}",
-             f"agents_not_connected{infix}_{agents}"]  # fmt: skip
+             f"site_cpu_ms_per_lease{infix}_{agents}", f"serving_cpu_ms_per_cycle{infix}_{agents}",
+             f"done_rejected{infix}_{agents}", f"agents_not_connected{infix}_{agents}"]  # fmt: skip
     if isinstance(run, str):
         return [skipped_line(name, run) for name in names]
     load = run.load
@@ -436,9 +457,11 @@ def cycle_figures(run: PhaseRun | str, agents: int, infix: str) -> list[str]:
     if load["cycles"]:
         worker = f"the Celery worker, which judges checks, used {run.worker_cpu_ms_per_lease:.3f} ms more"
         lines.append(figure_line(names[2], run.site_cpu_ms_per_lease, worker))
+        cores = f"= cores it takes per 1,000 cycles/s; this machine has {os.cpu_count()}, load generator included"
+        lines.append(figure_line(names[3], run.serving_cpu_ms_per_cycle, cores))
     else:
-        lines.append(skipped_line(names[2], "no cycle completed in the window"))
-    lines.append(f"bench: {names[3]}={rejected}" + (f" ({reasons})" if reasons else ""))
+        lines.extend(skipped_line(name, "no cycle completed in the window") for name in names[2:4])
+    lines.append(f"bench: {names[4]}={rejected}" + (f" ({reasons})" if reasons else ""))
     lines.append(not_connected_line(f"agents_not_connected{infix}_{agents}", load))
     return lines
 
@@ -478,11 +501,16 @@ def run_all(bench: Bench) -> list[str]:
         if isinstance(run, PhaseRun) and run.load["cycles"]:
             cpu_per_lease[n] = run.site_cpu_ms_per_lease
     if "wide" in opts.phases:
+        sizes = f"over N = {', '.join(map(str, sorted(cpu_per_lease)))}"
         if len(cpu_per_lease) >= 2:
+            centre = (max(cpu_per_lease.values()) + min(cpu_per_lease.values())) / 2
             emit([figure_line("site_cpu_ms_per_lease_spread_pct", spread_pct(cpu_per_lease.values()),
-                              f"over N = {', '.join(map(str, sorted(cpu_per_lease)))}")])  # fmt: skip
+                              f"largest over smallest, {sizes}"),
+                  figure_line("site_cpu_ms_per_lease_band_pct", band_pct(cpu_per_lease.values()),
+                              f"every size within this many percent of {centre:.3f} ms, {sizes}")])  # fmt: skip
         else:
-            emit([skipped_line("site_cpu_ms_per_lease_spread_pct", "fewer than two sizes measured")])
+            emit([skipped_line(name, "fewer than two sizes measured")
+                  for name in ("site_cpu_ms_per_lease_spread_pct", "site_cpu_ms_per_lease_band_pct")])  # fmt: skip
     if "w1like" in opts.phases:
         for n in opts.agents:
             run = attempt(PhasePlan(f"w1like-{n}", n, "cycle", leases_per_step=W1_LEASES_PER_STEP, **common))

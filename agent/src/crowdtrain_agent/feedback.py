@@ -4,8 +4,10 @@ Terms: the *residual* of a slice is the gradient the agent meant to send
 (its own plus the previous residual) minus what the aggregator's decoder
 reconstructs from the bytes. Adding it to the next upload of the same slice
 makes the uploads telescope: the sum of everything the aggregators received
-differs from the sum of the true gradients by one residual, at most half a
-scale per element, however many uploads there were. Without it the rounding
+differs from the sum of the true gradients by one residual, at most half of
+its upload's scale per element (which is at most 254/253 of the gradient's
+own: the residual adds to the block's largest value), however many uploads
+there were. Without it the rounding
 errors of ``int8`` (biased wherever a value sits below half a scale, which
 always rounds to zero) add up step after step.
 

@@ -12,7 +12,7 @@ gives it (``STATES``, most advanced first):
 - *untouched*: in no lease of this epoch yet.
 
 The lease record is the database's: the scheduler writes every lease row when it
-issues the lease (``scheduler.records``, a few tens of milliseconds behind Redis)
+issues the lease (``scheduler.records``, a quarter of a second behind Redis at most while the database keeps up)
 and its outcome when it ends, so one query over the epoch's leases sees active
 leases too, without reading the hot state. Counting works on intervals, never on
 single samples (a dataset has millions), and the map is cached per campaign for

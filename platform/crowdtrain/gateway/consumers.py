@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict
 
 import msgspec
 from channels.consumer import get_handler_name
 from channels.db import database_sync_to_async
+from channels.exceptions import ChannelFull
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.db import DatabaseError
 from django.utils import timezone
+from redis.exceptions import RedisError
 
 from crowdtrain.accounts.activity import Tracker
 from crowdtrain.accounts.models import Device
@@ -83,6 +87,7 @@ MAX_WATCHED_CAMPAIGNS = 16  # campaigns one connection hears version pushes of
 LAST_SEEN_EVERY_S = 60.0  # an aggregator's heartbeats reach the database this seldom
 # A site process this busy gives no backups of late leases: its own backlog is what makes them late.
 BACKUPS_BELOW_LOAD = 0.5
+POST_AGAIN_S = 0.5  # a timer's event that met a full inbox is sent again this much later
 
 _HEARTBEAT = encode_message(Heartbeat())  # what every agent sends, byte for byte
 _ERROR_CODES: dict[int, str] = {
@@ -140,6 +145,7 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
         await super().close(code=None if code is None else int(code), reason=reason)
 
     async def websocket_disconnect(self, message: dict[str, Any]) -> None:
+        self.closed = True  # the peer's close: timers that would post to this consumer stop
         self._stop_hello_deadline()
         await super().websocket_disconnect(message)
 
@@ -223,9 +229,33 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
         """
         event: HelloDeadlineEvent = {"type": "hello.deadline"}
         self._hello_timer = asyncio.get_running_loop().call_later(
-            settings.CROWDTRAIN_HELLO_TIMEOUT_S,
-            lambda: asyncio.ensure_future(self.channel_layer.send(self.channel_name, event)),
+            settings.CROWDTRAIN_HELLO_TIMEOUT_S, self.post_to_self, event, lambda: not (self.greeted or self.closed)
         )
+
+    def post_to_self(self, event: Mapping[str, Any], wanted: Callable[[], bool]) -> None:
+        """A timer's event, sent back through this consumer's own channel to run between its handlers.
+
+        Every socket of a site process shares one inbox in channels_redis. When
+        that inbox is full, or Redis does not answer, the event is sent again
+        ``POST_AGAIN_S`` later for as long as ``wanted()`` holds: dropped, a
+        waiting lease request would stay unanswered until its agent gave up and
+        asked again.
+        """
+        loop = asyncio.get_running_loop()
+
+        async def post() -> None:
+            if not wanted():
+                return  # answered, replaced or closed meanwhile
+            try:
+                await self.channel_layer.send(self.channel_name, dict(event))
+            except (ChannelFull, RedisError) as exc:
+                if isinstance(exc, RedisError):
+                    logger.warning("%s: could not post %s to itself (%s); trying again", self.channel_name, event, exc)
+                loop.call_later(POST_AGAIN_S, self.post_to_self, event, wanted)
+
+        task = loop.create_task(post())
+        _background.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(_background.discard)
 
     def _stop_hello_deadline(self) -> None:
         if self._hello_timer is not None:
@@ -373,10 +403,6 @@ class AgentConsumer(_ProtocolConsumer):
     async def on_heartbeat(self, _: Heartbeat) -> None:
         """Nothing to do: the open socket is the liveness (``hotstate.Presence`` publishes it in batches)."""
 
-    def _send_to_self(self, event: WaitOverEvent) -> None:
-        """A timer's callback: the event comes back through the channel layer, in order with the others."""
-        asyncio.ensure_future(self.channel_layer.send(self.channel_name, event))
-
     async def on_lease_request(self, request: LeaseRequest) -> None:
         # request_id (at most 64 characters, the column that stores it) and wait_s (seconds >= 0) are
         # bounded by the message's own field types.
@@ -459,7 +485,9 @@ class AgentConsumer(_ProtocolConsumer):
             if place is not None:
                 self._serial += 1
                 event: WaitOverEvent = {"type": "lease.wait_over", "serial": self._serial}
-                timer = asyncio.get_running_loop().call_later(wait_s, self._send_to_self, event)
+                timer = asyncio.get_running_loop().call_later(
+                    wait_s, self.post_to_self, event, functools.partial(self._still_waiting, self._serial)
+                )
                 self.waiting = _WaitingRequest(
                     request, answer.campaign_id, refusal.ready_at_step, self._serial, timer, place
                 )
@@ -480,8 +508,11 @@ class AgentConsumer(_ProtocolConsumer):
             checks.copies_may_wait(waiting.campaign_id)  # queued maybe by another process: look now
         await self._answer_waiting(final=False)
 
+    def _still_waiting(self, serial: int) -> bool:
+        return self.waiting is not None and self.waiting.serial == serial
+
     async def lease_wait_over(self, event: WaitOverEvent) -> None:
-        if self.waiting is not None and self.waiting.serial == event["serial"]:
+        if self._still_waiting(event["serial"]):
             await self._answer_waiting(final=True)
 
     async def _answer_waiting(self, *, final: bool) -> None:

@@ -10,14 +10,18 @@ requests are woken one by one on their own channels (``send_commits``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any, TypedDict
 
+from channels.exceptions import ChannelFull
 from channels.layers import get_channel_layer
 
 from crowdtrain.scheduler.commits import Commit
 from crowdtrain_agent.protocol import OLDEST_MINOR, PROTOCOL_MINOR, encode_message
 from crowdtrain_agent.protocol.schema import lost_in
+
+logger = logging.getLogger(__name__)
 
 
 class SendEvent(TypedDict, total=False):
@@ -97,10 +101,24 @@ async def wake(campaign_id: int, channels: Iterable[str], *, copy: bool = False)
     """Tell these sockets' waiting lease requests that a commit of the campaign made room for them.
 
     With ``copy``, what waits for them is a verification copy (``checks.wake_for_copy``), not room.
+    A socket whose site process has a full inbox is passed over rather than
+    holding up the rest: its request is answered when its wait is over, and
+    the room it was woken for goes to the next request that asks.
     """
     layer = get_channel_layer()
+    unheard = 0
     for channel in channels:
-        await layer.send(channel, {"type": "lease.wake", "campaign_id": campaign_id, "copy": copy})
+        try:
+            await layer.send(channel, {"type": "lease.wake", "campaign_id": campaign_id, "copy": copy})
+        except ChannelFull:
+            unheard += 1
+    if unheard:
+        logger.warning(
+            "campaign %s: %d waiting lease requests not woken, their site process's channel-layer inbox is full; "
+            "they are answered when their wait is over (raise CROWDTRAIN_CHANNEL_LAYER_CAPACITY if this recurs)",
+            campaign_id,
+            unheard,
+        )
 
 
 async def revoke_device(device_id: int, reason: str) -> None:

@@ -3,9 +3,10 @@
 Leases are decided in Redis (``hotstate``); the database keeps what must
 outlive any process: every lease with its samples and outcome, and each
 campaign's cursor. A site process queues those writes and sends them every
-few tens of milliseconds in one transaction: a few statements per batch
-instead of several per lease. A step's commit does not wait for the queue: it
-writes its own leases (``commit_rows``) in the same transaction as the step.
+quarter of a second (or every few hundred records) in one transaction: a few
+statements per batch instead of several per lease. A step's commit does not
+wait for the queue: it writes its own leases (``commit_rows``) in the same
+transaction as the step.
 
 Writes are idempotent and order-free across processes, so two processes
 racing on one lease converge: a lease row is inserted only if missing, an
@@ -18,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -27,12 +29,19 @@ from django.db import DatabaseError, close_old_connections, connection, transact
 from django.db.models import Q
 
 from crowdtrain.campaigns.models import Campaign
+from crowdtrain.connections import refresh_if_due
 
 from .models import Lease
 
 logger = logging.getLogger(__name__)
 
-FLUSH_INTERVAL_S = 0.05
+# A batch is written when it is this old or this big, whichever comes first. Each batch costs a
+# transaction and a few statements whatever its size: at 50 ms, a site process serving 50 leases a
+# second wrote batches of two or three, and that was a seventh of its CPU (py-spy, the scale bench
+# at 100 agents). Nothing waits on these rows: a commit writes its own leases (``commit_rows``), and
+# a site killed outright leaves its last batch to the rebuild from the hot state.
+FLUSH_INTERVAL_S = 0.25
+FLUSH_AT_RECORDS = 256
 # A database that stays down must not eat the site's memory: past this many queued writes the
 # oldest are dropped with an error (their leases still count; the record of them is what is lost).
 MAX_QUEUED = 200_000
@@ -54,7 +63,8 @@ class RecordWriter:
     Args:
         inline: write at once in the caller's thread (tests, where the
             writes must share the test's transaction); otherwise a daemon
-            thread writes every FLUSH_INTERVAL_S.
+            thread writes every FLUSH_INTERVAL_S, or sooner once
+            FLUSH_AT_RECORDS are queued.
         thread: start that thread (False: only ``flush`` writes, for tests
             that play several site processes).
     """
@@ -89,6 +99,8 @@ class RecordWriter:
         with self._lock:
             add()
             backlog = len(self._new) + len(self._finished)
+            if backlog >= FLUSH_AT_RECORDS:
+                self._wake.set()
             if backlog > MAX_QUEUED:
                 logger.error("the database is not keeping up: dropping %s queued lease records", backlog - MAX_QUEUED)
                 del self._new[: len(self._new) // 2]
@@ -143,10 +155,12 @@ class RecordWriter:
             self._wake.wait(FLUSH_INTERVAL_S)
             self._wake.clear()
             try:
-                close_old_connections()
+                refresh_if_due()  # the thread's connection, checked now and then as the scheduler's threads do
                 self.flush()
             except DatabaseError:
-                self._wake.wait(1.0)  # the database is away; the queue keeps the records meanwhile
+                # The database is away; the queue keeps the records meanwhile. A sleep, not a wait on
+                # ``_wake``: a queue past FLUSH_AT_RECORDS sets it with every lease.
+                time.sleep(1.0)
             except Exception:  # a bug must not stop the record for good
                 logger.exception("the lease record writer failed")
 

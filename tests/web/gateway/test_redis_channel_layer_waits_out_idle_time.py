@@ -1,4 +1,9 @@
-"""On Redis, a consumer with nothing to do for longer than redis-py's default read timeout still gets its next event."""
+"""On Redis, the channel layer outlasts idle time, full inboxes and bursts of sockets coming and going.
+
+A consumer idle past redis-py's read timeout gets its next event, a busy
+process's inbox holds, and thousands of sockets leaving at once wait for a
+Redis connection instead of failing.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,11 @@ import pytest
 from channels.layers import channel_layers
 from django.conf import settings
 
+from crowdtrain.gateway.channel_layer import WaitingRedisChannelLayer
+
 # redis-py 8 gives up on a read after 5 s by default; channels_redis's blocking pop waits up to 5 s.
 LONGER_THAN_REDIS_PY_DEFAULT_S = 6.0
+CHANNELS_REDIS_DEFAULT_CAPACITY = 100  # per Redis list, and a process's sockets share one list
 
 
 @pytest.mark.skipif(not settings.REDIS_URL, reason="the in-memory channel layer has no read timeout")
@@ -29,3 +37,37 @@ async def test_an_idle_receive_outlasts_redis_pys_default_read_timeout() -> None
         await layer.close_pools()
 
     assert received == {"type": "aggregator.step", "version": 3}
+
+
+@pytest.mark.skipif(not settings.REDIS_URL, reason="only channels_redis shares one inbox among a process's sockets")
+async def test_a_process_inbox_holds_more_events_than_channels_redis_default_of_100() -> None:
+    layer = channel_layers.make_backend("default")
+    sockets = [await layer.new_channel() for _ in range(CHANNELS_REDIS_DEFAULT_CAPACITY + 50)]
+    try:
+        for channel in sockets:  # one pending event for each of this process's sockets
+            await layer.send(channel, {"type": "lease.wake", "campaign_id": 1})
+        last = await asyncio.wait_for(layer.receive(sockets[-1]), timeout=10)
+    finally:
+        await layer.flush()
+        await layer.close_pools()
+
+    assert last["campaign_id"] == 1
+
+
+@pytest.mark.skipif(not settings.REDIS_URL, reason="the in-memory channel layer opens no connections")
+async def test_sockets_leaving_all_at_once_wait_for_a_redis_connection_instead_of_failing() -> None:
+    # The site's layer, with two connections for twenty sockets: as 1,000 are for 5,000 volunteers leaving.
+    host = {**settings.CHANNEL_LAYERS["default"]["CONFIG"]["hosts"][0], "max_connections": 2}
+    layer = WaitingRedisChannelLayer(hosts=[host])
+    sockets = [await layer.new_channel() for _ in range(20)]
+    try:
+        await asyncio.gather(*(layer.group_add("burst", channel) for channel in sockets))
+        await asyncio.gather(*(layer.group_discard("burst", channel) for channel in sockets))
+        pool = layer.connection(0).connection_pool
+        left = await layer.connection(0).zcard(layer._group_key("burst"))
+    finally:
+        await layer.flush()
+        await layer.close_pools()
+
+    assert left == 0  # every socket joined and left
+    assert pool.max_connections == 2

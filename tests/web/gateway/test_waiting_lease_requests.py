@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 from asgiref.sync import sync_to_async
+from channels.exceptions import ChannelFull
+from channels.layers import get_channel_layer
+from channels.testing import WebsocketCommunicator
 from django.test import override_settings
 
+from crowdtrain.gateway.outbox import wake
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.configs import ticket_key
 from crowdtrain.scheduler.models import Lease
@@ -19,6 +26,14 @@ from .conftest import Connect, greeted_agent, receive, send
 pytestmark = pytest.mark.django_db(transaction=True)
 
 WHOLE_STEP = 1e6  # samples/s: any lease is capped by the room left in its step, so this takes all of it
+
+
+async def _alice_holds_the_step(connect: Connect) -> tuple[WebsocketCommunicator, WebsocketCommunicator, Any]:
+    """A campaign of 16-sample steps whose open step alice's first lease (returned) takes whole; bob idle beside."""
+    await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
+    alice, bob = await greeted_agent(connect, "alice"), await greeted_agent(connect, "bob")
+    await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
+    return alice, bob, await receive(alice)
 
 
 async def test_a_request_for_a_full_step_is_answered_by_the_commit_that_makes_room(connect: Connect) -> None:
@@ -39,10 +54,7 @@ async def test_a_request_for_a_full_step_is_answered_by_the_commit_that_makes_ro
 
 
 async def test_another_devices_commit_wakes_a_waiting_request(connect: Connect) -> None:
-    await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
-    alice, bob = await greeted_agent(connect, "alice"), await greeted_agent(connect, "bob")
-    await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
-    first = await receive(alice)
+    alice, bob, first = await _alice_holds_the_step(connect)
 
     await send(bob, LeaseRequest(samples_per_s=WHOLE_STEP, wait_s=5.0))
     held = await bob.receive_nothing(timeout=0.3)
@@ -56,10 +68,7 @@ async def test_another_devices_commit_wakes_a_waiting_request(connect: Connect) 
 
 @override_settings(CROWDTRAIN_LEASE_WAIT_MAX_S=0.3)
 async def test_a_waiting_request_gets_the_refusal_when_the_sites_limit_is_up(connect: Connect) -> None:
-    await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
-    alice, bob = await greeted_agent(connect, "alice"), await greeted_agent(connect, "bob")
-    await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
-    await receive(alice)
+    alice, bob, _ = await _alice_holds_the_step(connect)
 
     await send(bob, LeaseRequest(samples_per_s=WHOLE_STEP, wait_s=60.0))
     refusal = await receive(bob, timeout=5)
@@ -69,10 +78,7 @@ async def test_a_waiting_request_gets_the_refusal_when_the_sites_limit_is_up(con
 
 
 async def test_a_request_without_wait_s_is_refused_at_once(connect: Connect) -> None:
-    await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
-    alice, bob = await greeted_agent(connect, "alice"), await greeted_agent(connect, "bob")
-    await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
-    await receive(alice)
+    alice, bob, _ = await _alice_holds_the_step(connect)
 
     await send(bob, LeaseRequest(samples_per_s=WHOLE_STEP))
     refusal = await receive(bob, timeout=1)
@@ -123,10 +129,7 @@ async def test_a_commit_wakes_only_as_many_waiting_requests_as_its_room_serves(
 async def test_a_request_that_finds_room_while_it_queues_gets_the_lease_not_the_refusal(
     connect: Connect, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    await sync_to_async(make_campaign)(target_batch_size=16, staleness=0)
-    alice, bob = await greeted_agent(connect, "alice"), await greeted_agent(connect, "bob")
-    await send(alice, LeaseRequest(samples_per_s=WHOLE_STEP))
-    first = await receive(alice)
+    alice, bob, first = await _alice_holds_the_step(connect)
     alice_id = (await sync_to_async(Lease.objects.get)(pk=first.lease_id)).device_id
 
     def commit_meanwhile(*args: object, **kwargs: object) -> None:
@@ -165,3 +168,52 @@ async def test_a_verification_copy_wakes_a_waiting_request_of_another_volunteer(
     assert isinstance(ack, DoneAck) and ack.accepted and ack.verification == "pending" and ack.step == 0
     assert isinstance(copy, LeaseMessage) and verify_ticket(copy.ticket, ticket_key(copy.campaign_id)).check
     assert (copy.base_version, copy.ranges) == (leases[0].base_version, leases[0].ranges)
+
+
+class _FullInbox:
+    """The channel layer's ``send`` refusing the first ``times`` events of one type with ChannelFull.
+
+    On Redis every socket of a site process shares one inbox, which a busy
+    process fills; this stands in for that moment, and passes every other send on.
+    """
+
+    def __init__(self, layer: Any, event_type: str, times: int) -> None:
+        self.real_send, self.event_type, self.left, self.refused = layer.send, event_type, times, 0
+
+    async def send(self, channel: str, message: dict[str, Any]) -> None:
+        if message.get("type") == self.event_type and self.left > 0:
+            self.left -= 1
+            self.refused += 1
+            raise ChannelFull()
+        await self.real_send(channel, message)
+
+
+@override_settings(CROWDTRAIN_LEASE_WAIT_MAX_S=0.3)
+async def test_a_waiting_requests_time_is_up_even_when_its_process_inbox_was_full(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alice, bob, _ = await _alice_holds_the_step(connect)
+    layer = get_channel_layer()
+    full = _FullInbox(layer, "lease.wait_over", times=2)
+    monkeypatch.setattr(layer, "send", full.send)
+
+    await send(bob, LeaseRequest(samples_per_s=WHOLE_STEP, wait_s=60.0))
+    refusal = await receive(bob, timeout=5)
+
+    assert full.refused == 2  # the timer's event met the full inbox twice, and was sent again
+    assert isinstance(refusal, NoLease) and refusal.reason == "step_full"
+
+
+async def test_a_full_inbox_of_one_waiting_socket_does_not_keep_the_commit_from_waking_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layer = get_channel_layer()
+    first, second = await layer.new_channel(), await layer.new_channel()
+    full = _FullInbox(layer, "lease.wake", times=1)
+    monkeypatch.setattr(layer, "send", full.send)
+
+    await wake(7, [first, second])
+    heard = await asyncio.wait_for(layer.receive(second), timeout=5)
+
+    assert full.refused == 1
+    assert heard["type"] == "lease.wake" and heard["campaign_id"] == 7
