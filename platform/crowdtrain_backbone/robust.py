@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from crowdtrain_agent.protocol import SliceAssignment
+from crowdtrain_agent.protocol import SliceAssignment, trim_count
 
 from .aggregation import AggregationRule, MeanRule, PendingUpload
 
@@ -166,13 +166,6 @@ def clip_contributions(uploads: Sequence[PendingUpload], history: ClipHistory, c
 
 
 # ------------------------------------------------------------------ robust means
-
-
-def trim_count(contributions: int, trim_fraction: float) -> int:
-    """Values dropped at each end of a coordinate: ``floor(trim_fraction * n)``, leaving at least one."""
-    fraction = min(max(trim_fraction, 0.0), 0.5)
-    # The epsilon keeps 0.3 * 10 (2.9999999999999996 in floats) at 3.
-    return max(0, min(math.floor(fraction * contributions + 1e-9), (contributions - 1) // 2))
 
 
 def _weights(uploads: Sequence[PendingUpload]) -> list[float]:

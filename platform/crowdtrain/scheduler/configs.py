@@ -31,6 +31,7 @@ from crowdtrain_agent.protocol import (
     SliceRoute,
     TrainingMode,
     campaign_key,
+    trim_count,
 )
 from crowdtrain_agent.protocol.schema import from_dict
 
@@ -72,6 +73,9 @@ class CampaignConfig:
     inner: OptimizerSpec | None = None  # local mode's inner optimizer, its lr unscheduled (``inner_for``)
     schedule: OptimizerSpec | None = None  # the campaign's optimizer, whose schedule the inner lr follows
     inner_batch_size: int | None = None  # local mode: samples per inner step (None: one microbatch)
+    owner_id: int = 0  # the organizer: their own devices are never on probation
+    # The most leases of one step a volunteer on probation may hold (``standing.probation_cap``); 0: no limit.
+    probation_cap: int = 0
 
     @property
     def lease_unit(self) -> int:
@@ -155,7 +159,34 @@ def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
         else None,
         schedule=from_dict(OptimizerSpec, campaign.optimizer, "optimizer") if local else None,
         inner_batch_size=campaign.inner_batch_size if local else None,
+        owner_id=campaign.owner_id,
+        probation_cap=0 if local else probation_cap(campaign),  # local mode verifies nothing
     )
+
+
+def most_lease_samples(unit: int) -> int:
+    """CROWDTRAIN_MAX_LEASE_SAMPLES in whole units (a local lease's inner batches), and never below one unit."""
+    return max(unit, settings.CROWDTRAIN_MAX_LEASE_SAMPLES // unit * unit)
+
+
+def probation_cap(campaign: Campaign) -> int:
+    """Leases of one step a volunteer on probation may hold: as many as the campaign's robust rule outvotes.
+
+    A step holds at least ``target / largest lease`` leases. The trimmed mean drops
+    ``trim_count`` of them at each end of every coordinate, and centered clipping
+    bounds any minority's pull, so a volunteer holding no more than that cannot
+    drag a step whatever they upload. Only while verification can end the
+    probation: a campaign that checks nothing, or takes the plain mean, has none.
+    """
+    if campaign.check_fraction <= 0 or campaign.aggregation == Campaign.Aggregation.MEAN:
+        return 0
+    fewest = -(-campaign.target_batch_size // most_lease_samples(campaign.microbatch_size))
+    if campaign.aggregation == Campaign.Aggregation.TRIMMED_MEAN:
+        outvoted = trim_count(fewest, campaign.trim_fraction)
+    else:
+        outvoted = (fewest - 1) // 2
+    # A step too small for its rule to outvote anyone still lets a newcomer hold one lease of it.
+    return max(1, outvoted)
 
 
 def ticket_key(campaign_id: int) -> bytes:

@@ -43,7 +43,7 @@ from crowdtrain_agent.protocol import (
 
 from . import ids, network
 from .commits import Commit, commit_full_steps, held, moment
-from .configs import CampaignConfig, campaign_config, forget, open_to, running_campaigns
+from .configs import CampaignConfig, campaign_config, forget, most_lease_samples, open_to, running_campaigns
 from .hotstate import HotStateMissing, hot_state
 from .models import Lease
 from .rebuild import load_campaign, to_shards
@@ -138,14 +138,9 @@ def _lease_size(config: CampaignConfig, device_id: int, samples_per_s: float | N
         # The matmul benchmark overstates real training speed; halve it.
         speed = 0.5 * flops / config.flops_per_sample if flops > 0 and config.flops_per_sample > 0 else 0.0
     if not speed:
-        return min(2 * unit, _most_samples(unit)), 0.0
-    want = min(speed * settings.CROWDTRAIN_LEASE_TARGET_S, _most_samples(unit))
+        return min(2 * unit, most_lease_samples(unit)), 0.0
+    want = min(speed * settings.CROWDTRAIN_LEASE_TARGET_S, most_lease_samples(unit))
     return max(unit, int(want // unit) * unit), speed
-
-
-def _most_samples(unit: int) -> int:
-    """CROWDTRAIN_MAX_LEASE_SAMPLES in whole units (a local lease's inner batches), and never below one unit."""
-    return max(unit, settings.CROWDTRAIN_MAX_LEASE_SAMPLES // unit * unit)
 
 
 # ------------------------------------------------------------------ leasing
@@ -162,6 +157,13 @@ def _refusal(config: CampaignConfig, answer: dict[str, Any]) -> NoLease:
         return _no_lease("campaign_paused", str(answer.get("why") or f"campaign {config.id} is paused"), 10.0)
     if code == "last_step":
         return _no_lease("step_full", f"campaign {config.id}: the last of its {answer['max']} steps is in flight")
+    if code == "probation":
+        return _no_lease(
+            "step_full",
+            f"campaign {config.id}: until checks of this volunteer's work pass, they hold at most "
+            f"{answer['cap']} of a step's leases, and step {answer['step']} has as many; waiting for its commit",
+            ready_at_step=int(answer["ready_at"]),
+        )
     if code == "window_full":
         return _no_lease(
             "step_full",
@@ -179,6 +181,7 @@ def _try_lease(
     config: CampaignConfig, device_id: int, samples_per_s: float | None, request_id: str, backups: bool = True
 ) -> LeaseMessage | NoLease:
     want, claimed = _lease_size(config, device_id, samples_per_s)
+    owner = standing.owner_of(device_id)
     lease_id = ids.lease_ids.take()
     answer = _run(
         config,
@@ -198,6 +201,8 @@ def _try_lease(
             "sweep": SWEEP_PER_CALL,
             "rid": request_id,
             "backups": int(backups),
+            "owner": owner or 0,
+            "cap": standing.probation(config.probation_cap, config.owner_id, owner),
         },
     )
     record_retired(answer.get("expired") or [], config.id)

@@ -18,12 +18,14 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from django.conf import settings
-from django.db.models import Max, Q
+from django.db.models import Max, Q, QuerySet
 from django.utils import timezone
 
+from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
+from crowdtrain.verification import standing
 
-from .configs import publish_state, run_state
+from .configs import probation_cap, publish_state, run_state
 from .hotstate import hot_state
 from .models import Lease
 from .records import Finished, writer
@@ -126,6 +128,7 @@ def load_campaign(campaign_id: int, *, force: bool = False) -> bool:
     # Within an epoch a sample is leased again only once its last lease ended uncounted, so two
     # live leases over one sample mean the older one's end was not recorded yet: the newer wins.
     live, dropped = [], []
+    on_probation = _on_probation(campaign, leases.filter(live_q))
     for lease in leases.filter(live_q).order_by("-id"):
         spans = to_global(table, lease.ranges)
         if any(taken[e].overlaps(s, s + c) for e, s, c in spans):
@@ -133,7 +136,7 @@ def load_campaign(campaign_id: int, *, force: bool = False) -> bool:
             continue
         for e, s, c in spans:
             taken[e].live.append((s, s + c))
-        live.append(_record(lease, spans))
+        live.append(_record(lease, spans, on_probation.get(lease.device_id, 0)))
     covered = {e: taken[e].intervals() for e in (epoch - 1, epoch)}
     cursor = max([campaign.cursor if campaign.epoch == epoch else 0, *(e for s, e in covered[epoch])])
     cursor = min(cursor, total)
@@ -184,7 +187,16 @@ def load_campaign(campaign_id: int, *, force: bool = False) -> bool:
     return loaded
 
 
-def _record(lease: Lease, spans: list[list[int]]) -> dict[str, object]:
+def _on_probation(campaign: Campaign, live: QuerySet[Lease]) -> dict[int, int]:
+    """Device -> volunteer, for the devices of live leases whose volunteer is on probation now."""
+    cap = probation_cap(campaign)
+    if not cap:
+        return {}
+    owners = Device.objects.filter(pk__in=live.values("device_id")).values_list("pk", "owner_id")
+    return {device: owner for device, owner in owners if standing.probation(cap, campaign.owner_id, owner)}
+
+
+def _record(lease: Lease, spans: list[list[int]], volunteer_on_probation: int = 0) -> dict[str, object]:
     """A lease row as the scripts keep it (see lua/prelude.lua)."""
     active = lease.state == Lease.State.ACTIVE
     return {
@@ -203,4 +215,5 @@ def _record(lease: Lease, spans: list[list[int]]) -> dict[str, object]:
         "cs": lease.compute_s or 0.0,
         "why": "",
         "t1": lease.finished_at.timestamp() if lease.finished_at else 0,
+        "o": volunteer_on_probation,
     }

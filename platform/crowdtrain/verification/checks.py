@@ -28,7 +28,7 @@ from typing import Any, TypeVar, cast
 from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, Model, Q, QuerySet
+from django.db.models import Count, Exists, Model, OuterRef, Q, QuerySet
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
@@ -428,6 +428,9 @@ def _record(volunteer_id: int, *, passed: bool) -> None:
     # forgets those), and reading every refusal again after each check cost the lease path a query.
     record = standing.Record(row.checks_passed, row.streak)
     transaction.on_commit(lambda: standing.remember(volunteer_id, record))
+    if passed and row.checks_passed == 1:
+        # Their first verified result vouches for the leases whose checks ended undecided (``UNDECIDED``).
+        transaction.on_commit(lambda: release_credit(volunteer_id=volunteer_id))
 
 
 def settle(check_id: int, state: str, detail: str) -> None:
@@ -451,12 +454,23 @@ def _close(case: Check, state: str, detail: str) -> None:
 # ------------------------------------------------------------------ credit
 
 WITHHOLDING = (Check.State.OPEN, Check.State.TIEBREAK, Check.State.FAILED)
+# Checks that ended deciding nothing (nobody took a copy in time, no two of three agreed). Their lease is
+# credited on its volunteer's record: once one of their checks has passed. A newcomer who is alone, or
+# first, has every check abandoned, and would otherwise be paid for work nobody could vouch for.
+UNDECIDED = (Check.State.ABANDONED, Check.State.INCONCLUSIVE)
+
+
+def _unvouched() -> Q:
+    """Checks that withhold their lease's credit: open or failed, or undecided for a volunteer never verified."""
+    verified = Exists(Standing.objects.filter(volunteer_id=OuterRef("volunteer_id"), checks_passed__gt=0))
+    return Q(state__in=WITHHOLDING) | Q(Q(state__in=UNDECIDED), ~verified)
 
 
 def creditable(leases: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
     """``(lease id, device id, samples)`` of a committed step's lease records whose credit is due now.
 
-    Left out: leases whose check is open or failed, and the work of quarantined volunteers.
+    Left out: leases whose check is open or failed, or ended undecided for a volunteer with no check
+    passed yet, and the work of quarantined volunteers.
     """
     held = withheld([int(r["id"]) for r in leases])
     due = []
@@ -471,18 +485,21 @@ def withheld(lease_ids: list[int]) -> set[int]:
     """The leases among these whose credit waits for, or was refused by, a check."""
     if not lease_ids:
         return set()
-    return set(Check.objects.filter(lease_id__in=lease_ids, state__in=WITHHOLDING).values_list("lease_id", flat=True))
+    return set(Check.objects.filter(_unvouched(), lease_id__in=lease_ids).values_list("lease_id", flat=True))
 
 
-def release_credit(check_ids: list[int] | None = None) -> int:
+def release_credit(check_ids: list[int] | None = None, *, volunteer_id: int | None = None) -> int:
     """Grant the credit of checked leases that are committed and no longer withheld; returns how many.
 
-    Called when a check ends, and by the periodic sweep for checks that ended
-    before their step was committed.
+    Called when a check ends, when a volunteer's first check passes (``volunteer_id``:
+    their undecided ones), and by the periodic sweep for checks that ended before
+    their step was committed.
     """
-    cases = Check.objects.exclude(state__in=WITHHOLDING).filter(credited=False)
+    cases = Check.objects.exclude(_unvouched()).filter(credited=False)
     if check_ids is not None:
         cases = cases.filter(pk__in=check_ids)
+    if volunteer_id is not None:
+        cases = cases.filter(volunteer_id=volunteer_id)
     count = 0
     for case in cases:
         if standing.refusal(case.volunteer_id):

@@ -64,6 +64,21 @@ def check_rate(base: float, record: Record) -> float:
     return min(1.0, base)
 
 
+def probation(campaign_cap: int, organizer_id: int, volunteer_id: int | None) -> int:
+    """The most leases of one step this volunteer may hold now (0: no limit).
+
+    A newcomer's results are in steps before any check of them is decided, and a
+    volunteer who is alone, or first, could fill whole steps: the robust rules
+    outvote a minority, never a majority. So until ``NEWCOMER_CHECKS`` of their
+    checks have passed, a volunteer holds no more of a step than the campaign's
+    rule outvotes (``configs.probation_cap``). The organizer's own devices are
+    exempt: a campaign's owner cannot poison it for anyone but themselves.
+    """
+    if campaign_cap <= 0 or volunteer_id is None or volunteer_id == organizer_id:
+        return 0
+    return campaign_cap if record_of(volunteer_id).passed < NEWCOMER_CHECKS else 0
+
+
 def record_of(volunteer_id: int) -> Record:
     now = time.monotonic()
     cached = _records.get(volunteer_id)

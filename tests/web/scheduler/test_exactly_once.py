@@ -1,22 +1,26 @@
 """Property: within an epoch every sample lands in exactly one committed step, whatever agents
 crash, retry, replay or run late, with two to four site processes serving one campaign, whose
-batched records trail, and with Redis losing the scheduler's keys."""
+batched records trail, and with Redis losing the scheduler's keys; and a volunteer on probation never
+holds more of a committed step than their limit."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler import backbone, configs, ids, leasing, records
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
+from crowdtrain.verification import standing
 from crowdtrain_agent.protocol import Lease as LeaseMessage
 from crowdtrain_agent.protocol import LeaseDone, Receipt, StepApplied, sign_receipt
 from tests.conftest import FakeClock
@@ -74,9 +78,10 @@ def _committed_samples(campaign: Campaign) -> Counter[tuple[int, int]]:
     ops=st.lists(st.tuples(OPS, st.integers(0, 2), st.integers(0, 3)), max_size=50),
     staleness=st.integers(0, 1),
     processes=st.integers(2, 4),
+    probation=st.booleans(),
 )
 def test_every_sample_of_an_epoch_is_counted_exactly_once(
-    ops: list[tuple[str, int, int]], staleness: int, processes: int, clock: FakeClock
+    ops: list[tuple[str, int, int]], staleness: int, processes: int, probation: bool, clock: FakeClock
 ) -> None:
     campaign = make_campaign(make_text_dataset(num_samples=40, samples_per_shard=13), target_batch_size=8,
                              microbatch_size=2, staleness=staleness, slices=2)  # fmt: skip
@@ -84,7 +89,37 @@ def test_every_sample_of_an_epoch_is_counted_exactly_once(
     sites = [SiteProcess() for _ in range(processes)]
     held: dict[int, list[int]] = {d.pk: [] for d in devices}
     reported: list[tuple[int, int]] = []
+    # Devices 1 and 2 hold at most one lease of a step (a step has two at least); device 0, which drains, none.
+    on_probation = {d.owner_id for d in devices[1:]} if probation else set()
+    limit = mock.patch.object(standing, "probation", lambda cap, organizer, owner: int(owner in on_probation))
+    with limit if probation else nullcontext():
+        _play(campaign, devices, sites, ops, clock, held, reported, on_probation)
 
+    counted = _committed_samples(campaign)
+    epoch0 = {key: n for key, n in counted.items() if key[0] == 0}
+    assert len(epoch0) == 40, f"only {len(epoch0)} of 40 samples of epoch 0 were committed"
+    assert set(epoch0.values()) == {1}, f"samples counted twice: {[k for k, n in epoch0.items() if n > 1]}"
+    assert max(counted.values()) == 1
+    per_step = Counter(
+        Lease.objects.filter(campaign=campaign, step__isnull=False, device__owner_id__in=on_probation).values_list(
+            "step_id", "device__owner_id"
+        )
+    )
+    assert max(per_step.values(), default=0) <= 1, f"a volunteer on probation held more of a step: {per_step}"
+
+
+def _play(
+    campaign: Campaign,
+    devices: list[Device],
+    sites: list[SiteProcess],
+    ops: list[tuple[str, int, int]],
+    clock: FakeClock,
+    held: dict[int, list[int]],
+    reported: list[tuple[int, int]],
+    on_probation: set[int],
+) -> None:
+    """The random phase, then a drain by device 0 until epoch 0 is committed."""
+    processes = len(sites)
     for op, who, where in ops:
         device, site = devices[who], sites[where % processes]
         with site.active():
@@ -116,6 +151,8 @@ def test_every_sample_of_an_epoch_is_counted_exactly_once(
                 hot_state().client.flushall()  # a Redis restarted without persistence
             elif op == "kill_process":
                 sites[where % processes] = SiteProcess()  # its queued records die with it
+        if on_probation:
+            _probation_holds(campaign, {d.pk: d.owner_id for d in devices}, on_probation)
 
     # Drain: every process writes what it queued, the agents of the random phase vanish (their
     # leases run out), and one well-behaved agent works until every sample of epoch 0 is committed.
@@ -135,11 +172,15 @@ def test_every_sample_of_an_epoch_is_counted_exactly_once(
                 clock.advance(leasing.settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S + 1)
                 leasing.expire_overdue(campaign)
 
-    counted = _committed_samples(campaign)
-    epoch0 = {key: n for key, n in counted.items() if key[0] == 0}
-    assert len(epoch0) == 40, f"only {len(epoch0)} of 40 samples of epoch 0 were committed"
-    assert set(epoch0.values()) == {1}, f"samples counted twice: {[k for k, n in epoch0.items() if n > 1]}"
-    assert max(counted.values()) == 1
+
+def _probation_holds(campaign: Campaign, owners: dict[int, int], on_probation: set[int]) -> None:
+    """No volunteer on probation holds two live leases (active, or accepted and not committed) of one step."""
+    live = Counter(
+        (lease["s"], owners[lease["d"]])
+        for lease in hot_state().snapshot(campaign.hot_key.hex)["leases"]
+        if lease["st"] in ("active", "accepted") and owners[lease["d"]] in on_probation
+    )
+    assert max(live.values(), default=0) <= 1, f"(step, volunteer) -> live leases: {live}"
 
 
 def _past_the_next_soft_deadline(campaign: Campaign, clock: FakeClock) -> None:

@@ -207,7 +207,48 @@ def test_three_answers_that_all_differ_end_the_check_without_a_verdict_on_anyone
     assert ack.accepted and (ack.verification, case.state) == ("check", Check.State.INCONCLUSIVE)
     assert set(Answer.objects.filter(case=case).values_list("verdict", flat=True)) == {Answer.Verdict.NONE}
     assert not Standing.objects.filter(checks_failed__gt=0).exists(), "nobody failed a check"
-    assert _granted(original.lease_id) == original.num_samples  # credited, as a check nobody could decide
+    # Nobody could decide: the lease is credited on Alice's record, and she has no check passed yet.
+    assert _granted(original.lease_id) == 0
+
+    with django_capture_on_commit_callbacks(execute=True):
+        _until_passed(campaign, alice.owner_id, [alice.pk, bob.pk])
+    assert _granted(original.lease_id) == original.num_samples, "her first passed check vouches for it"
+
+
+def _until_passed(campaign: Campaign, volunteer_id: int, devices: list[int]) -> None:
+    """Honest work and copies by ``devices`` until the volunteer has a check passed."""
+    for _ in range(20):
+        if Standing.objects.filter(volunteer_id=volunteer_id, checks_passed__gt=0).exists():
+            return
+        for device_id in devices:
+            lease = leasing.request_lease(device_id, campaign.pk, None)
+            if isinstance(lease, LeaseMessage):
+                assert leasing.report_done(device_id, _done(campaign, lease, HONEST)).ack.accepted
+    raise AssertionError(f"volunteer {volunteer_id} passed no check in 20 rounds")
+
+
+def test_an_abandoned_check_of_a_volunteer_nobody_verified_is_credited_only_after_their_first_pass(
+    campaign: Campaign, django_capture_on_commit_callbacks, settings: Any, clock: Any
+) -> None:
+    # A newcomer who is alone, or first, sees every check abandoned: nobody else can take a copy.
+    settings.CROWDTRAIN_CHECK_WAIT_S = 5.0
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    with django_capture_on_commit_callbacks(execute=True):
+        first, _ = _work(campaign, alice.pk, HONEST)
+        clock.advance(10.0)  # the copy waits past CROWDTRAIN_CHECK_WAIT_S; the next request drops it
+        second = _lease(campaign, alice.pk)
+        assert not verify_ticket(second.ticket, ticket_key(campaign.pk)).check
+        assert leasing.report_done(alice.pk, _done(campaign, second, HONEST)).ack.accepted
+        checks.release_credit()
+    assert Check.objects.get(lease_id=first.lease_id).state == Check.State.ABANDONED
+    assert Lease.objects.filter(pk=first.lease_id, step__isnull=False).exists()
+    assert _granted(first.lease_id) == 0, "abandoned, and nothing of hers was ever verified"
+
+    with django_capture_on_commit_callbacks(execute=True):
+        _until_passed(campaign, alice.owner_id, [bob.pk, alice.pk])
+        checks.release_credit()
+    assert _granted(first.lease_id) == first.num_samples
 
 
 def test_a_second_failed_check_quarantines_drops_pending_work_takes_credit_back_and_refuses_leases(

@@ -442,6 +442,17 @@ def retained_versions(staleness: int) -> int:
     return staleness + 2
 
 
+def trim_count(contributions: int, trim_fraction: float) -> int:
+    """Values a trimmed mean drops at each end of a coordinate: ``floor(trim_fraction * n)``, leaving at least one.
+
+    Shared by the aggregators, which trim, and the site, which keeps a volunteer on
+    probation to no more leases of a step than this (``verification.standing``).
+    """
+    fraction = min(max(trim_fraction, 0.0), 0.5)
+    # The epsilon keeps 0.3 * 10 (2.9999999999999996 in floats) at 3.
+    return max(0, min(math.floor(fraction * contributions + 1e-9), (contributions - 1) // 2))
+
+
 class SliceReady(Message, tag="slice_ready", frozen=True, kw_only=True):
     campaign_id: Id
     slice_index: SliceIndex
@@ -699,6 +710,7 @@ __all__ = [
     "CodecName",
     "TrainingMode",
     "retained_versions",
+    "trim_count",
     "DataKind",
     "DataSpec",
     "DeviceInfo",

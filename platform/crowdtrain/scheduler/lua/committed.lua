@@ -12,6 +12,7 @@ if open == s then
   redis.call('ZREMRANGEBYSCORE', K_ACC, s, s)
   redis.call('HDEL', K_FILL, s)
   redis.call('HDEL', K_RES, s)
+  redis.call('DEL', share_key(s))
   open = s + 1
   redis.call('HSET', K_META, 'open', open)
   -- A commit makes room for one global batch: wake that many samples' worth of waiting requests.

@@ -13,6 +13,7 @@ for _, id in ipairs(redis.call('ZRANGE', K_ACC, 0, -1)) do
     redis.call('ZREM', K_ACC, id)
     redis.call('HINCRBY', K_FILL, l.s, -l.n)
     give_back(l)
+    unshare(l)
     l.st, l.why, l.t1 = 'rejected', A.reason, now
     lease_put(l)
     tomb(l.id)

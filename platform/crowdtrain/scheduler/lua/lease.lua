@@ -1,6 +1,7 @@
 -- Give one device a lease, or say why not. A: device, want, claimed (samples/s, 0 unknown),
 -- id (a fresh lease id), cid, rid (the request's id, '' for none), min_dl, max_dl, idle_s, gone_s,
--- backup_min_s, backup_factor, backups (0: issue none now), sweep.
+-- backup_min_s, backup_factor, backups (0: issue none now), sweep, owner (the device's volunteer),
+-- cap (the most leases of one step that volunteer may hold, 0 for no limit: verification.standing.probation).
 if redis.call('EXISTS', K_META) == 0 then return cjson.encode({missing = true}) end
 local out = {}
 redis.call('ZADD', SEEN, now, A.device) -- a device that asks or reports is alive
@@ -16,6 +17,8 @@ if meta('run') ~= 1 then
 end
 
 local device = A.device
+local owner, cap = num(A.owner), num(A.cap)
+local function at_cap(s) return cap > 0 and num(redis.call('HGET', share_key(s), owner)) >= cap end
 local open, target, stale, max_steps = meta('open'), meta('target'), meta('stale'), meta('max')
 local held = num(redis.call('HGET', K_HOLD, device))
 redis.call('ZREMRANGEBYSCORE', K_IDLE, '-inf', now - A.idle_s)
@@ -33,6 +36,11 @@ end
 local function issue(l)
   l.id, l.d, l.b, l.t0, l.st, l.dl = A.id, device, open, now, 'active', deadline_for(l.n)
   l.loss, l.cs, l.why, l.t1 = 0, 0, '', 0
+  l.o = (cap > 0) and owner or 0
+  if l.o ~= 0 then
+    redis.call('HINCRBY', share_key(l.s), owner, 1)
+    redis.call('EXPIRE', share_key(l.s), SHARE_TTL_S)
+  end
   lease_put(l)
   redis.call('HSET', LC, l.id, A.cid)
   if A.rid ~= '' then redis.call('HSET', RID, device, A.cid .. ':' .. l.id .. ':' .. A.rid) end
@@ -54,7 +62,7 @@ for _, id in ipairs(A.backups == 1 and redis.call('ZRANGEBYSCORE', K_SOFT, '-inf
     redis.call('ZREM', K_SOFT, id)
   elseif slow.s ~= open then
     redis.call('ZADD', K_SOFT, now + A.backup_min_s, id) -- not holding a commit back yet: look again later
-  elseif slow.d ~= device then
+  elseif slow.d ~= device and not at_cap(slow.s) then
     redis.call('ZREM', K_SOFT, id)
     slow.tw = A.id
     lease_put(slow)
@@ -62,10 +70,18 @@ for _, id in ipairs(A.backups == 1 and redis.call('ZRANGEBYSCORE', K_SOFT, '-inf
   end
 end
 
-local step = open
-while num(redis.call('HGET', K_RES, step)) >= target do step = step + 1 end
+-- The first step of the window with samples left that this volunteer may still hold a lease of.
+local step, capped = open, false
+while step <= open + stale do
+  local full = num(redis.call('HGET', K_RES, step)) >= target
+  if not full and not at_cap(step) then break end
+  capped = capped or not full
+  step = step + 1
+end
 if max_steps >= 0 and step >= max_steps then return refuse('last_step', {max = max_steps}) end
-if step > open + stale then return refuse('window_full', {step = open, ready_at = step - stale}) end
+if step > open + stale then
+  return refuse(capped and 'probation' or 'window_full', {step = open, ready_at = step - stale, cap = cap})
+end
 if held > 0 and redis.call('ZCARD', K_IDLE) > 0 then
   -- This device asks ahead while another waits with nothing to do: the other goes first.
   return refuse('idle_first', {ready_at = open + 1})

@@ -40,6 +40,18 @@ local function tomb(id)
   end
 end
 
+-- Probation (verification.standing.probation): per step, a hash of volunteer -> leases of the step
+-- they hold, active or accepted, for volunteers whose leases were issued under a cap (a lease's o: its
+-- volunteer, 0 when uncapped). Dropped when the step commits; the TTL only bounds a key left behind.
+local SHARE_TTL_S = 86400
+local function share_key(s) return P .. 'share:' .. s end
+local function unshare(l)
+  if (l.o or 0) ~= 0 then redis.call('HINCRBY', share_key(l.s), l.o, -1) end
+end
+local function forget_shares(from, to)
+  for s = from, to do redis.call('DEL', share_key(s)) end
+end
+
 local function unhold(device)
   if redis.call('HINCRBY', K_HOLD, device, -1) <= 0 then redis.call('HDEL', K_HOLD, device) end
 end
@@ -57,6 +69,7 @@ local function retire(l, state, reason, out, keep)
   redis.call('ZREM', K_DL, l.id)
   redis.call('ZREM', K_SOFT, l.id)
   unhold(l.d)
+  unshare(l)
   local twin = (l.tw ~= 0) and lease_get(l.tw) or nil
   if keep then
     -- the accepted twin holds the samples

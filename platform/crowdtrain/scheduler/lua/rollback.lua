@@ -20,6 +20,7 @@ for _, raw in ipairs(redis.call('HVALS', K_LEASES)) do
 end
 for _, r in ipairs(A.ranges) do redis.call('RPUSH', K_RET, r[1] .. ':' .. r[2] .. ':' .. r[3]) end
 redis.call('DEL', K_RES, K_FILL, K_ACC, K_DL, K_SOFT, K_HOLD, K_WAIT)
+forget_shares(meta('open'), meta('open') + meta('stale'))
 redis.call('HSET', K_META, 'open', A.version)
 redis.call('HINCRBY', K_META, 'gen', 1)
 return cjson.encode({retired = out})

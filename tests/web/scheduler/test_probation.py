@@ -1,0 +1,137 @@
+"""Probation: a volunteer with no verified record holds no more of a step than its robust rule outvotes.
+
+Seen in CI: the hostile agent of ``tests/trust`` started seconds before the four
+honest ones and filled 139 of 160 leases of the campaign's steps alone. A
+trimmed mean outvotes a minority, never a majority, so its flipped gradients went
+into the model (validation loss 5.6 times the honest run's), and every check of
+its leases was abandoned for want of another volunteer to copy them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.scheduler import configs, leasing
+from crowdtrain.scheduler.hotstate import hot_state
+from crowdtrain.scheduler.models import Lease
+from crowdtrain.verification import standing
+from crowdtrain.verification.models import Standing
+from crowdtrain_agent.protocol import Lease as LeaseMessage
+from crowdtrain_agent.protocol import NoLease
+from tests.factories import done_for, make_campaign, make_device
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def leases_of_four(settings: Any) -> None:
+    # Leases of at most 4 samples: a step of 16 has at least 4 leases, and a trimmed mean of 4 drops 1 at each end.
+    settings.CROWDTRAIN_MAX_LEASE_SAMPLES = 4
+
+
+def _trimmed(**fields: Any) -> Campaign:
+    options: dict[str, Any] = {
+        "target_batch_size": 16, "microbatch_size": 4, "staleness": 1, "check_fraction": 0.05,
+        "aggregation": Campaign.Aggregation.TRIMMED_MEAN, "trim_fraction": 0.25,
+    }  # fmt: skip
+    options.update(fields)
+    return make_campaign(**options)
+
+
+def _leases(campaign: Campaign, device_id: int, asks: int = 6) -> tuple[list[LeaseMessage], NoLease | None]:
+    """What ``asks`` requests of one device get: its leases, and the last refusal."""
+    got, refused = [], None
+    for _ in range(asks):
+        answer = leasing.request_lease(device_id, campaign.pk, 1e6)
+        if isinstance(answer, LeaseMessage):
+            got.append(answer)
+        else:
+            refused = answer
+    return got, refused
+
+
+def _steps(leases: list[LeaseMessage]) -> list[int]:
+    return sorted(Lease.objects.get(pk=lease.lease_id).target_step for lease in leases)
+
+
+def test_a_newcomer_holds_one_lease_per_step_and_is_told_why() -> None:
+    campaign = _trimmed()
+    newcomer, _ = make_device("newcomer")
+
+    got, refused = _leases(campaign, newcomer.pk)
+
+    assert _steps(got) == [0, 1], "one lease in each step of the window (staleness 1)"
+    assert refused is not None and refused.reason == "step_full" and refused.ready_at_step == 1
+    assert "at most 1 of a step's leases" in refused.detail, refused.detail
+
+
+def test_other_volunteers_fill_the_rest_of_the_step_and_it_commits() -> None:
+    campaign = _trimmed(staleness=0)
+    volunteers = [make_device(f"v{i}")[0] for i in range(4)]
+
+    for device in volunteers:
+        got, _ = _leases(campaign, device.pk, asks=3)
+        assert len(got) == 1
+        assert leasing.report_done(device.pk, done_for(got[0].lease_id)).ack.accepted
+
+    campaign.refresh_from_db()
+    assert campaign.committed_steps == 1
+    assert _leases(campaign, volunteers[0].pk, asks=1)[0], "the next step has room for them again"
+
+
+def test_a_lease_given_back_frees_its_place_in_the_step() -> None:
+    campaign = _trimmed(staleness=0)
+    newcomer, _ = make_device("newcomer")
+    (first,), _ = _leases(campaign, newcomer.pk)
+
+    assert leasing.release_lease(newcomer.pk, first.lease_id)
+    again, _ = _leases(campaign, newcomer.pk)
+
+    assert len(again) == 1 and _steps(again) == [0]
+
+
+def test_verified_volunteers_the_organizer_and_campaigns_that_cannot_end_probation_are_not_limited() -> None:
+    trimmed = _trimmed(staleness=0)
+    veteran, _ = make_device("veteran")
+    Standing.objects.create(volunteer_id=veteran.owner_id, checks_passed=standing.NEWCOMER_CHECKS)
+    organizer, _ = make_device("organizer")  # make_campaign's owner
+    assert trimmed.owner_id == organizer.owner_id
+
+    assert len(_leases(trimmed, veteran.pk)[0]) == 4
+    assert len(_leases(_trimmed(staleness=0), organizer.pk)[0]) == 4
+    plain, _ = make_device("plain")
+    assert len(_leases(_trimmed(staleness=0, aggregation=Campaign.Aggregation.MEAN), plain.pk)[0]) == 4
+    unchecked, _ = make_device("unchecked")
+    assert len(_leases(_trimmed(staleness=0, check_fraction=0.0), unchecked.pk)[0]) == 4
+
+
+def test_the_limit_survives_a_redis_that_lost_the_scheduler_state() -> None:
+    campaign = _trimmed(staleness=0)
+    newcomer, _ = make_device("newcomer")
+    assert len(_leases(campaign, newcomer.pk)[0]) == 1
+    leasing.writer().flush()
+
+    hot_state().client.flushall()  # rebuilt from the record at the next request
+
+    got, refused = _leases(campaign, newcomer.pk)
+    assert got == [] and refused is not None and "at most 1" in refused.detail
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "trim", "target", "expected"),
+    [
+        (Campaign.Aggregation.TRIMMED_MEAN, 0.25, 16, 1),  # 4 leases at least: 1 trimmed at each end
+        (Campaign.Aggregation.TRIMMED_MEAN, 0.25, 40, 2),  # 10 leases: 2
+        (Campaign.Aggregation.TRIMMED_MEAN, 0.1, 8, 1),  # 2 leases outvote nobody: still one lease
+        (Campaign.Aggregation.CENTERED_CLIP, 0.1, 40, 4),  # a minority of 10
+        (Campaign.Aggregation.MEAN, 0.25, 40, 0),  # the plain mean outvotes nobody: no probation
+    ],
+)
+def test_the_limit_is_what_the_campaigns_rule_outvotes(
+    aggregation: str, trim: float, target: int, expected: int
+) -> None:
+    campaign = _trimmed(aggregation=aggregation, trim_fraction=trim, target_batch_size=target)
+    assert configs.probation_cap(campaign) == expected
