@@ -131,10 +131,14 @@ test-browser: $(STAMP) $(CHARTS) $(CHROMIUM)
 # several seeds in one process (sync gradients and DiLoCo pseudo-gradients, with and without error feedback),
 # then the scale phases
 # (simulated agents against two site processes on PostgreSQL + Redis; tests/services.py's checks, a database of
-# its own): each runs alone too. ARGS go to w1, HOMELINK_ARGS to homelink, SCALE_ARGS to scale, e.g.
-# HOMELINK_ARGS="--w1-samples 65536 --local-samples 16384 --gpt-samples 0", SCALE_ARGS="--agents 100 --cpu-agents 100,1000 --idle-agents 2000".
+# its own), then the leasing and overload phases on the embedded default (one site process on SQLite) at the
+# issue's sizes: each runs alone too. ARGS go to w1, HOMELINK_ARGS to homelink, SCALE_ARGS and SQLITE_SCALE_ARGS
+# to scale, e.g. HOMELINK_ARGS="--w1-samples 65536 --local-samples 16384 --gpt-samples 0",
+# SCALE_ARGS="--agents 100 --cpu-agents 100,1000 --idle-agents 2000".
 HOMELINK_ARGS ?=
 SCALE_ARGS ?=
+SQLITE_SCALE_ARGS ?= --phases wide,w1like,overload --agents 10,100,300,1000 --cpu-agents 10,100,300,1000 \
+	--overload-agents 1000
 bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.protocol
 	$(BIN)/python -m tests.benchmarks.leaderboard
@@ -142,6 +146,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.homelink $(HOMELINK_ARGS)
 	$(BIN)/python -m tests.benchmarks.int8_gaps
 	$(BIN)/python -m tests.benchmarks.scale $(SCALE_ARGS)
+	$(BIN)/python -m tests.benchmarks.scale --backend sqlite $(SQLITE_SCALE_ARGS)
 
 clean:
 	rm -rf $(VENV) var frontend/node_modules frontend/static/build

@@ -1,8 +1,9 @@
-"""The scale bench's PostgreSQL and Redis: databases cloned from a template, an emptied Redis, lease states."""
+"""The scale bench's databases: PostgreSQL ones cloned from a template, an emptied Redis, lease states."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import closing
 from urllib.parse import urlsplit, urlunsplit
 
 
@@ -34,16 +35,34 @@ def flush_redis(url: str) -> None:
         client.close()
 
 
-def lease_states(database_url: str, lease_ids: Sequence[int]) -> tuple[dict[str, int], dict[int, str]]:
-    """Leases per state and reason in the phase's database, and the state of each of ``lease_ids``."""
+SUMMARY = "SELECT state, reason, count(*) FROM scheduler_lease GROUP BY state, reason ORDER BY 3 DESC"
+
+
+def lease_states(database: str, lease_ids: Sequence[int]) -> tuple[dict[str, int], dict[int, str]]:
+    """Leases per state and reason in the phase's database, and the state of each of ``lease_ids``.
+
+    ``database``: a PostgreSQL URL, or the path of the embedded default's SQLite file.
+    """
+    if "://" not in database:
+        import sqlite3
+
+        with closing(sqlite3.connect(database)) as lite:
+            summary = {
+                f"{state}: {reason}" if reason else state: count for state, reason, count in lite.execute(SUMMARY)
+            }
+            states: dict[int, str] = {}
+            ids = list(lease_ids)
+            for start in range(0, len(ids), 500):  # SQLite binds at most 999 variables
+                chunk = ids[start : start + 500]
+                marks = ",".join("?" * len(chunk))
+                states.update(lite.execute(f"SELECT id, state FROM scheduler_lease WHERE id IN ({marks})", chunk))
+        return summary, states
     import psycopg
 
-    with psycopg.connect(database_url) as conn:
+    with psycopg.connect(database) as conn:
         summary = {
             f"{state}: {reason}" if reason else state: count
-            for state, reason, count in conn.execute(
-                "SELECT state, reason, count(*) FROM scheduler_lease GROUP BY state, reason ORDER BY 3 DESC"
-            )
+            for state, reason, count in conn.execute(SUMMARY)
         }
         states = dict(conn.execute("SELECT id, state FROM scheduler_lease WHERE id = ANY(%s)", (list(lease_ids),)))
     return summary, states
