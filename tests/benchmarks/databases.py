@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Sequence
 from contextlib import closing
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 
@@ -35,6 +37,12 @@ def flush_redis(url: str) -> None:
         client.close()
 
 
+def copy_sqlite(source: Path, target: Path) -> None:
+    """A consistent copy of an SQLite file, whatever its write-ahead log still holds (the site runs in WAL mode)."""
+    with closing(sqlite3.connect(f"file:{source}?mode=ro", uri=True)) as src, closing(sqlite3.connect(target)) as dst:
+        src.backup(dst)
+
+
 SUMMARY = "SELECT state, reason, count(*) FROM scheduler_lease GROUP BY state, reason ORDER BY 3 DESC"
 
 
@@ -44,9 +52,7 @@ def lease_states(database: str, lease_ids: Sequence[int]) -> tuple[dict[str, int
     ``database``: a PostgreSQL URL, or the path of the embedded default's SQLite file.
     """
     if "://" not in database:
-        import sqlite3
-
-        with closing(sqlite3.connect(database)) as lite:
+        with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as lite:
             summary = {
                 f"{state}: {reason}" if reason else state: count for state, reason, count in lite.execute(SUMMARY)
             }

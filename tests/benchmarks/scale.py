@@ -105,7 +105,14 @@ import numpy as np  # noqa: E402
 from crowdtrain_launcher import Child, LaunchError, Swarm, get_json  # noqa: E402
 
 from .cpu_time import cpu_between, sample_cpu  # noqa: E402
-from .databases import database_name, flush_redis, lease_states, recreate_database, with_database  # noqa: E402
+from .databases import (  # noqa: E402
+    copy_sqlite,
+    database_name,
+    flush_redis,
+    lease_states,
+    recreate_database,
+    with_database,
+)
 from .figures import band_pct, figure_line, format_value, percentile, skipped_line, spread_pct  # noqa: E402
 from .loadgen import raise_open_files_limit, write_json  # noqa: E402
 
@@ -313,7 +320,7 @@ class Bench:
         if opts.embedded:
             database = None
             (run_dir / "var").mkdir(parents=True)
-            shutil.copyfile(self.root / "template" / "var" / SQLITE_FILE, run_dir / "var" / SQLITE_FILE)
+            copy_sqlite(self.root / "template" / "var" / SQLITE_FILE, run_dir / "var" / SQLITE_FILE)
         else:
             database = opts.database_url
             recreate_database(database, database_name(database), template=database_name(database) + "_tpl")

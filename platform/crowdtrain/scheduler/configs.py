@@ -74,7 +74,7 @@ class CampaignConfig:
     schedule: OptimizerSpec | None = None  # the campaign's optimizer, whose schedule the inner lr follows
     inner_batch_size: int | None = None  # local mode: samples per inner step (None: one microbatch)
     owner_id: int = 0  # the organizer: their own devices are never on probation
-    # The most leases of one step a volunteer on probation may hold (``standing.probation_cap``); 0: no limit.
+    # The most leases of one step a volunteer on probation may hold (``probation_cap``); 0: no limit.
     probation_cap: int = 0
 
     @property
@@ -160,7 +160,7 @@ def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
         schedule=from_dict(OptimizerSpec, campaign.optimizer, "optimizer") if local else None,
         inner_batch_size=campaign.inner_batch_size if local else None,
         owner_id=campaign.owner_id,
-        probation_cap=0 if local else probation_cap(campaign),  # local mode verifies nothing
+        probation_cap=probation_cap(campaign),
     )
 
 
@@ -176,9 +176,10 @@ def probation_cap(campaign: Campaign) -> int:
     ``trim_count`` of them at each end of every coordinate, and centered clipping
     bounds any minority's pull, so a volunteer holding no more than that cannot
     drag a step whatever they upload. Only while verification can end the
-    probation: a campaign that checks nothing, or takes the plain mean, has none.
+    probation: a campaign that checks nothing (local mode verifies nothing), or takes the plain mean, has none.
     """
-    if campaign.check_fraction <= 0 or campaign.aggregation == Campaign.Aggregation.MEAN:
+    local = campaign.training_mode == Campaign.TrainingMode.LOCAL
+    if local or campaign.check_fraction <= 0 or campaign.aggregation == Campaign.Aggregation.MEAN:
         return 0
     fewest = -(-campaign.target_batch_size // most_lease_samples(campaign.microbatch_size))
     if campaign.aggregation == Campaign.Aggregation.TRIMMED_MEAN:

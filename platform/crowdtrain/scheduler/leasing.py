@@ -161,7 +161,8 @@ def _refusal(config: CampaignConfig, answer: dict[str, Any]) -> NoLease:
         return _no_lease(
             "step_full",
             f"campaign {config.id}: until checks of this volunteer's work pass, they hold at most "
-            f"{answer['cap']} of a step's leases, and step {answer['step']} has as many; waiting for its commit",
+            f"{answer['cap']} of a step's leases, and every step with room left has as many of theirs; "
+            "waiting for the next commit",
             ready_at_step=int(answer["ready_at"]),
         )
     if code == "window_full":

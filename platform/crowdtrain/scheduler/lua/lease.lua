@@ -39,7 +39,6 @@ local function issue(l)
   l.o = (cap > 0) and owner or 0
   if l.o ~= 0 then
     redis.call('HINCRBY', share_key(l.s), owner, 1)
-    redis.call('EXPIRE', share_key(l.s), SHARE_TTL_S)
   end
   lease_put(l)
   redis.call('HSET', LC, l.id, A.cid)
@@ -78,10 +77,12 @@ while step <= open + stale do
   capped = capped or not full
   step = step + 1
 end
-if max_steps >= 0 and step >= max_steps then return refuse('last_step', {max = max_steps}) end
-if step > open + stale then
-  return refuse(capped and 'probation' or 'window_full', {step = open, ready_at = step - stale, cap = cap})
+if capped and (step > open + stale or (max_steps >= 0 and step >= max_steps)) then
+  -- Room is left only where this volunteer is at the cap: the next commit may make room for them.
+  return refuse('probation', {ready_at = open + 1, cap = cap})
 end
+if max_steps >= 0 and step >= max_steps then return refuse('last_step', {max = max_steps}) end
+if step > open + stale then return refuse('window_full', {step = open, ready_at = step - stale}) end
 if held > 0 and redis.call('ZCARD', K_IDLE) > 0 then
   -- This device asks ahead while another waits with nothing to do: the other goes first.
   return refuse('idle_first', {ready_at = open + 1})

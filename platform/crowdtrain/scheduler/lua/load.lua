@@ -20,7 +20,6 @@ for _, l in ipairs(A.leases) do
   redis.call('HINCRBY', K_RES, l.s, l.n)
   if (l.o or 0) ~= 0 then
     redis.call('HINCRBY', share_key(l.s), l.o, 1)
-    redis.call('EXPIRE', share_key(l.s), SHARE_TTL_S)
   end
 end
 return cjson.encode({loaded = true})

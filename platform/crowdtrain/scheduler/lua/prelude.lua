@@ -42,11 +42,13 @@ end
 
 -- Probation (verification.standing.probation): per step, a hash of volunteer -> leases of the step
 -- they hold, active or accepted, for volunteers whose leases were issued under a cap (a lease's o: its
--- volunteer, 0 when uncapped). Dropped when the step commits; the TTL only bounds a key left behind.
-local SHARE_TTL_S = 86400
+-- volunteer, 0 when uncapped). Dropped when the step commits, and cleared by a rollback or a rebuild. No
+-- TTL: a step paused for a day still holds its leases, and a count must not vanish under them.
 local function share_key(s) return P .. 'share:' .. s end
 local function unshare(l)
-  if (l.o or 0) ~= 0 then redis.call('HINCRBY', share_key(l.s), l.o, -1) end
+  if (l.o or 0) ~= 0 and redis.call('HINCRBY', share_key(l.s), l.o, -1) <= 0 then
+    redis.call('HDEL', share_key(l.s), l.o)
+  end
 end
 local function forget_shares(from, to)
   for s = from, to do redis.call('DEL', share_key(s)) end
