@@ -68,6 +68,17 @@ def test_a_newcomer_holds_one_lease_per_step_and_is_told_why() -> None:
     assert "at most 1 of a step's leases" in refused.detail, refused.detail
 
 
+def test_near_the_last_step_a_capped_newcomer_is_told_about_probation_not_the_last_step() -> None:
+    campaign = _trimmed(max_steps=1)
+    newcomer, _ = make_device("newcomer")
+
+    got, refused = _leases(campaign, newcomer.pk)
+
+    assert _steps(got) == [0]
+    assert refused is not None and refused.ready_at_step == 1, refused
+    assert "at most 1 of a step's leases" in refused.detail, refused.detail
+
+
 def test_other_volunteers_fill_the_rest_of_the_step_and_it_commits() -> None:
     campaign = _trimmed(staleness=0)
     volunteers = [make_device(f"v{i}")[0] for i in range(4)]
