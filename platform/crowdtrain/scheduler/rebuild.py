@@ -188,10 +188,13 @@ def load_campaign(campaign_id: int, *, force: bool = False) -> bool:
 
 
 def _on_probation(campaign: Campaign, live: QuerySet[Lease]) -> dict[int, int]:
-    """Device -> volunteer, for the devices of live leases whose volunteer is on probation now."""
+    """Device -> volunteer, for the devices of live leases whose volunteer is on probation now.
+
+    Asks ``standing.probation`` for every volunteer, as the lease path does, rather than
+    deciding here that a campaign has no cap: two places that judge probation can disagree,
+    and a rebuilt state that forgot a volunteer's leases would let them fill a step.
+    """
     cap = probation_cap(campaign)
-    if not cap:
-        return {}
     owners = Device.objects.filter(pk__in=live.values("device_id")).values_list("pk", "owner_id")
     return {device: owner for device, owner in owners if standing.probation(cap, campaign.owner_id, owner)}
 
