@@ -30,6 +30,18 @@ def pytest_configure(config: pytest.Config) -> None:
     # Tests look at a task's outcome right after the request that queued it.
     django_settings.CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND = False
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` run where PyTorch sees a CUDA device; elsewhere they are skipped, saying so."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU, and PyTorch sees none on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 # Timing varies a lot on 2 shared cores (first calls import and warm up torch): no deadlines.
 hypothesis_settings.register_profile("crowdtrain", deadline=None)
 hypothesis_settings.load_profile("crowdtrain")

@@ -473,8 +473,9 @@ class Swarm:
         max_leases: int | None = None,
         cpus: Sequence[int] | None = None,
         env: Mapping[str, str] | None = None,
+        device: str = "cpu",
     ) -> Child:
-        """Start a CPU agent with ``threads`` torch threads (the token travels in the environment, not argv)."""
+        """Start an agent on ``device`` with ``threads`` torch threads (its token travels in the environment)."""
         name = name or f"agent-{sum(c.role == 'agent' for c in self.children) + 1}"
         argv = [
             self.python,
@@ -484,7 +485,7 @@ class Swarm:
             "--server",
             site.url,
             "--device",
-            "cpu",
+            device,
             "--threads",
             str(threads),
             "--no-progress",

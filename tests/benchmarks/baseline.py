@@ -13,6 +13,7 @@ one Adam step; the same arithmetic the agents and the aggregator split up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -62,16 +63,29 @@ def build_model(workload: Workload, seed: int = 0) -> torch.nn.Module:
     return get_model("mlp").build(workload.model_config, seed=seed)
 
 
-def measure(workload: Workload = W1, *, threads: int = 1, seconds: float = 5.0, warmup_steps: int = 2) -> float:
-    """Samples per second of plain PyTorch training over about ``seconds``, after ``warmup_steps`` steps."""
+def measure(
+    workload: Workload = W1, *, threads: int = 1, seconds: float = 5.0, warmup_steps: int = 2, device: str = "cpu"
+) -> float:
+    """Samples per second of plain PyTorch training over about ``seconds``, after ``warmup_steps`` steps.
+
+    On a GPU the data sits in its memory from the start and the clock waits for
+    the GPU's queue to drain, so the figure is finished work, as the agent's is.
+    """
     torch.set_num_threads(threads)
-    x_all, y_all = (torch.from_numpy(a) for a in make_data(workload, 8 * workload.global_batch))
-    model = build_model(workload)
+    on = torch.device(device)
+    x_all, y_all = (torch.from_numpy(a).to(on) for a in make_data(workload, 8 * workload.global_batch))
+    model = build_model(workload).to(on)
     optimizer = torch.optim.Adam(model.parameters(), lr=workload.lr)
+
+    def sync() -> None:
+        if on.type == "cuda":
+            torch.cuda.synchronize(on)
+
     micro_per_step = workload.global_batch // workload.microbatch
     step, samples, started = 0, 0, 0.0
     while True:
         if step == warmup_steps:
+            sync()
             started, samples = time.perf_counter(), 0
         offset = (step * workload.global_batch) % len(x_all)
         for i in range(micro_per_step):  # accumulate the summed loss's gradient, as agents do
@@ -83,16 +97,25 @@ def measure(workload: Workload = W1, *, threads: int = 1, seconds: float = 5.0, 
         step += 1
         samples += workload.global_batch
         if step > warmup_steps and time.perf_counter() - started >= seconds:
+            sync()
             return samples / (time.perf_counter() - started)
 
 
-def measure_in_process(*, threads: int, cpus: Sequence[int] | None = None, seconds: float = 5.0) -> float:
+def measure_in_process(
+    *,
+    threads: int,
+    cpus: Sequence[int] | None = None,
+    seconds: float = 5.0,
+    workload: Workload = W1,
+    device: str = "cpu",
+) -> float:
     """Run ``measure`` in a fresh process (optionally under ``taskset -c``) and return its samples/s.
 
     A fresh process keeps this one's thread pool and affinity untouched and
     gives the loop a cold start like an agent's.
     """
     argv = [sys.executable, "-m", "tests.benchmarks.baseline", "--threads", str(threads), "--seconds", str(seconds)]
+    argv += ["--device", device, "--global-batch", str(workload.global_batch), "--microbatch", str(workload.microbatch)]
     if cpus:
         argv = ["taskset", "-c", ",".join(map(str, cpus)), *argv]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -107,8 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.baseline", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured time after warm-up (default 5)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--global-batch", type=int, default=W1.global_batch, help="samples per optimizer step")
+    parser.add_argument("--microbatch", type=int, default=W1.microbatch, help="samples per forward/backward")
     args = parser.parse_args(argv)
-    print(json.dumps({"samples_per_s": measure(threads=args.threads, seconds=args.seconds), "threads": args.threads}))
+    workload = dataclasses.replace(W1, global_batch=args.global_batch, microbatch=args.microbatch)
+    rate = measure(workload, threads=args.threads, seconds=args.seconds, device=args.device)
+    print(json.dumps({"samples_per_s": rate, "threads": args.threads, "device": args.device}))
     return 0
 
 

@@ -9,7 +9,7 @@
 
 Each phase gets a fresh site: a PostgreSQL database cloned from a template
 (migrated once, with every simulated volunteer's device already in it), an
-emptied Redis database, two daphne processes (the load generator spreads
+emptied Redis database, two daphne processes (``--sites``; the load generator spreads
 its agents over both), one Celery worker with beat, and, when agents lease,
 one aggregator serving a 58-parameter MLP. The agents come from
 ``tests.benchmarks.loadgen``: the agent's own control channel and uploader,
@@ -159,6 +159,7 @@ class Options:
     phase_limit_s: float
     nofile: int
     backend: str = "postgres"  # or "sqlite": the embedded default, one site process
+    sites: int = 2  # daphne processes on PostgreSQL + Redis (the embedded default runs one)
 
     @property
     def embedded(self) -> bool:
@@ -334,7 +335,7 @@ class Bench:
 
     def _run_in(self, swarm: Swarm, run_dir: Path, plan: PhasePlan, deadline: float) -> PhaseRun:
         opts = self.options
-        # the site: two daphne processes, one worker (with the first), an aggregator for leasing phases
+        # the site: two daphne processes (--sites), one worker (with the first), an aggregator for leasing phases
         campaign_id = None
         seed: dict[str, Any] = {}
         if plan.mode == "cycle":
@@ -345,7 +346,8 @@ class Bench:
             campaign_id = seed["campaigns"][0]
         sites = [swarm.start_site(name="site-1", cpus=plan.site_cpus)]
         if not opts.embedded:  # the embedded default's channel layer is in-process: one site process only
-            sites.append(swarm.start_site(name="site-2", cpus=plan.site_cpus, worker=False))
+            for k in range(2, opts.sites + 1):
+                sites.append(swarm.start_site(name=f"site-{k}", cpus=plan.site_cpus, worker=False))
         if plan.mode == "cycle":
             aggregator = swarm.start_aggregator(sites[0], token=seed["aggregators"]["agg-1"], name="agg-1")
             swarm.wait_until(
@@ -642,6 +644,8 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespa
     add("--backend", choices=("postgres", "sqlite"), default="postgres",
         help="postgres: two site processes on PostgreSQL + Redis with a Celery worker (default); sqlite: the "
              "embedded default, one site process")  # fmt: skip
+    add("--sites", type=int, default=2,
+        help="daphne processes on PostgreSQL + Redis (default 2; more where there are more cores)")  # fmt: skip
     add("--agents", type=_sizes, default=[100, 1000], help="agents of the wide and w1like phases (default 100,1000)")
     add(
         "--cpu-agents",
@@ -688,7 +692,7 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespa
         warmup_s=args.warmup_s, window_s=args.window_s, idle_window_s=args.idle_window_s,
         overload_window_s=args.overload_window_s, connect_rate=args.connect_rate,
         upload_connections=args.upload_connections, loadgen_procs=args.loadgen_procs,
-        phase_limit_s=args.phase_limit_s, nofile=0, backend=args.backend,
+        phase_limit_s=args.phase_limit_s, nofile=0, backend=args.backend, sites=max(1, args.sites),
     )  # fmt: skip
     return options, args
 

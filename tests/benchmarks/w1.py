@@ -61,7 +61,7 @@ import numpy as np  # noqa: E402
 
 from crowdtrain_launcher import Swarm, get_json  # noqa: E402
 
-from .baseline import W1, make_data, measure_in_process  # noqa: E402
+from .baseline import W1, Workload, make_data, measure_in_process  # noqa: E402
 from .figures import BaselinePair, between_baselines, figure_line, format_value, ratio_or_unstable  # noqa: E402
 from .ingest import measure_ingest  # noqa: E402
 
@@ -86,24 +86,24 @@ def steady_rate(steps: Sequence[dict[str, Any]], warmup: int) -> float:
     return samples / (times[-1] - times[warmup])
 
 
-def write_npz(path: Path) -> None:
-    x, y = make_data(W1, NUM_SAMPLES, seed=0)
+def write_npz(path: Path, workload: Workload = W1) -> None:
+    x, y = make_data(workload, NUM_SAMPLES, seed=0)
     buffer = io.BytesIO()
     np.savez(buffer, x=x, y=y)
     path.write_bytes(buffer.getvalue())
 
 
-def campaign_spec(npz: Path, steps: int, agents: int) -> dict[str, Any]:
+def campaign_spec(npz: Path, steps: int, agents: int, workload: Workload = W1) -> dict[str, Any]:
     return {
         "campaigns": [
             {
                 "name": "W1",
                 "architecture": "mlp",
-                "model_config": W1.model_config,
-                "optimizer": {"name": "adamw", "lr": W1.lr, "weight_decay": 0.0},
+                "model_config": workload.model_config,
+                "optimizer": {"name": "adamw", "lr": workload.lr, "weight_decay": 0.0},
                 "dataset": {"kind": "npz", "path": str(npz), "name": "w1", "shard_bytes": 4 << 20},
-                "target_batch_size": W1.global_batch,
-                "microbatch_size": W1.microbatch,
+                "target_batch_size": workload.global_batch,
+                "microbatch_size": workload.microbatch,
                 "codec": "fp32",
                 "staleness": 1,
                 "max_steps": steps,
@@ -127,6 +127,8 @@ def run_phase(
     warmup: int,
     ingest_uploads: int,
     site_env: dict[str, str],
+    workload: Workload = W1,
+    agent_device: str = "cpu",
 ) -> PhaseResult:
     """One fresh site + aggregator, then the agents; steady rate, first-step latency, and optionally ingest."""
     key = secrets.token_bytes(32)
@@ -152,6 +154,8 @@ def run_phase(
             steps=steps,
             warmup=warmup,
             ingest_uploads=ingest_uploads,
+            workload=workload,
+            agent_device=agent_device,
         )
     finally:
         os.sched_setaffinity(0, own_cpus)
@@ -168,10 +172,12 @@ def _measure_phase(
     steps: int,
     warmup: int,
     ingest_uploads: int,
+    workload: Workload,
+    agent_device: str,
 ) -> PhaseResult:
     with Swarm(run_dir, env=env) as swarm:
         spec_path = run_dir / "spec.json"
-        spec_path.write_text(json.dumps(campaign_spec(npz, steps, len(agent_cpus))))
+        spec_path.write_text(json.dumps(campaign_spec(npz, steps, len(agent_cpus), workload)))
         seed = json.loads(swarm.manage("seed_run", "--migrate", "--spec", str(spec_path), timeout_s=300))
         campaign_id = seed["campaigns"][0]
         site = swarm.start_site(cpus=server_cpus)
@@ -182,7 +188,9 @@ def _measure_phase(
         # time to first step: agent start -> its lease is part of a committed step
         started = time.monotonic()
         for (name, token), cpus in zip(seed["agents"].items(), agent_cpus, strict=True):
-            swarm.start_agent(site, token=token, name=name, threads=1, campaign_id=campaign_id, cpus=cpus)
+            swarm.start_agent(
+                site, token=token, name=name, threads=1, campaign_id=campaign_id, cpus=cpus, device=agent_device
+            )
         progress_url = f"{site.url}/api/campaigns/{campaign_id}/progress"
         swarm.wait_until(lambda: get_json(progress_url)["committed_steps"] >= 1, 180, "the first committed step", 0.05)
         first_step_s = time.monotonic() - started

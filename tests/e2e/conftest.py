@@ -42,7 +42,7 @@ class Run:
     def campaign_id(self) -> int:
         return int(self.seed["campaigns"][0])
 
-    def start(self, *, agents_first: bool = False) -> Site:
+    def start(self, *, agents_first: bool = False, agent_device: str = "cpu") -> Site:
         """Site, then every aggregator of the spec, then every agent (one torch thread each).
 
         With ``agents_first`` the agents start before the aggregators and are
@@ -53,7 +53,9 @@ class Run:
         if not agents_first:
             self.swarm.start_aggregators(self.site, self.seed["aggregators"])
         agents = [
-            self.swarm.start_agent(self.site, token=token, name=name, threads=1, campaign_id=self.campaign_id)
+            self.swarm.start_agent(
+                self.site, token=token, name=name, threads=1, campaign_id=self.campaign_id, device=agent_device
+            )
             for name, token in self.seed["agents"].items()
         ]  # fmt: skip
         if agents_first:

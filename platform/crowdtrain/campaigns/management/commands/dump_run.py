@@ -16,6 +16,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Count, Sum
 
+from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler.leasing import step_ranges
 
@@ -76,6 +77,13 @@ def dump_campaign(campaign: Campaign) -> dict[str, Any]:
         # Leases of steps a rollback undid: each stands for work lost to a failure.
         "rolled_back_leases": campaign.leases.filter(reason__startswith="rolled back").count(),
         "blocked_reason": campaign.blocked_reason,
+        # What each leasing device said of itself in its hello (kind, name, memory, speed): which ran where.
+        "hardware": {
+            str(pk): hardware
+            for pk, hardware in Device.objects.filter(pk__in=campaign.leases.values("device_id")).values_list(
+                "pk", "hardware"
+            )
+        },
         "steps": steps,
         **_verification(campaign),
     }
