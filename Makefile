@@ -111,6 +111,13 @@ lint: $(STAMP)
 # training the demo's GPT, for the embedded defaults `make demo` runs on (together they would pass 20 minutes).
 E2E_SECOND_PASS_ONLY := $(filter-out tests/e2e/test_swarm_trains_a_gpt.py,$(wildcard tests/e2e/test_*.py))
 
+# The first pass and the second pass's tests/web run on TEST_WORKERS pytest-xdist workers (one per core here;
+# tests/conftest.py gives each its own keys in Redis, pytest-django its own test database), a test file per
+# worker at a time. The end-to-end tests run one at a time: each starts several processes of its own.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+SECOND_PASS := CELERY_TASK_ALWAYS_EAGER=true $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider
+
 # Lint first, then three passes: everything on the embedded defaults (SQLite, in-memory channel
 # layer), then what touches the database and the channel layer on PostgreSQL
 # and Redis (tests/services.py finds them or starts private ones), then the
@@ -118,9 +125,10 @@ E2E_SECOND_PASS_ONLY := $(filter-out tests/e2e/test_swarm_trains_a_gpt.py,$(wild
 # pass the test process runs Celery tasks in-process (it has no worker), while
 # the sites the end-to-end tests start get a real Celery worker on Redis.
 test: lint $(STAMP) $(CHARTS) $(CHROMIUM) $(HAPROXY) $(PROMETHEUS)
-	$(BIN)/python -m pytest -p no:cacheprovider --ignore $(CLUSTER_TEST) --ignore $(ENGINES_TEST) \
+	$(BIN)/python -m pytest -p no:cacheprovider $(PARALLEL) --ignore $(CLUSTER_TEST) --ignore $(ENGINES_TEST) \
 		$(addprefix --ignore ,$(E2E_SECOND_PASS_ONLY)) $(ARGS)
-	CELERY_TASK_ALWAYS_EAGER=true $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider tests/web tests/e2e $(ARGS)
+	$(SECOND_PASS) $(PARALLEL) tests/web $(ARGS)
+	$(SECOND_PASS) tests/e2e $(ARGS)
 	$(BROWSER_PASS) $(ARGS)
 
 test-browser: $(STAMP) $(CHARTS) $(CHROMIUM)

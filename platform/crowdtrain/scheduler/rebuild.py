@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from django.conf import settings
-from django.db.models import Max, Q, QuerySet
+from django.db.models import Max, Q
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
@@ -128,15 +128,17 @@ def load_campaign(campaign_id: int, *, force: bool = False) -> bool:
     # Within an epoch a sample is leased again only once its last lease ended uncounted, so two
     # live leases over one sample mean the older one's end was not recorded yet: the newer wins.
     live, dropped = [], []
-    on_probation = _on_probation(campaign, leases.filter(live_q))
-    for lease in leases.filter(live_q).order_by("-id"):
+    rows = list(leases.filter(live_q).order_by("-id"))
+    on_probation = _on_probation(campaign, rows)
+    over_cap = _over_probation_cap(rows, on_probation)
+    for lease in rows:
         spans = to_global(table, lease.ranges)
-        if any(taken[e].overlaps(s, s + c) for e, s, c in spans):
+        if lease.pk in over_cap or any(taken[e].overlaps(s, s + c) for e, s, c in spans):
             dropped.append(lease)
             continue
         for e, s, c in spans:
             taken[e].live.append((s, s + c))
-        live.append(_record(lease, spans, on_probation.get(lease.device_id, 0)))
+        live.append(_record(lease, spans, on_probation.get(lease.device_id, (0, 0))[0]))
     covered = {e: taken[e].intervals() for e in (epoch - 1, epoch)}
     cursor = max([campaign.cursor if campaign.epoch == epoch else 0, *(e for s, e in covered[epoch])])
     cursor = min(cursor, total)
@@ -187,16 +189,37 @@ def load_campaign(campaign_id: int, *, force: bool = False) -> bool:
     return loaded
 
 
-def _on_probation(campaign: Campaign, live: QuerySet[Lease]) -> dict[int, int]:
-    """Device -> volunteer, for the devices of live leases whose volunteer is on probation now.
+def _on_probation(campaign: Campaign, live: list[Lease]) -> dict[int, tuple[int, int]]:
+    """Device -> (volunteer, most leases of a step they may hold), for the devices of live leases whose
+    volunteer is on probation now.
 
     Asks ``standing.probation`` for every volunteer, as the lease path does, rather than
     deciding here that a campaign has no cap: two places that judge probation can disagree,
     and a rebuilt state that forgot a volunteer's leases would let them fill a step.
     """
     cap = probation_cap(campaign)
-    owners = Device.objects.filter(pk__in=live.values("device_id")).values_list("pk", "owner_id")
-    return {device: owner for device, owner in owners if standing.probation(cap, campaign.owner_id, owner)}
+    owners = Device.objects.filter(pk__in={lease.device_id for lease in live}).values_list("pk", "owner_id")
+    limits = {device: (owner, standing.probation(cap, campaign.owner_id, owner)) for device, owner in owners}
+    return {device: limit for device, limit in limits.items() if limit[1]}
+
+
+def _over_probation_cap(live: list[Lease], on_probation: dict[int, tuple[int, int]]) -> set[int]:
+    """Leases the record says are live beyond what their volunteer on probation may hold of a step.
+
+    The scripts never let a volunteer on probation hold more, so the surplus is leases whose end
+    another process had queued but not written when Redis lost its keys (an expiry, say). Reported
+    work is kept first, then the newest leases, as overlapping leases are judged; the rest are ended.
+    """
+    most = dict(on_probation.values())  # volunteer -> the limit
+    by_share: dict[tuple[int, int], list[Lease]] = defaultdict(list)
+    for lease in live:
+        if lease.device_id in on_probation:
+            by_share[(lease.target_step, on_probation[lease.device_id][0])].append(lease)
+    over: set[int] = set()
+    for (_, owner), held in by_share.items():
+        kept = sorted(held, key=lambda lease: (lease.state != Lease.State.ACCEPTED, -lease.pk))
+        over.update(lease.pk for lease in kept[most[owner] :])
+    return over
 
 
 def _record(lease: Lease, spans: list[list[int]], volunteer_on_probation: int = 0) -> dict[str, object]:

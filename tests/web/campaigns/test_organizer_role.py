@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
+from django.apps import apps as django_apps
 from django.contrib.auth.models import AbstractBaseUser, Group
+from django.db.migrations import RunPython
 from django.test import Client
 
 from crowdtrain.campaigns.models import OrganizerRequest
@@ -24,8 +28,18 @@ def admin_client(client: Client) -> Client:
     return client
 
 
-def test_the_organizers_group_exists_after_migrating() -> None:
+def test_a_migration_creates_the_organizers_group() -> None:
+    # Run here rather than looked for: a transactional test run earlier in this process flushes the
+    # database, migration data included, so "it exists now" would depend on the order tests ran in.
+    migration = importlib.import_module("crowdtrain.campaigns.migrations.0003_organizers_group")
+    Group.objects.filter(name=ORGANIZERS_GROUP).delete()
+
+    migration.create_group(django_apps, None)
+
     assert Group.objects.filter(name=ORGANIZERS_GROUP).exists()
+    assert any(
+        isinstance(op, RunPython) and op.code is migration.create_group for op in migration.Migration.operations
+    ), "the migration runs create_group"
 
 
 def test_a_volunteer_requests_the_role_from_the_new_campaign_page(vera: AbstractBaseUser) -> None:

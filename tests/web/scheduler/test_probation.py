@@ -15,12 +15,12 @@ import pytest
 
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler import configs, leasing
-from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from crowdtrain.verification import standing
 from crowdtrain.verification.models import Standing
 from crowdtrain_agent.protocol import Lease as LeaseMessage
 from crowdtrain_agent.protocol import NoLease
+from tests.conftest import redis_lost_its_keys
 from tests.factories import done_for, make_campaign, make_device
 
 pytestmark = pytest.mark.django_db
@@ -125,9 +125,33 @@ def test_the_limit_survives_a_redis_that_lost_the_scheduler_state() -> None:
     assert len(_leases(campaign, newcomer.pk)[0]) == 1
     leasing.writer().flush()
 
-    hot_state().client.flushall()  # rebuilt from the record at the next request
+    redis_lost_its_keys()  # rebuilt from the record at the next request
 
     got, refused = _leases(campaign, newcomer.pk)
+    assert got == [] and refused is not None and "at most 1" in refused.detail
+
+
+def test_a_rebuild_keeps_a_newcomers_reported_lease_over_a_live_one_the_record_still_shows() -> None:
+    campaign = _trimmed(staleness=0)
+    newcomer, _ = make_device("newcomer")
+    (reported,), _ = _leases(campaign, newcomer.pk, asks=1)
+    assert leasing.report_done(newcomer.pk, done_for(reported.lease_id)).ack.accepted
+    leasing.writer().flush()
+    # A second live lease of the same step in the record: what is left when another process had
+    # queued, not written, the end of one when Redis lost its keys (the scripts never issue it).
+    row = Lease.objects.get(pk=reported.lease_id)
+    stale = Lease.objects.create(
+        campaign=campaign, device=newcomer, base_version=0, target_step=0, ranges=[[0, 0, 4, 4]], epoch=0,
+        num_samples=4, state=Lease.State.ACTIVE, issued_at=row.issued_at, deadline=row.deadline,
+    )  # fmt: skip
+
+    redis_lost_its_keys()
+    got, refused = _leases(campaign, newcomer.pk)  # the first request rebuilds the state from the record
+
+    leasing.writer().flush()
+    stale.refresh_from_db()
+    assert stale.state == Lease.State.EXPIRED and "superseded" in stale.reason
+    assert Lease.objects.get(pk=reported.lease_id).state == Lease.State.ACCEPTED, "the reported work stays"
     assert got == [] and refused is not None and "at most 1" in refused.detail
 
 

@@ -5,17 +5,16 @@ from __future__ import annotations
 import pytest
 
 from crowdtrain.scheduler import leasing
-from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import Lease as LeaseMessage
-from tests.conftest import FakeClock
+from tests.conftest import FakeClock, redis_lost_its_keys
 from tests.factories import done_for, make_campaign, make_device, redo_samples
 
 pytestmark = pytest.mark.django_db
 
 
 def _lose_redis() -> None:
-    hot_state().client.flushall()
+    redis_lost_its_keys()
 
 
 def test_leases_in_flight_still_count_after_redis_lost_its_keys() -> None:
