@@ -111,9 +111,10 @@ lint: $(STAMP)
 # training the demo's GPT, for the embedded defaults `make demo` runs on (together they would pass 20 minutes).
 E2E_SECOND_PASS_ONLY := $(filter-out tests/e2e/test_swarm_trains_a_gpt.py,$(wildcard tests/e2e/test_*.py))
 
-# The first pass and the second pass's tests/web run on TEST_WORKERS pytest-xdist workers (one per core here;
-# tests/conftest.py gives each its own keys in Redis, pytest-django its own test database), a test file per
-# worker at a time. The end-to-end tests run one at a time: each starts several processes of its own.
+# The first pass runs on TEST_WORKERS pytest-xdist workers (one per core here), a test file per worker at a
+# time: on the embedded defaults each worker's database, channel layer and scheduler state are its own. The
+# second pass runs in one process: its workers would share one Redis (tried: two workers' tests then met
+# each other's scheduler keys), and each end-to-end test starts several processes of its own.
 TEST_WORKERS ?= 2
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 SECOND_PASS := CELERY_TASK_ALWAYS_EAGER=true $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider
@@ -127,14 +128,14 @@ SECOND_PASS := CELERY_TASK_ALWAYS_EAGER=true $(BIN)/python -m tests.services $(B
 test: lint $(STAMP) $(CHARTS) $(CHROMIUM) $(HAPROXY) $(PROMETHEUS)
 	$(BIN)/python -m pytest -p no:cacheprovider $(PARALLEL) --ignore $(CLUSTER_TEST) --ignore $(ENGINES_TEST) \
 		$(addprefix --ignore ,$(E2E_SECOND_PASS_ONLY)) $(ARGS)
-	$(SECOND_PASS) $(PARALLEL) tests/web $(ARGS)
-	$(SECOND_PASS) tests/e2e $(ARGS)
+	$(SECOND_PASS) tests/web tests/e2e $(ARGS)
 	$(BROWSER_PASS) $(ARGS)
 
 test-browser: $(STAMP) $(CHARTS) $(CHROMIUM)
 	$(BROWSER_PASS) $(ARGS)
 
-# W1 (throughput against plain PyTorch), then W1 over a home link (one agent at 20 Mbit/s up and 100 down in a
+# W1 (throughput against plain PyTorch), W1 on a GPU (one CUDA agent against plain PyTorch on the same GPU;
+# a line saying it was skipped where PyTorch sees no CUDA device), then W1 over a home link (one agent at 20 Mbit/s up and 100 down in a
 # network namespace of its own: needs root, as CI has; without it its lines say skipped), int8's loss gaps over
 # several seeds in one process (sync gradients and DiLoCo pseudo-gradients, with and without error feedback),
 # then the scale phases
@@ -151,6 +152,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.protocol
 	$(BIN)/python -m tests.benchmarks.leaderboard
 	$(BIN)/python -m tests.benchmarks.w1 $(ARGS)
+	$(BIN)/python -m tests.benchmarks.gpu
 	$(BIN)/python -m tests.benchmarks.homelink $(HOMELINK_ARGS)
 	$(BIN)/python -m tests.benchmarks.int8_gaps
 	$(BIN)/python -m tests.benchmarks.scale $(SCALE_ARGS)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,16 +29,6 @@ def pytest_configure(config: pytest.Config) -> None:
     django_settings.CROWDTRAIN_RECORDS_INLINE = True
     # Tests look at a task's outcome right after the request that queued it.
     django_settings.CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND = False
-    # Under pytest-xdist (make test runs two workers) each worker has its own test database, named
-    # after it by pytest-django; on a shared Redis it gets its own channel-layer and cache keys too,
-    # or one worker's campaign 1 would hear the other's group messages and cached pages.
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker:
-        for layer in django_settings.CHANNEL_LAYERS.values():
-            if "Redis" in layer["BACKEND"]:
-                layer.setdefault("CONFIG", {})["prefix"] = f"asgi-{worker}"
-        for cache in django_settings.CACHES.values():
-            cache["KEY_PREFIX"] = f"{cache.get('KEY_PREFIX', '')}-{worker}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -112,8 +101,8 @@ def fresh_scheduler_state() -> Iterator[None]:
 def redis_lost_its_keys() -> None:
     """A Redis restarted without persistence, as the scheduler sees it: every key of its namespace gone.
 
-    The test's own namespace (``fresh_scheduler_state``), not FLUSHALL: make test runs two workers on
-    one Redis, and a FLUSHALL would take the keys of the test running beside this one.
+    The test's own namespace (``fresh_scheduler_state``), not FLUSHALL, which would empty every
+    database of whatever Redis the tests were pointed at.
     """
     from django.conf import settings as django_settings
 
