@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 from contextlib import closing
+from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -72,3 +73,30 @@ def lease_states(database: str, lease_ids: Sequence[int]) -> tuple[dict[str, int
         }
         states = dict(conn.execute("SELECT id, state FROM scheduler_lease WHERE id = ANY(%s)", (list(lease_ids),)))
     return summary, states
+
+
+# Each applied step: when its row was created (the commit's write starting), when the aggregators' new
+# version was recorded, and how many leases it holds.
+STEP_TIMES = (
+    "SELECT s.committed_at, s.applied_at, (SELECT count(*) FROM scheduler_lease l WHERE l.step_id = s.id) "
+    "FROM campaigns_step s WHERE s.applied_at IS NOT NULL ORDER BY s.\"index\""
+)
+
+
+def step_publish_times(database: str) -> list[tuple[int, float]]:
+    """(leases, seconds) for each applied step: from the start of its commit's write to its version published.
+
+    The whole commit pipeline: the step's transaction (its lease rows, credit, ledger),
+    the commit reaching the aggregators, their optimizer step, and the site recording
+    the new version. Leases of the step after next wait on it (staleness 1), so when it
+    takes longer than the swarm needs to fill a step, agents wait for room.
+    """
+    if "://" not in database:
+        with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as lite:
+            rows = [(datetime.fromisoformat(a), datetime.fromisoformat(b), n) for a, b, n in lite.execute(STEP_TIMES)]
+    else:
+        import psycopg
+
+        with psycopg.connect(database) as conn:
+            rows = list(conn.execute(STEP_TIMES))
+    return [(int(n), (applied - committed).total_seconds()) for committed, applied, n in rows]

@@ -26,7 +26,11 @@ Phases and the ``bench: NAME=VALUE`` lines they print:
   worker's, which judges verification checks, in its note),
   ``serving_cpu_ms_per_cycle_N`` (the same for everything that serves a
   cycle: both sites, the worker, the aggregator, PostgreSQL and Redis; it is
-  also the cores that side needs per 1,000 cycles/s), then
+  also the cores that side needs per 1,000 cycles/s), ``step_publish_s_N``
+  (median seconds from the start of a step's commit to its version
+  published: the step's transaction, the aggregators' step, the version
+  recorded; the step after next waits on it, so a pipeline slower than the
+  swarm fills a step holds agents back whatever the CPU), then
   ``site_cpu_ms_per_lease_spread_pct`` (largest over smallest across N) and
   ``site_cpu_ms_per_lease_band_pct`` (every N within this many percent of one
   centre, the best one: the lenient reading of "flat within ±20%").
@@ -111,6 +115,7 @@ from .databases import (  # noqa: E402
     flush_redis,
     lease_states,
     recreate_database,
+    step_publish_times,
     with_database,
 )
 from .figures import band_pct, figure_line, format_value, percentile, skipped_line, spread_pct  # noqa: E402
@@ -189,6 +194,7 @@ class PhaseRun:
     loadgen_procs: int = 1
     db_leases: dict[str, int] = field(default_factory=dict)
     lost: int | None = None
+    step_publish: list[tuple[int, float]] = field(default_factory=list)  # (leases, s) per applied step
 
     @property
     def cycles_per_s(self) -> float:
@@ -404,11 +410,13 @@ class Bench:
         load = merge_results(results)
         run = PhaseRun(plan.name, plan.agents, plan.window_s, load, cpu_s, last.at - first.at, foreign, plan.period_s,
                        procs)  # fmt: skip
+        where = str(run_dir / "var" / SQLITE_FILE) if opts.embedded else opts.database_url
+        if plan.mode == "cycle":
+            run.step_publish = step_publish_times(where)
         if plan.lost_check:
             # The site writes lease records in batches behind the acks (``scheduler.records``), and a
             # saturated one lags: seen on SQLite, 45 leases acked as accepted still read "active" when
             # the load ended, and "accepted" once written. A lease lost stays lost past the wait.
-            where = str(run_dir / "var" / SQLITE_FILE) if opts.embedded else opts.database_url
             settled = time.monotonic() + RECORDS_SETTLE_S
             while True:
                 run.db_leases, states = lease_states(where, load["reported"])
@@ -481,7 +489,8 @@ def cycle_figures(run: PhaseRun | str, agents: int, infix: str) -> list[str]:
     """A leasing phase's cycles/s, p99 lease latency, site CPU per lease, rejected reports and missing agents."""
     names = [f"lease_cycles_per_s{infix}_{agents}", f"lease_p99_ms{infix}_{agents}",
              f"site_cpu_ms_per_lease{infix}_{agents}", f"serving_cpu_ms_per_cycle{infix}_{agents}",
-             f"done_rejected{infix}_{agents}", f"agents_not_connected{infix}_{agents}"]  # fmt: skip
+             f"done_rejected{infix}_{agents}", f"agents_not_connected{infix}_{agents}",
+             f"step_publish_s{infix}_{agents}"]  # fmt: skip
     if isinstance(run, str):
         return [skipped_line(name, run) for name in names]
     load = run.load
@@ -514,7 +523,22 @@ def cycle_figures(run: PhaseRun | str, agents: int, infix: str) -> list[str]:
         lines.extend(skipped_line(name, "no cycle completed in the window") for name in names[2:4])
     lines.append(f"bench: {names[4]}={rejected}" + (f" ({reasons})" if reasons else ""))
     lines.append(not_connected_line(f"agents_not_connected{infix}_{agents}", load))
+    lines.append(step_publish_line(names[6], run.step_publish))
     return lines
+
+
+def step_publish_line(name: str, steps: list[tuple[int, float]]) -> str:
+    """The median commit pipeline of the phase's steps (write, aggregators, version), with its worst and size."""
+    if not steps:
+        return skipped_line(name, "no step was applied")
+    seconds = [s for _, s in steps]
+    leases = sorted(n for n, _ in steps)[len(steps) // 2]
+    return figure_line(
+        name,
+        percentile(seconds, 50),
+        f"median of {len(steps)} steps of about {leases} leases, worst {max(seconds):.2f} s: from the start of a "
+        "step's commit to its version published; the step after next waits on it",
+    )
 
 
 def not_connected_line(name: str, load: dict[str, Any]) -> str:
