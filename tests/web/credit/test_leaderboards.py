@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from django.test import Client
 from django.utils import timezone
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from crowdtrain.accounts.models import ANONYMOUS_NAME, Profile, Team
 from crowdtrain.campaigns.models import Campaign
@@ -17,6 +19,7 @@ from crowdtrain.credit import boards
 from crowdtrain.credit.models import FLOPS_PER_CREDIT, CreditEntry
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
+from tests.conftest import redis_lost_its_keys
 from tests.factories import commit_leases, logged_in, make_campaign, make_device, make_user
 
 pytestmark = pytest.mark.django_db
@@ -182,3 +185,40 @@ def test_a_reversal_added_before_the_windows_were_aged_leaves_nothing_behind(mon
 
     for period in ("24h", "7d", "all"):
         assert _ids(boards.page(boards.EVERY_CAMPAIGN, "volunteers", period, 0, 10)[0]) == [2]  # type: ignore[arg-type]
+
+
+def _every_board() -> dict[str, dict[str, float]]:
+    client = hot_state().client
+    keys = [k for k in client.scan_iter(match=f"{boards._prefix()}*") if client.type(k) == "zset"]
+    return {k: dict(client.zrange(k, 0, -1, withscores=True)) for k in keys}
+
+
+@settings(max_examples=40)
+@given(
+    deltas=st.lists(
+        st.tuples(
+            st.integers(1, 4),
+            st.one_of(st.none(), st.integers(10, 11)),
+            st.integers(7, 8),
+            st.integers(-20, 20).map(lambda quarters: quarters / 4),
+            st.sampled_from([0, 5, 30, 200]),
+        ),
+        max_size=25,
+    )
+)
+def test_a_batch_counts_on_every_board_as_its_deltas_one_at_a_time(
+    deltas: list[tuple[int, int | None, int, float, int]],
+) -> None:
+    # A commit's deltas are summed per board and member before they reach Redis: the same boards as one by one.
+    batch = [_delta(volunteer, credit, team=team, campaign=campaign, hours_ago=ago)
+             for volunteer, team, campaign, credit, ago in deltas]  # fmt: skip
+    redis_lost_its_keys()
+    _fresh_boards()
+    boards.add(batch, now=NOW)
+    together = _every_board()
+    redis_lost_its_keys()
+    _fresh_boards()
+    for delta in batch:
+        boards.add([delta], now=NOW)
+
+    assert _every_board() == together
