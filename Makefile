@@ -135,8 +135,9 @@ test-browser: $(STAMP) $(CHARTS) $(CHROMIUM)
 	$(BROWSER_PASS) $(ARGS)
 
 # W1 (throughput against plain PyTorch), W1 on a GPU (one CUDA agent against plain PyTorch on the same GPU;
-# a line saying it was skipped where PyTorch sees no CUDA device), then W1 over a home link (one agent at 20 Mbit/s up and 100 down in a
-# network namespace of its own: needs root, as CI has; without it its lines say skipped), int8's loss gaps over
+# a line saying it was skipped where PyTorch sees no CUDA device), then W1 over a home link (one agent at
+# 20 Mbit/s up and 100 down in a network namespace of its own: needs root, as CI has; without it its lines say
+# skipped), int8's loss gaps over
 # several seeds in one process (sync gradients and DiLoCo pseudo-gradients, with and without error feedback),
 # then the scale phases
 # (simulated agents against two site processes on PostgreSQL + Redis; tests/services.py's checks, a database of

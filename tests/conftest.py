@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.test import override_settings
@@ -87,9 +88,7 @@ def fresh_scheduler_state() -> Iterator[None]:
         yield
         state = hotstate._instance
         if state is not None:
-            keys = list(state.client.scan_iter(match=f"{prefix}:*", count=1000))
-            if keys:
-                state.client.delete(*keys)
+            _delete_namespace(state.client, prefix)
         hotstate.reset_hot_state()
         records.reset_writer()
         configs.clear_caches()
@@ -108,8 +107,11 @@ def redis_lost_its_keys() -> None:
 
     from crowdtrain.scheduler.hotstate import hot_state
 
-    client = hot_state().client
-    keys = list(client.scan_iter(match=f"{django_settings.CROWDTRAIN_REDIS_PREFIX}:*", count=1000))
+    _delete_namespace(hot_state().client, django_settings.CROWDTRAIN_REDIS_PREFIX)
+
+
+def _delete_namespace(client: Any, prefix: str) -> None:
+    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
     if keys:
         client.delete(*keys)
 

@@ -15,7 +15,7 @@ from crowdtrain_agent.device import describe_device, select_device
 from crowdtrain_agent.local_steps import build_inner_optimizer, compute_pseudo_gradient
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import ModelSpec, OptimizerSpec
-from crowdtrain_agent.trainer import ModelCache, compute_gradient, load_params_
+from crowdtrain_agent.trainer import CampaignModel, ModelCache, compute_gradient, load_params_
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +33,7 @@ def _batch(arch: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, CASES["mlp"]["in_dim"], generator=g), torch.randint(0, 5, (n,), generator=g)
 
 
-def _models(arch: str) -> tuple[object, object, torch.Tensor]:
+def _models(arch: str) -> tuple[CampaignModel, CampaignModel, torch.Tensor]:
     """The same campaign model, holding the same parameters, on the CPU and on the GPU."""
     spec = ModelSpec(architecture=arch, config=CASES[arch])
     params = torch.nn.utils.parameters_to_vector(get_model(arch).build(CASES[arch], seed=3).parameters()).detach()

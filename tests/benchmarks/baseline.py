@@ -13,14 +13,13 @@ one Adam step; the same arithmetic the agents and the aggregator split up.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -134,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=W1.global_batch, help="samples per optimizer step")
     parser.add_argument("--microbatch", type=int, default=W1.microbatch, help="samples per forward/backward")
     args = parser.parse_args(argv)
-    workload = dataclasses.replace(W1, global_batch=args.global_batch, microbatch=args.microbatch)
+    workload = replace(W1, global_batch=args.global_batch, microbatch=args.microbatch)
     rate = measure(workload, threads=args.threads, seconds=args.seconds, device=args.device)
     print(json.dumps({"samples_per_s": rate, "threads": args.threads, "device": args.device}))
     return 0
