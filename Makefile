@@ -152,6 +152,7 @@ SQLITE_SCALE_ARGS ?= --phases wide,w1like,overload --agents 10,100,300,1000 --cp
 bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.protocol
 	$(BIN)/python -m tests.benchmarks.leaderboard
+	$(BIN)/python -m tests.benchmarks.commit
 	$(BIN)/python -m tests.benchmarks.w1 $(ARGS)
 	$(BIN)/python -m tests.benchmarks.gpu
 	$(BIN)/python -m tests.benchmarks.homelink $(HOMELINK_ARGS)

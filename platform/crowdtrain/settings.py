@@ -367,7 +367,8 @@ CROWDTRAIN_REDIS_PREFIX = env_str("CROWDTRAIN_REDIS_PREFIX", "ct")
 CROWDTRAIN_MAX_SOCKETS = env_int("CROWDTRAIN_MAX_SOCKETS", 20000, minimum=1)
 CROWDTRAIN_MAX_HANDSHAKES = env_int("CROWDTRAIN_MAX_HANDSHAKES", 256, minimum=1)
 CROWDTRAIN_MAX_LEASE_CALLS = env_int("CROWDTRAIN_MAX_LEASE_CALLS", 64, minimum=1)
-# Write the lease record in the caller's thread instead of batches from a background thread (tests).
+# Write the lease record, and add a commit's credit to the leaderboards, in the caller's thread instead of
+# from a background thread (tests).
 CROWDTRAIN_RECORDS_INLINE = env_bool("CROWDTRAIN_RECORDS_INLINE", False)
 # A socket on /ws/agent/ or /ws/backbone/ that has not said hello this long after it was accepted
 # is closed (4000): idle sockets that never speak must not pile up. Agents and aggregators say

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from django.db import IntegrityError, OperationalError, transaction
-from django.db.models import Case, F, FloatField, Value, When
+from django.db import IntegrityError, OperationalError, connection, transaction
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Step
@@ -32,6 +31,7 @@ from .hotstate import HotStateMissing, hot_state
 from .models import Lease, StepNetwork
 from .network import step_totals
 from .rebuild import load_campaign, to_shards
+from .records import column, db_time
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +93,7 @@ def _write_step_once(config: CampaignConfig, index: int, leases: list[dict[str, 
             )
             # What the step cost the volunteers' links (its leases' reports): one row, with the step.
             StepNetwork.objects.create(step=step, campaign_id=config.id, **step_totals(leases))
-            rows = [_row(config, lease, step) for lease in leases]
-            # Inserted when the batched record has not written them yet (another process issued them).
-            Lease.objects.bulk_create(
-                rows,
-                update_conflicts=True,
-                unique_fields=["id"],
-                update_fields=["state", "step", "loss_sum", "compute_s", "finished_at", "reason"],
-            )
+            _accept(config, leases, step)
             _credit(leases)
             # A lease picked for verification is credited when its check passes, not here (see verification).
             ledger.grant(config.id, config.flops_per_sample, checks.creditable(leases))
@@ -135,32 +128,95 @@ def _row(config: CampaignConfig, record: dict[str, Any], step: Step) -> Lease:
     )
 
 
+def _accept(config: CampaignConfig, leases: list[dict[str, Any]], step: Step) -> None:
+    """Mark the step's leases accepted into it, with their outcomes.
+
+    The batched record has almost always written the lease rows already (a site writes a lease's row within
+    a quarter of a second of issuing it), so this is an update: on PostgreSQL one statement joined to the
+    outcomes passed as arrays, on SQLite (in-process, no round trips) an UPDATE by primary key per lease.
+    The few rows not written yet (another process issued them moments ago) are inserted whole. Not
+    ``bulk_create(update_conflicts=True)`` for all of them: building 2,000 model instances and their JSON
+    ranges, and upserting every column, was a third of a step's write.
+    """
+    if not leases:
+        return
+    table = connection.ops.quote_name(Lease._meta.db_table)
+    pk = column("id")
+    state, step_id, loss, compute, finished_at, reason = (
+        column(name) for name in ("state", "step", "loss_sum", "compute_s", "finished_at", "reason")
+    )
+    outcomes = [(int(lease["id"]), float(lease["loss"]), *held(lease)[1:]) for lease in leases]
+    with connection.cursor() as db:
+        if connection.vendor == "postgresql":
+            # One statement joined to the outcomes as arrays: a tenth of the time of 2,000 updates in a pipeline.
+            ids, losses, finished, computed = (list(values) for values in zip(*outcomes, strict=True))
+            db.execute(
+                f"UPDATE {table} SET {state} = %s, {step_id} = %s, {reason} = '', {loss} = v.loss, "
+                f"{compute} = v.cs, {finished_at} = v.t1 "
+                "FROM unnest(%s::bigint[], %s::float8[], %s::timestamptz[], %s::float8[]) AS v(id, loss, t1, cs) "
+                f"WHERE {table}.{pk} = v.id RETURNING {table}.{pk}",
+                [Lease.State.ACCEPTED, step.pk, ids, losses, finished, computed],
+            )
+            existing = {row[0] for row in db.fetchall()}
+        else:
+            ids = [lease_id for lease_id, *_ in outcomes]
+            existing = set(Lease.objects.filter(pk__in=ids).values_list("pk", flat=True))
+            db.executemany(
+                f"UPDATE {table} SET {state} = %s, {step_id} = %s, {reason} = '', {loss} = %s, {compute} = %s, "
+                f"{finished_at} = %s WHERE {pk} = %s",
+                [
+                    (Lease.State.ACCEPTED, step.pk, loss_sum, compute_s, db_time(at), lease_id)
+                    for lease_id, loss_sum, at, compute_s in outcomes
+                    if lease_id in existing
+                ],
+            )
+    missing = [_row(config, lease, step) for lease in leases if int(lease["id"]) not in existing]
+    if missing:
+        # Upserted: the other process's batch may write them between the read above and this insert.
+        Lease.objects.bulk_create(
+            missing,
+            update_conflicts=True,
+            unique_fields=["id"],
+            update_fields=["state", "step", "loss_sum", "compute_s", "finished_at", "reason"],
+        )
+
+
 def _credit(leases: list[dict[str, Any]]) -> None:
-    """One statement for every device in the step: samples credited, and the speed its work showed."""
+    """Every device in the step: samples credited, and the speed its work showed; one UPDATE each, in one batch.
+
+    Sent with ``executemany`` (a pipeline on PostgreSQL) rather than as one UPDATE with a CASE per device:
+    Django resolved that expression's 3,000 branches in Python for a step of 1,000 devices (more than a
+    second), and the database then tested every row against every branch. Devices are updated in id order,
+    so two processes' commits lock them in the same order.
+    """
     samples: dict[int, int] = {}
     busy_s: dict[int, float] = {}
     for lease in leases:
         samples[lease["d"]] = samples.get(lease["d"], 0) + int(lease["n"])
         busy_s[lease["d"]] = busy_s.get(lease["d"], 0.0) + float(lease["cs"])
-    added = Case(*(When(pk=d, then=Value(n)) for d, n in samples.items()), default=Value(0))
+    table = connection.ops.quote_name(Device._meta.db_table)
+    pk, accepted, speed = (column(name, Device) for name in ("id", "samples_accepted", "samples_per_s"))
     # The speed "My devices" shows: what its accepted work took, as the agent reported it, averaged.
     # One step's rate jumps with lease size, data fetches and whatever else the volunteer runs, so the
     # page shows an exponentially weighted moving average: new = (1 - w) * old + w * this step's rate,
-    # computed in this same UPDATE from the stored value (no read first, so concurrent commits cannot
-    # lose each other's measurement). The first measurement (stored 0) is taken as it is, not averaged
-    # with a speed of 0.
-    speeds: list[When] = []
-    for d, s in busy_s.items():
-        if s >= 1e-3:
-            rate = samples[d] / s
-            speeds.append(
-                When(pk=d, samples_per_s__gt=0, then=F("samples_per_s") * (1 - SPEED_WEIGHT) + SPEED_WEIGHT * rate)
+    # computed in the UPDATE from the stored value (no read first, so concurrent commits cannot lose each
+    # other's measurement). The first measurement (stored 0) is taken as it is, not averaged with 0.
+    timed, untimed = [], []
+    for device in sorted(samples):
+        if busy_s[device] >= 1e-3:
+            rate = samples[device] / busy_s[device]
+            timed.append((samples[device], 1 - SPEED_WEIGHT, SPEED_WEIGHT * rate, rate, device))
+        else:
+            untimed.append((samples[device], device))
+    with connection.cursor() as db:
+        if timed:
+            db.executemany(
+                f"UPDATE {table} SET {accepted} = {accepted} + %s, "
+                f"{speed} = CASE WHEN {speed} > 0 THEN {speed} * %s + %s ELSE %s END WHERE {pk} = %s",
+                timed,
             )
-            speeds.append(When(pk=d, then=Value(rate)))
-    updates: dict[str, Any] = {"samples_accepted": F("samples_accepted") + added}
-    if speeds:
-        updates["samples_per_s"] = Case(*speeds, default=F("samples_per_s"), output_field=FloatField())
-    Device.objects.filter(pk__in=sorted(samples)).update(**updates)
+        if untimed:
+            db.executemany(f"UPDATE {table} SET {accepted} = {accepted} + %s WHERE {pk} = %s", untimed)
 
 
 def commit_full_steps(config: CampaignConfig, full: dict[str, Any]) -> list[Commit]:

@@ -473,10 +473,11 @@ def creditable(leases: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
     passed yet, and the work of quarantined volunteers.
     """
     held = withheld([int(r["id"]) for r in leases])
+    owners = standing.owners_of(int(r["d"]) for r in leases)
     due = []
     for record in leases:
         lease_id, device_id = int(record["id"]), int(record["d"])
-        if lease_id not in held and not standing.refusal(standing.owner_of(device_id)):
+        if lease_id not in held and not standing.refusal(owners.get(device_id)):
             due.append((lease_id, device_id, int(record["n"])))
     return due
 
