@@ -17,11 +17,12 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Exists, OuterRef, Sum
 from django.utils import timezone
 
-from crowdtrain.accounts.models import Device
+from crowdtrain import batchsql
+from crowdtrain.accounts.models import Device, Profile
 
 from . import boards
 from .models import FLOPS_PER_CREDIT, CreditEntry
@@ -37,9 +38,13 @@ def grant(
 ) -> None:
     """Credit committed leases, given as ``(lease id, device id, samples)``.
 
-    One query finds each device's volunteer and their team, whatever the number of leases.
+    A fixed number of statements whatever the number of leases: a step's commit grants thousands at once.
     """
     if not leases:
+        return
+    when = when or timezone.now()
+    if connection.vendor == "postgresql":
+        _project_deltas(_grant_on_postgresql(campaign_id, flops_per_sample, leases, when))
         return
     owners = {
         pk: (owner, team)
@@ -47,7 +52,6 @@ def grant(
             "pk", "owner_id", "owner__profile__team_id"
         )
     }
-    when = when or timezone.now()
     already = set(
         CreditEntry.objects.filter(
             lease_id__in=[lease for lease, _, _ in leases], kind=CreditEntry.Kind.GRANT
@@ -70,6 +74,51 @@ def grant(
     ]
     CreditEntry.objects.bulk_create(entries, ignore_conflicts=True)
     _project(entries)
+
+
+def _grant_on_postgresql(
+    campaign_id: int, flops_per_sample: float, leases: Sequence[tuple[int, int, int]], when: datetime
+) -> list[boards.Delta]:
+    """The grants as one INSERT that joins the leases (passed as arrays) to their owners and teams.
+
+    The path above builds a model instance per entry, and for a step of 2,000 leases that was a third of
+    the step's write. ``RETURNING`` names only the rows inserted, so a grant already there (the unique
+    lease and kind) is neither written nor projected twice, as ``ignore_conflicts`` and ``already`` do above.
+    """
+    entry = {name: batchsql.column(CreditEntry, name) for name in _GRANT_COLUMNS}
+    device_id, owner = batchsql.column(Device, "id"), batchsql.column(Device, "owner")
+    user, team = batchsql.column(Profile, "user"), batchsql.column(Profile, "team")
+    lease_ids, device_ids, samples = (list(values) for values in zip(*leases, strict=True))
+    with connection.cursor() as db:
+        db.execute(
+            f"INSERT INTO {batchsql.table(CreditEntry)} ({', '.join(entry.values())}) "
+            f"SELECT v.lease, %s, d.{owner}, v.device, p.{team}, %s, v.n, v.n * %s, '', %s "
+            "FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[]) AS v(lease, device, n) "
+            f"JOIN {batchsql.table(Device)} d ON d.{device_id} = v.device "
+            f"LEFT JOIN {batchsql.table(Profile)} p ON p.{user} = d.{owner} "
+            f"ON CONFLICT DO NOTHING RETURNING {entry['volunteer']}, {entry['team']}, {entry['flops']}",
+            [CreditEntry.Kind.GRANT, campaign_id, flops_per_sample, when, lease_ids, device_ids, samples],
+        )
+        hour = boards.hour_of(when)
+        return [
+            boards.Delta(volunteer, team_id, campaign_id, flops / FLOPS_PER_CREDIT, hour)
+            for volunteer, team_id, flops in db.fetchall()
+        ]
+
+
+# In the order of the SELECT in ``_grant_on_postgresql``.
+_GRANT_COLUMNS = (
+    "lease",
+    "kind",
+    "volunteer",
+    "device",
+    "team",
+    "campaign",
+    "samples",
+    "flops",
+    "reason",
+    "created_at",
+)
 
 
 def reverse(lease_ids: Iterable[int], reason: str, when: datetime | None = None) -> None:
@@ -137,16 +186,21 @@ def _take_back(entries: QuerySet[CreditEntry], kind: str, reason: str, when: dat
 
 def _project(entries: list[CreditEntry], hours: dict[int, int] | None = None) -> None:
     """Once the transaction commits, the leaderboards count the entries (a reversal in its grant's hour)."""
-    deltas = [
-        boards.Delta(
-            e.volunteer_id,
-            e.team_id,
-            e.campaign_id,
-            e.flops / FLOPS_PER_CREDIT,
-            hours[e.lease_id] if hours is not None else boards.hour_of(e.created_at),
-        )
-        for e in entries
-    ]
+    _project_deltas(
+        [
+            boards.Delta(
+                e.volunteer_id,
+                e.team_id,
+                e.campaign_id,
+                e.flops / FLOPS_PER_CREDIT,
+                hours[e.lease_id] if hours is not None else boards.hour_of(e.created_at),
+            )
+            for e in entries
+        ]
+    )
+
+
+def _project_deltas(deltas: list[boards.Delta]) -> None:
     if deltas:
         transaction.on_commit(lambda: _to_boards(deltas))
 

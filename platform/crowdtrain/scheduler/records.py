@@ -23,11 +23,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from django.db import DatabaseError, close_old_connections, connection, transaction
-from django.db.models import Model, Q
+from django.db.models import Q
 
+from crowdtrain import batchsql
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.connections import refresh_if_due
 
@@ -176,7 +176,7 @@ def _write(new: Sequence[Lease], finished: Sequence[Finished], cursors: dict[int
                 db.executemany(
                     _outcome_sql(["state", "loss_sum", "compute_s", "finished_at"], f"{column('state')} = %s"),
                     [
-                        (f.state, f.loss_sum, f.compute_s, db_time(f.at), f.lease_id, Lease.State.ACTIVE)
+                        (f.state, f.loss_sum, f.compute_s, batchsql.db_time(f.at), f.lease_id, Lease.State.ACTIVE)
                         for f in accepted
                     ],
                 )
@@ -184,7 +184,7 @@ def _write(new: Sequence[Lease], finished: Sequence[Finished], cursors: dict[int
                 # Never a lease of a committed step; an accepted one only when a rollback retires it.
                 db.executemany(
                     _outcome_sql(["state", "reason", "finished_at"], f"{column('step')} IS NULL"),
-                    [(f.state, f.reason[:200], db_time(f.at), f.lease_id) for f in ended],
+                    [(f.state, f.reason[:200], batchsql.db_time(f.at), f.lease_id) for f in ended],
                 )
         for campaign_id, (epoch, cursor) in cursors.items():
             Campaign.objects.filter(pk=campaign_id).filter(
@@ -192,9 +192,8 @@ def _write(new: Sequence[Lease], finished: Sequence[Finished], cursors: dict[int
             ).update(epoch=epoch, cursor=cursor)
 
 
-def column(field: str, model: type[Model] = Lease) -> str:
-    """A field's column, quoted for this backend, for the hand-written batch statements here and in commits."""
-    return connection.ops.quote_name(next(f.column or f.name for f in model._meta.concrete_fields if f.name == field))
+def column(field: str) -> str:
+    return batchsql.column(Lease, field)
 
 
 def _outcome_sql(fields: list[str], condition: str) -> str:
@@ -205,14 +204,9 @@ def _outcome_sql(fields: list[str], condition: str) -> str:
     site process's CPU under load (py-spy, the scale bench's wide phase); a
     batch of these costs the driver a prepared statement and its parameters.
     """
-    table = connection.ops.quote_name(Lease._meta.db_table)
+    table = batchsql.table(Lease)
     assignments = ", ".join(f"{column(field)} = %s" for field in fields)
     return f"UPDATE {table} SET {assignments} WHERE {column('id')} = %s AND {condition}"
-
-
-def db_time(at: datetime) -> Any:
-    """A timestamp as the backend stores it (what the ORM would send)."""
-    return connection.ops.adapt_datetimefield_value(at)
 
 
 _writer_lock = threading.Lock()
