@@ -148,7 +148,7 @@ def _accept(config: CampaignConfig, leases: list[dict[str, Any]], step: Step) ->
     outcomes = [(int(lease["id"]), float(lease["loss"]), *held(lease)[1:]) for lease in leases]
     with connection.cursor() as db:
         if connection.vendor == "postgresql":
-            # One statement joined to the outcomes as arrays: a tenth of the time of 2,000 updates in a pipeline.
+            # One statement joined to the outcomes as arrays: a third of the time of 2,000 updates in a pipeline.
             ids, losses, finished, computed = (list(values) for values in zip(*outcomes, strict=True))
             db.execute(
                 f"UPDATE {leases_table} SET {state} = %s, {step_id} = %s, {reason} = '', {loss} = v.loss, "
@@ -201,22 +201,17 @@ def _credit(leases: list[dict[str, Any]]) -> None:
     # page shows an exponentially weighted moving average: new = (1 - w) * old + w * this step's rate,
     # computed in the UPDATE from the stored value (no read first, so concurrent commits cannot lose each
     # other's measurement). The first measurement (stored 0) is taken as it is, not averaged with 0.
-    timed, untimed = [], []
+    rows = []
     for device in sorted(samples):
-        if busy_s[device] >= 1e-3:
-            rate = samples[device] / busy_s[device]
-            timed.append((samples[device], 1 - SPEED_WEIGHT, SPEED_WEIGHT * rate, rate, device))
-        else:
-            untimed.append((samples[device], device))
+        timed = busy_s[device] >= 1e-3  # else no rate: the speed stays as it is
+        rate = samples[device] / busy_s[device] if timed else 0.0
+        rows.append((samples[device], timed, 1 - SPEED_WEIGHT, SPEED_WEIGHT * rate, rate, device))
     with connection.cursor() as db:
-        if timed:
-            db.executemany(
-                f"UPDATE {devices} SET {accepted} = {accepted} + %s, "
-                f"{speed} = CASE WHEN {speed} > 0 THEN {speed} * %s + %s ELSE %s END WHERE {pk} = %s",
-                timed,
-            )
-        if untimed:
-            db.executemany(f"UPDATE {devices} SET {accepted} = {accepted} + %s WHERE {pk} = %s", untimed)
+        db.executemany(
+            f"UPDATE {devices} SET {accepted} = {accepted} + %s, {speed} = CASE WHEN NOT %s THEN {speed} "
+            f"WHEN {speed} > 0 THEN {speed} * %s + %s ELSE %s END WHERE {pk} = %s",
+            rows,
+        )
 
 
 def commit_full_steps(config: CampaignConfig, full: dict[str, Any]) -> list[Commit]:
