@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from crowdtrain_agent.protocol import OptimizerSpec, SliceReady, SliceUnassign, StepApplied, StepCommit, StepFailed
+from crowdtrain_backbone import node
 from crowdtrain_backbone.server import BackboneServer
 from crowdtrain_backbone.slices import PendingUpload, SliceState, Snapshot, initial_params
 
@@ -145,6 +146,7 @@ async def test_uploads_keep_flowing_while_a_step_runs(
         return slow_step(self, uploads, num_samples)
 
     monkeypatch.setattr(SliceState, "apply_step_", apply_slowly)
+    monkeypatch.setattr(node, "INLINE_STEP_ELEMENTS", 0)  # a big model's step: in the worker thread
     await agent.good_upload(lease_id=1)
     await site.send(StepCommit(campaign_id=1, step=0, lease_ids=[1], num_samples=4))
     await asyncio.sleep(0.05)
@@ -156,6 +158,24 @@ async def test_uploads_keep_flowing_while_a_step_runs(
 
     assert uploaded_after < 0.3
     assert applied.version == 1 and set(backbone.node.get_slice(1, 0).pending) == {2}
+
+
+async def test_a_small_step_is_applied_on_the_loop_not_in_a_thread_that_must_win_the_gil_back(
+    site: FakeSite, held: SliceReady, agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threaded: list[object] = []
+
+    async def to_thread(func: object, /, *args: object) -> object:
+        threaded.append(func)
+        raise AssertionError("a step of a few elements went to a worker thread")
+
+    monkeypatch.setattr(node.asyncio, "to_thread", to_thread)
+    await agent.good_upload(lease_id=1)
+    await site.send(StepCommit(campaign_id=1, step=0, lease_ids=[1], num_samples=4))
+
+    applied = await site.expect(StepApplied)
+    assert applied.version == 1 and threaded == []
+    assert NUMEL <= node.INLINE_STEP_ELEMENTS  # what made it small
 
 
 async def test_a_reassignment_behind_the_slice_keeps_the_steps_it_applied(
