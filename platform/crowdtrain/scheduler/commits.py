@@ -182,12 +182,12 @@ def _accept(config: CampaignConfig, leases: list[dict[str, Any]], step: Step) ->
 
 
 def _credit(leases: list[dict[str, Any]]) -> None:
-    """Every device in the step: samples credited, and the speed its work showed; one UPDATE each, in one batch.
+    """Every device in the step: samples credited, and the speed its work showed.
 
-    Sent with ``executemany`` (a pipeline on PostgreSQL) rather than as one UPDATE with a CASE per device:
-    Django resolved that expression's 3,000 branches in Python for a step of 1,000 devices (more than a
-    second), and the database then tested every row against every branch. Devices are updated in id order,
-    so two processes' commits lock them in the same order.
+    On PostgreSQL one UPDATE joined to arrays, on SQLite one UPDATE by key per device; not one UPDATE with a
+    CASE per device, as before: Django resolved that expression's 3,000 branches in Python for a step of
+    1,000 devices (more than a second), and the database then tested every row against every branch.
+    Devices are locked in id order, so two processes' commits that share devices cannot deadlock.
     """
     samples: dict[int, int] = {}
     busy_s: dict[int, float] = {}
@@ -201,17 +201,28 @@ def _credit(leases: list[dict[str, Any]]) -> None:
     # page shows an exponentially weighted moving average: new = (1 - w) * old + w * this step's rate,
     # computed in the UPDATE from the stored value (no read first, so concurrent commits cannot lose each
     # other's measurement). The first measurement (stored 0) is taken as it is, not averaged with 0.
-    rows = []
-    for device in sorted(samples):
-        timed = busy_s[device] >= 1e-3  # else no rate: the speed stays as it is
-        rate = samples[device] / busy_s[device] if timed else 0.0
-        rows.append((samples[device], timed, 1 - SPEED_WEIGHT, SPEED_WEIGHT * rate, rate, device))
+    ids = sorted(samples)
+    # 0 where the step gave no rate (no compute time reported): the speed stays as it is.
+    rates = [samples[d] / busy_s[d] if busy_s[d] >= 1e-3 else 0.0 for d in ids]
+    averaged = f"CASE WHEN v.rate <= 0 THEN {speed} WHEN {speed} > 0 THEN {speed} * %s + %s * v.rate ELSE v.rate END"
     with connection.cursor() as db:
-        db.executemany(
-            f"UPDATE {devices} SET {accepted} = {accepted} + %s, {speed} = CASE WHEN NOT %s THEN {speed} "
-            f"WHEN {speed} > 0 THEN {speed} * %s + %s ELSE %s END WHERE {pk} = %s",
-            rows,
-        )
+        if connection.vendor == "postgresql":
+            # One statement joined to arrays, after locking the rows in id order (a join locks in its own).
+            db.execute(f"SELECT 1 FROM {devices} WHERE {pk} = ANY(%s) ORDER BY {pk} FOR UPDATE", [ids])
+            db.execute(
+                f"UPDATE {devices} SET {accepted} = {accepted} + v.n, {speed} = {averaged} "
+                f"FROM unnest(%s::bigint[], %s::bigint[], %s::float8[]) AS v(id, n, rate) WHERE {devices}.{pk} = v.id",
+                [1 - SPEED_WEIGHT, SPEED_WEIGHT, ids, [samples[d] for d in ids], rates],
+            )
+        else:
+            db.executemany(
+                f"UPDATE {devices} SET {accepted} = {accepted} + %s, {speed} = CASE WHEN %s <= 0 THEN {speed} "
+                f"WHEN {speed} > 0 THEN {speed} * %s + %s ELSE %s END WHERE {pk} = %s",
+                [
+                    (samples[d], rate, 1 - SPEED_WEIGHT, SPEED_WEIGHT * rate, rate, d)
+                    for d, rate in zip(ids, rates, strict=True)
+                ],
+            )
 
 
 def commit_full_steps(config: CampaignConfig, full: dict[str, Any]) -> list[Commit]:
