@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Max
 
 from .models import IdBlock, Lease
@@ -50,6 +50,15 @@ class IdPool:
 
 
 def _reserve_ids(size: int) -> tuple[int, int]:
+    try:
+        return _reserve_once(size)
+    except IntegrityError:
+        # Two processes found no block row at once (a new database) and both inserted it; the other won.
+        # The row exists now, so the second try locks it like every later reservation.
+        return _reserve_once(size)
+
+
+def _reserve_once(size: int) -> tuple[int, int]:
     with transaction.atomic():
         block = IdBlock.objects.select_for_update().filter(name="lease").first()
         if block is None:
