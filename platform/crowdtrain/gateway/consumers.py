@@ -733,6 +733,10 @@ class BackboneConsumer(_ProtocolConsumer):
         )  # fmt: skip
 
     async def on_heartbeat(self, _: Heartbeat) -> None:
+        # Joined again each time: a Redis that restarted empty forgot this socket's group, and the commits
+        # sent to the group (those below included) would be lost until the aggregator reconnected, which
+        # it has no reason to do. A socket replaced meanwhile is closed (4012) and leaves it on disconnect.
+        await self.channel_layer.group_add(backbone_group(self.aggregator.pk), self.channel_name)
         # For the silent-aggregator alert (crowdtrain.ops.health): one Redis write, seconds-accurate.
         await offloop(heartbeats.aggregator_heard)(self.aggregator.pk)
         now = time.monotonic()

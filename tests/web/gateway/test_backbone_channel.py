@@ -4,11 +4,13 @@ import asyncio
 
 import pytest
 from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
 from django.conf import settings
 
 from crowdtrain.accounts.tokens import hash_token
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.setup import create_campaign
+from crowdtrain.gateway.outbox import backbone_group, send_outbox
 from crowdtrain.scheduler.models import Aggregator
 from crowdtrain_agent.protocol import (
     PROTOCOL_VERSION,
@@ -177,3 +179,34 @@ async def test_a_campaign_started_after_its_aggregator_joined_gets_its_slice_on_
     assignment = await receive(aggregator)
 
     assert isinstance(assignment, SliceAssignment) and assignment.campaign_id == campaign.pk
+
+
+async def test_an_aggregator_whose_group_the_channel_layer_forgot_hears_commits_again_after_a_heartbeat(
+    connect: Connect,
+) -> None:
+    token = await sync_to_async(_aggregator)("agg-1")
+    aggregator, _, _ = await connect("/ws/backbone/", token)
+    await send(
+        aggregator,
+        BackboneHello(
+            protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"
+        ),
+    )
+    welcome = await receive(aggregator)
+    assert isinstance(welcome, BackboneWelcome)
+    layer = get_channel_layer()
+    group = backbone_group(welcome.aggregator_id)
+    # What a Redis restarted empty leaves: the socket is open, its group membership is gone.
+    layer.groups.pop(group, None)
+    order = StepCommit(campaign_id=99, step=0, lease_ids=[1], num_samples=4)
+    await send_outbox([(welcome.aggregator_id, order)])
+    assert await aggregator.receive_nothing(timeout=0.2)
+
+    await send(aggregator, Heartbeat())
+    for _ in range(500):  # the heartbeat has no reply: wait until the consumer has handled it
+        if group in layer.groups:
+            break
+        await asyncio.sleep(0.01)
+    await send_outbox([(welcome.aggregator_id, order)])
+
+    assert await receive(aggregator) == order
