@@ -165,15 +165,7 @@ async def test_an_aggregator_that_lost_its_state_rolls_the_campaign_back(connect
 async def test_a_campaign_started_after_its_aggregator_joined_gets_its_slice_on_the_next_heartbeat(
     connect: Connect,
 ) -> None:
-    token = await sync_to_async(_aggregator)("agg-1")
-    aggregator, _, _ = await connect("/ws/backbone/", token)
-    await send(
-        aggregator,
-        BackboneHello(
-            protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"
-        ),
-    )
-    await receive(aggregator)
+    aggregator, _ = await _joined_aggregator(connect)
     campaign = await sync_to_async(_running_campaign)()
 
     await send(aggregator, Heartbeat())
@@ -185,16 +177,7 @@ async def test_a_campaign_started_after_its_aggregator_joined_gets_its_slice_on_
 async def test_an_aggregator_whose_group_the_channel_layer_forgot_hears_commits_again_after_a_heartbeat(
     connect: Connect,
 ) -> None:
-    token = await sync_to_async(_aggregator)("agg-1")
-    aggregator, _, _ = await connect("/ws/backbone/", token)
-    await send(
-        aggregator,
-        BackboneHello(
-            protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"
-        ),
-    )
-    welcome = await receive(aggregator)
-    assert isinstance(welcome, BackboneWelcome)
+    aggregator, welcome = await _joined_aggregator(connect)
     layer = get_channel_layer()
     group = backbone_group(welcome.aggregator_id)
     await _forget_group(layer, group)  # what a Redis restarted empty leaves: the socket open, its group gone
@@ -223,3 +206,18 @@ async def _has_members(layer: Any, group: str) -> bool:
     if hasattr(layer, "groups"):
         return bool(layer.groups.get(group))
     return bool(await layer.connection(layer.consistent_hash(group)).zcard(layer._group_key(group)))
+
+
+async def _joined_aggregator(connect: Connect) -> tuple[Any, BackboneWelcome]:
+    """An aggregator "agg-1" that said hello and was welcomed, before any campaign runs (nothing else is sent)."""
+    token = await sync_to_async(_aggregator)("agg-1")
+    aggregator, _, _ = await connect("/ws/backbone/", token)
+    await send(
+        aggregator,
+        BackboneHello(
+            protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"
+        ),
+    )
+    welcome = await receive(aggregator)
+    assert isinstance(welcome, BackboneWelcome)
+    return aggregator, welcome
