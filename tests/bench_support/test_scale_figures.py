@@ -6,7 +6,8 @@ import os
 from collections import Counter
 from typing import Any
 
-from tests.benchmarks.scale import PhaseRun, cycle_figures, idle_figures, overload_figures
+from tests.benchmarks.loadgen import reason_kind
+from tests.benchmarks.scale import PhaseRun, cycle_figures, idle_figures, lost_leases, overload_figures
 
 
 def _load(**overrides: Any) -> dict[str, Any]:
@@ -81,3 +82,24 @@ def test_agents_that_never_connected_count_as_infinite_connect_time() -> None:
 
     assert lines[0] == "bench: idle_cpu_pct_per_1000=20.408 (980 agents connected)"
     assert lines[1].startswith("bench: connect_p99_ms_1000=inf (joining at 200/s; 20 never connected")
+
+
+def test_a_backup_twin_that_lost_the_race_is_not_lost_work_but_every_other_uncounted_report_is() -> None:
+    states = {
+        1: "accepted",
+        2: "released: the backup lease finished first",
+        3: "released: the original lease finished first",
+        4: "expired: agent went silent",
+        5: "released: released by the agent",
+        6: "rejected: stale version: computed on 3, step 5 is open",
+    }
+
+    assert lost_leases([1, 2, 3, 4, 5, 6, 7], states) == [4, 5, 6, 7]  # 7: no row at all
+
+
+def test_rejection_reasons_keep_their_words_and_lose_their_numbers() -> None:
+    assert reason_kind("lease released: the original lease finished first") == (
+        "lease released: the original lease finished first"
+    )
+    assert reason_kind("stale version: computed on 3, step 5 is open") == "stale version"
+    assert reason_kind("") == "no reason"

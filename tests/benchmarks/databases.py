@@ -48,7 +48,8 @@ SUMMARY = "SELECT state, reason, count(*) FROM scheduler_lease GROUP BY state, r
 
 
 def lease_states(database: str, lease_ids: Sequence[int]) -> tuple[dict[str, int], dict[int, str]]:
-    """Leases per state and reason in the phase's database, and the state of each of ``lease_ids``.
+    """Leases per state and reason in the phase's database, and the state of each of ``lease_ids``
+    (``state: reason`` where the lease has a reason, as the summary names them).
 
     ``database``: a PostgreSQL URL, or the path of the embedded default's SQLite file.
     """
@@ -62,7 +63,8 @@ def lease_states(database: str, lease_ids: Sequence[int]) -> tuple[dict[str, int
             for start in range(0, len(ids), 500):  # SQLite binds at most 999 variables
                 chunk = ids[start : start + 500]
                 marks = ",".join("?" * len(chunk))
-                states.update(lite.execute(f"SELECT id, state FROM scheduler_lease WHERE id IN ({marks})", chunk))
+                rows = lite.execute(f"SELECT id, state, reason FROM scheduler_lease WHERE id IN ({marks})", chunk)
+                states.update((i, f"{state}: {reason}" if reason else state) for i, state, reason in rows)
         return summary, states
     import psycopg
 
@@ -71,7 +73,8 @@ def lease_states(database: str, lease_ids: Sequence[int]) -> tuple[dict[str, int
             f"{state}: {reason}" if reason else state: count
             for state, reason, count in conn.execute(SUMMARY)
         }
-        states = dict(conn.execute("SELECT id, state FROM scheduler_lease WHERE id = ANY(%s)", (list(lease_ids),)))
+        rows = conn.execute("SELECT id, state, reason FROM scheduler_lease WHERE id = ANY(%s)", (list(lease_ids),))
+        states = {i: f"{state}: {reason}" if reason else state for i, state, reason in rows}
     return summary, states
 
 

@@ -112,6 +112,14 @@ HELLO = AgentHello(
 )
 
 
+def reason_kind(reason: str) -> str:
+    """A rejection's reason as a tally key: whole when it names no numbers (a backup twin's "lease released:
+    the original lease finished first" says nothing was lost), else cut before its details ("stale version:
+    computed on 3, step 5 is open" -> "stale version")."""
+    reason = reason or "no reason"
+    return (reason if not any(c.isdigit() for c in reason) else reason.split(":")[0])[:80]
+
+
 @dataclass(frozen=True)
 class LoadSpec:
     """What one load-generator process does; the bench writes it as JSON.
@@ -383,8 +391,7 @@ class SimAgent:
             if stats.in_window(time.time()):
                 stats.cycles += 1
             return
-        # "stale version: computed on 3, step 5 is open" -> "stale version": reasons without their numbers
-        stats.done_rejected[(ack.reason or "no reason").split(":")[0][:80]] += 1
+        stats.done_rejected[reason_kind(ack.reason)] += 1
         stats.not_accepted.append(lease.lease_id)
 
     async def _release(self, lease: Lease) -> None:

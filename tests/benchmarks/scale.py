@@ -48,7 +48,8 @@ Phases and the ``bench: NAME=VALUE`` lines they print:
 - ``overload``: ``--overload-agents`` agents cycling without pause against a
   site squeezed onto ``--overload-site-cpus``. ``overload_lost``: leases whose
   agent uploaded the gradient and reported done while connected, that the
-  site did not count (done rejected, or expired unconfirmed), from the
+  site did not count (done rejected, or expired unconfirmed; a backup twin
+  whose other lease was counted is not lost), from the
   agents' acks and the database afterwards.
 
 Each agent paces itself to one cycle per ``--period-s`` (0: back to back),
@@ -93,7 +94,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,16 @@ LEASE_TARGET_S = 15.0  # the site's default; the agents claim a speed that makes
 WIDE_LEASES_PER_AGENT = 2  # a wide step holds two leases per agent: room for every agent, with one step ahead
 W1_LEASES_PER_STEP = 32  # W1: global batch 1024 over microbatches of 32
 RECORDS_SETTLE_S = 20.0  # how long the overload phase waits for the site's lease records to catch up
+# A backup twin that lost the race: its samples were counted through the other lease of the pair, so
+# nothing was lost, though its own report was turned away (the site's reasons, scheduler/lua/done.lua).
+TWIN_RELEASES = frozenset(
+    {"released: the backup lease finished first", "released: the original lease finished first"}
+)
+
+
+def lost_leases(reported: Sequence[int], states: Mapping[int, str]) -> list[int]:
+    """Reported leases the site did not count, leaving out backup twins whose other lease was counted."""
+    return [i for i in reported if states.get(i) != "accepted" and states.get(i) not in TWIN_RELEASES]
 SQLITE_FILE = "crowdtrain.sqlite3"  # the embedded default's database in CROWDTRAIN_VAR_DIR (settings.DATABASES)
 # Beyond these, a figure may be the load generator's or the neighbours' and not the site's.
 LAG_NOTE_MS = 200.0
@@ -420,7 +431,7 @@ class Bench:
             settled = time.monotonic() + RECORDS_SETTLE_S
             while True:
                 run.db_leases, states = lease_states(where, load["reported"])
-                run.lost = sum(1 for lease_id in load["reported"] if states.get(lease_id) != "accepted")
+                run.lost = len(lost_leases(load["reported"], states))
                 if not run.lost or time.monotonic() > settled:
                     break
                 time.sleep(1.0)
