@@ -93,7 +93,6 @@ LEASE_CALL_RETRIES = 3
 DONE_TIMEOUT_S = 30.0
 DONE_CALL_RETRIES = 3
 RELEASE_TIMEOUT_S = 5.0
-# The aggregator holds a parameter download this long for a version it is about to publish.
 # An upload that raced the aggregator's apply is sent again after 25 ms, then 50, 100, 200 and 400 ms apart
 # (9 s in all), sooner if the site pushes a version meanwhile. The real agent waits at the aggregator instead
 # (its parameter download is held until that version is applied): polling every 25 ms made 2,500 refused

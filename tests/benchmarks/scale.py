@@ -140,11 +140,6 @@ RECORDS_SETTLE_S = 20.0  # how long the overload phase waits for the site's leas
 TWIN_RELEASES = frozenset(
     {"released: the backup lease finished first", "released: the original lease finished first"}
 )
-
-
-def lost_leases(reported: Sequence[int], states: Mapping[int, str]) -> list[int]:
-    """Reported leases the site did not count, leaving out backup twins whose other lease was counted."""
-    return [i for i in reported if states.get(i) != "accepted" and states.get(i) not in TWIN_RELEASES]
 SQLITE_FILE = "crowdtrain.sqlite3"  # the embedded default's database in CROWDTRAIN_VAR_DIR (settings.DATABASES)
 # Beyond these, a figure may be the load generator's or the neighbours' and not the site's.
 LAG_NOTE_MS = 200.0
@@ -188,6 +183,11 @@ class Options:
 
 
 SERVING_ROLES = ("site", "worker", "aggregator", "services")  # "services": PostgreSQL and Redis
+
+
+def lost_leases(reported: Sequence[int], states: Mapping[int, str]) -> list[int]:
+    """Reported leases the site did not count, leaving out backup twins whose other lease was counted."""
+    return [i for i in reported if states.get(i) != "accepted" and states.get(i) not in TWIN_RELEASES]
 
 
 @dataclass

@@ -204,13 +204,13 @@ def _credit(leases: list[dict[str, Any]]) -> None:
     ids = sorted(samples)
     # 0 where the step gave no rate (no compute time reported): the speed stays as it is.
     rates = [samples[d] / busy_s[d] if busy_s[d] >= 1e-3 else 0.0 for d in ids]
-    averaged = f"CASE WHEN v.rate <= 0 THEN {speed} WHEN {speed} > 0 THEN {speed} * %s + %s * v.rate ELSE v.rate END"
     with connection.cursor() as db:
         if connection.vendor == "postgresql":
             # One statement joined to arrays, after locking the rows in id order (a join locks in its own).
             db.execute(f"SELECT 1 FROM {devices} WHERE {pk} = ANY(%s) ORDER BY {pk} FOR UPDATE", [ids])
             db.execute(
-                f"UPDATE {devices} SET {accepted} = {accepted} + v.n, {speed} = {averaged} "
+                f"UPDATE {devices} SET {accepted} = {accepted} + v.n, {speed} = CASE WHEN v.rate <= 0 THEN {speed} "
+                f"WHEN {speed} > 0 THEN {speed} * %s + %s * v.rate ELSE v.rate END "
                 f"FROM unnest(%s::bigint[], %s::bigint[], %s::float8[]) AS v(id, n, rate) WHERE {devices}.{pk} = v.id",
                 [1 - SPEED_WEIGHT, SPEED_WEIGHT, ids, [samples[d] for d in ids], rates],
             )
