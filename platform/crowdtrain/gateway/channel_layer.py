@@ -11,6 +11,8 @@ burst wait its turn instead, for up to ``WAIT_FOR_CONNECTION_S``.
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from typing import Any
 
 from channels_redis.core import RedisChannelLayer
@@ -30,3 +32,21 @@ class WaitingRedisChannelLayer(RedisChannelLayer):
             return super().create_pool(index)
         address = host.pop("address")
         return BlockingConnectionPool.from_url(address, timeout=WAIT_FOR_CONNECTION_S, **host)
+
+    async def group_add_many(self, memberships: list[tuple[str, str]]) -> None:
+        """``group_add`` for every (group, channel): one pipelined round trip per host, not two per membership.
+
+        What ``crowdtrain.gateway.groups`` refreshes each round; the same sorted-set
+        scores and key expiry as ``group_add``, so channels_redis reads them as its own.
+        """
+        now = time.time()
+        by_host: dict[int, dict[bytes, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
+        for group, channel in memberships:
+            assert self.require_valid_group_name(group) and self.require_valid_channel_name(channel)
+            by_host[self.consistent_hash(group)][self._group_key(group)][channel] = now
+        for index, groups in by_host.items():
+            async with self.connection(index).pipeline(transaction=False) as pipe:
+                for key, members in groups.items():
+                    pipe.zadd(key, members)
+                    pipe.expire(key, self.group_expiry)
+                await pipe.execute()

@@ -63,6 +63,7 @@ from crowdtrain_agent.protocol import (
 from crowdtrain_agent.protocol.schema import lost_in
 
 from .admission import TRY_AGAIN_LATER, admission
+from .groups import memberships
 from .housekeeping import LAST_SEEN_DB_EVERY_S, housekeeping
 from .offloop import offloop
 from .outbox import (
@@ -280,7 +281,7 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
         channel name besides, so it never closes itself.
         """
         await replace_connections(group, self.channel_name)
-        await self.channel_layer.group_add(group, self.channel_name)
+        await memberships.join(self.channel_layer, group, self.channel_name)
 
     async def connection_replaced(self, event: ReplacedEvent) -> None:
         if event["channel"] == self.channel_name or self.closed:
@@ -376,9 +377,9 @@ class AgentConsumer(_ProtocolConsumer):
         presence.disconnected(device.pk)
         if self.leases:
             _release_after_grace(device.pk, sorted(self.leases))
-        await self.channel_layer.group_discard(device_group(device.pk), self.channel_name)
+        await memberships.leave(self.channel_layer, device_group(device.pk), self.channel_name)
         for campaign_id in self.campaigns:
-            await self.channel_layer.group_discard(campaign_agents_group(campaign_id), self.channel_name)
+            await memberships.leave(self.channel_layer, campaign_agents_group(campaign_id), self.channel_name)
 
     async def on_hello(self, hello: AgentHello) -> None:
         self.check_version(hello.protocol_version)
@@ -588,10 +589,10 @@ class AgentConsumer(_ProtocolConsumer):
         if idle and campaign_id not in self.campaigns and len(self.campaigns) < MAX_WATCHED_CAMPAIGNS:
             assert campaign_id is not None  # idle says so
             self.campaigns.add(campaign_id)
-            await self.channel_layer.group_add(campaign_agents_group(campaign_id), self.channel_name)
+            await memberships.join(self.channel_layer, campaign_agents_group(campaign_id), self.channel_name)
         elif not idle and self.campaigns:
             for watched in self.campaigns:
-                await self.channel_layer.group_discard(campaign_agents_group(watched), self.channel_name)
+                await memberships.leave(self.channel_layer, campaign_agents_group(watched), self.channel_name)
             self.campaigns.clear()
 
     async def on_done(self, done: LeaseDone) -> None:
@@ -693,7 +694,7 @@ class BackboneConsumer(_ProtocolConsumer):
         aggregator = getattr(self, "aggregator", None)
         if aggregator is None or not self.greeted:
             return
-        await self.channel_layer.group_discard(backbone_group(aggregator.pk), self.channel_name)
+        await memberships.leave(self.channel_layer, backbone_group(aggregator.pk), self.channel_name)
         # Only the aggregator's current socket speaks for it: the close of one a newer socket replaced
         # (or that daphne noticed dead only after the aggregator reconnected) changes nothing.
         if await database_sync_to_async(backbone.aggregator_left)(aggregator.pk, channel_name=self.channel_name):

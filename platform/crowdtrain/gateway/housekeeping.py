@@ -1,5 +1,5 @@
-"""Periodic work of one site process: publish who is connected, sweep expired leases, stamp "last seen",
-write the admin dashboard's minute.
+"""Periodic work of one site process: publish who is connected, sweep expired leases, keep sockets in their
+channel-layer groups, stamp "last seen", write the admin dashboard's minute.
 
 It runs on the process's event loop as one task, started by the first
 connection, so a process that is behind on its messages still publishes its
@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 
+from channels.layers import get_channel_layer
 from django.conf import settings
 from django.utils import timezone
 
@@ -23,6 +24,7 @@ from crowdtrain.scheduler.hotstate import presence
 from crowdtrain.verification import checks
 
 from .admission import admission
+from .groups import memberships
 from .offloop import offloop
 from .outbox import send_commits
 
@@ -43,6 +45,8 @@ class Housekeeping:
 
     def __init__(self) -> None:
         self._task: asyncio.Task[None] | None = None
+        self._last_db = time.monotonic()  # when "last seen" was last written
+        self._minute = int(time.time() // 60)  # the minute the dashboard's history is in
 
     def start(self) -> None:
         if self._task is None or self._task.done():
@@ -54,28 +58,33 @@ class Housekeeping:
         return max(0.2, min(5.0, settings.CROWDTRAIN_GONE_AFTER_S / 4))
 
     async def _run(self) -> None:
-        last_db = time.monotonic()
-        sampled_minute = int(time.time() // 60)  # the minute in progress is written once it has ended
+        self._last_db = time.monotonic()
+        self._minute = int(time.time() // 60)  # the minute in progress is written once it has ended
         while True:
             asleep = time.monotonic()
             await asyncio.sleep(self.interval_s)
             # How late the loop woke us: a process this far behind on its own work issues no backups.
             admission.loop_lag_s = max(0.0, time.monotonic() - asleep - self.interval_s)
             try:
-                await offloop(presence.publish)()
-                _, commits = await offloop(leasing.expire_all_overdue)()
-                await send_commits(commits)
-                if time.monotonic() - last_db > LAST_SEEN_DB_EVERY_S:
-                    last_db = time.monotonic()
-                    await offloop(_stamp_last_seen)()
-                    await offloop(checks.upkeep)()
-                if int(time.time() // 60) != sampled_minute:
-                    sampled_minute = int(time.time() // 60)
-                    await offloop(history.record_minute)()
+                await self.round()
             except asyncio.CancelledError:
                 raise
             except Exception:  # the next round tries again; a broken round must not end liveness for good
                 logger.exception("site housekeeping failed")
+
+    async def round(self) -> None:
+        """One round's work: a few batched calls, whatever the number of connections."""
+        await offloop(presence.publish)()
+        await memberships.refresh(get_channel_layer())
+        _, commits = await offloop(leasing.expire_all_overdue)()
+        await send_commits(commits)
+        if time.monotonic() - self._last_db > LAST_SEEN_DB_EVERY_S:
+            self._last_db = time.monotonic()
+            await offloop(_stamp_last_seen)()
+            await offloop(checks.upkeep)()
+        if int(time.time() // 60) != self._minute:
+            self._minute = int(time.time() // 60)
+            await offloop(history.record_minute)()
 
 
 housekeeping = Housekeeping()

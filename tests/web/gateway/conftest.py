@@ -20,6 +20,20 @@ from crowdtrain_agent.protocol import (
 Connect = Callable[..., Any]
 
 
+async def forget_group(layer: Any, group: str) -> None:
+    """What a Redis restarted empty (or channels' day-long group expiry) leaves: sockets open, their group gone."""
+    if hasattr(layer, "groups"):  # the in-memory layer of the embedded default
+        layer.groups.pop(group, None)
+    else:  # channels_redis: the group is one sorted set
+        await layer.connection(layer.consistent_hash(group)).delete(layer._group_key(group))
+
+
+async def has_members(layer: Any, group: str) -> bool:
+    if hasattr(layer, "groups"):
+        return bool(layer.groups.get(group))
+    return bool(await layer.connection(layer.consistent_hash(group)).zcard(layer._group_key(group)))
+
+
 async def send(communicator: WebsocketCommunicator, message: Any) -> None:
     await communicator.send_to(text_data=encode_message(message))
 

@@ -32,7 +32,7 @@ from crowdtrain_agent.protocol import (
 )
 from tests.factories import TINY_GPT, make_device, make_text_dataset, make_user
 
-from .conftest import HELLO, Connect, receive, send
+from .conftest import HELLO, Connect, forget_group, has_members, receive, send
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -180,32 +180,19 @@ async def test_an_aggregator_whose_group_the_channel_layer_forgot_hears_commits_
     aggregator, welcome = await _joined_aggregator(connect)
     layer = get_channel_layer()
     group = backbone_group(welcome.aggregator_id)
-    await _forget_group(layer, group)  # what a Redis restarted empty leaves: the socket open, its group gone
+    await forget_group(layer, group)  # what a Redis restarted empty leaves: the socket open, its group gone
     order = StepCommit(campaign_id=99, step=0, lease_ids=[1], num_samples=4)
     await send_outbox([(welcome.aggregator_id, order)])
     assert await aggregator.receive_nothing(timeout=0.2)
 
     await send(aggregator, Heartbeat())
     for _ in range(500):  # the heartbeat has no reply: wait until the consumer has handled it
-        if await _has_members(layer, group):
+        if await has_members(layer, group):
             break
         await asyncio.sleep(0.01)
     await send_outbox([(welcome.aggregator_id, order)])
 
     assert await receive(aggregator) == order
-
-
-async def _forget_group(layer: Any, group: str) -> None:
-    if hasattr(layer, "groups"):  # the in-memory layer of the embedded default
-        layer.groups.pop(group, None)
-    else:  # channels_redis: the group is one sorted set
-        await layer.connection(layer.consistent_hash(group)).delete(layer._group_key(group))
-
-
-async def _has_members(layer: Any, group: str) -> bool:
-    if hasattr(layer, "groups"):
-        return bool(layer.groups.get(group))
-    return bool(await layer.connection(layer.consistent_hash(group)).zcard(layer._group_key(group)))
 
 
 async def _joined_aggregator(connect: Connect) -> tuple[Any, BackboneWelcome]:

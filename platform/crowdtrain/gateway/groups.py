@@ -1,0 +1,88 @@
+"""Keeps this process's sockets in their channel-layer groups for as long as the sockets stay open.
+
+A group membership does not last on its own. Channels' layers drop a member a
+day after it joined (``group_expiry``; channels_redis lets the group's key
+expire with it), and a Redis that restarted empty forgets every group at once.
+Volunteers leave their agent running for days. A device socket that fell out of
+its group can no longer be replaced by the device's newer connection (4012) or
+closed when the device is revoked, and an idle socket no longer hears its
+campaign's versions. So every membership is added again every ``REFRESH_S``:
+the housekeeping round takes those that are due, and on Redis adds them in one
+pipelined round trip, whatever the number of sockets. Heartbeats pay nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+# How often a membership is added again: how long a socket stays deaf after Redis lost its groups.
+# Far inside channels' day-long expiry; 10,000 sockets cost one pipeline of ~1,700 commands a round.
+REFRESH_S = 60.0
+
+Membership = tuple[str, str]  # (group, channel)
+
+
+async def add_many(layer: Any, memberships: list[Membership]) -> None:
+    """Add every (group, channel); one pipelined round trip per Redis host where the layer can batch."""
+    batched = getattr(layer, "group_add_many", None)
+    if batched is not None:
+        await batched(memberships)
+        return
+    for group, channel in memberships:
+        await layer.group_add(group, channel)
+
+
+class Memberships:
+    """The groups this process's sockets joined, oldest refresh first.
+
+    Consumers join and leave through ``join`` and ``leave``; ``refresh`` (the
+    housekeeping round) adds again those not added for ``REFRESH_S``. Each call
+    touches only the memberships it names or that are due: O(1) per socket.
+    """
+
+    def __init__(self) -> None:
+        self._added: OrderedDict[Membership, float] = OrderedDict()  # membership -> when last added (monotonic)
+
+    def __len__(self) -> int:
+        return len(self._added)
+
+    async def join(self, layer: Any, group: str, channel: str) -> None:
+        await layer.group_add(group, channel)
+        self._added[(group, channel)] = time.monotonic()
+        self._added.move_to_end((group, channel))
+
+    async def leave(self, layer: Any, group: str, channel: str) -> None:
+        self._added.pop((group, channel), None)
+        await layer.group_discard(group, channel)
+
+    def due(self, now: float) -> list[Membership]:
+        """The memberships not added for ``REFRESH_S``, marked as added now."""
+        taken: list[Membership] = []
+        for _ in range(len(self._added)):  # each at most once, whatever REFRESH_S is
+            membership, added = next(iter(self._added.items()))
+            if now - added < REFRESH_S:
+                break
+            self._added.move_to_end(membership)
+            self._added[membership] = now
+            taken.append(membership)
+        return taken
+
+    async def refresh(self, layer: Any, now: float | None = None) -> int:
+        """Add again every membership that is due; returns how many.
+
+        A socket that left while the batch was on its way is removed from the
+        group again: the batch may have reached Redis after its discard.
+        """
+        due = self.due(time.monotonic() if now is None else now)
+        if not due:
+            return 0
+        await add_many(layer, due)
+        for group, channel in due:
+            if (group, channel) not in self._added:
+                await layer.group_discard(group, channel)
+        return len(due)
+
+
+memberships = Memberships()

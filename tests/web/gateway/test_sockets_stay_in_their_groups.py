@@ -1,0 +1,124 @@
+"""Sockets are added to their channel-layer groups again while they stay open (``crowdtrain.gateway.groups``).
+
+A Redis restarted empty forgets every group, and channels' layers drop a
+member a day after it joined; an agent left running for days must still be
+replaced by its device's newer connection (4012) and still hear its campaign.
+Run on the in-memory layer (first pass) and on channels_redis (second pass).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+
+from crowdtrain.gateway import groups
+from crowdtrain.gateway.groups import REFRESH_S, Memberships, memberships
+from crowdtrain.gateway.housekeeping import housekeeping
+from crowdtrain.gateway.outbox import device_group
+from crowdtrain_agent.protocol import CloseCode
+from tests.factories import make_device
+
+from .conftest import HELLO, Connect, forget_group, has_members, receive, send
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _a_round_later() -> float:
+    return time.monotonic() + REFRESH_S + 1
+
+
+async def test_a_device_whose_group_was_forgotten_is_replaced_by_its_newer_socket_after_a_refresh(
+    connect: Connect,
+) -> None:
+    device, token = await sync_to_async(make_device)()
+    older, _, _ = await connect("/ws/agent/", token)
+    await send(older, HELLO)
+    await receive(older)
+    layer = get_channel_layer()
+    await forget_group(layer, device_group(device.pk))
+
+    refreshed = await memberships.refresh(layer, now=_a_round_later())
+    newer, _, _ = await connect("/ws/agent/", token)
+    closed = await older.receive_output(timeout=5)
+
+    assert refreshed >= 1
+    assert closed == {"type": "websocket.close", "code": CloseCode.REPLACED}
+
+
+async def test_without_the_refresh_a_forgotten_group_lets_two_sockets_of_one_device_stay_open(
+    connect: Connect,
+) -> None:
+    """The failure the refresh mends, shown on the same layer: nothing else re-adds the socket."""
+    device, token = await sync_to_async(make_device)()
+    older, _, _ = await connect("/ws/agent/", token)
+    await send(older, HELLO)
+    await receive(older)
+    await forget_group(get_channel_layer(), device_group(device.pk))
+
+    await connect("/ws/agent/", token)
+
+    assert await older.receive_nothing(timeout=0.3)
+
+
+async def test_a_socket_that_closed_is_not_added_back_by_the_refresh(connect: Connect) -> None:
+    device, token = await sync_to_async(make_device)()
+    agent, _, _ = await connect("/ws/agent/", token)
+    await send(agent, HELLO)
+    await receive(agent)
+    await agent.disconnect()
+    layer = get_channel_layer()
+
+    await memberships.refresh(layer, now=_a_round_later())
+
+    assert not await has_members(layer, device_group(device.pk))
+
+
+async def test_the_refresh_takes_only_memberships_that_are_due_and_adds_them_with_a_fresh_time() -> None:
+    layer = get_channel_layer()
+    kept = Memberships()
+    channels = [await layer.new_channel() for _ in range(3)]
+    for number, channel in enumerate(channels):
+        await kept.join(layer, f"test.groups.{number}", channel)
+    joined = time.monotonic()
+
+    early = await kept.refresh(layer, now=joined + REFRESH_S / 2)
+    await forget_group(layer, "test.groups.1")
+    later = await kept.refresh(layer, now=joined + REFRESH_S + 1)
+    again = await kept.refresh(layer, now=joined + REFRESH_S + 2)
+
+    assert (early, later, again) == (0, 3, 0)
+    assert await has_members(layer, "test.groups.1")
+    assert abs(await _added_at(layer, "test.groups.1", channels[1]) - time.time()) < 5
+    for number, channel in enumerate(channels):
+        await kept.leave(layer, f"test.groups.{number}", channel)
+    assert len(kept) == 0
+
+
+async def _added_at(layer: Any, group: str, channel: str) -> float:
+    """When the layer last added ``channel`` to ``group`` (the time its day-long expiry counts from)."""
+    if hasattr(layer, "groups"):
+        return float(layer.groups[group][channel])
+    redis = layer.connection(layer.consistent_hash(group))
+    key = layer._group_key(group)
+    assert 0 < await redis.ttl(key) <= layer.group_expiry  # the group's key expires as channels_redis sets it
+    return float(await redis.zscore(key, channel))
+
+
+async def test_the_housekeeping_round_puts_a_connected_device_back_in_its_forgotten_group(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(groups, "REFRESH_S", 0.0)  # every membership is due at every round
+    device, token = await sync_to_async(make_device)()
+    agent, _, _ = await connect("/ws/agent/", token)
+    await send(agent, HELLO)
+    await receive(agent)
+    layer = get_channel_layer()
+    await forget_group(layer, device_group(device.pk))
+
+    await housekeeping.round()
+
+    assert await has_members(layer, device_group(device.pk))
