@@ -121,7 +121,9 @@ def apply_move(campaign_id: int, name: str, by: Any) -> Campaign:
     if move is None:
         raise LifecycleError(f"unknown action {name!r}; use one of {', '.join(MOVES)}")
     with transaction.atomic():
-        campaign = Campaign.objects.select_for_update(of=("self",)).select_related("dataset").get(pk=campaign_id)
+        # NO KEY: a state change must not block the foreign-key checks of lease rows being written meanwhile.
+        locked = Campaign.objects.select_for_update(of=("self",), no_key=True)
+        campaign = locked.select_related("dataset").get(pk=campaign_id)
         if campaign.state not in move.sources:
             allowed = " or ".join(sorted(move.sources))
             raise LifecycleError(

@@ -17,7 +17,7 @@ from itertools import pairwise
 import msgspec
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Case, Count, F, Value, When
+from django.db.models import Case, Count, F, QuerySet, Value, When
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
@@ -60,6 +60,17 @@ Outbox = list[tuple[int, object]]
 # How many complete versions the aggregators are told to keep (the newest is the restore target;
 # an older one is an operator's choice when the newest turns out unreadable).
 COMPLETE_KEPT = 2
+
+
+def _locked_campaigns() -> QuerySet[Campaign]:
+    """Campaign rows locked for this transaction, FOR NO KEY UPDATE (none of these changes a key).
+
+    Not FOR UPDATE: that lock also blocks the foreign-key checks of every
+    transaction that inserts lease rows of the campaign meanwhile (the record
+    writer, a step's commit), and the site's lease traffic would wait on the
+    version bookkeeping.
+    """
+    return Campaign.objects.select_for_update(of=("self",), no_key=True)
 
 
 def complete_versions(campaign: Campaign) -> list[int]:
@@ -195,9 +206,7 @@ def assign_waiting_campaigns() -> Outbox:
     if not waiting:
         return outbox
     with transaction.atomic():
-        for campaign in Campaign.objects.select_for_update(of=("self",)).filter(
-            pk__in=waiting, state=Campaign.State.RUNNING
-        ):
+        for campaign in _locked_campaigns().filter(pk__in=waiting, state=Campaign.State.RUNNING):
             if campaign.slices.count() == campaign.num_aggregators:
                 continue
             live = live_aggregators()
@@ -389,7 +398,7 @@ def slice_ready(aggregator_id: int, ready: SliceReady) -> Outbox:
     outbox: Outbox = []
     _flush_records()
     with transaction.atomic():
-        campaign = Campaign.objects.select_for_update(of=("self",)).filter(pk=ready.campaign_id).first()
+        campaign = _locked_campaigns().filter(pk=ready.campaign_id).first()
         s = SliceAssignment.objects.filter(
             campaign_id=ready.campaign_id, index=ready.slice_index, aggregator_id=aggregator_id
         ).first()
@@ -416,7 +425,7 @@ def slice_ready(aggregator_id: int, ready: SliceReady) -> Outbox:
 def slice_lost(aggregator_id: int, lost: SliceLost) -> None:
     """An aggregator has no usable state for a slice: the campaign waits for an operator, saying why."""
     with transaction.atomic():
-        campaign = Campaign.objects.select_for_update(of=("self",)).filter(pk=lost.campaign_id).first()
+        campaign = _locked_campaigns().filter(pk=lost.campaign_id).first()
         s = (
             SliceAssignment.objects.filter(
                 campaign_id=lost.campaign_id, index=lost.slice_index, aggregator_id=aggregator_id
@@ -493,7 +502,7 @@ def step_failed(aggregator_id: int, failed: StepFailed) -> Outbox:
     if failed.missing_lease_ids:
         _flush_records()
     with transaction.atomic():
-        campaign = Campaign.objects.select_for_update(of=("self",)).filter(pk=failed.campaign_id).first()
+        campaign = _locked_campaigns().filter(pk=failed.campaign_id).first()
         s = (
             SliceAssignment.objects.filter(
                 campaign_id=failed.campaign_id, index=failed.slice_index, aggregator_id=aggregator_id
@@ -555,7 +564,7 @@ def _could_not_apply(campaign: Campaign, s: SliceAssignment, failed: StepFailed)
 def step_applied(aggregator_id: int, applied: StepApplied) -> VersionPublished | None:
     """Record one slice's progress; when every slice has a version, publish it to agents."""
     with transaction.atomic():
-        campaign = Campaign.objects.select_for_update(of=("self",)).filter(pk=applied.campaign_id).first()
+        campaign = _locked_campaigns().filter(pk=applied.campaign_id).first()
         s = SliceAssignment.objects.filter(
             campaign_id=applied.campaign_id, index=applied.slice_index, aggregator_id=aggregator_id
         ).first()
@@ -620,7 +629,7 @@ def restore_campaign(campaign_id: int, version: int) -> Outbox:
     """
     _flush_records()
     with transaction.atomic():
-        campaign = Campaign.objects.select_for_update(of=("self",)).get(pk=campaign_id)
+        campaign = _locked_campaigns().get(pk=campaign_id)
         complete = complete_versions(campaign)
         if version != 0 and version not in complete:
             choices = ", ".join(str(v) for v in complete) or "none"

@@ -166,9 +166,12 @@ class RecordWriter:
 
 
 def _write(new: Sequence[Lease], finished: Sequence[Finished], cursors: dict[int, tuple[int, int]]) -> None:
+    # Rows are written in id order, as a step's commit updates them: two transactions that lock the same
+    # lease rows in opposite orders deadlock, and PostgreSQL breaks that only after deadlock_timeout (1 s).
     with transaction.atomic():
         if new:
-            Lease.objects.bulk_create(new, ignore_conflicts=True)
+            Lease.objects.bulk_create(sorted(new, key=lambda lease: lease.pk), ignore_conflicts=True)
+        finished = sorted(finished, key=lambda f: f.lease_id)
         accepted = [f for f in finished if f.state == Lease.State.ACCEPTED]
         ended = [f for f in finished if f.state != Lease.State.ACCEPTED]
         with connection.cursor() as db:
