@@ -41,8 +41,12 @@ def make_text_dataset(num_samples: int = 100, sample_len: int = 9, samples_per_s
 
 def make_aggregator(name: str = "agg-1") -> Aggregator:
     return Aggregator.objects.create(
-        name=name, token_hash=hash_token(f"token-{name}"), upload_url=f"ws://127.0.0.1:1/{name}/upload",
-        params_url=f"http://127.0.0.1:1/{name}/params/", connected=True, last_seen_at=timezone.now(),
+        name=name,
+        token_hash=hash_token(f"token-{name}"),
+        upload_url=f"ws://127.0.0.1:1/{name}/upload",
+        params_url=f"http://127.0.0.1:1/{name}/params/",
+        connected=True,
+        last_seen_at=timezone.now(),
     )
 
 
@@ -52,16 +56,24 @@ def make_campaign(dataset: Dataset | None = None, *, slices: int = 1, **fields: 
     options: dict[str, Any] = {"target_batch_size": 32, "microbatch_size": 4, "staleness": 0, "num_aggregators": slices}
     options.update(fields)
     campaign = create_campaign(
-        name="test campaign", owner=make_user("organizer"), dataset=dataset, architecture="gpt",
-        model_config=TINY_GPT, **options,
+        name="test campaign",
+        owner=make_user("organizer"),
+        dataset=dataset,
+        architecture="gpt",
+        model_config=TINY_GPT,
+        **options,
     )
     campaign.state = Campaign.State.RUNNING
     campaign.save(update_fields=["state"])
     bounds = [campaign.param_count * i // slices for i in range(slices + 1)]
     for index in range(slices):
         SliceAssignment.objects.create(
-            campaign=campaign, aggregator=make_aggregator(f"agg-{campaign.pk}-{index}"), index=index,
-            start=bounds[index], end=bounds[index + 1], ready=True,
+            campaign=campaign,
+            aggregator=make_aggregator(f"agg-{campaign.pk}-{index}"),
+            index=index,
+            start=bounds[index],
+            end=bounds[index + 1],
+            ready=True,
         )
     return campaign
 
@@ -82,8 +94,11 @@ def receipts_for(lease: Lease | int, sketch: bytes = b"") -> list[Receipt]:
 def done_for(lease_id: int, loss: float = 1.0, sketch: bytes = b"") -> LeaseDone:
     lease = Lease.objects.get(pk=lease_id)
     return LeaseDone(
-        lease_id=lease.pk, receipts=receipts_for(lease, sketch), num_samples=lease.num_samples,
-        loss_sum=loss * lease.num_samples, compute_s=0.1,
+        lease_id=lease.pk,
+        receipts=receipts_for(lease, sketch),
+        num_samples=lease.num_samples,
+        loss_sum=loss * lease.num_samples,
+        compute_s=0.1,
     )
 
 

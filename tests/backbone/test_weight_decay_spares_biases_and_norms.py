@@ -114,9 +114,7 @@ def test_slices_match_plain_pytorch_with_one_param_group_per_decay_rule(name: st
     st.sampled_from(["adamw", "sgd"]),
     st.lists(st.integers(1, (numel(ODD_MLP) - 1) // ALIGN), min_size=1, max_size=3, unique=True),
 )
-def test_aligned_slices_compose_bit_for_bit_with_one_aggregator_holding_everything(
-    name: str, units: list[int]
-) -> None:
+def test_aligned_slices_compose_bit_for_bit_with_one_aggregator_holding_everything(name: str, units: list[int]) -> None:
     cuts = sorted(ALIGN * u for u in units)
 
     assert torch.equal(train(ODD_MLP, SPECS[name], cuts), train(ODD_MLP, SPECS[name], []))

@@ -69,10 +69,7 @@ def lease_states(database: str, lease_ids: Sequence[int]) -> tuple[dict[str, int
     import psycopg
 
     with psycopg.connect(database) as conn:
-        summary = {
-            f"{state}: {reason}" if reason else state: count
-            for state, reason, count in conn.execute(SUMMARY)
-        }
+        summary = {f"{state}: {reason}" if reason else state: count for state, reason, count in conn.execute(SUMMARY)}
         rows = conn.execute("SELECT id, state, reason FROM scheduler_lease WHERE id = ANY(%s)", (list(lease_ids),))
         states = {i: f"{state}: {reason}" if reason else state for i, state, reason in rows}
     return summary, states
@@ -82,7 +79,7 @@ def lease_states(database: str, lease_ids: Sequence[int]) -> tuple[dict[str, int
 # version was recorded, and how many leases it holds.
 STEP_TIMES = (
     "SELECT s.committed_at, s.applied_at, (SELECT count(*) FROM scheduler_lease l WHERE l.step_id = s.id) "
-    "FROM campaigns_step s WHERE s.applied_at IS NOT NULL ORDER BY s.\"index\""
+    'FROM campaigns_step s WHERE s.applied_at IS NOT NULL ORDER BY s."index"'
 )
 
 

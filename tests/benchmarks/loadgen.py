@@ -228,7 +228,16 @@ class SimAgent:
     """One simulated agent: a real control channel and the lease cycle, no model."""
 
     __slots__ = (
-        "index", "ctx", "channel", "connect_started", "connected", "pushed", "published", "task", "cycle_task", "asking"
+        "index",
+        "ctx",
+        "channel",
+        "connect_started",
+        "connected",
+        "pushed",
+        "published",
+        "task",
+        "cycle_task",
+        "asking",
     )
 
     def __init__(self, index: int, ctx: Context, url: str, token: str) -> None:

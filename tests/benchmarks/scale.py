@@ -137,9 +137,7 @@ W1_LEASES_PER_STEP = 32  # W1: global batch 1024 over microbatches of 32
 RECORDS_SETTLE_S = 20.0  # how long the overload phase waits for the site's lease records to catch up
 # A backup twin that lost the race: its samples were counted through the other lease of the pair, so
 # nothing was lost, though its own report was turned away (the site's reasons, scheduler/lua/done.lua).
-TWIN_RELEASES = frozenset(
-    {"released: the backup lease finished first", "released: the original lease finished first"}
-)
+TWIN_RELEASES = frozenset({"released: the backup lease finished first", "released: the original lease finished first"})
 SQLITE_FILE = "crowdtrain.sqlite3"  # the embedded default's database in CROWDTRAIN_VAR_DIR (settings.DATABASES)
 # Beyond these, a figure may be the load generator's or the neighbours' and not the site's.
 LAG_NOTE_MS = 200.0

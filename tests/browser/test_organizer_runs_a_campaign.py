@@ -67,9 +67,10 @@ def wait_for_final_export(campaign: Campaign, swarm: Swarm, timeout_s: float = 3
     while True:
         swarm.check()
         campaign.refresh_from_db()
-        settled = campaign.version == campaign.committed_steps and not campaign.leases.filter(
-            state=Lease.State.ACTIVE
-        ).exists()
+        settled = (
+            campaign.version == campaign.committed_steps
+            and not campaign.leases.filter(state=Lease.State.ACTIVE).exists()
+        )
         result = campaign.validation_results.filter(version=campaign.version).exclude(weights="").first()
         if settled and result is not None and result.loss is not None:
             return result
@@ -159,9 +160,7 @@ def test_an_organizer_trains_a_tiny_gpt_with_real_agents_and_downloads_it(
         # A square's colour (data-state) is its largest share, and two agents run through this small dataset's
         # epoch in seconds, so done work need not be any square's largest share when the map polls (CI caught
         # that); the label lists every state the square has samples in.
-        done_square = page.locator(
-            '#coverage-map button:is([aria-label*=" done"], [aria-label*=" verified"])'
-        ).first
+        done_square = page.locator('#coverage-map button:is([aria-label*=" done"], [aria-label*=" verified"])').first
         expect(done_square).to_be_visible(timeout=TRAINING_MS)
         done_square.click()
         expect(page.locator("[data-coverage-details]")).to_contain_text(re.compile(r"\d done|\d verified"))

@@ -61,8 +61,11 @@ def test_sigterm_loses_no_step_and_an_unusable_checkpoint_folder_is_refused(seed
     aggregator.signal(signal.SIGTERM)
     assert aggregator.popen.wait(30) == 0, aggregator.log_tail()
     log = aggregator.log_path.read_text()
-    stopped = re.search(r"stopping: 1 slice checkpoint\(s\) of the current version written and reported, with "
-                        r"(\d+) pending upload", log)
+    stopped = re.search(
+        r"stopping: 1 slice checkpoint\(s\) of the current version written and reported, with "
+        r"(\d+) pending upload",
+        log,
+    )
     assert stopped, log[-2000:]
     before = run.progress()["committed_steps"]
 

@@ -51,7 +51,7 @@ def test_it_rejects_bytes_that_are_not_a_tensor_shard() -> None:
 def test_a_decoded_shard_reads_every_range_like_the_arrays_it_was_made_from(ranges: list[tuple[int, int]]) -> None:
     x = np.random.default_rng(0).standard_normal((12, 3)).astype(np.float32)
     y = np.arange(12) % 5
-    (data, _), = make_tensor_shards(x, y, 12)
+    ((data, _),) = make_tensor_shards(x, y, 12)
     reader = ShardReader(DataSpec(kind="tensors"), data)
 
     for start, count in ranges:

@@ -63,6 +63,7 @@ from crowdtrain_agent.protocol import (
 from crowdtrain_agent.protocol.schema import lost_in
 
 from .admission import TRY_AGAIN_LATER, admission
+from .backbone_lane import subscriber
 from .groups import memberships
 from .housekeeping import LAST_SEEN_DB_EVERY_S, housekeeping
 from .offloop import offloop
@@ -73,6 +74,7 @@ from .outbox import (
     backbone_group,
     campaign_agents_group,
     device_group,
+    publish_commits,
     replace_connections,
     send_commits,
     send_outbox,
@@ -597,11 +599,10 @@ class AgentConsumer(_ProtocolConsumer):
 
     async def on_done(self, done: LeaseDone) -> None:
         waiting = self.waiting
-        outcome, answer = await offloop(leasing.report_and_request)(
-            self.device.pk, done, waiting.request if waiting else None
-        )
+        outcome, answer = await offloop(_report)(self.device.pk, done, waiting.request if waiting else None)
         self.leases.discard(done.lease_id)
-        # The critical path of a step first: the aggregators' commit, then the agent's ack and next lease.
+        # The critical path of a step first: the aggregators' commit (if the thread could not publish it),
+        # then the agent's ack and next lease.
         await send_commits(outcome.commits)
         await self.send_message(outcome.ack)
         if waiting is not None and answer is not None:
@@ -618,6 +619,15 @@ class AgentConsumer(_ProtocolConsumer):
     async def device_revoked(self, event: RevokedEvent) -> None:
         logger.info("device %s revoked: %s", self.device.pk, event["reason"])
         await self.close(code=CloseCode.REVOKED)
+
+
+def _report(
+    device_id: int, done: LeaseDone, waiting: LeaseRequest | None
+) -> tuple[leasing.DoneOutcome, leasing.LeaseAnswer | None]:
+    """``leasing.report_and_request``; the aggregators hear its commits from this thread, not after the loop's turn."""
+    outcome, answer = leasing.report_and_request(device_id, done, waiting)
+    publish_commits(outcome.commits)
+    return outcome, answer
 
 
 def _release_after_grace(device_id: int, lease_ids: list[int]) -> None:
@@ -680,6 +690,7 @@ class BackboneConsumer(_ProtocolConsumer):
 
     accepts = BACKBONE_TO_SITE
     last_touched = 0.0
+    _upkeep: asyncio.Task[None] | None = None  # the last heartbeat's upkeep
 
     async def connect(self) -> None:
         await self.accept_protocol()  # before the token lookup, as AgentConsumer.connect explains
@@ -692,8 +703,11 @@ class BackboneConsumer(_ProtocolConsumer):
 
     async def disconnect(self, code: int) -> None:
         aggregator = getattr(self, "aggregator", None)
+        if self._upkeep is not None:
+            self._upkeep.cancel()
         if aggregator is None or not self.greeted:
             return
+        subscriber.release(aggregator.pk, self.socket_send)
         await memberships.leave(self.channel_layer, backbone_group(aggregator.pk), self.channel_name)
         # Only the aggregator's current socket speaks for it: the close of one a newer socket replaced
         # (or that daphne noticed dead only after the aggregator reconnected) changes nothing.
@@ -716,6 +730,7 @@ class BackboneConsumer(_ProtocolConsumer):
             )
         self.greeted = True
         await self.take_over(backbone_group(self.aggregator.pk))
+        subscriber.hold(self.aggregator.pk, self.socket_send)  # its orders, ahead of this consumer's queue
         await self.send_message(
             BackboneWelcome(
                 aggregator_id=self.aggregator.pk,
@@ -734,6 +749,23 @@ class BackboneConsumer(_ProtocolConsumer):
         )  # fmt: skip
 
     async def on_heartbeat(self, _: Heartbeat) -> None:
+        """The heartbeat's upkeep runs beside this consumer's messages, not before the next one.
+
+        It waits for the site's busy thread pools: 0.3 to 1.3 s at 300 agents on 2 cores (scale bench),
+        and a step's ``applied`` that came in meanwhile, which agents wait on, waited behind it. One
+        heartbeat's upkeep at a time: a heartbeat that finds the last one's still running skips its own.
+        """
+        if self._upkeep is not None and not self._upkeep.done():
+            return
+        self._upkeep = asyncio.get_running_loop().create_task(self._heartbeat_upkeep())
+
+    async def _heartbeat_upkeep(self) -> None:
+        try:
+            await self._upkeep_once()
+        except Exception:  # the next heartbeat tries again
+            logger.exception("aggregator %s: heartbeat upkeep failed", self.aggregator.name)
+
+    async def _upkeep_once(self) -> None:
         # Joined again each time: a Redis that restarted empty forgot this socket's group, and the commits
         # sent to the group (those below included) would be lost until the aggregator reconnected, which
         # it has no reason to do. A socket replaced meanwhile is closed (4012) and leaves it on disconnect.

@@ -20,13 +20,14 @@ from django.utils import timezone
 from crowdtrain.accounts.models import Device
 from crowdtrain.ops import history
 from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler.commits import Commit
 from crowdtrain.scheduler.hotstate import presence
 from crowdtrain.verification import checks
 
 from .admission import admission
 from .groups import memberships
 from .offloop import offloop
-from .outbox import send_commits
+from .outbox import publish_commits, send_commits
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,13 @@ def _stamp_last_seen() -> int:
     for start in range(0, len(ids), 5000):
         Device.objects.filter(pk__in=ids[start : start + 5000]).update(last_seen_at=timezone.now())
     return len(ids)
+
+
+def _expire_overdue() -> list[Commit]:
+    """Expire overdue leases; the steps that closed go out to their aggregators from this thread."""
+    _, commits = leasing.expire_all_overdue()
+    publish_commits(commits)
+    return commits
 
 
 class Housekeeping:
@@ -76,8 +84,7 @@ class Housekeeping:
         """One round's work: a few batched calls, whatever the number of connections."""
         await offloop(presence.publish)()
         await memberships.refresh(get_channel_layer())
-        _, commits = await offloop(leasing.expire_all_overdue)()
-        await send_commits(commits)
+        await send_commits(await offloop(_expire_overdue)())
         if time.monotonic() - self._last_db > LAST_SEEN_DB_EVERY_S:
             self._last_db = time.monotonic()
             await offloop(_stamp_last_seen)()

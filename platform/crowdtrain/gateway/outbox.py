@@ -21,6 +21,8 @@ from crowdtrain.scheduler.commits import Commit
 from crowdtrain_agent.protocol import OLDEST_MINOR, PROTOCOL_MINOR, encode_message
 from crowdtrain_agent.protocol.schema import lost_in
 
+from . import backbone_lane
+
 logger = logging.getLogger(__name__)
 
 
@@ -80,9 +82,21 @@ async def send_to_group(group: str, message: Any) -> None:
 
 
 async def send_outbox(outbox: Iterable[tuple[int, Any]]) -> None:
-    """Deliver (aggregator id, message) pairs returned by the scheduler."""
+    """Deliver (aggregator id, message) pairs returned by the scheduler (``backbone_lane`` says how)."""
     for aggregator_id, message in outbox:
-        await send_to_group(backbone_group(aggregator_id), message)
+        await backbone_lane.send(aggregator_id, send_event(message), backbone_group(aggregator_id))
+
+
+def publish_commits(commits: Iterable[Commit]) -> None:
+    """Tell the aggregators of steps just committed, from the committing thread, before its loop hears of them.
+
+    A commit whose aggregators all heard is marked ``delivered``; ``send_commits``
+    sends the others again from the loop.
+    """
+    for commit in commits:
+        commit.delivered = backbone_lane.publish_now(
+            (aggregator_id, send_event(commit.message)) for aggregator_id in commit.aggregator_ids
+        )
 
 
 async def send_commits(commits: Iterable[Commit]) -> None:
@@ -92,7 +106,8 @@ async def send_commits(commits: Iterable[Commit]) -> None:
     its own channel: a commit costs the same with ten or ten thousand agents waiting.
     """
     for commit in commits:
-        await send_outbox((aggregator_id, commit.message) for aggregator_id in commit.aggregator_ids)
+        if not commit.delivered:
+            await send_outbox((aggregator_id, commit.message) for aggregator_id in commit.aggregator_ids)
     for commit in commits:
         await wake(commit.message.campaign_id, commit.woken)
 

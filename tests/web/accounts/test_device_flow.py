@@ -288,7 +288,10 @@ def test_whoami_and_logout_work_with_the_device_token_only(client: Client, owner
     no_token = client.get("/api/me")
 
     assert me.json() == {
-        "device_id": device.pk, "device_name": "desk gpu", "user": "owner@example.org", "server": "http://testserver"
+        "device_id": device.pk,
+        "device_name": "desk gpu",
+        "user": "owner@example.org",
+        "server": "http://testserver",
     }
     assert revoked.json() == {"revoked": True, "device_id": device.pk}
     assert me_after.status_code == 401 and me_after["WWW-Authenticate"].startswith("Bearer")

@@ -64,7 +64,7 @@ def test_the_page_lists_my_devices_with_hardware_speed_and_state(
     assert "someone else" not in html
     assert "NVIDIA H100 80GB HBM3 (cuda)" in html and "79.6 GiB" in html and "510.0 TFLOP/s" in html
     assert "412.5 samples/s" in html and "123456" in html and "Linux 6.8" in html
-    section = html[html.index(f'id="device-{online.pk}"'):]
+    section = html[html.index(f'id="device-{online.pk}"') :]
     assert "online now" in section[:600]
     assert html.count("online now") == 1 and html.count("badge-revoked") == 1
 
@@ -146,7 +146,8 @@ async def test_a_web_session_cannot_act_as_an_agent(owner: AbstractBaseUser) -> 
 
 @pytest.mark.django_db(transaction=True)
 async def test_revoking_on_the_page_disconnects_the_running_agent_with_4003(
-    owner: AbstractBaseUser, connect: Connect  # noqa: F811
+    owner: AbstractBaseUser,
+    connect: Connect,  # noqa: F811
 ) -> None:
     device, token = await sync_to_async(_device_through_login)(owner)
     socket, connected, _ = await connect("/ws/agent/", token)
@@ -169,7 +170,8 @@ async def test_revoking_on_the_page_disconnects_the_running_agent_with_4003(
 
 @pytest.mark.django_db(transaction=True)
 async def test_hello_keeps_the_host_and_os_reported_at_login(
-    owner: AbstractBaseUser, connect: Connect  # noqa: F811
+    owner: AbstractBaseUser,
+    connect: Connect,  # noqa: F811
 ) -> None:
     device, token = await sync_to_async(_device_through_login)(owner)
     await sync_to_async(Device.objects.filter(pk=device.pk).update)(hardware={"os": "Linux 6.8", "hostname": "lab-box"})

@@ -43,8 +43,15 @@ def _leases(campaign: Campaign, device: Device, count: int, *, samples: int = 2)
     done = timezone.now()
     return [
         Lease.objects.create(
-            campaign=campaign, device=device, base_version=0, ranges=[], num_samples=samples,
-            state=Lease.State.ACCEPTED, deadline=done, finished_at=done, compute_s=0.25,
+            campaign=campaign,
+            device=device,
+            base_version=0,
+            ranges=[],
+            num_samples=samples,
+            state=Lease.State.ACCEPTED,
+            deadline=done,
+            finished_at=done,
+            compute_s=0.25,
         )  # fmt: skip
         for _ in range(count)
     ]

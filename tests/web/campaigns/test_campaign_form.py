@@ -18,13 +18,38 @@ pytestmark = pytest.mark.django_db
 
 def valid_post(dataset: Dataset, **overrides: Any) -> dict[str, Any]:
     data: dict[str, Any] = {
-        "name": "Tiny GPT", "description": "bytes in, bytes out", "visibility": "public", "dataset": dataset.pk,
-        "architecture": "gpt", "gpt__n_layer": 1, "gpt__n_head": 1, "gpt__n_embd": 8, "gpt__block_size": 8,
-        "mlp__in_dim": 256, "mlp__hidden": "1024, 1024", "mlp__classes": 10,
-        "optimizer": "adamw", "lr": 0.003, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
-        "momentum": 0.9, "warmup_steps": 0, "schedule": "constant", "min_lr_ratio": 0.0,
-        "target_batch_size": 32, "microbatch_size": 4, "codec": "fp32", "max_steps": 20, "target_val_loss": "",
-        "seed": 7, "num_aggregators": 1, "staleness": 1, "checkpoint_every": 10, "validate_every": 10,
+        "name": "Tiny GPT",
+        "description": "bytes in, bytes out",
+        "visibility": "public",
+        "dataset": dataset.pk,
+        "architecture": "gpt",
+        "gpt__n_layer": 1,
+        "gpt__n_head": 1,
+        "gpt__n_embd": 8,
+        "gpt__block_size": 8,
+        "mlp__in_dim": 256,
+        "mlp__hidden": "1024, 1024",
+        "mlp__classes": 10,
+        "optimizer": "adamw",
+        "lr": 0.003,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "momentum": 0.9,
+        "warmup_steps": 0,
+        "schedule": "constant",
+        "min_lr_ratio": 0.0,
+        "target_batch_size": 32,
+        "microbatch_size": 4,
+        "codec": "fp32",
+        "max_steps": 20,
+        "target_val_loss": "",
+        "seed": 7,
+        "num_aggregators": 1,
+        "staleness": 1,
+        "checkpoint_every": 10,
+        "validate_every": 10,
         "max_grad_norm": 1e4,
     }
     data.update(overrides)
@@ -47,7 +72,12 @@ def test_an_organizer_creates_a_draft_campaign(organizer_client: Client, text_da
     response = organizer_client.post(
         "/campaigns/new",
         valid_post(
-            text_dataset, optimizer="lamb", schedule="cosine", warmup_steps=5, min_lr_ratio=0.1, target_val_loss=2.5,
+            text_dataset,
+            optimizer="lamb",
+            schedule="cosine",
+            warmup_steps=5,
+            min_lr_ratio=0.1,
+            target_val_loss=2.5,
             validate_every=4,
         ),
     )
@@ -87,9 +117,17 @@ def test_an_mlp_campaign_reads_its_hidden_widths_from_a_comma_list(
     tensors = create_tensor_dataset("blobs", rng.normal(size=(64, 4)).astype(np.float32), rng.integers(0, 3, 64))
     Dataset.objects.filter(pk=tensors.pk).update(owner=olga)
 
-    organizer_client.post("/campaigns/new", valid_post(
-        tensors, architecture="mlp", mlp__in_dim=4, mlp__hidden="16, 8", mlp__classes=3, gpt__n_layer="",
-    ))
+    organizer_client.post(
+        "/campaigns/new",
+        valid_post(
+            tensors,
+            architecture="mlp",
+            mlp__in_dim=4,
+            mlp__hidden="16, 8",
+            mlp__classes=3,
+            gpt__n_layer="",
+        ),
+    )
 
     assert Campaign.objects.get().model_config == {"in_dim": 4, "hidden": [16, 8], "classes": 3}
 
@@ -194,10 +232,20 @@ def test_a_running_campaign_locks_model_settings_and_says_why(organizer_client: 
     Campaign.objects.filter(pk=campaign.pk).update(state=Campaign.State.RUNNING, committed_steps=3)
 
     page = organizer_client.get(f"/campaigns/{campaign.pk}/edit")
-    response = organizer_client.post(f"/campaigns/{campaign.pk}/edit", valid_post(
-        text_dataset, name="Renamed", max_steps=50, target_val_loss=1.5, gpt__n_embd=16, lr=0.5, codec="fp16",
-        target_batch_size=64, visibility="invite",
-    ))
+    response = organizer_client.post(
+        f"/campaigns/{campaign.pk}/edit",
+        valid_post(
+            text_dataset,
+            name="Renamed",
+            max_steps=50,
+            target_val_loss=1.5,
+            gpt__n_embd=16,
+            lr=0.5,
+            codec="fp16",
+            target_batch_size=64,
+            visibility="invite",
+        ),
+    )
 
     campaign.refresh_from_db()
     html = page.content.decode()

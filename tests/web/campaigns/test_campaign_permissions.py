@@ -149,9 +149,15 @@ def test_the_campaign_form_needs_the_csrf_token(owner: AbstractBaseUser, campaig
 
 def test_a_volunteer_with_the_invite_link_becomes_invited(owner: AbstractBaseUser, campaign: Campaign) -> None:
     owner_client = logged_in(owner)
-    owner_client.post(f"/campaigns/{campaign.pk}/edit", {
-        "name": campaign.name, "visibility": "invite", "max_steps": 100, "dataset": campaign.dataset_id,
-    })
+    owner_client.post(
+        f"/campaigns/{campaign.pk}/edit",
+        {
+            "name": campaign.name,
+            "visibility": "invite",
+            "max_steps": 100,
+            "dataset": campaign.dataset_id,
+        },
+    )
     campaign.refresh_from_db()
     vera = make_volunteer("vera")
     vera_client = logged_in(vera)

@@ -219,7 +219,11 @@ def test_a_draft_broken_outside_the_form_cannot_start(owner_client: Client, owne
 
 @pytest.mark.parametrize(("version", "validated", "scheduled"), [(3, False, [3]), (3, True, []), (0, False, [])])
 def test_finishing_by_hand_validates_the_last_version_once(
-    owner_client: Client, owner: AbstractBaseUser, monkeypatch: pytest.MonkeyPatch, version: int, validated: bool,
+    owner_client: Client,
+    owner: AbstractBaseUser,
+    monkeypatch: pytest.MonkeyPatch,
+    version: int,
+    validated: bool,
     scheduled: list[int],
 ) -> None:
     calls: list[tuple[int, int]] = []

@@ -11,6 +11,8 @@ from crowdtrain.asgi import application
 from crowdtrain_agent.protocol import (
     PROTOCOL_VERSION,
     AgentHello,
+    BackboneHello,
+    BackboneWelcome,
     DeviceInfo,
     decode_message,
     encode_message,
@@ -102,3 +104,20 @@ async def connect() -> AsyncIterator[Connect]:
     yield _connect
     for communicator in opened:
         await communicator.disconnect()
+
+
+async def joined_aggregator(connect: Connect) -> tuple[WebsocketCommunicator, BackboneWelcome]:
+    """An aggregator "agg-1" that said hello and was welcomed, before any campaign runs (nothing else is sent)."""
+    from asgiref.sync import sync_to_async
+
+    from tests.factories import make_aggregator
+
+    await sync_to_async(make_aggregator)("agg-1")
+    aggregator, _, _ = await connect("/ws/backbone/", "token-agg-1")
+    hello = BackboneHello(
+        protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"
+    )
+    await send(aggregator, hello)
+    welcome = await receive(aggregator)
+    assert isinstance(welcome, BackboneWelcome)
+    return aggregator, welcome

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -11,7 +12,10 @@ from django.conf import settings
 from crowdtrain.accounts.tokens import hash_token
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.setup import create_campaign
+from crowdtrain.gateway import backbone_lane
 from crowdtrain.gateway.outbox import backbone_group, send_outbox
+from crowdtrain.ops import heartbeats
+from crowdtrain.scheduler import backbone
 from crowdtrain.scheduler.models import Aggregator
 from crowdtrain_agent.protocol import (
     PROTOCOL_VERSION,
@@ -32,7 +36,7 @@ from crowdtrain_agent.protocol import (
 )
 from tests.factories import TINY_GPT, make_device, make_text_dataset, make_user
 
-from .conftest import HELLO, Connect, forget_group, has_members, receive, send
+from .conftest import HELLO, Connect, forget_group, has_members, joined_aggregator, receive, send
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -165,7 +169,7 @@ async def test_an_aggregator_that_lost_its_state_rolls_the_campaign_back(connect
 async def test_a_campaign_started_after_its_aggregator_joined_gets_its_slice_on_the_next_heartbeat(
     connect: Connect,
 ) -> None:
-    aggregator, _ = await _joined_aggregator(connect)
+    aggregator, _ = await joined_aggregator(connect)
     campaign = await sync_to_async(_running_campaign)()
 
     await send(aggregator, Heartbeat())
@@ -175,9 +179,10 @@ async def test_a_campaign_started_after_its_aggregator_joined_gets_its_slice_on_
 
 
 async def test_an_aggregator_whose_group_the_channel_layer_forgot_hears_commits_again_after_a_heartbeat(
-    connect: Connect,
+    connect: Connect, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    aggregator, welcome = await _joined_aggregator(connect)
+    monkeypatch.setattr(backbone_lane, "enabled", lambda: False)  # the channel layer's way, which Redis can forget
+    aggregator, welcome = await joined_aggregator(connect)
     layer = get_channel_layer()
     group = backbone_group(welcome.aggregator_id)
     await forget_group(layer, group)  # what a Redis restarted empty leaves: the socket open, its group gone
@@ -195,16 +200,33 @@ async def test_an_aggregator_whose_group_the_channel_layer_forgot_hears_commits_
     assert await receive(aggregator) == order
 
 
-async def _joined_aggregator(connect: Connect) -> tuple[Any, BackboneWelcome]:
-    """An aggregator "agg-1" that said hello and was welcomed, before any campaign runs (nothing else is sent)."""
-    token = await sync_to_async(_aggregator)("agg-1")
-    aggregator, _, _ = await connect("/ws/backbone/", token)
-    await send(
-        aggregator,
-        BackboneHello(
-            protocol_version=PROTOCOL_VERSION, name="agg-1", upload_url="ws://x/upload", params_url="http://x/params/"
-        ),
-    )
-    welcome = await receive(aggregator)
-    assert isinstance(welcome, BackboneWelcome)
-    return aggregator, welcome
+async def test_a_steps_applied_is_handled_while_the_last_heartbeats_upkeep_still_waits(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under load the upkeep waits for the site's busy thread pools (up to 1.3 s in the scale bench): the
+    ``applied`` that agents wait on must not queue behind it."""
+    aggregator, welcome = await joined_aggregator(connect)
+    stuck, handled = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def aggregator_heard(aggregator_id: int) -> None:
+        calls.append(aggregator_id)
+        if len(calls) > 1:  # the hello's call passes; the heartbeat's waits, as for a busy pool
+            stuck.wait(10)
+
+    monkeypatch.setattr(heartbeats, "aggregator_heard", aggregator_heard)
+    real_step_applied = backbone.step_applied
+
+    def step_applied(*args: Any) -> Any:
+        handled.set()
+        return real_step_applied(*args)
+
+    monkeypatch.setattr(backbone, "step_applied", step_applied)
+    try:
+        await send(aggregator, Heartbeat())
+        await send(aggregator, StepApplied(campaign_id=99, slice_index=0, step=0, version=1))
+        heard = await asyncio.to_thread(handled.wait, 5)
+    finally:
+        stuck.set()
+
+    assert heard

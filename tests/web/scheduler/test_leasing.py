@@ -115,8 +115,11 @@ def test_it_rejects_a_report_without_a_valid_receipt_and_requeues_the_samples() 
     device, _ = make_device()
     lease = leasing.request_lease(device.pk, None, None)
     forged = LeaseDone(
-        lease_id=lease.lease_id, receipts=[receipts_for(lease.lease_id)[0], Receipt(slice_index=1, token="forged")],
-        num_samples=lease.num_samples, loss_sum=1.0, compute_s=0.1,
+        lease_id=lease.lease_id,
+        receipts=[receipts_for(lease.lease_id)[0], Receipt(slice_index=1, token="forged")],
+        num_samples=lease.num_samples,
+        loss_sum=1.0,
+        compute_s=0.1,
     )
 
     outcome = leasing.report_done(device.pk, forged)
