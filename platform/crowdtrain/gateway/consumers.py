@@ -370,6 +370,7 @@ class AgentConsumer(_ProtocolConsumer):
         housekeeping.start()
 
     async def disconnect(self, code: int) -> None:
+        groups = memberships.drop(self.channel_name)  # first, before any await can be cut short
         if self.admitted:
             admission.socket_closed()
         await self._stop_waiting()
@@ -379,9 +380,8 @@ class AgentConsumer(_ProtocolConsumer):
         presence.disconnected(device.pk)
         if self.leases:
             _release_after_grace(device.pk, sorted(self.leases))
-        await memberships.leave(self.channel_layer, device_group(device.pk), self.channel_name)
-        for campaign_id in self.campaigns:
-            await memberships.leave(self.channel_layer, campaign_agents_group(campaign_id), self.channel_name)
+        for group in groups:
+            await self.channel_layer.group_discard(group, self.channel_name)
 
     async def on_hello(self, hello: AgentHello) -> None:
         self.check_version(hello.protocol_version)
@@ -702,13 +702,13 @@ class BackboneConsumer(_ProtocolConsumer):
         self.aggregator = aggregator
 
     async def disconnect(self, code: int) -> None:
+        groups = memberships.drop(self.channel_name)  # first, before any await can be cut short
         aggregator = getattr(self, "aggregator", None)
-        if self._upkeep is not None:
-            self._upkeep.cancel()
         if aggregator is None or not self.greeted:
             return
-        subscriber.release(aggregator.pk, self.socket_send)
-        await memberships.leave(self.channel_layer, backbone_group(aggregator.pk), self.channel_name)
+        await subscriber.release(aggregator.pk, self.socket_send)
+        for group in groups:
+            await self.channel_layer.group_discard(group, self.channel_name)
         # Only the aggregator's current socket speaks for it: the close of one a newer socket replaced
         # (or that daphne noticed dead only after the aggregator reconnected) changes nothing.
         if await database_sync_to_async(backbone.aggregator_left)(aggregator.pk, channel_name=self.channel_name):
@@ -730,7 +730,7 @@ class BackboneConsumer(_ProtocolConsumer):
             )
         self.greeted = True
         await self.take_over(backbone_group(self.aggregator.pk))
-        subscriber.hold(self.aggregator.pk, self.socket_send)  # its orders, ahead of this consumer's queue
+        await subscriber.hold(self.aggregator.pk, self.socket_send)  # its orders, ahead of this consumer's queue
         await self.send_message(
             BackboneWelcome(
                 aggregator_id=self.aggregator.pk,
@@ -766,9 +766,13 @@ class BackboneConsumer(_ProtocolConsumer):
             logger.exception("aggregator %s: heartbeat upkeep failed", self.aggregator.name)
 
     async def _upkeep_once(self) -> None:
-        # Joined again each time: a Redis that restarted empty forgot this socket's group, and the commits
-        # sent to the group (those below included) would be lost until the aggregator reconnected, which
-        # it has no reason to do. A socket replaced meanwhile is closed (4012) and leaves it on disconnect.
+        if self.closed:
+            return
+        # Recorded and joined again each time: a Redis that restarted empty forgot which process holds this
+        # socket (the lane of backbone_lane) and its group (the channel layer's way, the lane's fallback),
+        # and the orders (those below included) would be lost until the aggregator reconnected, which it has
+        # no reason to do. Every heartbeat, not once a minute as agents' groups: a step waits on these.
+        await subscriber.hold(self.aggregator.pk, self.socket_send)
         await self.channel_layer.group_add(backbone_group(self.aggregator.pk), self.channel_name)
         # For the silent-aggregator alert (crowdtrain.ops.health): one Redis write, seconds-accurate.
         await offloop(heartbeats.aggregator_heard)(self.aggregator.pk)

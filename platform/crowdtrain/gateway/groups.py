@@ -44,6 +44,7 @@ class Memberships:
 
     def __init__(self) -> None:
         self._added: OrderedDict[Membership, float] = OrderedDict()  # membership -> when last added (monotonic)
+        self._groups: dict[str, set[str]] = {}  # channel -> its groups
 
     def __len__(self) -> int:
         return len(self._added)
@@ -52,10 +53,30 @@ class Memberships:
         await layer.group_add(group, channel)
         self._added[(group, channel)] = time.monotonic()
         self._added.move_to_end((group, channel))
+        self._groups.setdefault(channel, set()).add(group)
 
     async def leave(self, layer: Any, group: str, channel: str) -> None:
-        self._added.pop((group, channel), None)
+        self._forget(group, channel)
         await layer.group_discard(group, channel)
+
+    def drop(self, channel: str) -> list[str]:
+        """Forget every membership of a closing socket at once, before any await; returns its groups.
+
+        Its ``disconnect`` then leaves them in the layer: cut short there (daphne
+        cancels a cleanup after its close timeout), nothing here re-adds them.
+        """
+        groups = sorted(self._groups.pop(channel, ()))
+        for group in groups:
+            self._added.pop((group, channel), None)
+        return groups
+
+    def _forget(self, group: str, channel: str) -> None:
+        self._added.pop((group, channel), None)
+        groups = self._groups.get(channel)
+        if groups is not None:
+            groups.discard(group)
+            if not groups:
+                del self._groups[channel]
 
     def due(self, now: float) -> list[Membership]:
         """The memberships not added for ``REFRESH_S``, marked as added now."""
@@ -78,7 +99,14 @@ class Memberships:
         due = self.due(time.monotonic() if now is None else now)
         if not due:
             return 0
-        await add_many(layer, due)
+        try:
+            await add_many(layer, due)
+        except Exception:
+            for membership in reversed(due):  # due again at the next round, at the front where they were
+                if membership in self._added:
+                    self._added.move_to_end(membership, last=False)
+                    self._added[membership] = 0.0
+            raise
         for group, channel in due:
             if (group, channel) not in self._added:
                 await layer.group_discard(group, channel)

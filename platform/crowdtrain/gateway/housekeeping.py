@@ -83,7 +83,6 @@ class Housekeeping:
     async def round(self) -> None:
         """One round's work: a few batched calls, whatever the number of connections."""
         await offloop(presence.publish)()
-        await memberships.refresh(get_channel_layer())
         await send_commits(await offloop(_expire_overdue)())
         if time.monotonic() - self._last_db > LAST_SEEN_DB_EVERY_S:
             self._last_db = time.monotonic()
@@ -92,6 +91,7 @@ class Housekeeping:
         if int(time.time() // 60) != self._minute:
             self._minute = int(time.time() // 60)
             await offloop(history.record_minute)()
+        await memberships.refresh(get_channel_layer())  # last: a Redis away fails it, after the rest is done
 
 
 housekeeping = Housekeeping()

@@ -122,3 +122,37 @@ async def test_the_housekeeping_round_puts_a_connected_device_back_in_its_forgot
     await housekeeping.round()
 
     assert await has_members(layer, device_group(device.pk))
+
+
+async def test_a_closing_sockets_memberships_are_forgotten_at_once_whatever_its_cleanup_does() -> None:
+    layer = get_channel_layer()
+    kept = Memberships()
+    channel = await layer.new_channel()
+    await kept.join(layer, "test.groups.device", channel)
+    await kept.join(layer, "test.groups.campaign", channel)
+
+    groups = kept.drop(channel)  # the cleanup's first step; its later awaits may be cancelled by daphne
+
+    assert groups == ["test.groups.campaign", "test.groups.device"]
+    assert len(kept) == 0 and await kept.refresh(layer, now=_a_round_later()) == 0
+
+
+class _RedisAway:
+    """A layer whose Redis does not answer, as during a restart."""
+
+    async def group_add(self, group: str, channel: str) -> None:
+        raise ConnectionError("Redis is restarting")
+
+
+async def test_memberships_whose_refresh_failed_are_due_again_at_the_next_round() -> None:
+    layer = get_channel_layer()
+    kept = Memberships()
+    channel = await layer.new_channel()
+    await kept.join(layer, "test.groups.retry", channel)
+
+    with pytest.raises(ConnectionError):
+        await kept.refresh(_RedisAway(), now=_a_round_later())
+    again = await kept.refresh(layer, now=time.monotonic())  # not a round later: due because the last one failed
+
+    assert again == 1
+    await kept.leave(layer, "test.groups.retry", channel)
