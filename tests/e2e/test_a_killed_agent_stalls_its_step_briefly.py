@@ -10,6 +10,7 @@ commits around the kill must stay near grace plus one lease.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from datetime import datetime
@@ -30,6 +31,7 @@ ENV = {**SITE_ENV, "CROWDTRAIN_DISCONNECT_GRACE_S": str(GRACE_S), "CROWDTRAIN_GO
 # Far more steps than the test waits for: the campaign must still be running through every kill below (eight
 # kills take about a minute, 240 steps at this machine's pace), and the test stops it long before the end.
 STEPS = 2000
+WORKING = re.compile(r"lease \d+ done")  # an agent's line for a finished lease
 AFTER_THE_KILL = 10  # steps committed after the kill that caught a lease, before the stall is read
 
 
@@ -58,8 +60,11 @@ def test_a_killed_agents_lease_is_redone_after_the_grace(seeded_run: Any, tmp_pa
         released = state["lease_states"].get("released", 0)
         if released:
             break
-        run.swarm.start_agent(run.site, token=run.seed["agents"]["agent-1"], name="agent-1", threads=1,
-                              campaign_id=run.campaign_id)  # fmt: skip
+        restarted = run.swarm.start_agent(run.site, token=run.seed["agents"]["agent-1"], name="agent-1", threads=1,
+                                          campaign_id=run.campaign_id)  # fmt: skip
+        # Working again before the next kill: on a busy machine its start (torch's import) took longer than
+        # the pause below, and seven kills in a row caught an agent that had not connected yet.
+        restarted.wait_for_line(WORKING, timeout_s=60)
     assert released, "no kill caught the agent holding a lease"
     run.wait_for_version(state["committed_steps"] + AFTER_THE_KILL, timeout_s=120)
     dump = run.dump()
