@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
+from channels.testing import WebsocketCommunicator
 
+from crowdtrain.accounts.models import Device
 from crowdtrain.gateway import groups
 from crowdtrain.gateway.groups import REFRESH_S, Memberships, memberships
 from crowdtrain.gateway.housekeeping import housekeeping
@@ -27,6 +29,15 @@ from .conftest import HELLO, Connect, forget_group, has_members, receive, send
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+async def _greeted_device(connect: Connect) -> tuple[Device, str, WebsocketCommunicator]:
+    """A device, its token, and its agent's socket, welcomed (and so in its device group)."""
+    device, token = await sync_to_async(make_device)()
+    agent, _, _ = await connect("/ws/agent/", token)
+    await send(agent, HELLO)
+    await receive(agent)
+    return device, token, agent
+
+
 def _a_round_later() -> float:
     return time.monotonic() + REFRESH_S + 1
 
@@ -34,10 +45,7 @@ def _a_round_later() -> float:
 async def test_a_device_whose_group_was_forgotten_is_replaced_by_its_newer_socket_after_a_refresh(
     connect: Connect,
 ) -> None:
-    device, token = await sync_to_async(make_device)()
-    older, _, _ = await connect("/ws/agent/", token)
-    await send(older, HELLO)
-    await receive(older)
+    device, token, older = await _greeted_device(connect)
     layer = get_channel_layer()
     await forget_group(layer, device_group(device.pk))
 
@@ -53,10 +61,7 @@ async def test_without_the_refresh_a_forgotten_group_lets_two_sockets_of_one_dev
     connect: Connect,
 ) -> None:
     """The failure the refresh mends, shown on the same layer: nothing else re-adds the socket."""
-    device, token = await sync_to_async(make_device)()
-    older, _, _ = await connect("/ws/agent/", token)
-    await send(older, HELLO)
-    await receive(older)
+    device, token, older = await _greeted_device(connect)
     await forget_group(get_channel_layer(), device_group(device.pk))
 
     await connect("/ws/agent/", token)
@@ -65,10 +70,7 @@ async def test_without_the_refresh_a_forgotten_group_lets_two_sockets_of_one_dev
 
 
 async def test_a_socket_that_closed_is_not_added_back_by_the_refresh(connect: Connect) -> None:
-    device, token = await sync_to_async(make_device)()
-    agent, _, _ = await connect("/ws/agent/", token)
-    await send(agent, HELLO)
-    await receive(agent)
+    device, _, agent = await _greeted_device(connect)
     await agent.disconnect()
     layer = get_channel_layer()
 
@@ -112,10 +114,7 @@ async def test_the_housekeeping_round_puts_a_connected_device_back_in_its_forgot
     connect: Connect, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(groups, "REFRESH_S", 0.0)  # every membership is due at every round
-    device, token = await sync_to_async(make_device)()
-    agent, _, _ = await connect("/ws/agent/", token)
-    await send(agent, HELLO)
-    await receive(agent)
+    device, _, agent = await _greeted_device(connect)
     layer = get_channel_layer()
     await forget_group(layer, device_group(device.pk))
 
