@@ -12,6 +12,7 @@ from websockets.typing import Subprotocol
 
 from crowdtrain_agent.backoff import Backoff
 from crowdtrain_agent.protocol import (
+    CONNECTION_HEADER,
     HEARTBEAT_INTERVAL_S,
     MAX_WS_MESSAGE_BYTES,
     PROTOCOL_MINOR,
@@ -20,6 +21,7 @@ from crowdtrain_agent.protocol import (
     BackboneHello,
     BackboneWelcome,
     CloseCode,
+    ConnectionTries,
     ErrorMessage,
     Heartbeat,
     ProtocolError,
@@ -99,6 +101,7 @@ class SiteLink:
         self.connected = asyncio.Event()
         self.minor = PROTOCOL_MINOR  # the protocol minor of the current connection
         self._unknown_noted = False
+        self._tries = ConnectionTries()  # so a site acting late on a try given up cannot replace a newer one
 
     async def run(self) -> None:
         """Connect, serve, reconnect with backoff, until cancelled.
@@ -114,7 +117,10 @@ class SiteLink:
                 try:
                     ws = await connect(
                         url,
-                        additional_headers={"Authorization": f"Bearer {self.config.token}"},
+                        additional_headers={
+                            "Authorization": f"Bearer {self.config.token}",
+                            CONNECTION_HEADER: self._tries.next().header(),
+                        },
                         max_size=MAX_WS_MESSAGE_BYTES,
                         open_timeout=WELCOME_TIMEOUT_S,
                         subprotocols=[Subprotocol(p) for p in offered_subprotocols()],

@@ -27,6 +27,7 @@ from crowdtrain_agent.data import make_tensor_shards, sha256_hex
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
+    CONNECTION_HEADER,
     AgentHello,
     CodecName,
     DataSpec,
@@ -88,6 +89,7 @@ class FakeSite:
     drop_after_done: bool = False  # drop the TCP connection once, after answering the first done
     shard_delay_s: float = 0.0
     refuse_handshakes: list[int] = field(default_factory=list)  # answer the next handshakes with these HTTP statuses
+    tries: list[str | None] = field(default_factory=list)  # each handshake's CONNECTION_HEADER, refused ones too
     received: list[Any] = field(default_factory=list)
     heartbeats: list[float] = field(default_factory=list)
     hellos: list[AgentHello] = field(default_factory=list)
@@ -119,6 +121,7 @@ class FakeSite:
 
     async def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         if request.path.startswith("/ws/"):
+            self.tries.append(request.headers.get(CONNECTION_HEADER))
             if self.refuse_handshakes:
                 return _binary(self.refuse_handshakes.pop(0), b"busy")
             return None

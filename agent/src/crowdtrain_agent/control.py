@@ -13,12 +13,14 @@ from websockets.typing import Subprotocol
 
 from .backoff import Backoff  # also reached as control.Backoff (runtime, tests, load generator)
 from .protocol import (
+    CONNECTION_HEADER,
     HEARTBEAT_INTERVAL_S,
     MAX_WS_MESSAGE_BYTES,
     PROTOCOL_MINOR,
     SITE_TO_AGENT,
     AgentHello,
     CloseCode,
+    ConnectionTries,
     DoneAck,
     ErrorMessage,
     Heartbeat,
@@ -141,6 +143,7 @@ class ControlChannel:
         self.connections = 0
         self.minor = PROTOCOL_MINOR  # the protocol minor of the current connection
         self._unknown_noted = False
+        self._tries = ConnectionTries()  # so a site acting late on a try given up cannot replace a newer one
 
     # ------------------------------------------------------------ public calls
 
@@ -263,7 +266,10 @@ class ControlChannel:
         self.welcome = None
         async with connect(
             self.url,
-            additional_headers={"Authorization": f"Bearer {self._token}"},
+            additional_headers={
+                "Authorization": f"Bearer {self._token}",
+                CONNECTION_HEADER: self._tries.next().header(),
+            },
             max_size=MAX_WS_MESSAGE_BYTES,
             open_timeout=10,
             ping_interval=PING_INTERVAL_S,

@@ -81,6 +81,7 @@ from .outbox import (
     send_to_group,
     wake,
 )
+from .tries import connection_try, may_take_over
 
 logger = logging.getLogger(__name__)
 
@@ -276,14 +277,31 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
 
     # ------------------------------------------------------------ one socket per peer
 
-    async def take_over(self, group: str) -> None:
+    async def take_over(self, group: str) -> bool:
         """Become the one socket of ``group`` (a device's or an aggregator's): older ones close with 4012.
 
         The event goes out before this socket joins the group, and carries its
-        channel name besides, so it never closes itself.
+        channel name besides, so it never closes itself. A stale try (``tries``:
+        its client made a newer one since) closes with 4012 itself instead, before
+        it has any effect; returns False then, and the caller stops.
         """
+        attempt = connection_try(self.scope["headers"])
+        if attempt is not None:
+            try:
+                newest = await offloop(may_take_over)(group, attempt)
+            except RedisError:  # Redis away: the newer connection wins, as for clients that name no try
+                logger.warning("cannot order connection tries, Redis is unavailable", exc_info=True)
+                newest = True
+            if not newest:
+                logger.info(
+                    "%s: try %s of %s came after a newer try of the same client; closing it",
+                    self.__class__.__name__, attempt.number, group,
+                )  # fmt: skip
+                await self.close(code=CloseCode.REPLACED)
+                return False
         await replace_connections(group, self.channel_name)
         await memberships.join(self.channel_layer, group, self.channel_name)
+        return True
 
     async def connection_replaced(self, event: ReplacedEvent) -> None:
         if event["channel"] == self.channel_name or self.closed:
@@ -358,13 +376,15 @@ class AgentConsumer(_ProtocolConsumer):
         if device.is_revoked:
             await self.close(code=CloseCode.REVOKED)
             return
+        # One socket per device: a second agent on the same token (or this agent's reconnect while the
+        # site still holds its dead socket) replaces the older one, which hears 4012. Before the device is
+        # set: a stale try closes here, and its disconnect must not count the device's newer socket gone.
+        if not await self.take_over(device_group(device.pk)):
+            return
         self.device = device
         self.campaigns: set[int] = set()
         self.leases: set[int] = set()  # handed out on this socket and not reported yet
         self.activity = Tracker(device.pk)  # what My devices says this device does now
-        # One socket per device: a second agent on the same token (or this agent's reconnect while the
-        # site still holds its dead socket) replaces the older one, which hears 4012.
-        await self.take_over(device_group(device.pk))
         await offloop(presence.connected)(device.pk)
         self.activity.connected()
         housekeeping.start()
@@ -729,7 +749,8 @@ class BackboneConsumer(_ProtocolConsumer):
                 fatal=True,
             )
         self.greeted = True
-        await self.take_over(backbone_group(self.aggregator.pk))
+        if not await self.take_over(backbone_group(self.aggregator.pk)):
+            return  # a stale try: its close changes nothing, the newer socket is the aggregator's current one
         await subscriber.hold(self.aggregator.pk, self.socket_send)  # its orders, ahead of this consumer's queue
         await self.send_message(
             BackboneWelcome(
@@ -760,30 +781,27 @@ class BackboneConsumer(_ProtocolConsumer):
         self._upkeep = asyncio.get_running_loop().create_task(self._heartbeat_upkeep())
 
     async def _heartbeat_upkeep(self) -> None:
-        try:
-            await self._upkeep_once()
-        except Exception:  # the next heartbeat tries again
-            logger.exception("aggregator %s: heartbeat upkeep failed", self.aggregator.name)
-
-    async def _upkeep_once(self) -> None:
         if self.closed:
             return
-        # Recorded and joined again each time: a Redis that restarted empty forgot which process holds this
-        # socket (the lane of backbone_lane) and its group (the channel layer's way, the lane's fallback),
-        # and the orders (those below included) would be lost until the aggregator reconnected, which it has
-        # no reason to do. Every heartbeat, not once a minute as agents' groups: a step waits on these.
-        await subscriber.hold(self.aggregator.pk, self.socket_send)
-        await self.channel_layer.group_add(backbone_group(self.aggregator.pk), self.channel_name)
-        # For the silent-aggregator alert (crowdtrain.ops.health): one Redis write, seconds-accurate.
-        await offloop(heartbeats.aggregator_heard)(self.aggregator.pk)
-        now = time.monotonic()
-        if now - self.last_touched > LAST_SEEN_EVERY_S:  # the database's "last seen" is for people, written lazily
-            self.last_touched = now
-            await database_sync_to_async(backbone.touch_aggregator)(self.aggregator.pk)
-        # Campaigns started after the aggregators joined get their slices here, and commits
-        # the channel layer lost are sent again.
-        await send_outbox(await database_sync_to_async(backbone.assign_waiting_campaigns)())
-        await send_outbox(await database_sync_to_async(backbone.stalled_commits)(self.aggregator.pk))
+        try:
+            # Recorded and joined again each time: a Redis that restarted empty forgot which process holds
+            # this socket (the lane of backbone_lane) and its group (the channel layer's way, the lane's
+            # fallback), and the orders (those below included) would be lost until the aggregator reconnected,
+            # which it has no reason to do. Every heartbeat, not once a minute as agents' groups: a step waits.
+            await subscriber.hold(self.aggregator.pk, self.socket_send)
+            await self.channel_layer.group_add(backbone_group(self.aggregator.pk), self.channel_name)
+            # For the silent-aggregator alert (crowdtrain.ops.health): one Redis write, seconds-accurate.
+            await offloop(heartbeats.aggregator_heard)(self.aggregator.pk)
+            now = time.monotonic()
+            if now - self.last_touched > LAST_SEEN_EVERY_S:  # the database's "last seen" is for people, lazily
+                self.last_touched = now
+                await database_sync_to_async(backbone.touch_aggregator)(self.aggregator.pk)
+            # Campaigns started after the aggregators joined get their slices here, and commits
+            # the channel layer lost are sent again.
+            await send_outbox(await database_sync_to_async(backbone.assign_waiting_campaigns)())
+            await send_outbox(await database_sync_to_async(backbone.stalled_commits)(self.aggregator.pk))
+        except Exception:  # the next heartbeat tries again
+            logger.exception("aggregator %s: heartbeat upkeep failed", self.aggregator.name)
 
     async def on_slice_ready(self, ready: SliceReady) -> None:
         await send_outbox(await database_sync_to_async(backbone.slice_ready)(self.aggregator.pk, ready))

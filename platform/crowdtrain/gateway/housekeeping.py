@@ -54,7 +54,7 @@ class Housekeeping:
     def __init__(self) -> None:
         self._task: asyncio.Task[None] | None = None
         self._last_db = time.monotonic()  # when "last seen" was last written
-        self._minute = int(time.time() // 60)  # the minute the dashboard's history is in
+        self._minute = int(time.time() // 60)  # the dashboard's history minute in progress: written once ended
 
     def start(self) -> None:
         if self._task is None or self._task.done():
@@ -66,8 +66,6 @@ class Housekeeping:
         return max(0.2, min(5.0, settings.CROWDTRAIN_GONE_AFTER_S / 4))
 
     async def _run(self) -> None:
-        self._last_db = time.monotonic()
-        self._minute = int(time.time() // 60)  # the minute in progress is written once it has ended
         while True:
             asleep = time.monotonic()
             await asyncio.sleep(self.interval_s)

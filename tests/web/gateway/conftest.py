@@ -9,6 +9,7 @@ from channels.testing import WebsocketCommunicator
 
 from crowdtrain.asgi import application
 from crowdtrain_agent.protocol import (
+    CONNECTION_HEADER,
     PROTOCOL_VERSION,
     AgentHello,
     BackboneHello,
@@ -93,8 +94,12 @@ async def connect() -> AsyncIterator[Connect]:
     """Open sockets through the real ASGI application; all are closed after the test."""
     opened: list[WebsocketCommunicator] = []
 
-    async def _connect(path: str, token: str | None) -> tuple[WebsocketCommunicator, bool, int | None]:
+    async def _connect(
+        path: str, token: str | None, attempt: str | None = None
+    ) -> tuple[WebsocketCommunicator, bool, int | None]:
         headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        if attempt is not None:  # the CONNECTION_HEADER our clients send
+            headers.append((CONNECTION_HEADER.lower().encode(), attempt.encode()))
         # Offers this code's protocol minor, as our agent and aggregator do (2.0 peers have their own tests).
         communicator = WebsocketCommunicator(application, path, headers=headers, subprotocols=offered_subprotocols())
         connected, code = await communicator.connect()

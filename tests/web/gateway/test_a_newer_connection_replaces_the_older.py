@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 from asgiref.sync import sync_to_async
 
+from crowdtrain.scheduler.hotstate import presence
+from crowdtrain.scheduler.models import Aggregator
 from crowdtrain_agent.protocol import (
     PROTOCOL_VERSION,
     BackboneHello,
@@ -79,3 +81,86 @@ async def test_a_second_socket_of_an_aggregator_closes_the_first_with_4012_and_i
 
     assert isinstance(welcome, BackboneWelcome) and welcome.aggregator_id == aggregator.pk
     assert closed == {"type": "websocket.close", "code": CloseCode.REPLACED}
+
+
+# A stale try: under load a site process acts on a handshake its client gave up on, after the client's newer
+# try was welcomed (by another process, in the scale bench). It must not stop the working agent.
+TRIES = "0123456789abcdef"
+
+
+async def test_a_stale_try_of_the_same_agent_is_closed_and_the_newer_socket_keeps_working(connect: Connect) -> None:
+    device, token = await sync_to_async(make_device)()
+    newer, _, _ = await connect("/ws/agent/", token, f"{TRIES}/2")
+    await send(newer, HELLO)
+    await receive(newer)
+
+    stale, _, _ = await connect("/ws/agent/", token, f"{TRIES}/1")
+    closed = await stale.receive_output(timeout=5)
+    await send(newer, LeaseRequest())
+    answer = await receive(newer)
+
+    assert closed == {"type": "websocket.close", "code": CloseCode.REPLACED}
+    assert isinstance(answer, NoLease)
+    assert await newer.receive_nothing(timeout=0.2)
+    assert device.pk in presence.device_ids()  # the stale socket's close did not count the device gone
+
+
+async def test_a_newer_try_of_the_same_agent_replaces_the_older(connect: Connect) -> None:
+    _, token = await sync_to_async(make_device)()
+    older, _, _ = await connect("/ws/agent/", token, f"{TRIES}/1")
+    await send(older, HELLO)
+    await receive(older)
+
+    newer, _, _ = await connect("/ws/agent/", token, f"{TRIES}/2")
+    closed = await older.receive_output(timeout=5)
+    await send(newer, HELLO)
+
+    assert closed == {"type": "websocket.close", "code": CloseCode.REPLACED}
+    assert isinstance(await receive(newer), Welcome)
+
+
+async def test_a_try_of_another_agent_process_replaces_whatever_its_number(connect: Connect) -> None:
+    _, token = await sync_to_async(make_device)()
+    first, _, _ = await connect("/ws/agent/", token, f"{TRIES}/7")
+    await send(first, HELLO)
+    await receive(first)
+
+    restarted, _, _ = await connect("/ws/agent/", token, "fedcba9876543210/1")
+    closed = await first.receive_output(timeout=5)
+    await send(restarted, HELLO)
+
+    assert closed == {"type": "websocket.close", "code": CloseCode.REPLACED}
+    assert isinstance(await receive(restarted), Welcome)
+
+
+async def test_a_malformed_try_header_is_treated_as_none(connect: Connect) -> None:
+    _, token = await sync_to_async(make_device)()
+    first, _, _ = await connect("/ws/agent/", token, f"{TRIES}/2")
+    await send(first, HELLO)
+    await receive(first)
+
+    second, _, _ = await connect("/ws/agent/", token, "not a try")
+    closed = await first.receive_output(timeout=5)
+
+    assert closed == {"type": "websocket.close", "code": CloseCode.REPLACED}
+    await send(second, HELLO)
+    assert isinstance(await receive(second), Welcome)
+
+
+async def test_a_stale_try_of_an_aggregator_is_closed_and_the_aggregator_stays_connected(connect: Connect) -> None:
+    aggregator = await sync_to_async(make_aggregator)("agg-1")
+    token = "token-agg-1"
+    newer, _, _ = await connect("/ws/backbone/", token, f"{TRIES}/5")
+    await send(newer, BACKBONE_HELLO)
+    await receive(newer)
+    current = await sync_to_async(lambda: Aggregator.objects.get(pk=aggregator.pk).channel_name)()
+
+    stale, _, _ = await connect("/ws/backbone/", token, f"{TRIES}/4")
+    await send(stale, BACKBONE_HELLO)
+    closed = await stale.receive_output(timeout=5)
+    await stale.disconnect()
+    after = await sync_to_async(Aggregator.objects.get)(pk=aggregator.pk)
+
+    assert closed == {"type": "websocket.close", "code": CloseCode.REPLACED}
+    assert after.connected and after.channel_name == current
+    assert await newer.receive_nothing(timeout=0.2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .errors import ProtocolError
 from .frames import (
     CHUNK_PAYLOAD_BYTES,
+    CONNECTION_HEADER,
     GONE_AFTER_S,
     HEARTBEAT_INTERVAL_S,
     MAX_CONTROL_MESSAGE_BYTES,
@@ -13,12 +14,15 @@ from .frames import (
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     CloseCode,
+    ConnectionTries,
+    ConnectionTry,
     choose_subprotocol,
     chunk_fragments,
     decode_chunk,
     encode_chunk,
     negotiated_minor,
     offered_subprotocols,
+    parse_connection_try,
     should_reconnect,
     split_payload,
 )
@@ -38,6 +42,7 @@ from .tickets import (
 
 __all__ = [
     "CHUNK_PAYLOAD_BYTES",
+    "CONNECTION_HEADER",
     "GONE_AFTER_S",
     "HEARTBEAT_INTERVAL_S",
     "MAX_CONTROL_MESSAGE_BYTES",
@@ -47,6 +52,8 @@ __all__ = [
     "PROTOCOL_MINOR",
     "PROTOCOL_VERSION",
     "CloseCode",
+    "ConnectionTries",
+    "ConnectionTry",
     "ProtocolError",
     "Ticket",
     "campaign_key",
@@ -58,6 +65,7 @@ __all__ = [
     "encode_message",
     "negotiated_minor",
     "offered_subprotocols",
+    "parse_connection_try",
     "should_reconnect",
     "receipt_sketch",
     "sign_receipt",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import itertools
+import secrets
 import struct
 from dataclasses import dataclass
 
@@ -105,6 +107,55 @@ def should_reconnect(code: int | None) -> bool:
         protocol mismatch, replaced by a newer connection); True otherwise.
     """
     return code is None or code not in _FINAL_CODES
+
+
+# Names a client's connection try on the WebSocket handshake: "<instance>/<try>", where the instance is
+# random per client process and the try counts up within it. Under load a site process can act on a try
+# the client already gave up on after a newer try was welcomed elsewhere; the site then keeps the newer
+# one (4012 goes to the stale try) instead of stopping a working agent for good.
+CONNECTION_HEADER = "X-Crowdtrain-Connection"
+_INSTANCE_CHARS = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class ConnectionTry:
+    """One connection try of one client process (``CONNECTION_HEADER``)."""
+
+    instance: str  # 8 to 32 lowercase hex digits, random per process
+    number: int  # counts up from 1 within the process
+
+    def header(self) -> str:
+        return f"{self.instance}/{self.number}"
+
+    def is_older_try_of(self, other: ConnectionTry) -> bool:
+        """Whether this is an earlier try of the same process as ``other`` (tries of others are not ordered)."""
+        return self.instance == other.instance and self.number < other.number
+
+
+class ConnectionTries:
+    """Numbers one client's connection tries (an agent's control channel, an aggregator's site link)."""
+
+    def __init__(self) -> None:
+        self.instance = secrets.token_hex(8)
+        self._numbers = itertools.count(1)
+
+    def next(self) -> ConnectionTry:
+        return ConnectionTry(self.instance, next(self._numbers))
+
+
+def parse_connection_try(value: str | None) -> ConnectionTry | None:
+    """The try a handshake header names; None when absent or malformed (the socket is then unordered)."""
+    instance, slash, number = (value or "").strip().partition("/")
+    if (
+        not slash
+        or not 8 <= len(instance) <= 32
+        or not set(instance) <= _INSTANCE_CHARS
+        or not number.isascii()
+        or not number.isdigit()
+        or len(number) > 15  # exact in the site's Lua, whose numbers are doubles
+    ):
+        return None
+    return ConnectionTry(instance, int(number))
 
 
 @dataclass(frozen=True)
