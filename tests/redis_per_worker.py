@@ -4,7 +4,7 @@ Workers of the PostgreSQL + Redis pass get a database each from pytest-django;
 without this they would share one Redis database, and one worker's tests would
 meet the other's scheduler keys, channel groups and Celery queue (tried:
 ``HotStateMissing`` right after a load). Worker ``gwN`` takes database
-``base - N`` of the configured URL, so ``redis://…/15`` gives gw0 15, gw1 14.
+``base - N`` (modulo 16) of the configured URL, so ``redis://…/15`` gives gw0 15, gw1 14.
 
 A ``-p`` plugin because it must run before pytest-django loads the settings,
 which read ``REDIS_URL`` once; xdist names the worker in its environment first.
@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from urllib.parse import urlsplit, urlunsplit
 
+# Redis's default number of databases; a URL without one (database 0) gives gw1 database 15.
+DATABASES = 16
 # Every variable the settings read a Redis address from.
 REDIS_VARIABLES = ("REDIS_URL", "CROWDTRAIN_SCHEDULER_REDIS_URL", "CELERY_BROKER_URL")
 
@@ -26,9 +28,9 @@ def database_for(url: str, worker: str) -> str:
         return url  # memory:// and the like: private to the process already
     base = int(parts.path.strip("/") or 0)
     number = int(worker.removeprefix("gw"))
-    if number > base:
-        raise SystemExit(f"redis_per_worker: {url} leaves no database for worker {worker}; use a higher base")
-    return urlunsplit(parts._replace(path=f"/{base - number}"))
+    if number >= DATABASES:
+        raise SystemExit(f"redis_per_worker: Redis has {DATABASES} databases, too few for worker {worker}")
+    return urlunsplit(parts._replace(path=f"/{(base - number) % DATABASES}"))
 
 
 _worker = os.environ.get("PYTEST_XDIST_WORKER")
