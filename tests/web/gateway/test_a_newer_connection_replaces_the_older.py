@@ -105,45 +105,24 @@ async def test_a_stale_try_of_the_same_agent_is_closed_and_the_newer_socket_keep
     assert device.pk in presence.device_ids()  # the stale socket's close did not count the device gone
 
 
-async def test_a_newer_try_of_the_same_agent_replaces_the_older(connect: Connect) -> None:
+@pytest.mark.parametrize(
+    ("first_try", "second_try"),
+    [(f"{TRIES}/1", f"{TRIES}/2"), (f"{TRIES}/7", "fedcba9876543210/1"), (f"{TRIES}/2", "not a try")],
+    ids=["a newer try of the same agent", "another agent process, whatever its number", "a malformed header"],
+)
+async def test_a_second_try_replaces_the_first_unless_it_is_older(
+    connect: Connect, first_try: str, second_try: str
+) -> None:
     _, token = await sync_to_async(make_device)()
-    older, _, _ = await connect("/ws/agent/", token, f"{TRIES}/1")
-    await send(older, HELLO)
-    await receive(older)
-
-    newer, _, _ = await connect("/ws/agent/", token, f"{TRIES}/2")
-    closed = await older.receive_output(timeout=5)
-    await send(newer, HELLO)
-
-    assert closed == {"type": "websocket.close", "code": CloseCode.REPLACED}
-    assert isinstance(await receive(newer), Welcome)
-
-
-async def test_a_try_of_another_agent_process_replaces_whatever_its_number(connect: Connect) -> None:
-    _, token = await sync_to_async(make_device)()
-    first, _, _ = await connect("/ws/agent/", token, f"{TRIES}/7")
+    first, _, _ = await connect("/ws/agent/", token, first_try)
     await send(first, HELLO)
     await receive(first)
 
-    restarted, _, _ = await connect("/ws/agent/", token, "fedcba9876543210/1")
+    second, _, _ = await connect("/ws/agent/", token, second_try)
     closed = await first.receive_output(timeout=5)
-    await send(restarted, HELLO)
-
-    assert closed == {"type": "websocket.close", "code": CloseCode.REPLACED}
-    assert isinstance(await receive(restarted), Welcome)
-
-
-async def test_a_malformed_try_header_is_treated_as_none(connect: Connect) -> None:
-    _, token = await sync_to_async(make_device)()
-    first, _, _ = await connect("/ws/agent/", token, f"{TRIES}/2")
-    await send(first, HELLO)
-    await receive(first)
-
-    second, _, _ = await connect("/ws/agent/", token, "not a try")
-    closed = await first.receive_output(timeout=5)
-
-    assert closed == {"type": "websocket.close", "code": CloseCode.REPLACED}
     await send(second, HELLO)
+
+    assert closed == {"type": "websocket.close", "code": CloseCode.REPLACED}
     assert isinstance(await receive(second), Welcome)
 
 
