@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 import time
 from collections import Counter
@@ -44,6 +45,25 @@ _FORGET_IF_OURS = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+# Stamps every device of one site process's set (KEYS[2]) as seen at ARGV[1] in the presence set (KEYS[1]),
+# inside Redis: a process's batch sends only the devices that came and went, not all its connections.
+# The set lives ARGV[2] seconds past the last batch. Returns the set's size (the process checks it against
+# its own count, and sends the whole set again when Redis lost it).
+_TOUCH_HERE = """
+local members = redis.call('SMEMBERS', KEYS[2])
+for first = 1, #members, 1000 do
+  local args = {}
+  for i = first, math.min(first + 999, #members) do
+    args[#args + 1] = ARGV[1]
+    args[#args + 1] = members[i]
+  end
+  redis.call('ZADD', KEYS[1], unpack(args))
+end
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
+return #members
+"""
+# A process's set of connected devices outlives its last batch this long (a process that died or stalled).
+HERE_TTL_S = 300
 SCRIPTS = ("lease", "done", "committed", "release", "sweep", "park", "rollback", "load", "configure", "drop")
 
 
@@ -74,6 +94,7 @@ class HotState:
         self.requests_key = f"{prefix}:rid"  # device -> "campaign:lease:request id" of its last lease
         self._scripts = {name: client.register_script(_script_text(name)) for name in SCRIPTS}
         self.forget_if_ours = client.register_script(_FORGET_IF_OURS)
+        self.touch_here = client.register_script(_TOUCH_HERE)
 
     def campaign_key(self, hot_key: str) -> str:
         # The hash tag keeps one campaign's keys in one slot of a Redis Cluster.
@@ -108,6 +129,10 @@ class HotState:
             "leases": sorted(leases, key=lambda lease: lease["id"]),
             "waiting": self.client.zcard(f"{key}wait"),
         }
+
+    def here_key(self, process: str) -> str:
+        """The devices connected to one site process (``Presence``)."""
+        return f"{self.seen_key}:here:{process}"
 
     def activity_key(self, device_id: int) -> str:
         # One hash tag for all of them: My devices reads a volunteer's devices with one MGET, in a Cluster too.
@@ -182,6 +207,13 @@ class Presence:
     def __init__(self) -> None:
         self._connected: Counter[int] = Counter()
         self._lock = threading.Lock()
+        # This process's devices are also a set in Redis (``HotState.here_key``), which each batch stamps
+        # as seen in Redis itself: a batch carries only who came and went since the last, so 5,000 idle
+        # sockets cost a few commands every few seconds, not 5,000 members encoded and sent.
+        self._here = secrets.token_hex(8)
+        self._came: set[int] = set()
+        self._went: set[int] = set()
+        self._resend_here = True  # send the whole set (first batch, a failed one, a Redis that lost it)
         self._seen_since_db_write: set[int] = set()
         # Each connected device's newest activity record (My devices' "Now:"), and which changed since
         # the last batch; what the last batches wrote, and when; records to delete for devices that left.
@@ -194,6 +226,8 @@ class Presence:
         with self._lock:
             self._connected[device_id] += 1
             self._seen_since_db_write.add(device_id)
+            self._came.add(device_id)
+            self._went.discard(device_id)
         hot_state().mark_seen([device_id])
 
     def disconnected(self, device_id: int) -> None:
@@ -201,6 +235,8 @@ class Presence:
             self._connected[device_id] -= 1
             if self._connected[device_id] <= 0:
                 del self._connected[device_id]
+                self._went.add(device_id)
+                self._came.discard(device_id)
                 # Its record goes with it (at the next batch), so the page never shows a gone device busy.
                 self._activity.pop(device_id, None)
                 self._changed.discard(device_id)
@@ -231,7 +267,10 @@ class Presence:
         state = hot_state()
         now = state.clock()
         with self._lock:
-            ids = list(self._connected)
+            count = len(self._connected)
+            whole = list(self._connected) if self._resend_here else None
+            came, went = self._came, self._went
+            self._came, self._went, self._resend_here = set(), set(), False
             changed = {d: self._activity[d] for d in self._changed if d in self._activity}
             self._changed = set()
             gone, self._gone = self._gone, {}
@@ -240,8 +279,7 @@ class Presence:
             stale = [d for d, (_, at) in self._written.items() if at < now - ACTIVITY_TTL_S / 2 and d not in changed]
         try:
             with state.client.pipeline(transaction=False) as pipe:
-                if ids:
-                    state.queue_seen(pipe, ids, at=now)
+                stamped = self._queue_here(state, pipe, now, whole, came, went)
                 pipe.zremrangebyscore(state.seen_key, "-inf", now - FORGET_SEEN_AFTER_S)
                 for device_id, record in gone.items():
                     state.forget_if_ours(keys=[state.activity_key(device_id)], args=[record], client=pipe)
@@ -249,11 +287,18 @@ class Presence:
                     pipe.set(state.activity_key(device_id), record, ex=int(ACTIVITY_TTL_S))
                 for device_id in stale:
                     pipe.expire(state.activity_key(device_id), int(ACTIVITY_TTL_S))
-                pipe.execute()
+                answers = pipe.execute()
+            if answers[stamped] != count:  # Redis lost the set (restarted empty, expired): send it whole now
+                with self._lock:
+                    whole, self._came, self._went = list(self._connected), set(), set()
+                with state.client.pipeline(transaction=False) as pipe:
+                    self._queue_here(state, pipe, now, whole, set(), set())
+                    pipe.execute()
         except Exception:
             with self._lock:  # the next batch tries again, unless newer news replaced them meanwhile
                 self._changed |= {d for d in changed if d in self._activity}
                 self._gone = {**gone, **self._gone}
+                self._resend_here = True  # who came and went in this batch is not known to have arrived
             raise
         with self._lock:
             for device_id, record in changed.items():
@@ -264,7 +309,24 @@ class Presence:
             for device_id in stale:
                 if device_id in self._written:
                     self._written[device_id] = (self._written[device_id][0], now)
-        return len(ids)
+        return count
+
+    def _queue_here(
+        self, state: HotState, pipe: Any, now: float, whole: list[int] | None, came: set[int], went: set[int]
+    ) -> int:
+        """Queue this process's set (``whole``, or the changes) and its stamp; returns the stamp's answer index."""
+        key = state.here_key(self._here)
+        if whole is not None:
+            pipe.delete(key)
+            came, went = set(whole), set()
+        members = sorted(came)
+        for start in range(0, len(members), 1000):
+            pipe.sadd(key, *members[start : start + 1000])
+        if went:
+            pipe.srem(key, *sorted(went))
+        stamped = len(pipe)
+        state.touch_here(keys=[state.seen_key, key], args=[now, HERE_TTL_S], client=pipe)
+        return stamped
 
     def take_db_batch(self) -> list[int]:
         """Devices to stamp ``last_seen_at`` on: every one seen since the last batch."""
