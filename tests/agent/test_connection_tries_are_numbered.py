@@ -36,4 +36,4 @@ async def test_two_agent_processes_name_different_instances(world: World, config
     first, second = (parse_connection_try(value) for value in world.site.tries)
     assert first is not None and second is not None
     assert first.instance != second.instance
-    assert not first.is_older_try_of(second) and not second.is_older_try_of(first)
+    assert first.number == second.number == 1

@@ -35,5 +35,5 @@ def test_malformed_values_are_no_try() -> None:
 def test_tries_count_up_within_a_client_and_only_there() -> None:
     one, other = ConnectionTries(), ConnectionTries()
     first, second, elsewhere = one.next(), one.next(), other.next()
-    assert first.is_older_try_of(second) and not second.is_older_try_of(first)
-    assert not first.is_older_try_of(elsewhere) and not elsewhere.is_older_try_of(second)
+    assert first.instance == second.instance != elsewhere.instance
+    assert (first.number, second.number, elsewhere.number) == (1, 2, 1)

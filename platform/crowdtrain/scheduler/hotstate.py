@@ -268,8 +268,8 @@ class Presence:
         now = state.clock()
         with self._lock:
             count = len(self._connected)
-            whole = list(self._connected) if self._resend_here else None
-            came, went = self._came, self._went
+            whole = self._resend_here
+            came, went = (set(self._connected), set()) if whole else (self._came, self._went)
             self._came, self._went, self._resend_here = set(), set(), False
             changed = {d: self._activity[d] for d in self._changed if d in self._activity}
             self._changed = set()
@@ -279,7 +279,7 @@ class Presence:
             stale = [d for d, (_, at) in self._written.items() if at < now - ACTIVITY_TTL_S / 2 and d not in changed]
         try:
             with state.client.pipeline(transaction=False) as pipe:
-                stamped = self._queue_here(state, pipe, now, whole, came, went)
+                stamped = self._queue_here(state, pipe, now, came, went, whole=whole)
                 pipe.zremrangebyscore(state.seen_key, "-inf", now - FORGET_SEEN_AFTER_S)
                 for device_id, record in gone.items():
                     state.forget_if_ours(keys=[state.activity_key(device_id)], args=[record], client=pipe)
@@ -290,9 +290,9 @@ class Presence:
                 answers = pipe.execute()
             if answers[stamped] != count:  # Redis lost the set (restarted empty, expired): send it whole now
                 with self._lock:
-                    whole, self._came, self._went = list(self._connected), set(), set()
+                    everyone, self._came, self._went = set(self._connected), set(), set()
                 with state.client.pipeline(transaction=False) as pipe:
-                    self._queue_here(state, pipe, now, whole, set(), set())
+                    self._queue_here(state, pipe, now, everyone, set(), whole=True)
                     pipe.execute()
         except Exception:
             with self._lock:  # the next batch tries again, unless newer news replaced them meanwhile
@@ -312,13 +312,15 @@ class Presence:
         return count
 
     def _queue_here(
-        self, state: HotState, pipe: Any, now: float, whole: list[int] | None, came: set[int], went: set[int]
+        self, state: HotState, pipe: Any, now: float, came: set[int], went: set[int], *, whole: bool
     ) -> int:
-        """Queue this process's set (``whole``, or the changes) and its stamp; returns the stamp's answer index."""
+        """Queue this process's set's changes (``whole``: ``came`` is all of it) and its stamp.
+
+        Returns the index of the stamp's answer, the set's size as Redis has it.
+        """
         key = state.here_key(self._here)
-        if whole is not None:
+        if whole:
             pipe.delete(key)
-            came, went = set(whole), set()
         members = sorted(came)
         for start in range(0, len(members), 1000):
             pipe.sadd(key, *members[start : start + 1000])

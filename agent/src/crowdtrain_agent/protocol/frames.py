@@ -127,10 +127,6 @@ class ConnectionTry:
     def header(self) -> str:
         return f"{self.instance}/{self.number}"
 
-    def is_older_try_of(self, other: ConnectionTry) -> bool:
-        """Whether this is an earlier try of the same process as ``other`` (tries of others are not ordered)."""
-        return self.instance == other.instance and self.number < other.number
-
 
 class ConnectionTries:
     """Numbers one client's connection tries (an agent's control channel, an aggregator's site link)."""
