@@ -22,7 +22,7 @@ def presence(monkeypatch: pytest.MonkeyPatch) -> Presence:
 
 
 def _now(presence: Presence) -> Activity:
-    found = decode_activity(presence._activity[5])
+    found = decode_activity(presence.newest(5))
     assert found is not None
     return found
 
