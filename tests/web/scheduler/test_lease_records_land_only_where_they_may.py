@@ -52,3 +52,33 @@ def test_an_ending_never_touches_a_lease_of_a_committed_step_and_keeps_its_reaso
     ended = Lease.objects.get(pk=open_lease)
     assert (ended.state, ended.reason) == (Lease.State.EXPIRED, "x" * 200)
     assert Lease.objects.get(pk=committed).state == Lease.State.ACCEPTED
+
+
+def test_a_lease_issued_and_ended_in_one_batch_is_written_with_its_outcome() -> None:
+    kept, returned = _two_leases()
+    rows = {row.pk: row for row in Lease.objects.filter(pk__in=(kept, returned))}
+    Lease.objects.filter(pk__in=rows).delete()  # as if the batch that issued them had not been written yet
+    at = timezone.now()
+    outcomes = [
+        Finished(kept, Lease.State.ACCEPTED, "", at, loss_sum=2.5, compute_s=0.75),
+        Finished(kept, Lease.State.ACCEPTED, "", at, loss_sum=9.0, compute_s=9.0),  # only the first lands
+        Finished(returned, Lease.State.RELEASED, "released by the agent", at),
+    ]
+
+    _write(list(rows.values()), outcomes, {})
+
+    accepted, released = Lease.objects.get(pk=kept), Lease.objects.get(pk=returned)
+    assert (accepted.state, accepted.loss_sum, accepted.compute_s) == (Lease.State.ACCEPTED, 2.5, 0.75)
+    assert abs(accepted.finished_at - at) < timedelta(milliseconds=1)
+    assert accepted.ranges == rows[kept].ranges and accepted.device_id == rows[kept].device_id
+    assert (released.state, released.reason) == (Lease.State.RELEASED, "released by the agent")
+
+
+def test_a_row_written_already_is_left_as_it_is_by_a_batch_that_issued_it_too() -> None:
+    lease_id, _ = _two_leases()
+    row = Lease.objects.get(pk=lease_id)
+    Lease.objects.filter(pk=lease_id).update(state=Lease.State.EXPIRED, reason="agent went silent")
+
+    _write([row], [], {})  # the other process's batch wrote it first
+
+    assert Lease.objects.get(pk=lease_id).state == Lease.State.EXPIRED
