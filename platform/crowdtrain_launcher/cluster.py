@@ -8,7 +8,8 @@ PostgreSQL and Redis are the ones at DATABASE_URL and REDIS_URL (defaults: this
 machine's, database ``crowdtrain``), or private ones started from the Debian
 packages when none answers. In front of N daphne processes on free loopback ports
 sits HAProxy, ending TLS with a self-signed certificate made for 127.0.0.1 (or
-``--cert``); behind them run one Celery worker, Celery beat and the aggregators.
+``--cert``); behind them run a committer (it writes the steps the sites fill),
+one Celery worker, Celery beat and the aggregators.
 The sites run with production settings (``manage.py check --deploy`` is clean):
 DEBUG off, a secret key kept in the run folder, secure cookies, HSTS, HTTPS
 redirects, the proxy's X-Forwarded-For and X-Forwarded-Proto trusted. Everything
@@ -213,6 +214,7 @@ class Cluster:
         self.swarm = Swarm(self.run_dir, isolated=False)
         self.site_processes: list[Site] = []
         self.balancer: Child | None = None
+        self.committer: Child | None = None
         self.client_cert: Path | None = None
         self.url = ""
 
@@ -284,7 +286,7 @@ class Cluster:
         }
 
     def start(self, *, timeout_s: float = 60.0) -> str:
-        """The site processes, one Celery worker and beat, and HAProxy in front; ``prepare`` first.
+        """The site processes, a committer, one Celery worker and beat, and HAProxy in front; ``prepare`` first.
 
         Returns:
             The public URL, once a request through the balancer has been answered.
@@ -294,6 +296,7 @@ class Cluster:
         worker = self.swarm.start_worker(beat=False, wait=False)
         self.swarm.start_beat()
         self.site_processes = self.swarm.start_sites(self.sites, timeout_s=timeout_s)
+        self.committer = self.swarm.start_committer(timeout_s=timeout_s)
         self.balancer = self._start_balancer()
         self._wait_for_public(timeout_s)
         self._wait_for_every_site_up(timeout_s)

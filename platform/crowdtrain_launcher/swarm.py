@@ -46,6 +46,7 @@ PYTHONPATH = [REPO_ROOT / "platform", REPO_ROOT / "agent" / "src", REPO_ROOT]
 DAPHNE_LISTENING = re.compile(r"Listening on TCP address ([\d.]+):(\d+)")
 BACKBONE_LISTENING = re.compile(r"crowdtrain-backbone: listening on (http://\S+)")
 WORKER_READY = re.compile(r"celery@\S+ ready")
+COMMITTER_READY = re.compile(r"committer \S+: waiting for full steps")
 
 
 # Stop order: lower first. Agents give leases back, aggregators drain, then the site (and its Celery),
@@ -392,6 +393,23 @@ class Swarm:
         child = self.start("worker", argv, role="site", env=env, cpus=cpus)
         if wait:
             child.wait_for_line(WORKER_READY, timeout_s)
+        return child
+
+    def start_committer(
+        self,
+        *,
+        name: str = "committer",
+        env: Mapping[str, str] | None = None,
+        cpus: Sequence[int] | None = None,
+        timeout_s: float = 60.0,
+    ) -> Child:
+        """Start a committer (``manage.py run_committer``): it writes the steps the site processes fill.
+
+        Returns once it waits for work, so the sites hand it the very next full step.
+        """
+        argv = [self.python, str(REPO_ROOT / "manage.py"), "run_committer", "--name", name]
+        child = self.start(name, argv, role="site", env=env, cpus=cpus)
+        child.wait_for_line(COMMITTER_READY, timeout_s)
         return child
 
     def start_beat(self, *, env: Mapping[str, str] | None = None, cpus: Sequence[int] | None = None) -> Child:

@@ -10,7 +10,8 @@
 Each phase gets a fresh site: a PostgreSQL database cloned from a template
 (migrated once, with every simulated volunteer's device already in it), an
 emptied Redis database, two daphne processes (``--sites``; the load generator spreads
-its agents over both), one Celery worker with beat, and, when agents lease,
+its agents over both), a committer writing the steps they fill (``--committers``;
+its CPU is counted as the site's), one Celery worker with beat, and, when agents lease,
 one aggregator serving a 58-parameter MLP. The agents come from
 ``tests.benchmarks.loadgen``: the agent's own control channel and uploader,
 a fixed gradient, no compute. Everything listens on 127.0.0.1.
@@ -169,6 +170,7 @@ class Options:
     nofile: int
     backend: str = "postgres"  # or "sqlite": the embedded default, one site process
     sites: int = 2  # daphne processes on PostgreSQL + Redis (the embedded default runs one)
+    committers: int = 1  # processes writing full steps beside them (none in the embedded default)
 
     @property
     def embedded(self) -> bool:
@@ -363,6 +365,8 @@ class Bench:
         if not opts.embedded:  # the embedded default's channel layer is in-process: one site process only
             for k in range(2, opts.sites + 1):
                 sites.append(swarm.start_site(name=f"site-{k}", cpus=plan.site_cpus, worker=False))
+            for k in range(1, opts.committers + 1):
+                swarm.start_committer(name=f"committer-{k}", cpus=plan.site_cpus)
         if plan.mode == "cycle":
             aggregator = swarm.start_aggregator(sites[0], token=seed["aggregators"]["agg-1"], name="agg-1")
             swarm.wait_until(
@@ -404,7 +408,8 @@ class Bench:
         for _, folder in loadgens:
             write_json(folder / "go.json", {"start": start, "measure_from": window[0], "measure_to": window[1]})
         roles = {
-            "site": [c.pid for c in swarm.children if c.name.startswith("site-")],
+            # A committer's step writes are site work moved out of the daphne processes: counted with them.
+            "site": [c.pid for c in swarm.children if c.name.startswith(("site-", "committer-"))],
             "worker": [c.pid for c in swarm.children if c.name == "worker"],
             "aggregator": [c.pid for c in swarm.children if c.role == "aggregator"],
             "loadgen": [c.pid for c, _ in loadgens],
@@ -679,6 +684,8 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespa
              "embedded default, one site process")  # fmt: skip
     add("--sites", type=int, default=2,
         help="daphne processes on PostgreSQL + Redis (default 2; more where there are more cores)")  # fmt: skip
+    add("--committers", type=int, default=1,
+        help="committer processes writing the steps the sites fill (default 1; 0: the sites write them)")  # fmt: skip
     add("--agents", type=_sizes, default=[100, 1000], help="agents of the wide and w1like phases (default 100,1000)")
     add(
         "--cpu-agents",
@@ -726,6 +733,7 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespa
         overload_window_s=args.overload_window_s, connect_rate=args.connect_rate,
         upload_connections=args.upload_connections, loadgen_procs=args.loadgen_procs,
         phase_limit_s=args.phase_limit_s, nofile=0, backend=args.backend, sites=max(1, args.sites),
+        committers=max(0, args.committers),
     )  # fmt: skip
     return options, args
 

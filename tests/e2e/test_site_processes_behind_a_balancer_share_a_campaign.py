@@ -2,9 +2,12 @@
 
 ``crowdtrain_launcher.cluster`` starts what ``make cluster`` starts, at small scale: HAProxy
 ending TLS in front of two site processes with production settings, on this
-machine's PostgreSQL (a database of the test's own) and Redis, one Celery worker,
-beat and one aggregator. Two agents and the aggregator reach the site only through
-the balancer's address. Needs haproxy: ``make test`` installs it.
+machine's PostgreSQL (a database of the test's own) and Redis, a committer, one
+Celery worker, beat and one aggregator. Two agents and the aggregator reach the site
+only through the balancer's address. Needs haproxy: ``make test`` installs it.
+
+The committer writes the first steps and is then killed outright, with the busiest
+site process stopped at the same moment: the sites write the rest themselves.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import ssl
 import time
 import urllib.request
@@ -39,6 +43,7 @@ SITE_ENV = {"CROWDTRAIN_LEASE_TARGET_S": "0.2", "CROWDTRAIN_MAX_LEASE_SAMPLES": 
 # Its own Redis database: channel-layer groups are named after campaign ids, which every fresh database reuses.
 REDIS_DB = 12
 AGENT_SOCKET = re.compile(r'"WS(CONNECT|DISCONNECT) /ws/agent/"')
+COMMITTED = re.compile(r"campaign \d+: step (\d+) committed")
 
 
 def write_dataset(path: Path) -> None:
@@ -135,6 +140,9 @@ def test_two_site_processes_behind_haproxy_train_a_campaign_and_survive_losing_o
     busiest = max((1, 2), key=lambda i: open_agent_sockets(logs / f"site-{i}.access.log"))
     moved = open_agent_sockets(logs / f"site-{busiest}.access.log")
     at_stop = progress(cluster, campaign_id)  # before the stop: stopping may take longer than the rest of the run
+    assert cluster.committer is not None
+    cluster.committer.expected_exit = True
+    cluster.committer.signal(signal.SIGKILL)
     cluster.stop_site(busiest)
     done = wait_for_version(cluster, campaign_id, STEPS, timeout_s=60)
     dump = json.loads(cluster.swarm.manage("dump_run", "--campaign", str(campaign_id)))
@@ -146,6 +154,9 @@ def test_two_site_processes_behind_haproxy_train_a_campaign_and_survive_losing_o
     assert at_stop["version"] < STEPS, "the campaign finished before the site process was gone"
     assert done["state"] == "finished" and len(done["losses"]) == STEPS
     assert sum(done["losses"][-3:]) / 3 < done["losses"][0], f"loss did not fall: {done['losses']}"
+    by_committer = COMMITTED.findall((logs / "committer.log").read_text())
+    assert by_committer, "the committer wrote no step before it was killed"
+    assert max(int(step) for step in by_committer) < STEPS - 1, "the sites wrote none after the committer died"
     seen = counted_samples(dump)
     assert max(seen.values()) == 1, "a sample was counted in two committed steps"
     assert all(step["num_samples"] >= 64 for step in dump["steps"])

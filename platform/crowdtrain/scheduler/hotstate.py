@@ -64,7 +64,7 @@ return #members
 """
 # A process's set of connected devices outlives its last batch this long (a process that died or stalled).
 HERE_TTL_S = 300
-SCRIPTS = ("lease", "done", "committed", "release", "sweep", "park", "rollback", "load", "configure", "drop")
+SCRIPTS = ("lease", "done", "committed", "take", "release", "sweep", "park", "rollback", "load", "configure", "drop")
 
 
 class HotStateMissing(RuntimeError):
@@ -92,6 +92,8 @@ class HotState:
         self.seen_key = f"{prefix}:seen"
         self.lease_campaigns_key = f"{prefix}:lc"
         self.requests_key = f"{prefix}:rid"  # device -> "campaign:lease:request id" of its last lease
+        self.commits_key = f"{prefix}:commits"  # full steps handed to the committers (scheduler.committer)
+        self.committer_key = f"{prefix}:committer"  # exists while a committer runs (it renews the TTL)
         self._scripts = {name: client.register_script(_script_text(name)) for name in SCRIPTS}
         self.forget_if_ours = client.register_script(_FORGET_IF_OURS)
         self.touch_here = client.register_script(_TOUCH_HERE)
@@ -107,7 +109,13 @@ class HotState:
             HotStateMissing: if the campaign has no hot state yet.
         """
         raw = self._scripts[script](
-            keys=[self.campaign_key(hot_key), self.seen_key, self.lease_campaigns_key, self.requests_key],
+            keys=[
+                self.campaign_key(hot_key),
+                self.seen_key,
+                self.lease_campaigns_key,
+                self.requests_key,
+                self.commits_key,
+            ],
             args=[repr(self.clock() if now is None else now), json.dumps(args, separators=(",", ":"))],
         )
         answer = json.loads(raw)

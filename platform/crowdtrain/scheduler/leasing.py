@@ -41,7 +41,7 @@ from crowdtrain_agent.protocol import (
     Lease as LeaseMessage,
 )
 
-from . import ids, network
+from . import committer, ids, network
 from .commits import Commit, commit_full_steps, held, moment
 from .configs import CampaignConfig, campaign_config, forget, most_lease_samples, open_to, running_campaigns
 from .hotstate import HotStateMissing, hot_state
@@ -547,6 +547,7 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
                 "cs": done.compute_s if math.isfinite(done.compute_s) else 0.0,
                 "problem": _receipt_problem(config, done),
                 "gen": config.gen,
+                "handoff": committer.handoff_for(config.id),
                 **network.hot_args(network.bounded(config, done)),
             },
         )
@@ -581,8 +582,11 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
     picked = checks.maybe_pick(config, device_id, done, lease)
     ack = DoneAck(lease_id=done.lease_id, accepted=True, step=step, verification="pending" if picked else "")
     outcome = DoneOutcome(ack)
-    if answer.get("commit"):
-        outcome.commits = commit_full_steps(config, answer["commit"])
+    full = answer.get("commit")
+    if full and full.get("queued"):  # a committer writes it, tells the aggregators and wakes the waiting
+        logger.debug("campaign %s: step %s is full and queued for a committer", config.id, full["step"])
+    elif full:
+        outcome.commits = commit_full_steps(config, full)
     return outcome
 
 

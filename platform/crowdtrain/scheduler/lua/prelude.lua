@@ -2,6 +2,7 @@
 -- KEYS[1]: the campaign's key prefix ("ct:{c42}:"); KEYS[2]: the presence set ("ct:seen");
 -- KEYS[3]: lease id -> campaign id for every lease still remembered ("ct:lc");
 -- KEYS[4]: device -> "campaign:lease:request id" of its newest lease ("ct:rid"), to answer a resent request.
+-- KEYS[5]: full steps handed to the committers ("ct:commits", a list of "campaign:step"; scheduler.committer).
 -- ARGV[1]: now (seconds since the epoch, a float); ARGV[2]: a JSON object of the script's arguments.
 -- Every script returns one JSON object. Lease records and ranges never hold nulls (0 means none):
 -- cjson turns JSON null into a userdata that compares unequal to nil.
@@ -9,6 +10,7 @@ local P = KEYS[1]
 local SEEN = KEYS[2]
 local LC = KEYS[3]
 local RID = KEYS[4]
+local COMMITS = KEYS[5]
 local now = tonumber(ARGV[1])
 local A = cjson.decode(ARGV[2])
 
@@ -108,20 +110,31 @@ local function sweep(out, limit, gone_s)
   end
 end
 
+-- The accepted leases of step s, in lease-id order: what its commit writes.
+local function step_leases(s)
+  local ids = redis.call('ZRANGEBYSCORE', K_ACC, s, s)
+  local leases = {}
+  for _, id in ipairs(ids) do leases[#leases + 1] = lease_get(id) end
+  table.sort(leases, function(a, b) return a.id < b.id end)
+  return leases
+end
+
 -- The accepted leases of the open step when it holds the whole global batch, in lease-id order:
 -- handed to one caller, which writes the step to the database. Others asking meanwhile get nothing,
 -- unless that caller has not finished after COMMIT_CLAIM_S (it died): then the next one takes over.
+-- With ``handoff`` (the campaign's id, 0 for none) the step goes to the committers' queue instead,
+-- and the caller is told only that it was queued: a committer takes it (take.lua) and writes it.
 local COMMIT_CLAIM_S = 10
-local function full_step()
+local function full_step(handoff)
   local open = meta('open')
   local target = meta('target')
   if num(redis.call('HGET', K_FILL, open)) < target then return nil end
   local claim = redis.call('HMGET', K_META, 'claimed', 'claimed_at')
   if num(claim[1]) == open + 1 and now - num(claim[2]) < COMMIT_CLAIM_S then return nil end
   redis.call('HSET', K_META, 'claimed', open + 1, 'claimed_at', now)
-  local ids = redis.call('ZRANGEBYSCORE', K_ACC, open, open)
-  local leases = {}
-  for _, id in ipairs(ids) do leases[#leases + 1] = lease_get(id) end
-  table.sort(leases, function(a, b) return a.id < b.id end)
-  return {step = open, leases = leases}
+  if (handoff or 0) ~= 0 then
+    redis.call('RPUSH', COMMITS, handoff .. ':' .. open)
+    return {step = open, queued = true}
+  end
+  return {step = open, leases = step_leases(open)}
 end

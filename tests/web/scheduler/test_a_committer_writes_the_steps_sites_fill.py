@@ -1,0 +1,128 @@
+"""Where a committer runs, a report that fills a step only queues it and the committer writes it; without
+one, or once it stopped or died, the site writes the step itself, and never twice."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import override_settings
+
+from crowdtrain.campaigns.models import Campaign, Step
+from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler.committer import ALIVE_S, Committer, committers, parse_entry
+from crowdtrain.scheduler.hotstate import hot_state
+from tests.conftest import FakeClock
+from tests.factories import done_for, make_campaign, make_device
+
+pytestmark = pytest.mark.django_db
+
+
+def _full_step(clock: FakeClock) -> tuple[Campaign, int, list[int], leasing.DoneOutcome]:
+    """A campaign whose step 0 (two leases) the second report fills; returns that report's outcome."""
+    campaign = make_campaign(target_batch_size=8, microbatch_size=4, staleness=1)
+    device, _ = make_device()
+    speed = 4.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S
+    first, second = (leasing.request_lease(device.pk, None, speed) for _ in range(2))
+    leasing.report_done(device.pk, done_for(first.lease_id))
+    outcome = leasing.report_done(device.pk, done_for(second.lease_id))
+    return campaign, device.pk, [first.lease_id, second.lease_id], outcome
+
+
+def _queued() -> list[Any]:
+    state = hot_state()
+    return list(state.client.lrange(state.commits_key, 0, -1))
+
+
+def test_a_running_committer_is_handed_the_full_step_and_writes_it(clock: FakeClock) -> None:
+    committer = Committer("test")
+    committer.announce()
+    committers.forget()
+
+    campaign, _, lease_ids, outcome = _full_step(clock)
+
+    assert outcome.ack.accepted and outcome.commits == []  # the reporting thread wrote nothing
+    assert not Step.objects.filter(campaign=campaign).exists()
+    assert _queued() == [f"{campaign.pk}:0"]
+    entry = committer.next_entry(wait_s=0.1)
+    assert entry == (campaign.pk, 0)
+    commits = committer.commit(*entry)
+    assert [(c.message.step, c.message.lease_ids) for c in commits] == [(0, lease_ids)]
+    campaign.refresh_from_db()
+    assert campaign.committed_steps == 1
+    assert hot_state().snapshot(campaign.hot_key.hex)["meta"]["open"] == "1"
+    assert committer.commit(*entry) == []  # a duplicate entry finds the step written
+
+
+def test_without_a_committer_the_site_writes_the_step_itself(clock: FakeClock) -> None:
+    campaign, _, lease_ids, outcome = _full_step(clock)
+
+    assert [(c.message.step, c.message.lease_ids) for c in outcome.commits] == [(0, lease_ids)]
+    assert _queued() == []
+    campaign.refresh_from_db()
+    assert campaign.committed_steps == 1
+
+
+def test_a_committer_that_stopped_announcing_itself_is_handed_nothing(clock: FakeClock) -> None:
+    Committer("gone quiet").announce()
+    clock.advance(ALIVE_S + 0.5)
+    committers.forget()
+
+    campaign, _, _, outcome = _full_step(clock)
+
+    assert [c.message.step for c in outcome.commits] == [0] and _queued() == []
+
+
+def test_a_committer_that_withdrew_is_handed_nothing(clock: FakeClock) -> None:
+    committer = Committer("stopping")
+    committer.announce()
+    committer.withdraw()
+    committers.forget()
+
+    _, _, _, outcome = _full_step(clock)
+
+    assert [c.message.step for c in outcome.commits] == [0]
+
+
+def test_a_step_whose_committer_died_is_taken_over_by_the_sweep_and_written_once(clock: FakeClock) -> None:
+    dead = Committer("dies")
+    dead.announce()
+    committers.forget()
+    campaign, _, lease_ids, _ = _full_step(clock)
+    entry = dead.next_entry(wait_s=0.1)  # popped; then the process is killed before it writes
+    assert entry is not None
+
+    clock.advance(5)
+    assert leasing.sweep_campaign(campaign.pk)[1] == []  # its claim still holds
+    clock.advance(6)
+    _, taken_over = leasing.sweep_campaign(campaign.pk)
+
+    assert [(c.message.step, c.message.lease_ids) for c in taken_over] == [(0, lease_ids)]
+    assert dead.commit(*entry) == []  # back from the dead: nothing left to write
+    assert Step.objects.filter(campaign=campaign).count() == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "entry"),
+    [("7:12", (7, 12)), ("0:0", (0, 0)), ("7", None), ("7:", None), (":3", None), ("a:1", None), ("7:-1", None),
+     ("7:1:2", None), ("", None), ("7:1e3", None), ("7:\u00b2", None)],
+)  # fmt: skip
+def test_queue_entries_are_read_strictly(text: str, entry: tuple[int, int] | None) -> None:
+    assert parse_entry(text) == entry
+
+
+def test_an_entry_it_cannot_read_is_skipped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="crowdtrain.scheduler.committer")
+    state = hot_state()
+    state.client.rpush(state.commits_key, "not an entry")
+
+    assert Committer("reader").next_entry(wait_s=0.1) is None
+    assert "ignoring a commit queue entry" in caplog.text
+
+
+def test_a_committer_for_a_site_without_redis_says_what_to_do() -> None:
+    with override_settings(CROWDTRAIN_SCHEDULER_REDIS_URL=""), pytest.raises(CommandError, match="REDIS_URL"):
+        call_command("run_committer")
