@@ -329,6 +329,9 @@ CROWDTRAIN_RETRY_AFTER_S = env_float("CROWDTRAIN_RETRY_AFTER_S", 2.0, minimum=0.
 # The longest the site holds a lease request while every step the device may work on is full
 # (the agent asks with wait_s): answered the moment a commit makes room. 0 answers at once.
 CROWDTRAIN_LEASE_WAIT_MAX_S = env_float("CROWDTRAIN_LEASE_WAIT_MAX_S", 10.0, minimum=0.0)
+# Steps of at least this many leases go to a committer when one runs (scheduler.committer); smaller ones
+# are written by the site process whose report filled them, which then answers its waiting request at once.
+CROWDTRAIN_COMMITTER_MIN_LEASES = env_int("CROWDTRAIN_COMMITTER_MIN_LEASES", 256, minimum=1)
 # Agents and aggregators silent this long are gone; what they held is freed.
 CROWDTRAIN_GONE_AFTER_S = env_float("CROWDTRAIN_GONE_AFTER_S", 10.0, minimum=1.0)
 CROWDTRAIN_HEARTBEAT_S = env_float("CROWDTRAIN_HEARTBEAT_S", 2.0, minimum=0.1)

@@ -39,7 +39,12 @@ STOP_AT_VERSION = 2  # early, so that most steps are committed after the stop
 MODEL = {"in_dim": 16, "hidden": [32], "classes": 4}
 # Leases of at most one microbatch and idle agents asking again soon: every step is made of
 # several leases, so both agents keep talking to the site all through the run.
-SITE_ENV = {"CROWDTRAIN_LEASE_TARGET_S": "0.2", "CROWDTRAIN_MAX_LEASE_SAMPLES": "16", "CROWDTRAIN_RETRY_AFTER_S": "0.2"}
+SITE_ENV = {
+    "CROWDTRAIN_LEASE_TARGET_S": "0.2",
+    "CROWDTRAIN_MAX_LEASE_SAMPLES": "16",
+    "CROWDTRAIN_RETRY_AFTER_S": "0.2",
+    "CROWDTRAIN_COMMITTER_MIN_LEASES": "1",  # these steps are small: the committer takes them anyway
+}
 # Its own Redis database: channel-layer groups are named after campaign ids, which every fresh database reuses.
 REDIS_DB = 12
 AGENT_SOCKET = re.compile(r'"WS(CONNECT|DISCONNECT) /ws/agent/"')

@@ -547,7 +547,7 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
                 "cs": done.compute_s if math.isfinite(done.compute_s) else 0.0,
                 "problem": _receipt_problem(config, done),
                 "gen": config.gen,
-                "handoff": committer.handoff_for(config.id),
+                **committer.handoff_args(config.id),
                 **network.hot_args(network.bounded(config, done)),
             },
         )

@@ -21,6 +21,13 @@ from tests.factories import done_for, make_campaign, make_device
 pytestmark = pytest.mark.django_db
 
 
+@pytest.fixture(autouse=True)
+def small_steps_go_too() -> Any:
+    """These steps have two leases; by default only steps of hundreds go to a committer."""
+    with override_settings(CROWDTRAIN_COMMITTER_MIN_LEASES=2):
+        yield
+
+
 def _full_step(clock: FakeClock) -> tuple[Campaign, int, list[int], leasing.DoneOutcome]:
     """A campaign whose step 0 (two leases) the second report fills; returns that report's outcome."""
     campaign = make_campaign(target_batch_size=8, microbatch_size=4, staleness=1)
@@ -64,6 +71,17 @@ def test_without_a_committer_the_site_writes_the_step_itself(clock: FakeClock) -
     assert _queued() == []
     campaign.refresh_from_db()
     assert campaign.committed_steps == 1
+
+
+def test_a_step_smaller_than_the_least_a_committer_takes_is_written_by_the_site(clock: FakeClock) -> None:
+    Committer("test").announce()
+    committers.forget()
+
+    with override_settings(CROWDTRAIN_COMMITTER_MIN_LEASES=3):
+        campaign, _, lease_ids, outcome = _full_step(clock)
+
+    assert [(c.message.step, c.message.lease_ids) for c in outcome.commits] == [(0, lease_ids)]
+    assert _queued() == []
 
 
 def test_a_committer_that_stopped_announcing_itself_is_handed_nothing(clock: FakeClock) -> None:

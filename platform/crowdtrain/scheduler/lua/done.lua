@@ -58,4 +58,4 @@ local speed = num(redis.call('HGET', K_SPD, l.d))
 local measured = l.n / took
 redis.call('HSET', K_SPD, l.d, (speed > 0) and (0.7 * speed + 0.3 * measured) or measured)
 return cjson.encode({accepted = true, step = l.s, lease = l, retired = out, gen = meta('gen'),
-  commit = full_step(A.handoff) or false})
+  commit = full_step(A.handoff, A.handoff_least) or false})

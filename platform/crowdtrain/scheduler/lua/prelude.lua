@@ -122,17 +122,18 @@ end
 -- The accepted leases of the open step when it holds the whole global batch, in lease-id order:
 -- handed to one caller, which writes the step to the database. Others asking meanwhile get nothing,
 -- unless that caller has not finished after COMMIT_CLAIM_S (it died): then the next one takes over.
--- With ``handoff`` (the campaign's id, 0 for none) the step goes to the committers' queue instead,
--- and the caller is told only that it was queued: a committer takes it (take.lua) and writes it.
+-- With ``handoff`` (the campaign's id, 0 for none) a step of at least ``least`` leases goes to the
+-- committers' queue instead, and the caller is told only that it was queued: a committer takes it
+-- (take.lua) and writes it.
 local COMMIT_CLAIM_S = 10
-local function full_step(handoff)
+local function full_step(handoff, least)
   local open = meta('open')
   local target = meta('target')
   if num(redis.call('HGET', K_FILL, open)) < target then return nil end
   local claim = redis.call('HMGET', K_META, 'claimed', 'claimed_at')
   if num(claim[1]) == open + 1 and now - num(claim[2]) < COMMIT_CLAIM_S then return nil end
   redis.call('HSET', K_META, 'claimed', open + 1, 'claimed_at', now)
-  if (handoff or 0) ~= 0 then
+  if (handoff or 0) ~= 0 and redis.call('ZCOUNT', K_ACC, open, open) >= (least or 0) then
     redis.call('RPUSH', COMMITS, handoff .. ':' .. open)
     return {step = open, queued = true}
   end
