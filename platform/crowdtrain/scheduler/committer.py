@@ -86,10 +86,11 @@ def handoff_args(campaign_id: int) -> dict[str, int]:
     """The done script's arguments for handing a full step over: the campaign's id while a committer runs
     (else 0), and the fewest leases a step must have to go (``CROWDTRAIN_COMMITTER_MIN_LEASES``).
 
-    Small steps stay with the site: in the scale bench's W1-like phase (steps of 32 leases, 1,000 agents,
-    2 cores) a committer writing them gave 168 lease cycles/s against 189 without, since a step the site
-    writes itself answers the reporting device's waiting request at once, and its write is short; with
-    steps of 2,000 leases it gave 288-293 against 272-278.
+    Small steps stay with the site: the site that writes a step itself answers the reporting device's
+    waiting request at once, which a committer cannot, and a small step's write is short. Measured in the
+    scale bench on 2 cores, 1,000 agents: steps of 2,000 leases gave 288-293 lease cycles/s with a
+    committer against 272-278 without; steps of 32 gave 168-170 with one against 179-189 without, but
+    also 168-170 with a committer that was handed no step at all, so that gap is this machine's noise.
     """
     return {
         "handoff": campaign_id if committers.running() else 0,
