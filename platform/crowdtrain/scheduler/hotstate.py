@@ -93,7 +93,7 @@ class HotState:
         self.lease_campaigns_key = f"{prefix}:lc"
         self.requests_key = f"{prefix}:rid"  # device -> "campaign:lease:request id" of its last lease
         self.commits_key = f"{prefix}:commits"  # full steps handed to the committers (scheduler.committer)
-        self.committer_key = f"{prefix}:committer"  # exists while a committer runs (it renews the TTL)
+        self.committer_key = f"{prefix}:committer"  # running committers, scored by when each last said so
         self._scripts = {name: client.register_script(_script_text(name)) for name in SCRIPTS}
         self.forget_if_ours = client.register_script(_FORGET_IF_OURS)
         self.touch_here = client.register_script(_TOUCH_HERE)
