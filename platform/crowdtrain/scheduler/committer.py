@@ -73,11 +73,6 @@ class _Committers:
             self._running = running
         return running
 
-    def forget(self) -> None:
-        """Look again at the next call (a committer just started or stopped)."""
-        with self._lock:
-            self._checked = -CHECK_S
-
 
 committers = _Committers()
 

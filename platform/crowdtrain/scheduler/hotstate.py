@@ -271,7 +271,7 @@ class Presence:
         """The record the next batch writes for this device, if one waits."""
         with self._lock:
             record = self._activity.get(device_id)
-        return record() if callable(record) else record
+        return None if record is None else _text(record)
 
     def device_ids(self) -> list[int]:
         with self._lock:
@@ -295,7 +295,7 @@ class Presence:
             # Unchanged records are only kept alive (EXPIRE, not SET): another process may hold the
             # device's newer connection, and its record must not be overwritten with ours.
             stale = [d for d, (_, at) in self._written.items() if at < now - ACTIVITY_TTL_S / 2 and d not in kept]
-        changed = {d: record if isinstance(record, str) else record() for d, record in kept.items()}
+        changed = {d: _text(record) for d, record in kept.items()}
         try:
             with state.client.pipeline(transaction=False) as pipe:
                 stamped = self._queue_here(state, pipe, now, came, went, whole=whole)
@@ -355,6 +355,10 @@ class Presence:
             batch = self._seen_since_db_write | set(self._connected)
             self._seen_since_db_write = set()
             return sorted(batch)
+
+
+def _text(record: str | Callable[[], str]) -> str:
+    return record if isinstance(record, str) else record()
 
 
 presence = Presence()

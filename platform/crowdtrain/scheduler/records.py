@@ -302,24 +302,16 @@ def _insert_on_postgresql(db: Any, rows: list[Lease]) -> None:
 
     names = ", ".join(column(name) for name, _ in _INSERTED)
     arrays = ", ".join(f"%s::{kind}[]" for _, kind in _INSERTED)
-    values = [
-        [row.pk for row in rows],
-        [row.campaign_id for row in rows],
-        [row.device_id for row in rows],
-        [row.base_version for row in rows],
-        [row.target_step for row in rows],
-        [Jsonb(row.ranges) for row in rows],
-        [row.epoch for row in rows],
-        [row.num_samples for row in rows],
-        [str(row.state) for row in rows],
-        [row.issued_at for row in rows],
-        [row.deadline for row in rows],
-        [row.finished_at for row in rows],
-        [row.loss_sum for row in rows],
-        [row.compute_s for row in rows],
-        [row.reason for row in rows],
-        [row.request_id for row in rows],
-    ]
+    attributes = {field.name: field.attname for field in Lease._meta.concrete_fields}  # campaign -> campaign_id
+    values = []
+    for name, kind in _INSERTED:
+        attribute = attributes[name]
+        column_values = [getattr(row, attribute) for row in rows]
+        if kind == "jsonb":
+            column_values = [Jsonb(value) for value in column_values]
+        elif kind == "text":
+            column_values = [str(value) for value in column_values]  # choices are str subclasses
+        values.append(column_values)
     db.execute(
         f"INSERT INTO {batchsql.table(Lease)} ({names}) SELECT * FROM unnest({arrays}) AS v ORDER BY 1 "
         "ON CONFLICT DO NOTHING",

@@ -13,7 +13,7 @@ from django.test import override_settings
 
 from crowdtrain.campaigns.models import Campaign, Step
 from crowdtrain.scheduler import leasing
-from crowdtrain.scheduler.committer import ALIVE_S, Committer, committers, parse_entry
+from crowdtrain.scheduler.committer import ALIVE_S, Committer, parse_entry
 from crowdtrain.scheduler.hotstate import hot_state
 from tests.conftest import FakeClock
 from tests.factories import done_for, make_campaign, make_device
@@ -47,7 +47,6 @@ def _queued() -> list[Any]:
 def test_a_running_committer_is_handed_the_full_step_and_writes_it(clock: FakeClock) -> None:
     committer = Committer("test")
     committer.announce()
-    committers.forget()
 
     campaign, _, lease_ids, outcome = _full_step(clock)
 
@@ -75,7 +74,6 @@ def test_without_a_committer_the_site_writes_the_step_itself(clock: FakeClock) -
 
 def test_a_step_smaller_than_the_least_a_committer_takes_is_written_by_the_site(clock: FakeClock) -> None:
     Committer("test").announce()
-    committers.forget()
 
     with override_settings(CROWDTRAIN_COMMITTER_MIN_LEASES=3):
         campaign, _, lease_ids, outcome = _full_step(clock)
@@ -87,7 +85,6 @@ def test_a_step_smaller_than_the_least_a_committer_takes_is_written_by_the_site(
 def test_a_committer_that_stopped_announcing_itself_is_handed_nothing(clock: FakeClock) -> None:
     Committer("gone quiet").announce()
     clock.advance(ALIVE_S + 0.5)
-    committers.forget()
 
     campaign, _, _, outcome = _full_step(clock)
 
@@ -98,7 +95,6 @@ def test_a_committer_that_withdrew_is_handed_nothing(clock: FakeClock) -> None:
     committer = Committer("stopping")
     committer.announce()
     committer.withdraw()
-    committers.forget()
 
     _, _, _, outcome = _full_step(clock)
 
@@ -108,7 +104,6 @@ def test_a_committer_that_withdrew_is_handed_nothing(clock: FakeClock) -> None:
 def test_a_step_whose_committer_died_is_taken_over_by_the_sweep_and_written_once(clock: FakeClock) -> None:
     dead = Committer("dies")
     dead.announce()
-    committers.forget()
     campaign, _, lease_ids, _ = _full_step(clock)
     entry = dead.next_entry(wait_s=0.1)  # popped; then the process is killed before it writes
     assert entry is not None
