@@ -488,18 +488,17 @@ def _lease_campaign(lease_id: int) -> CampaignConfig | None:
     return _lease_place(lease_id)[0]
 
 
-def _lease_place(lease_id: int) -> tuple[CampaignConfig | None, bool]:
-    """The campaign of a lease, and whether the lease is a verification copy."""
+def _lease_place(lease_id: int) -> tuple[CampaignConfig | None, str]:
+    """The campaign of a lease, and its copy marker if it is a verification copy ("" if not)."""
     state = hot_state()
     campaign_id: str | int | None = cast("str | None", state.client.hget(state.lease_campaigns_key, str(lease_id)))
     if campaign_id is None:
         found = Lease.objects.filter(pk=lease_id).values_list("campaign_id", flat=True).first()
         if found is None:
-            return None, False
+            return None, ""
         campaign_id = found
     text = str(campaign_id)
-    copy = text == checks.copy_marker(int(text.split(":")[0]))
-    return campaign_config(int(text.split(":")[0])), copy
+    return campaign_config(int(text.split(":")[0])), text if checks.is_copy_marker(text) else ""
 
 
 def _receipt_problem(config: CampaignConfig, done: LeaseDone) -> str:
@@ -531,7 +530,7 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
         release_leases(device_id, [done.lease_id], "volunteer quarantined")
         return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=refused))
     if copy:
-        problem = checks.copy_done(config, device_id, done, _receipt_problem(config, done))
+        problem = checks.copy_done(config, device_id, done, _receipt_problem(config, done), copy)
         if problem:
             return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=problem))
         return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=True, verification="check"))
@@ -636,7 +635,7 @@ def release_leases(device_id: int, lease_ids: Sequence[int], reason: str = "rele
         if config is None:
             continue
         if copy:
-            checks.copy_released(lease_id, reason)
+            checks.copy_released(lease_id, reason, device_id=device_id, marker=copy)
             continue
         answer = _run(config, "release", {"id": lease_id, "device": device_id, "reason": reason, "state": "released"})
         retired = answer.get("retired") or []

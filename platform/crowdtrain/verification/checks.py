@@ -12,7 +12,11 @@ its check; a volunteer with failed checks is quarantined (``quarantine``).
 
 Nothing here runs unless a lease is picked, except one random draw per report
 and one short Redis call per lease request while copies wait: the cost of the
-hot paths does not grow with volunteers or leases in flight.
+hot paths does not grow with volunteers or leases in flight. Handing out a
+copy and taking its report read no row: the queue entry carries the copy's
+samples, the lease-to-campaign map carries who holds it (``copy_marker``), and
+its answer is written with the scheduler's batched records, which have the
+check judged once it is.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ SCAN = 16
 # of a second before it is noticed costs nothing).
 EMPTY_RECHECK_S = 0.25
 _empty_until: dict[int, float] = {}
+# Looks through the first ARGV[3] waiting copies: drops those past their wait (stale) and those whose base
+# version aggregators no longer keep (gone), and takes the first one volunteer ARGV[2] may compute. A copy
+# taken is recorded at once as lease ARGV[5] of device ARGV[7] in the lease-to-campaign map (KEYS[2]), with
+# all its report needs (``copy_marker``); entries written before 2.9 carry too little for that.
 _TAKE = """
 local raws = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
 local now, me, chosen, stale, gone = tonumber(ARGV[1]), tonumber(ARGV[2]), false, {}, {}
@@ -73,6 +81,11 @@ for _, raw in ipairs(raws) do
     if not mine then
       chosen = raw
       redis.call('LREM', KEYS[1], 1, raw)
+      if e.n ~= nil and e.r ~= nil then
+        redis.call('HSET', KEYS[2], ARGV[5],
+          ARGV[6] .. ':check:' .. string.format('%d', e.c) .. ':' .. e.r .. ':' .. ARGV[2] .. ':' .. ARGV[7]
+          .. ':' .. string.format('%d', e.n))
+      end
     end
   end
 end
@@ -84,9 +97,67 @@ def _queue_key(campaign_id: int) -> str:
     return f"{hot_state().prefix}:chk:{campaign_id}"
 
 
-def copy_marker(campaign_id: int) -> str:
-    """What the lease-to-campaign map holds for a copy: its campaign, marked, so reports find their way here."""
-    return f"{campaign_id}:check"
+@dataclass(frozen=True)
+class CopyHolder:
+    """Who computes a copy, and of which check: what its report or release needs, read from Redis, not a row."""
+
+    check_id: int
+    role: str  # Answer.Role: copy or tiebreak
+    volunteer_id: int
+    device_id: int
+    num_samples: int
+
+    def answer(self, lease_id: int, **reported: Any) -> Answer:
+        """The copy's answer row (``reported``: the fields of its report, if it came)."""
+        return Answer(
+            case_id=self.check_id,
+            lease_id=lease_id,
+            role=self.role,
+            volunteer_id=self.volunteer_id,
+            device_id=self.device_id,
+            **reported,
+        )
+
+
+def copy_marker(campaign_id: int, holder: CopyHolder | None = None) -> str:
+    """What the lease-to-campaign map holds for a copy: its campaign, marked, and who holds it.
+
+    The marker is written by ``_TAKE`` in the same form; copies issued before 2.9 have the bare
+    ``campaign:check``, and their holder is read from the record.
+    """
+    if holder is None:
+        return f"{campaign_id}:check"
+    h = holder
+    return f"{campaign_id}:check:{h.check_id}:{h.role}:{h.volunteer_id}:{h.device_id}:{h.num_samples}"
+
+
+def is_copy_marker(text: str) -> bool:
+    return text.split(":", 2)[1:2] == ["check"]
+
+
+def _holder(marker: str) -> CopyHolder | None:
+    """The holder a copy marker names; None for a bare (pre-2.9) or malformed one."""
+    parts = marker.split(":")
+    if len(parts) != 7 or parts[3] not in (Answer.Role.COPY, Answer.Role.TIEBREAK):
+        return None
+    numbers = [parts[k] for k in (2, 4, 5, 6)]
+    if not all(part.isascii() and part.isdigit() for part in numbers):
+        return None
+    check_id, volunteer_id, device_id, num_samples = (int(part) for part in numbers)
+    return CopyHolder(check_id, parts[3], volunteer_id, device_id, num_samples)
+
+
+def _holder_on_record(lease_id: int) -> CopyHolder | None:
+    """The holder of an unreported copy from its answer row: for a bare marker, or none at all."""
+    row = (
+        Answer.objects.filter(lease_id=lease_id, reported_at__isnull=True)
+        .exclude(role=Answer.Role.ORIGINAL)
+        .values_list("case_id", "role", "volunteer_id", "device_id", "case__num_samples")[:1]
+    )
+    found = next(iter(row), None)
+    if found is None or found[3] is None:
+        return None
+    return CopyHolder(*found)
 
 
 # ------------------------------------------------------------------ picking
@@ -156,8 +227,17 @@ def oldest_copyable(open_step: int, staleness: int) -> int:
 
 
 def _enqueue(case: Check, excluded: list[int]) -> None:
+    """Queue a copy of the check for a volunteer not in ``excluded``.
+
+    The entry carries what a copy's lease is made of (samples, base version, role), so handing
+    it out reads no row: that took two queries per copy, and copies were a fifth of a site
+    process's time at a newcomer's check rate.
+    """
     until = hot_state().clock() + settings.CROWDTRAIN_CHECK_WAIT_S
-    entry = json.dumps({"c": case.pk, "x": excluded, "u": until, "v": case.base_version}, separators=(",", ":"))
+    role = Answer.Role.TIEBREAK if case.state == Check.State.TIEBREAK else Answer.Role.COPY
+    fields = {"c": case.pk, "x": excluded, "u": until, "v": case.base_version}
+    fields |= {"n": case.num_samples, "r": str(role), "g": case.ranges}
+    entry = json.dumps(fields, separators=(",", ":"))
     hot_state().client.rpush(_queue_key(case.campaign_id), entry)
     _empty_until.pop(case.campaign_id, None)
     # Once the check's rows are committed, so the called request reads them.
@@ -192,7 +272,11 @@ def _only(rows: QuerySet[M]) -> M | None:
 
 
 def take_copy(config: CampaignConfig, device_id: int) -> LeaseMessage | None:
-    """A waiting copy this device may compute (never its own volunteer's lease), as a lease; None if none waits."""
+    """A waiting copy this device may compute (never its own volunteer's lease), as a lease; None if none waits.
+
+    Reads no row: the queue entry holds the copy's samples, and its answer row is written with the
+    scheduler's batched records (``records.RecordWriter.copy_issued``).
+    """
     now = time.monotonic()
     if _empty_until.get(config.id, 0.0) > now:
         return None
@@ -209,83 +293,121 @@ def take_copy(config: CampaignConfig, device_id: int) -> LeaseMessage | None:
     if owner is None:
         return None
     oldest = oldest_copyable(int(open_step or 0), config.staleness)
-    raw = state.client.eval(_TAKE, 1, key, repr(state.clock()), str(owner), str(SCAN), str(oldest))
+    copy_id = ids.lease_ids.take()
+    raw = state.client.eval(
+        _TAKE,
+        2,
+        key,
+        state.lease_campaigns_key,
+        repr(state.clock()),
+        str(owner),
+        str(SCAN),
+        str(oldest),
+        str(copy_id),
+        str(config.id),
+        str(device_id),
+    )
     answer = json.loads(cast(str, raw))
     for check_id in answer.get("stale") or []:
         settle(int(check_id), Check.State.ABANDONED, "no volunteer of another account took its copy in time")
     for check_id in answer.get("gone") or []:
         settle(int(check_id), Check.State.ABANDONED, "its base version left the aggregators' window before a copy")
-    if not answer.get("chosen"):
+    entry = json.loads(answer["chosen"]) if answer.get("chosen") else None
+    taken = None if entry is None else _taken(config, entry, owner, device_id, copy_id)
+    if taken is None:
+        ids.lease_ids.put_back(copy_id)
         return None
-    entry = json.loads(answer["chosen"])
-    case = _only(Check.objects.filter(pk=entry["c"]))
-    if case is None or not case.open:
-        return None
-    answered = set(case.answers.values_list("volunteer_id", flat=True))
-    if owner in answered:
-        # The queue's list of who may not take it disagrees with the record (an entry left in Redis by
-        # another database, say): the record decides, and the copy waits for someone it allows.
-        _enqueue(case, sorted(answered))
-        return None
-    copy_id = ids.lease_ids.take()
-    role = Answer.Role.TIEBREAK if case.state == Check.State.TIEBREAK else Answer.Role.COPY
-    Answer.objects.create(case=case, lease_id=copy_id, role=role, volunteer_id=owner, device_id=device_id)
-    state.client.hset(state.lease_campaigns_key, str(copy_id), copy_marker(config.id))
+    holder, base_version, ranges = taken
     from crowdtrain.scheduler.leasing import lease_message
+    from crowdtrain.scheduler.records import writer
 
+    writer().copy_issued(holder.answer(copy_id))
     deadline = timezone.now() + timedelta(seconds=settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S)
     lease = Lease(
         pk=copy_id,
         campaign_id=config.id,
         device_id=device_id,
-        base_version=case.base_version,
-        ranges=case.ranges,
-        num_samples=case.num_samples,
+        base_version=base_version,
+        ranges=ranges,
+        num_samples=holder.num_samples,
         deadline=deadline,
     )
-    logger.info("campaign %s: lease %s is a %s of lease %s", config.id, copy_id, role, case.lease_id)
+    logger.info("campaign %s: lease %s is a %s for check %s", config.id, copy_id, holder.role, holder.check_id)
     return lease_message(lease, config, check=True)
 
 
-def copy_done(config: CampaignConfig, device_id: int, done: LeaseDone, problem: str) -> str:
-    """Record a copy's report and judge its check; returns why it is refused ("" if it was taken)."""
-    hot_state().client.hdel(hot_state().lease_campaigns_key, str(done.lease_id))
-    answer = _only(Answer.objects.filter(lease_id=done.lease_id, device_id=device_id).select_related("case"))
-    if answer is None:
-        return "unknown lease"
-    if answer.reported_at is not None:
-        return "lease already reported"
-    if problem or done.num_samples != answer.case.num_samples:
-        problem = problem or f"lease has {answer.case.num_samples} samples, report says {done.num_samples}"
-        Answer.objects.filter(pk=answer.pk).update(reported_at=timezone.now(), verdict=Answer.Verdict.NONE)
-        _requeue_or_abandon(answer.case, f"a copy's report was refused: {problem}")
+def _taken(
+    config: CampaignConfig, entry: dict[str, Any], owner: int, device_id: int, copy_id: int
+) -> tuple[CopyHolder, int, list[Any]] | None:
+    """The copy a queue entry stands for: its holder, base version and samples; None if it is not to be served.
+
+    An entry from before 2.9 names only its check, so the check is read; the record then decides who
+    may take it, as the entry's list of excluded volunteers might disagree with it.
+    """
+    if "n" in entry and "r" in entry and "g" in entry:
+        holder = CopyHolder(int(entry["c"]), str(entry["r"]), owner, device_id, int(entry["n"]))
+        return holder, int(entry["v"]), list(entry["g"])
+    case = _only(Check.objects.filter(pk=entry["c"]))
+    if case is None or not case.open:
+        return None
+    answered = set(case.answers.values_list("volunteer_id", flat=True))
+    if owner in answered:
+        _enqueue(case, sorted(answered))  # the copy waits for someone the record allows
+        return None
+    role = Answer.Role.TIEBREAK if case.state == Check.State.TIEBREAK else Answer.Role.COPY
+    holder = CopyHolder(case.pk, str(role), owner, device_id, case.num_samples)
+    state = hot_state()
+    state.client.hset(state.lease_campaigns_key, str(copy_id), copy_marker(config.id, holder))
+    return holder, case.base_version, list(case.ranges)
+
+
+def copy_done(config: CampaignConfig, device_id: int, done: LeaseDone, problem: str, marker: str) -> str:
+    """Record a copy's report and have its check judged; returns why it is refused ("" if it was taken).
+
+    ``marker``: the copy's entry in the lease-to-campaign map (``copy_marker``). Its answer is written
+    with the batched records, and the check is judged once it is (``judge_soon``).
+    """
+    from crowdtrain.scheduler.records import writer
+
+    holder = _holder(marker) or _holder_on_record(done.lease_id)
+    if holder is None or holder.device_id != device_id:
+        return "unknown lease"  # another device's copy looks the same as no lease at all
+    state = hot_state()
+    if not state.client.hdel(state.lease_campaigns_key, str(done.lease_id)):
+        return "lease already reported"  # by a report that came just before this one
+    now = timezone.now()
+    if problem or done.num_samples != holder.num_samples:
+        problem = problem or f"lease has {holder.num_samples} samples, report says {done.num_samples}"
+        writer().copy_reported(holder.answer(done.lease_id, reported_at=now, verdict=Answer.Verdict.NONE))
+        _requeue_or_abandon(holder, done.lease_id, f"a copy's report was refused: {problem}")
         return problem
     sketch = sketch_of(config, done)
-    Answer.objects.filter(pk=answer.pk).update(
-        reported_at=timezone.now(),
-        sketch=sketch or [],
-        verdict=Answer.Verdict.PENDING if sketch else Answer.Verdict.NONE,
-    )
+    verdict = Answer.Verdict.PENDING if sketch else Answer.Verdict.NONE
+    writer().copy_reported(holder.answer(done.lease_id, reported_at=now, sketch=sketch or [], verdict=verdict))
     if sketch is None:
-        _requeue_or_abandon(answer.case, "a copy came back without sketches (an aggregator older than 2.2)")
-    else:
-        _judge_soon(answer.case_id)  # the answer's row is written: the report path runs in autocommit
+        _requeue_or_abandon(holder, done.lease_id, "a copy came back without sketches (an aggregator older than 2.2)")
     return ""
 
 
-def _judge_soon(check_id: int) -> None:
-    """Judge in the Celery worker: the report's ack does not wait for a verdict, and a verdict's dozen queries
-    (answers, standings, credit, maybe a quarantine) were a fifth of a site process's CPU at a newcomer's
-    check rate. Without a broker (the embedded default) the task runs here at once; with one that is
-    down, here too. A check whose task was lost is judged by the periodic ``upkeep`` (``judge_ripe``).
-    """
-    from .tasks import judge_check
+def judge_soon(check_ids: list[int]) -> None:
+    """Judge in the Celery worker, one task for a batch of checks whose copies' answers are written.
 
+    The report's ack does not wait for a verdict, and a verdict's dozen queries (answers, standings,
+    credit, maybe a quarantine) were a fifth of a site process's CPU at a newcomer's check rate; a task
+    per copy was a twentieth more. Without a broker (the embedded default) the task runs here at once;
+    with one that is down, here too. A check whose task was lost is judged by the periodic ``upkeep``
+    (``judge_ripe``).
+    """
+    from .tasks import judge_checks
+
+    if not check_ids:
+        return
     try:
-        judge_check.delay(check_id)
+        judge_checks.delay(check_ids)
     except (OperationalError, OSError):  # the broker is away (in eager mode a verdict's own error propagates)
-        logger.warning("check %s: could not hand the verdict to the worker; judging it here", check_id, exc_info=True)
-        judge(check_id)
+        logger.warning("checks %s: could not hand the verdicts to the worker; judging here", check_ids, exc_info=True)
+        for check_id in check_ids:
+            judge(check_id)
 
 
 RIPE_AFTER_S = 60.0  # a check with two answers in for this long lost its task (a worker or broker was down)
@@ -312,22 +434,43 @@ def judge_ripe() -> int:
     return len(ripe)
 
 
-def copy_released(lease_id: int, reason: str) -> None:
-    """A copy given back or expired unfinished: another volunteer gets the check, while it can."""
-    hot_state().client.hdel(hot_state().lease_campaigns_key, str(lease_id))
+def copy_released(lease_id: int, reason: str, *, device_id: int | None = None, marker: str = "") -> None:
+    """A copy given back or expired unfinished: another volunteer gets the check, while it can.
+
+    ``device_id``: the device giving it back, which must hold it (None: the site's own sweep).
+    """
+    from crowdtrain.scheduler.records import writer
+
+    state = hot_state()
+    if device_id is not None:
+        holder = _holder(marker) or _holder_on_record(lease_id)
+        if holder is None or holder.device_id != device_id:
+            return  # not this device's copy: nothing of another volunteer's is touched
+        if state.client.hdel(state.lease_campaigns_key, str(lease_id)):
+            writer().copy_reported(holder.answer(lease_id, reported_at=timezone.now(), verdict=Answer.Verdict.NONE))
+            _requeue_or_abandon(holder, lease_id, f"a copy was not finished ({reason})")
+        return
+    state.client.hdel(state.lease_campaigns_key, str(lease_id))
     answer = _only(Answer.objects.filter(lease_id=lease_id, reported_at__isnull=True).select_related("case"))
     if answer is not None:
         Answer.objects.filter(pk=answer.pk).update(reported_at=timezone.now(), verdict=Answer.Verdict.NONE)
-        _requeue_or_abandon(answer.case, f"a copy was not finished ({reason})")
+        holder = CopyHolder(answer.case_id, answer.role, answer.volunteer_id, answer.device_id or 0, 0)
+        _requeue_or_abandon(holder, lease_id, f"a copy was not finished ({reason})")
 
 
 MAX_COPIES = 4  # copies issued for one check before it is given up
 
 
-def _requeue_or_abandon(case: Check, why: str) -> None:
-    if case.open and case.answers.count() < MAX_COPIES:
-        excluded = list(case.answers.values_list("volunteer_id", flat=True).distinct())
-        _enqueue(case, excluded)
+def _requeue_or_abandon(holder: CopyHolder, lease_id: int, why: str) -> None:
+    """Queue the check of a copy that came to nothing again, unless it had its copies; counts that copy
+    and its volunteer whether or not its answer row is written yet (the batched records)."""
+    case = _only(Check.objects.filter(pk=holder.check_id))
+    if case is None:
+        return
+    others = case.answers.exclude(lease_id=lease_id)
+    if case.open and others.count() + 1 < MAX_COPIES:
+        excluded = set(others.values_list("volunteer_id", flat=True)) | {holder.volunteer_id}
+        _enqueue(case, sorted(excluded))
     else:
         settle(case.pk, Check.State.ABANDONED, why)
 

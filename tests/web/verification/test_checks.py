@@ -13,6 +13,7 @@ import random
 from datetime import timedelta
 from typing import Any, cast
 
+import msgspec
 import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
@@ -22,8 +23,8 @@ from kombu.exceptions import OperationalError
 
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.credit.models import CreditEntry
-from crowdtrain.scheduler import leasing
-from crowdtrain.scheduler.configs import ticket_key
+from crowdtrain.scheduler import leasing, records
+from crowdtrain.scheduler.configs import campaign_config, ticket_key
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from crowdtrain.verification import checks, quarantine, standing, tasks
@@ -446,12 +447,12 @@ def test_with_a_broker_the_verdict_is_the_workers_and_the_report_does_not_wait_f
     campaign: Campaign, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     handed: list[int] = []
-    monkeypatch.setattr(tasks.judge_check, "delay", handed.append)
+    monkeypatch.setattr(tasks.judge_checks, "delay", handed.extend)
 
     case = _copy_reported(campaign)
 
     assert case.state == Check.State.OPEN and handed == [case.pk]
-    tasks.judge_check(case.pk)  # what the worker runs
+    tasks.judge_checks([case.pk])  # what the worker runs
     case.refresh_from_db()
     assert case.state == Check.State.PASSED
 
@@ -459,10 +460,10 @@ def test_with_a_broker_the_verdict_is_the_workers_and_the_report_does_not_wait_f
 def test_a_broker_that_is_down_leaves_the_verdict_to_the_reporting_process(
     campaign: Campaign, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def down(check_id: int) -> None:
+    def down(check_ids: list[int]) -> None:
         raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
 
-    monkeypatch.setattr(tasks.judge_check, "delay", down)
+    monkeypatch.setattr(tasks.judge_checks, "delay", down)
 
     case = _copy_reported(campaign)
 
@@ -472,7 +473,7 @@ def test_a_broker_that_is_down_leaves_the_verdict_to_the_reporting_process(
 def test_a_verdict_whose_task_was_lost_is_reached_by_the_periodic_upkeep(
     campaign: Campaign, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tasks.judge_check, "delay", lambda check_id: None)  # accepted, then lost with its worker
+    monkeypatch.setattr(tasks.judge_checks, "delay", lambda check_ids: None)  # accepted, then lost with its worker
     case = _copy_reported(campaign)
 
     assert checks.judge_ripe() == 0  # its answers are too fresh: the worker may still be on it
@@ -507,3 +508,124 @@ def test_a_queue_entry_that_names_the_wrong_volunteers_never_hands_anyone_their_
         alice.owner_id,
         bob.owner_id,
     }
+
+
+def _batched(monkeypatch: pytest.MonkeyPatch) -> records.RecordWriter:
+    """A site process's record writer that writes only when flushed (as its thread would, a moment later)."""
+    writer = records.RecordWriter(inline=False, thread=False)
+    monkeypatch.setattr(records, "_writer", writer)
+    return writer
+
+
+def test_a_copy_is_handed_out_and_reported_without_reading_a_row_and_judged_once_its_answer_is_written(
+    campaign: Campaign, monkeypatch: pytest.MonkeyPatch, django_assert_num_queries
+) -> None:
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    original, _ = _work(campaign, alice.pk, HONEST)
+    writer = _batched(monkeypatch)
+    config = campaign_config(campaign.pk)
+    assert config is not None
+    standing.owner_of(bob.pk)  # known once a device has asked for anything: its first request reads it
+
+    with django_assert_num_queries(0):
+        copy = checks.take_copy(config, bob.pk)
+    assert copy is not None and verify_ticket(copy.ticket, ticket_key(campaign.pk)).check
+    assert (copy.base_version, copy.ranges, copy.num_samples) == (
+        original.base_version,
+        original.ranges,
+        original.num_samples,
+    )
+    with django_assert_num_queries(0):
+        ack = leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack
+    assert (ack.accepted, ack.verification) == (True, "check")
+    case = Check.objects.get(lease_id=original.lease_id)
+    assert not Answer.objects.filter(lease_id=copy.lease_id).exists() and case.state == Check.State.OPEN
+
+    writer.flush()
+
+    answer = Answer.objects.get(lease_id=copy.lease_id)
+    assert (answer.case_id, answer.role, answer.volunteer_id, answer.device_id) == (
+        case.pk,
+        Answer.Role.COPY,
+        bob.owner_id,
+        bob.pk,
+    )
+    assert answer.reported_at is not None and answer.verdict == Answer.Verdict.AGREED
+    case.refresh_from_db()
+    assert case.state == Check.State.PASSED
+
+
+def test_a_copy_reported_to_another_process_before_its_issuer_wrote_it_is_judged_all_the_same(
+    campaign: Campaign, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    original, _ = _work(campaign, alice.pk, HONEST)
+    issuer = _batched(monkeypatch)
+    copy = _lease(campaign, bob.pk)
+    receiver = _batched(monkeypatch)  # the agent's report reaches the other site process
+
+    assert leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
+    receiver.flush()
+    issuer.flush()  # late, and its unreported row must not undo the report
+
+    answer = Answer.objects.get(lease_id=copy.lease_id)
+    assert answer.reported_at is not None and answer.verdict == Answer.Verdict.AGREED
+    assert Check.objects.get(lease_id=original.lease_id).state == Check.State.PASSED
+
+
+def test_only_the_device_holding_a_copy_can_report_it_or_give_it_back(campaign: Campaign) -> None:
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    mallory, _ = make_device("mallory")
+    original, _ = _work(campaign, alice.pk, HONEST)
+    copy = _lease(campaign, bob.pk)
+
+    # Lease ids are sequential: another volunteer can guess one, and must find nothing there.
+    ack = leasing.report_done(mallory.pk, _done(campaign, copy, FLIPPED)).ack
+    assert (ack.accepted, ack.reason) == (False, "unknown lease")
+    leasing.release_lease(mallory.pk, copy.lease_id, "given back by someone else")
+    assert Answer.objects.get(lease_id=copy.lease_id).reported_at is None
+
+    ack = leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack
+    assert (ack.accepted, ack.verification) == (True, "check")
+    again = leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack
+    assert (again.accepted, again.reason) == (False, "unknown lease")
+    assert Check.objects.get(lease_id=original.lease_id).state == Check.State.PASSED
+
+
+def test_a_copy_whose_report_is_refused_goes_to_another_volunteer(campaign: Campaign) -> None:
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    carol, _ = make_device("carol")
+    original, _ = _work(campaign, alice.pk, HONEST)
+    copy = _lease(campaign, bob.pk)
+    short = msgspec.structs.replace(_done(campaign, copy, HONEST), num_samples=copy.num_samples - 1)
+
+    ack = leasing.report_done(bob.pk, short).ack
+
+    assert not ack.accepted and "receipt" in ack.reason  # the receipts sign the samples the copy had
+    assert Answer.objects.get(lease_id=copy.lease_id).verdict == Answer.Verdict.NONE
+    assert not verify_ticket(_lease(campaign, bob.pk).ticket, ticket_key(campaign.pk)).check, "bob had his turn"
+    again = _lease(campaign, carol.pk)
+    assert verify_ticket(again.ticket, ticket_key(campaign.pk)).check and again.ranges == original.ranges
+
+
+def test_an_answer_the_database_refuses_is_dropped_and_the_rest_of_its_batch_is_written(
+    campaign: Campaign, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    _work(campaign, alice.pk, HONEST)
+    writer = _batched(monkeypatch)
+    copy = _lease(campaign, bob.pk)
+    bad = Answer(case=Check.objects.get(), lease_id=copy.lease_id + 1000, role=Answer.Role.COPY, volunteer_id=None)
+    writer.copy_issued(bad)
+
+    writer.flush()
+
+    assert Answer.objects.filter(lease_id=copy.lease_id).exists()
+    assert not Answer.objects.filter(lease_id=bad.lease_id).exists()
+    writer.flush()  # nothing held back for another try
+    assert not writer._copies and not writer._answers
