@@ -215,6 +215,7 @@ class Cluster:
         self.site_processes: list[Site] = []
         self.balancer: Child | None = None
         self.committer: Child | None = None
+        self.committer_metrics_port = 0  # where the committer serves /metrics, once started
         self.client_cert: Path | None = None
         self.url = ""
 
@@ -296,7 +297,8 @@ class Cluster:
         worker = self.swarm.start_worker(beat=False, wait=False)
         self.swarm.start_beat()
         self.site_processes = self.swarm.start_sites(self.sites, timeout_s=timeout_s)
-        self.committer = self.swarm.start_committer(timeout_s=timeout_s)
+        self.committer_metrics_port = engines.free_port()
+        self.committer = self.swarm.start_committer(timeout_s=timeout_s, metrics_port=self.committer_metrics_port)
         self.balancer = self._start_balancer()
         self._wait_for_public(timeout_s)
         self._wait_for_every_site_up(timeout_s)

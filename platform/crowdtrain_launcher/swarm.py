@@ -402,12 +402,16 @@ class Swarm:
         env: Mapping[str, str] | None = None,
         cpus: Sequence[int] | None = None,
         timeout_s: float = 60.0,
+        metrics_port: int = 0,
     ) -> Child:
         """Start a committer (``manage.py run_committer``): it writes the steps the site processes fill.
 
-        Returns once it waits for work, so the sites hand it the very next full step.
+        ``metrics_port``: where it serves its Prometheus metrics (0: nowhere). Returns once it waits for
+        work, so the sites hand it the very next full step.
         """
         argv = [self.python, str(REPO_ROOT / "manage.py"), "run_committer", "--name", name]
+        if metrics_port:
+            argv += ["--metrics-port", str(metrics_port)]
         child = self.start(name, argv, role="site", env=env, cpus=cpus)
         child.wait_for_line(COMMITTER_READY, timeout_s)
         return child

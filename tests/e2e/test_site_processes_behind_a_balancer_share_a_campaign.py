@@ -125,6 +125,16 @@ def open_agent_sockets(access_log: Path) -> int:
     return events.count("CONNECT") - events.count("DISCONNECT")
 
 
+def committer_metric(cluster: Cluster, name: str) -> float:
+    """A sample of the committer's /metrics (unlabelled), as Prometheus would scrape it from the same host."""
+    url = f"http://127.0.0.1:{cluster.committer_metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 (loopback http)
+        text = response.read().decode()
+    found = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert found, f"the committer's /metrics has no {name}"
+    return float(found.group(1))
+
+
 def test_two_site_processes_behind_haproxy_train_a_campaign_and_survive_losing_one(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -145,6 +155,7 @@ def test_two_site_processes_behind_haproxy_train_a_campaign_and_survive_losing_o
     busiest = max((1, 2), key=lambda i: open_agent_sockets(logs / f"site-{i}.access.log"))
     moved = open_agent_sockets(logs / f"site-{busiest}.access.log")
     at_stop = progress(cluster, campaign_id)  # before the stop: stopping may take longer than the rest of the run
+    written = committer_metric(cluster, "crowdtrain_step_commit_seconds_count")
     assert cluster.committer is not None
     cluster.committer.expected_exit = True
     cluster.committer.signal(signal.SIGKILL)
@@ -161,6 +172,7 @@ def test_two_site_processes_behind_haproxy_train_a_campaign_and_survive_losing_o
     assert sum(done["losses"][-3:]) / 3 < done["losses"][0], f"loss did not fall: {done['losses']}"
     by_committer = COMMITTED.findall((logs / "committer.log").read_text())
     assert by_committer, "the committer wrote no step before it was killed"
+    assert written >= 1, "the committer's /metrics counted none of the steps it wrote"
     assert max(int(step) for step in by_committer) < STEPS - 1, "the sites wrote none after the committer died"
     seen = counted_samples(dump)
     assert max(seen.values()) == 1, "a sample was counted in two committed steps"

@@ -29,20 +29,34 @@ def _inside(address: str) -> bool:
     return ip.is_loopback or ip.is_private
 
 
-def metrics_refusal(request: HttpRequest) -> JsonResponse | None:
-    """None if ``request`` may read the metrics, else the 401 or 403 answer to send."""
+def scrape_refusal(authorization: str | None, forwarded: bool, remote_address: str) -> tuple[int, str] | None:
+    """Why a scrape is refused, as (HTTP status, message); None if it may read.
+
+    ``authorization``: its Authorization header; ``forwarded``: a proxy relayed it (X-Forwarded-For).
+    """
     expected = settings.CROWDTRAIN_METRICS_TOKEN
     if expected:
-        sent = bearer_token(dict(request.headers)) or ""
+        sent = bearer_token({"Authorization": authorization or ""}) or ""
         if not hmac.compare_digest(sent.encode(), expected.encode()):
-            return JsonResponse(
-                {"error": "send the metrics token as Authorization: Bearer (CROWDTRAIN_METRICS_TOKEN)"}, status=401
-            )
+            return 401, "send the metrics token as Authorization: Bearer (CROWDTRAIN_METRICS_TOKEN)"
         return None
-    if "X-Forwarded-For" in request.headers or not _inside(request.META.get("REMOTE_ADDR") or ""):
-        return JsonResponse(
-            {"error": "metrics are served to the deployment's network only; set CROWDTRAIN_METRICS_TOKEN "
-                      "to scrape from elsewhere"},
-            status=403,
-        )  # fmt: skip
+    if forwarded or not _inside(remote_address):
+        return (
+            403,
+            "metrics are served to the deployment's network only; set CROWDTRAIN_METRICS_TOKEN "
+            "to scrape from elsewhere",
+        )
     return None
+
+
+def metrics_refusal(request: HttpRequest) -> JsonResponse | None:
+    """None if ``request`` may read the metrics, else the 401 or 403 answer to send."""
+    refused = scrape_refusal(
+        request.headers.get("Authorization"),
+        "X-Forwarded-For" in request.headers,
+        request.META.get("REMOTE_ADDR") or "",
+    )
+    if refused is None:
+        return None
+    status, message = refused
+    return JsonResponse({"error": message}, status=status)

@@ -22,7 +22,8 @@ class Command(BaseCommand):
             "--metrics-port",
             type=int,
             default=0,
-            help="serve Prometheus metrics (step write times) on this port; 0 for none (default)",
+            help="serve Prometheus metrics (step write times) on this port, to the token or private addresses as "
+            "the site's /metrics; 0 for none (default)",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -33,7 +34,7 @@ class Command(BaseCommand):
                 "default) the site writes its steps itself and needs no committer."
             )
         if options["metrics_port"]:
-            from prometheus_client import start_http_server
+            from crowdtrain.ops.metrics_server import serve_metrics
 
-            start_http_server(options["metrics_port"])
+            serve_metrics(options["metrics_port"])
         Committer(options["name"]).run()

@@ -1,0 +1,48 @@
+"""``/metrics`` for a process that serves no HTTP of its own (the committer), by the site's access rule.
+
+prometheus_client's own server answers anyone; this one asks what the site's
+``/metrics`` asks (``access.scrape_refusal``): the bearer token where one is
+configured, else a private address.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import REGISTRY, make_wsgi_app
+
+from .access import scrape_refusal
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
+        """A scrape every 15 s is not news."""
+
+
+def guarded_app() -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]:
+    """prometheus_client's WSGI app for the process's default registry, behind the site's access rule."""
+    metrics = make_wsgi_app(REGISTRY)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        refused = scrape_refusal(
+            environ.get("HTTP_AUTHORIZATION"), "HTTP_X_FORWARDED_FOR" in environ, environ.get("REMOTE_ADDR") or ""
+        )
+        if refused is None:
+            return metrics(environ, start_response)
+        status, message = refused
+        start_response(f"{status} {'Unauthorized' if status == 401 else 'Forbidden'}",
+                       [("Content-Type", "application/json")])  # fmt: skip
+        return [json.dumps({"error": message}).encode()]
+
+    return app
+
+
+def serve_metrics(port: int, host: str = "0.0.0.0") -> WSGIServer:  # noqa: S104 (scraped from the deployment's network)
+    """Serve ``/metrics`` on ``port`` from a daemon thread; returns the server (``shutdown()`` stops it)."""
+    server = make_server(host, port, guarded_app(), handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="crowdtrain-metrics", daemon=True).start()
+    return server
