@@ -27,12 +27,13 @@ def guarded_app() -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[byt
     """prometheus_client's WSGI app for the process's default registry, behind the site's access rule."""
     metrics = make_wsgi_app(REGISTRY)
 
-    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def app(request: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        """``request``: the WSGI environ of one scrape (its headers, not the process's environment)."""
         refused = scrape_refusal(
-            environ.get("HTTP_AUTHORIZATION"), "HTTP_X_FORWARDED_FOR" in environ, environ.get("REMOTE_ADDR") or ""
+            request.get("HTTP_AUTHORIZATION"), "HTTP_X_FORWARDED_FOR" in request, request.get("REMOTE_ADDR") or ""
         )
         if refused is None:
-            return metrics(environ, start_response)
+            return metrics(request, start_response)
         status, message = refused
         start_response(f"{status} {'Unauthorized' if status == 401 else 'Forbidden'}",
                        [("Content-Type", "application/json")])  # fmt: skip

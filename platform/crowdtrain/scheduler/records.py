@@ -79,8 +79,7 @@ class RecordWriter:
         self._new: list[Lease] = []
         self._finished: list[Finished] = []
         self._cursors: dict[int, tuple[int, int]] = {}
-        self._copies: list[Answer] = []  # verification copies issued: their answer rows
-        self._answers: list[Answer] = []  # copies reported or given back: their answers, upserted
+        self._copies: list[Answer] = []  # verification copies issued: their answer rows, unreported
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -96,11 +95,6 @@ class RecordWriter:
         """A verification copy handed out (``verification.checks``): its answer row, still unreported."""
         self._queue(lambda: self._copies.append(answer))
 
-    def copy_reported(self, answer: Answer) -> None:
-        """A copy's report (or its end unfinished): written over its row, or as it if the row is not in yet
-        (another process issued it and its batch is still queued); a pending verdict is judged once written."""
-        self._queue(lambda: self._answers.append(answer))
-
     def cursor_moved(self, campaign_id: int, epoch: int, cursor: int) -> None:
         def keep_newest() -> None:
             if (epoch, cursor) > self._cursors.get(campaign_id, (-1, -1)):
@@ -111,7 +105,7 @@ class RecordWriter:
     def _queue(self, add: Callable[[], None]) -> None:
         with self._lock:
             add()
-            backlog = len(self._new) + len(self._finished) + len(self._copies) + len(self._answers)
+            backlog = len(self._new) + len(self._finished) + len(self._copies)
             if backlog >= FLUSH_AT_RECORDS:
                 self._wake.set()
             if backlog > MAX_QUEUED:
@@ -126,39 +120,31 @@ class RecordWriter:
     # ------------------------------------------------------------ writing
 
     def flush(self) -> None:
-        """Write everything queued so far, in this thread; then have the checks judged whose copies' answers
-        it wrote (after the lock: a verdict may quarantine a volunteer, which writes records too)."""
-        from crowdtrain.verification.checks import judge_soon
-
-        judge_soon(self._write_batch())
-
-    def _write_batch(self) -> list[int]:
+        """Write everything queued so far, in this thread."""
         with self._write_lock:
             with self._lock:
                 new, finished, cursors = self._new, self._finished, self._cursors
-                copies, answers = self._copies, self._answers
-                self._new, self._finished, self._cursors, self._copies, self._answers = [], [], {}, [], []
-            if not (new or finished or cursors or copies or answers):
-                return []
+                copies = self._copies
+                self._new, self._finished, self._cursors, self._copies = [], [], {}, []
+            if not (new or finished or cursors or copies):
+                return
             try:
                 if new or finished or cursors:
                     _write(new, finished, cursors)
                     new, finished, cursors = [], [], {}  # written: a failure below does not send them again
-                if copies or answers:
-                    _write_answers(copies, answers)
+                if copies:
+                    _write_copies(copies)
             except DatabaseError:
-                held = len(new) + len(finished) + len(copies) + len(answers)
+                held = len(new) + len(finished) + len(copies)
                 logger.warning("writing %s lease records failed; retrying", held, exc_info=True)
                 with self._lock:  # put them back in front, in order
                     self._new[:0] = new
                     self._finished[:0] = finished
                     self._copies[:0] = copies
-                    self._answers[:0] = answers
                     for campaign_id, position in cursors.items():
                         if position > self._cursors.get(campaign_id, (-1, -1)):
                             self._cursors[campaign_id] = position
                 raise
-            return sorted({a.case_id for a in answers if a.verdict == Answer.Verdict.PENDING})
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -224,47 +210,27 @@ def _write(new: Sequence[Lease], finished: Sequence[Finished], cursors: dict[int
         _move_cursors(cursors)
 
 
-def _write_answers(copies: Sequence[Answer], answers: Sequence[Answer]) -> None:
-    """Copies' answer rows: new ones inserted unless there, reports written over them (or inserted).
+def _write_copies(copies: Sequence[Answer]) -> None:
+    """Copies' answer rows, unless there already (the copy's report, in another process, can come first).
 
     A row the database refuses (its check or device deleted meanwhile) is dropped with a warning
     rather than held: one bad row must not keep every later batch from being written.
     """
-    latest = list({answer.lease_id: answer for answer in answers}.values())  # one write per row and statement
     try:
         with transaction.atomic():
-            _insert_answers(copies, latest)
+            Answer.objects.bulk_create(copies, ignore_conflicts=True)
     except IntegrityError:
         for copy in copies:
-            _write_alone(copy, [])
-        for answer in latest:
-            _write_alone(None, [answer])
-
-
-def _insert_answers(copies: Sequence[Answer], reported: Sequence[Answer]) -> None:
-    if copies:
-        Answer.objects.bulk_create(copies, ignore_conflicts=True)
-    if reported:
-        Answer.objects.bulk_create(
-            reported,
-            update_conflicts=True,
-            unique_fields=["lease_id"],
-            update_fields=["reported_at", "sketch", "verdict"],
-        )
-
-
-def _write_alone(copy: Answer | None, reported: list[Answer]) -> None:
-    try:
-        with transaction.atomic():
-            _insert_answers([copy] if copy else [], reported)
-    except IntegrityError:
-        row = copy or reported[0]
-        logger.warning(
-            "dropping the answer of copy %s of check %s: the database refuses it",
-            row.lease_id,
-            row.case_id,
-            exc_info=True,
-        )
+            try:
+                with transaction.atomic():
+                    Answer.objects.bulk_create([copy], ignore_conflicts=True)
+            except IntegrityError:
+                logger.warning(
+                    "dropping the answer of copy %s of check %s: the database refuses it",
+                    copy.lease_id,
+                    copy.case_id,
+                    exc_info=True,
+                )
 
 
 def _merged(new: Sequence[Lease], finished: Sequence[Finished]) -> tuple[list[Lease], list[Finished]]:

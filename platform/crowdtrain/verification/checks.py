@@ -15,8 +15,7 @@ and one short Redis call per lease request while copies wait: the cost of the
 hot paths does not grow with volunteers or leases in flight. Handing out a
 copy and taking its report read no row: the queue entry carries the copy's
 samples, the lease-to-campaign map carries who holds it (``copy_marker``), and
-its answer is written with the scheduler's batched records, which have the
-check judged once it is.
+its row is written with the scheduler's batched records (its report at once).
 """
 
 from __future__ import annotations
@@ -414,11 +413,11 @@ def _taken(
 def copy_done(config: CampaignConfig, device_id: int, done: LeaseDone, problem: str, marker: str) -> str:
     """Record a copy's report and have its check judged; returns why it is refused ("" if it was taken).
 
-    ``marker``: the copy's entry in the lease-to-campaign map (``copy_marker``). Its answer is written
-    with the batched records, and the check is judged once it is (``judge_soon``).
+    ``marker``: the copy's entry in the lease-to-campaign map (``copy_marker``), which says who holds it.
+    The report is written at once, not with the batched records: a disagreeing copy calls a third
+    one, which must be served while aggregators still keep the lease's base version (in a campaign of
+    sub-second steps, a quarter second's wait for the batch had its checks end undecided).
     """
-    from crowdtrain.scheduler.records import writer
-
     holder = _holder(marker) or _holder_on_record(done.lease_id)
     if holder is None or holder.device_id != device_id:
         return "unknown lease"  # another device's copy looks the same as no lease at all
@@ -428,25 +427,34 @@ def copy_done(config: CampaignConfig, device_id: int, done: LeaseDone, problem: 
     now = timezone.now()
     if problem or done.num_samples != holder.num_samples:
         problem = problem or f"lease has {holder.num_samples} samples, report says {done.num_samples}"
-        writer().copy_reported(holder.answer(done.lease_id, reported_at=now, verdict=Answer.Verdict.NONE))
+        _write_report(holder.answer(done.lease_id, reported_at=now, verdict=Answer.Verdict.NONE))
         _requeue_or_abandon(holder, done.lease_id, f"a copy's report was refused: {problem}")
         return problem
     sketch = sketch_of(config, done)
     verdict = Answer.Verdict.PENDING if sketch else Answer.Verdict.NONE
-    writer().copy_reported(holder.answer(done.lease_id, reported_at=now, sketch=sketch or [], verdict=verdict))
+    _write_report(holder.answer(done.lease_id, reported_at=now, sketch=sketch or [], verdict=verdict))
     if sketch is None:
         _requeue_or_abandon(holder, done.lease_id, "a copy came back without sketches (an aggregator older than 2.2)")
+    else:
+        judge_soon([holder.check_id])
     return ""
 
 
+def _write_report(answer: Answer) -> None:
+    """A copy's report over its answer row, or as the row where it is not written yet (the process that
+    issued the copy writes it with its next batch of records, and then leaves this one as it is)."""
+    Answer.objects.bulk_create(
+        [answer], update_conflicts=True, unique_fields=["lease_id"], update_fields=["reported_at", "sketch", "verdict"]
+    )
+
+
 def judge_soon(check_ids: list[int]) -> None:
-    """Judge in the Celery worker, one task for a batch of checks whose copies' answers are written.
+    """Judge in the Celery worker: checks whose copies' answers are written.
 
     The report's ack does not wait for a verdict, and a verdict's dozen queries (answers, standings,
-    credit, maybe a quarantine) were a fifth of a site process's CPU at a newcomer's check rate; a task
-    per copy was a twentieth more. Without a broker (the embedded default) the task runs here at once;
-    with one that is down, here too. A check whose task was lost is judged by the periodic ``upkeep``
-    (``judge_ripe``).
+    credit, maybe a quarantine) were a fifth of a site process's CPU at a newcomer's check rate.
+    Without a broker (the embedded default) the task runs here at once; with one that is down, here
+    too. A check whose task was lost is judged by the periodic ``upkeep`` (``judge_ripe``).
     """
     from .tasks import judge_checks
 
@@ -489,15 +497,13 @@ def copy_released(lease_id: int, reason: str, *, device_id: int | None = None, m
 
     ``device_id``: the device giving it back, which must hold it (None: the site's own sweep).
     """
-    from crowdtrain.scheduler.records import writer
-
     state = hot_state()
     if device_id is not None:
         holder = _holder(marker) or _holder_on_record(lease_id)
         if holder is None or holder.device_id != device_id:
             return  # not this device's copy: nothing of another volunteer's is touched
         if state.client.hdel(state.lease_campaigns_key, str(lease_id)):
-            writer().copy_reported(holder.answer(lease_id, reported_at=timezone.now(), verdict=Answer.Verdict.NONE))
+            _write_report(holder.answer(lease_id, reported_at=timezone.now(), verdict=Answer.Verdict.NONE))
             _requeue_or_abandon(holder, lease_id, f"a copy was not finished ({reason})")
         return
     state.client.hdel(state.lease_campaigns_key, str(lease_id))
