@@ -19,6 +19,15 @@ from .access import scrape_refusal
 
 
 class _QuietHandler(WSGIRequestHandler):
+    def handle(self) -> None:
+        try:
+            super().handle()
+        finally:
+            # The site's collector reads the database in this thread: no connection is kept between scrapes.
+            from django.db import connections
+
+            connections.close_all()
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
         """A scrape every 15 s is not news."""
 
