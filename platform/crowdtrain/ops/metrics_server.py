@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterable
+from http import HTTPStatus
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -44,8 +45,7 @@ def guarded_app() -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[byt
         if refused is None:
             return metrics(request, start_response)
         status, message = refused
-        start_response(f"{status} {'Unauthorized' if status == 401 else 'Forbidden'}",
-                       [("Content-Type", "application/json")])  # fmt: skip
+        start_response(f"{status} {HTTPStatus(status).phrase}", [("Content-Type", "application/json")])
         return [json.dumps({"error": message}).encode()]
 
     return app

@@ -334,20 +334,12 @@ _INSERTED = (
 
 def _insert_on_postgresql(db: Any, rows: list[Lease]) -> None:
     """New lease rows from arrays, in id order; rows another process wrote already are left as they are."""
-    from psycopg.types.json import Jsonb  # PostgreSQL's driver: not needed by the embedded default
-
     names = ", ".join(column(name) for name, _ in _INSERTED)
     arrays = ", ".join(f"%s::{kind}[]" for _, kind in _INSERTED)
-    attributes = {field.name: field.attname for field in Lease._meta.concrete_fields}  # campaign -> campaign_id
     values = []
-    for name, kind in _INSERTED:
-        attribute = attributes[name]
-        column_values = [getattr(row, attribute) for row in rows]
-        if kind == "jsonb":
-            column_values = [Jsonb(value) for value in column_values]
-        elif kind == "text":
-            column_values = [str(value) for value in column_values]  # choices are str subclasses
-        values.append(column_values)
+    for name, _ in _INSERTED:
+        read = batchsql.psycopg_reader(Lease, name)
+        values.append([read(row) for row in rows])
     db.execute(
         f"INSERT INTO {batchsql.table(Lease)} ({names}) SELECT * FROM unnest({arrays}) AS v ORDER BY 1 "
         "ON CONFLICT DO NOTHING",

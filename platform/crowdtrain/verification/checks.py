@@ -127,8 +127,8 @@ def copy_marker(campaign_id: int, holder: CopyHolder | None = None) -> str:
     """
     if holder is None:
         return f"{campaign_id}:check"
-    h = holder
-    return f"{campaign_id}:check:{h.check_id}:{h.role}:{h.volunteer_id}:{h.device_id}:{h.num_samples}"
+    who = f"{holder.check_id}:{holder.role}:{holder.volunteer_id}:{holder.device_id}:{holder.num_samples}"
+    return f"{campaign_id}:check:{who}"
 
 
 def is_copy_marker(text: str) -> bool:
@@ -244,18 +244,10 @@ def _open_on_postgresql(case: Check, original: Answer) -> int:
     check rate (py-spy, the scale bench's wide phase at 300 agents): Django's model saving, not the
     database. One statement is atomic on its own.
     """
-    from psycopg.types.json import Jsonb  # PostgreSQL's driver: not needed by the embedded default
+    from crowdtrain.batchsql import psycopg_reader
 
-    values: list[Any] = []
-    for row, names in ((case, _CHECK_COLUMNS), (original, _ANSWER_COLUMNS)):
-        attributes = {field.name: field.attname for field in type(row)._meta.concrete_fields}
-        for name in names:
-            value = getattr(row, attributes[name])
-            if name in ("ranges", "sketch"):
-                value = Jsonb(value)
-            elif name in ("state", "role", "verdict"):
-                value = str(value)  # a choice, as its text: psycopg would send an Enum's name
-            values.append(value)
+    values = [psycopg_reader(Check, name)(case) for name in _CHECK_COLUMNS]
+    values += [psycopg_reader(Answer, name)(original) for name in _ANSWER_COLUMNS]
     with connection.cursor() as db:
         db.execute(_open_sql(), values)
         return int(db.fetchone()[0])
@@ -428,15 +420,18 @@ def copy_done(config: CampaignConfig, device_id: int, done: LeaseDone, problem: 
     if problem or done.num_samples != holder.num_samples:
         problem = problem or f"lease has {holder.num_samples} samples, report says {done.num_samples}"
         _write_report(holder.answer(done.lease_id, reported_at=now, verdict=Answer.Verdict.NONE))
-        _requeue_or_abandon(holder, done.lease_id, f"a copy's report was refused: {problem}")
+        _requeue_or_abandon(
+            holder.check_id, holder.volunteer_id, done.lease_id, f"a copy's report was refused: {problem}"
+        )
         return problem
     sketch = sketch_of(config, done)
     verdict = Answer.Verdict.PENDING if sketch else Answer.Verdict.NONE
     _write_report(holder.answer(done.lease_id, reported_at=now, sketch=sketch or [], verdict=verdict))
     if sketch is None:
-        _requeue_or_abandon(holder, done.lease_id, "a copy came back without sketches (an aggregator older than 2.2)")
+        why = "a copy came back without sketches (an aggregator older than 2.2)"
+        _requeue_or_abandon(holder.check_id, holder.volunteer_id, done.lease_id, why)
     else:
-        judge_soon([holder.check_id])
+        _judge_soon(holder.check_id)  # the answer is written: the report path runs in autocommit
     return ""
 
 
@@ -448,24 +443,19 @@ def _write_report(answer: Answer) -> None:
     )
 
 
-def judge_soon(check_ids: list[int]) -> None:
-    """Judge in the Celery worker: checks whose copies' answers are written.
-
-    The report's ack does not wait for a verdict, and a verdict's dozen queries (answers, standings,
-    credit, maybe a quarantine) were a fifth of a site process's CPU at a newcomer's check rate.
-    Without a broker (the embedded default) the task runs here at once; with one that is down, here
-    too. A check whose task was lost is judged by the periodic ``upkeep`` (``judge_ripe``).
+def _judge_soon(check_id: int) -> None:
+    """Judge in the Celery worker: the report's ack does not wait for a verdict, and a verdict's dozen queries
+    (answers, standings, credit, maybe a quarantine) were a fifth of a site process's CPU at a newcomer's
+    check rate. Without a broker (the embedded default) the task runs here at once; with one that is
+    down, here too. A check whose task was lost is judged by the periodic ``upkeep`` (``judge_ripe``).
     """
-    from .tasks import judge_checks
+    from .tasks import judge_check
 
-    if not check_ids:
-        return
     try:
-        judge_checks.delay(check_ids)
+        judge_check.delay(check_id)
     except (OperationalError, OSError):  # the broker is away (in eager mode a verdict's own error propagates)
-        logger.warning("checks %s: could not hand the verdicts to the worker; judging here", check_ids, exc_info=True)
-        for check_id in check_ids:
-            judge(check_id)
+        logger.warning("check %s: could not hand the verdict to the worker; judging it here", check_id, exc_info=True)
+        judge(check_id)
 
 
 RIPE_AFTER_S = 60.0  # a check with two answers in for this long lost its task (a worker or broker was down)
@@ -504,28 +494,28 @@ def copy_released(lease_id: int, reason: str, *, device_id: int | None = None, m
             return  # not this device's copy: nothing of another volunteer's is touched
         if state.client.hdel(state.lease_campaigns_key, str(lease_id)):
             _write_report(holder.answer(lease_id, reported_at=timezone.now(), verdict=Answer.Verdict.NONE))
-            _requeue_or_abandon(holder, lease_id, f"a copy was not finished ({reason})")
+            _requeue_or_abandon(holder.check_id, holder.volunteer_id, lease_id, f"a copy was not finished ({reason})")
         return
     state.client.hdel(state.lease_campaigns_key, str(lease_id))
     answer = _only(Answer.objects.filter(lease_id=lease_id, reported_at__isnull=True).select_related("case"))
     if answer is not None:
         Answer.objects.filter(pk=answer.pk).update(reported_at=timezone.now(), verdict=Answer.Verdict.NONE)
-        holder = CopyHolder(answer.case_id, answer.role, answer.volunteer_id, answer.device_id or 0, 0)
-        _requeue_or_abandon(holder, lease_id, f"a copy was not finished ({reason})")
+        _requeue_or_abandon(answer.case_id, answer.volunteer_id, lease_id, f"a copy was not finished ({reason})")
 
 
 MAX_COPIES = 4  # copies issued for one check before it is given up
 
 
-def _requeue_or_abandon(holder: CopyHolder, lease_id: int, why: str) -> None:
-    """Queue the check of a copy that came to nothing again, unless it had its copies; counts that copy
-    and its volunteer whether or not its answer row is written yet (the batched records)."""
-    case = _only(Check.objects.filter(pk=holder.check_id))
+def _requeue_or_abandon(check_id: int, volunteer_id: int, lease_id: int, why: str) -> None:
+    """Queue a check again after its copy ``lease_id`` (of ``volunteer_id``) came to nothing, unless it had
+    its copies; counts that copy and its volunteer whether or not its answer row is written yet (the
+    batched records)."""
+    case = _only(Check.objects.filter(pk=check_id))
     if case is None:
         return
     others = case.answers.exclude(lease_id=lease_id)
     if case.open and others.count() + 1 < MAX_COPIES:
-        excluded = set(others.values_list("volunteer_id", flat=True)) | {holder.volunteer_id}
+        excluded = set(others.values_list("volunteer_id", flat=True)) | {volunteer_id}
         _enqueue(case, sorted(excluded))
     else:
         settle(case.pk, Check.State.ABANDONED, why)

@@ -447,12 +447,12 @@ def test_with_a_broker_the_verdict_is_the_workers_and_the_report_does_not_wait_f
     campaign: Campaign, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     handed: list[int] = []
-    monkeypatch.setattr(tasks.judge_checks, "delay", handed.extend)
+    monkeypatch.setattr(tasks.judge_check, "delay", handed.append)
 
     case = _copy_reported(campaign)
 
     assert case.state == Check.State.OPEN and handed == [case.pk]
-    tasks.judge_checks([case.pk])  # what the worker runs
+    tasks.judge_check(case.pk)  # what the worker runs
     case.refresh_from_db()
     assert case.state == Check.State.PASSED
 
@@ -460,10 +460,10 @@ def test_with_a_broker_the_verdict_is_the_workers_and_the_report_does_not_wait_f
 def test_a_broker_that_is_down_leaves_the_verdict_to_the_reporting_process(
     campaign: Campaign, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def down(check_ids: list[int]) -> None:
+    def down(check_id: int) -> None:
         raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
 
-    monkeypatch.setattr(tasks.judge_checks, "delay", down)
+    monkeypatch.setattr(tasks.judge_check, "delay", down)
 
     case = _copy_reported(campaign)
 
@@ -473,7 +473,7 @@ def test_a_broker_that_is_down_leaves_the_verdict_to_the_reporting_process(
 def test_a_verdict_whose_task_was_lost_is_reached_by_the_periodic_upkeep(
     campaign: Campaign, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tasks.judge_checks, "delay", lambda check_ids: None)  # accepted, then lost with its worker
+    monkeypatch.setattr(tasks.judge_check, "delay", lambda check_id: None)  # accepted, then lost with its worker
     case = _copy_reported(campaign)
 
     assert checks.judge_ripe() == 0  # its answers are too fresh: the worker may still be on it
@@ -525,7 +525,7 @@ def test_a_copy_is_handed_out_without_a_query_and_reported_with_one_write(
     original, _ = _work(campaign, alice.pk, HONEST)
     writer = _batched(monkeypatch)
     handed: list[int] = []
-    monkeypatch.setattr(tasks.judge_checks, "delay", handed.extend)
+    monkeypatch.setattr(tasks.judge_check, "delay", handed.append)
     config = campaign_config(campaign.pk)
     assert config is not None
     standing.owner_of(bob.pk)  # known once a device has asked for anything: its first request reads it
@@ -545,7 +545,7 @@ def test_a_copy_is_handed_out_without_a_query_and_reported_with_one_write(
     assert handed == [case.pk]
 
     writer.flush()  # the issuing process's batch, late: the report stands
-    tasks.judge_checks(handed)
+    tasks.judge_check(case.pk)
 
     answer = Answer.objects.get(lease_id=copy.lease_id)
     assert (answer.case_id, answer.role, answer.volunteer_id, answer.device_id) == (
@@ -630,3 +630,21 @@ def test_an_answer_the_database_refuses_is_dropped_and_the_rest_of_its_batch_is_
     assert not Answer.objects.filter(lease_id=bad.lease_id).exists()
     writer.flush()  # nothing held back for another try
     assert not writer._copies
+
+
+def test_a_copy_whose_marker_names_no_holder_is_reported_by_the_holder_on_record_only(campaign: Campaign) -> None:
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    mallory, _ = make_device("mallory")
+    original, _ = _work(campaign, alice.pk, HONEST)
+    copy = _lease(campaign, bob.pk)
+    state = hot_state()
+    # The bare marker a site before 2.9 wrote: the answer row says who holds the copy.
+    state.client.hset(state.lease_campaigns_key, str(copy.lease_id), checks.copy_marker(campaign.pk))
+
+    stranger = leasing.report_done(mallory.pk, _done(campaign, copy, FLIPPED)).ack
+    holder = leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack
+
+    assert (stranger.accepted, stranger.reason) == (False, "unknown lease")
+    assert (holder.accepted, holder.verification) == (True, "check")
+    assert Check.objects.get(lease_id=original.lease_id).state == Check.State.PASSED
