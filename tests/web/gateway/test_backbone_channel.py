@@ -17,6 +17,7 @@ from crowdtrain.gateway.outbox import backbone_group, send_outbox
 from crowdtrain.ops import heartbeats
 from crowdtrain.scheduler import backbone
 from crowdtrain.scheduler.models import Aggregator
+from crowdtrain.scheduler.models import SliceAssignment as SliceRecord
 from crowdtrain_agent.protocol import (
     PROTOCOL_VERSION,
     BackboneHello,
@@ -57,6 +58,16 @@ def _running_campaign() -> Campaign:
     return campaign
 
 
+async def _until_ready(campaign: Campaign) -> None:
+    """Wait until the site has handled ``SliceReady``: it sends no reply, and a lease asked for sooner gets none."""
+    ready = SliceRecord.objects.filter(campaign=campaign, ready=True)
+    for _ in range(250):
+        if await ready.aexists():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the site did not mark the slice ready within 5 s")
+
+
 def _aggregator(name: str) -> str:
     Aggregator.objects.create(name=name, token_hash=hash_token(f"secret-{name}"))
     return f"secret-{name}"
@@ -78,6 +89,7 @@ async def test_a_step_goes_from_agent_report_to_aggregator_commit_to_published_v
     welcome = await receive(aggregator)
     assignment = await receive(aggregator)
     await send(aggregator, SliceReady(campaign_id=campaign.pk, slice_index=0, version=0))
+    await _until_ready(campaign)
     _, agent_token = await sync_to_async(make_device)()
     agent, _, _ = await connect("/ws/agent/", agent_token)
     await send(agent, HELLO)
