@@ -37,6 +37,7 @@ def test_a_phase_that_keeps_up_prints_its_rate_latency_and_cpu() -> None:
         "bench: done_rejected_1000=0",
         "bench: agents_not_connected_1000=0",
         "bench: step_publish_s_1000=skipped (no step was applied)",
+        "bench: verification_per_cycle_1000=skipped (the phase's database was not read)",
     ]
 
 
@@ -44,9 +45,20 @@ def test_the_commit_pipeline_is_the_median_step_with_its_worst_and_its_size() ->
     run = _run(_load())
     run.step_publish = [(2000, 1.0), (2000, 3.0), (1998, 2.0)]
 
-    line = cycle_figures(run, 1000, "")[-1]
+    line = cycle_figures(run, 1000, "")[-2]
 
     assert line.startswith("bench: step_publish_s_1000=2.000 (median of 3 steps of about 2000 leases, worst 3.00 s")
+
+
+def test_verification_is_counted_per_cycle_of_the_window() -> None:
+    run = _run(_load(cycles=1000))
+    run.verification = (150, 120)
+
+    line = cycle_figures(run, 1000, "")[-1]
+
+    assert line.startswith(
+        "bench: verification_per_cycle_1000=0.270 (150 checks opened and 120 copies reported over 1000"
+    )
 
 
 def test_a_busy_machine_makes_the_figures_lower_bounds() -> None:
@@ -69,7 +81,7 @@ def test_a_failed_phase_prints_every_figure_as_skipped() -> None:
     assert cycle_figures("the site did not start", 100, "") == [
         f"bench: {name}_100=skipped (the site did not start)"
         for name in ("lease_cycles_per_s", "lease_p99_ms", "site_cpu_ms_per_lease", "serving_cpu_ms_per_cycle",
-                     "done_rejected", "agents_not_connected", "step_publish_s")
+                     "done_rejected", "agents_not_connected", "step_publish_s", "verification_per_cycle")
     ]  # fmt: skip
     assert all("=skipped (timed out)" in line for line in idle_figures("timed out", 10_000, 200.0))
     assert all("=skipped (timed out)" in line for line in overload_figures("timed out", 5000, [0]))

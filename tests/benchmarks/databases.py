@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 from contextlib import closing
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -100,3 +100,34 @@ def step_publish_times(database: str) -> list[tuple[int, float]]:
         with psycopg.connect(database) as conn:
             rows = list(conn.execute(STEP_TIMES))
     return [(int(n), (applied - committed).total_seconds()) for committed, applied, n in rows]
+
+
+# Verification work in a time window: checks opened (a lease picked, its copy queued) and copies reported.
+CHECKS_OPENED = "SELECT count(*) FROM verification_check WHERE created_at >= {p} AND created_at < {p}"
+COPIES_REPORTED = (
+    "SELECT count(*) FROM verification_answer WHERE role <> 'original' AND reported_at >= {p} AND reported_at < {p}"
+)
+
+
+def verification_counts(database: str, since: float, until: float) -> tuple[int, int]:
+    """(checks opened, copies reported) between two Unix times, in the phase's database.
+
+    Every bench volunteer is a newcomer, checked at four times the campaign's rate until
+    their first checks pass, so this share of the cycles is verification work and it
+    moves the site's CPU per lease: a phase whose volunteers pass their checks sooner
+    has less of it.
+    """
+    bounds = [datetime.fromtimestamp(t, UTC) for t in (since, until)]
+    if "://" not in database:
+        # Django stores SQLite datetimes as UTC text, "YYYY-MM-DD HH:MM:SS.ffffff", which sorts as time does.
+        text = [b.replace(tzinfo=None).isoformat(" ", "microseconds") for b in bounds]
+        with closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as lite:
+            opened = lite.execute(CHECKS_OPENED.format(p="?"), text).fetchone()[0]
+            reported = lite.execute(COPIES_REPORTED.format(p="?"), text).fetchone()[0]
+        return int(opened), int(reported)
+    import psycopg
+
+    with psycopg.connect(database) as conn:
+        opened = conn.execute(CHECKS_OPENED.format(p="%s"), bounds).fetchone()
+        reported = conn.execute(COPIES_REPORTED.format(p="%s"), bounds).fetchone()
+    return int(opened[0]) if opened else 0, int(reported[0]) if reported else 0

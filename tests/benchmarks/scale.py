@@ -118,6 +118,7 @@ from .databases import (  # noqa: E402
     lease_states,
     recreate_database,
     step_publish_times,
+    verification_counts,
     with_database,
 )
 from .figures import band_pct, figure_line, format_value, percentile, skipped_line, spread_pct  # noqa: E402
@@ -206,6 +207,7 @@ class PhaseRun:
     db_leases: dict[str, int] = field(default_factory=dict)
     lost: int | None = None
     step_publish: list[tuple[int, float]] = field(default_factory=list)  # (leases, s) per applied step
+    verification: tuple[int, int] | None = None  # (checks opened, copies reported) in the window
 
     @property
     def cycles_per_s(self) -> float:
@@ -427,6 +429,7 @@ class Bench:
         where = str(run_dir / "var" / SQLITE_FILE) if opts.embedded else opts.database_url
         if plan.mode == "cycle":
             run.step_publish = step_publish_times(where)
+            run.verification = verification_counts(where, *window)
         if plan.lost_check:
             # The site writes lease records in batches behind the acks (``scheduler.records``), and a
             # saturated one lags: seen on SQLite, 45 leases acked as accepted still read "active" when
@@ -504,7 +507,7 @@ def cycle_figures(run: PhaseRun | str, agents: int, infix: str) -> list[str]:
     names = [f"lease_cycles_per_s{infix}_{agents}", f"lease_p99_ms{infix}_{agents}",
              f"site_cpu_ms_per_lease{infix}_{agents}", f"serving_cpu_ms_per_cycle{infix}_{agents}",
              f"done_rejected{infix}_{agents}", f"agents_not_connected{infix}_{agents}",
-             f"step_publish_s{infix}_{agents}"]  # fmt: skip
+             f"step_publish_s{infix}_{agents}", f"verification_per_cycle{infix}_{agents}"]  # fmt: skip
     if isinstance(run, str):
         return [skipped_line(name, run) for name in names]
     load = run.load
@@ -538,7 +541,20 @@ def cycle_figures(run: PhaseRun | str, agents: int, infix: str) -> list[str]:
     lines.append(f"bench: {names[4]}={rejected}" + (f" ({reasons})" if reasons else ""))
     lines.append(not_connected_line(f"agents_not_connected{infix}_{agents}", load))
     lines.append(step_publish_line(names[6], run.step_publish))
+    lines.append(verification_line(names[7], run.verification, load["cycles"]))
     return lines
+
+
+def verification_line(name: str, counts: tuple[int, int] | None, cycles: int) -> str:
+    """Checks opened and copies reported per cycle of the window: verification's share of the site's work."""
+    if counts is None:
+        return skipped_line(name, "the phase's database was not read")
+    if not cycles:
+        return skipped_line(name, "no cycle completed in the window")
+    opened, reported = counts
+    note = (f"{opened} checks opened and {reported} copies reported over {cycles} cycles; every bench volunteer "
+            f"is a newcomer, checked at 4 x the campaign's rate until their first checks pass")  # fmt: skip
+    return figure_line(name, (opened + reported) / cycles, note)
 
 
 def step_publish_line(name: str, steps: list[tuple[int, float]]) -> str:
