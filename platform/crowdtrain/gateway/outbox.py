@@ -121,12 +121,17 @@ async def wake(campaign_id: int, channels: Iterable[str], *, copy: bool = False)
     the room it was woken for goes to the next request that asks.
     """
     layer = get_channel_layer()
+    event = {"type": "lease.wake", "campaign_id": campaign_id, "copy": copy}
     unheard = 0
-    for channel in channels:
-        try:
-            await layer.send(channel, {"type": "lease.wake", "campaign_id": campaign_id, "copy": copy})
-        except ChannelFull:
-            unheard += 1
+    send_many = getattr(layer, "send_many", None)  # the site's Redis layer: a few round trips for them all
+    if send_many is not None:
+        unheard = await send_many(channels, event)
+    else:
+        for channel in channels:
+            try:
+                await layer.send(channel, event)
+            except ChannelFull:
+                unheard += 1
     if unheard:
         logger.warning(
             "campaign %s: %d waiting lease requests not woken, their site process's channel-layer inbox is full; "

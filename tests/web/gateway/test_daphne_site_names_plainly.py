@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pprint
+
 import pytest
 from autobahn.twisted import websocket as twisted_websocket
 from autobahn.websocket import protocol
@@ -14,6 +16,7 @@ def restored(monkeypatch: pytest.MonkeyPatch) -> None:
     for module in (twisted_websocket, protocol):
         monkeypatch.setattr(module, "hltype", module.hltype)
         monkeypatch.setattr(module, "hlval", module.hlval)
+    monkeypatch.setattr(protocol, "pformat", protocol.pformat)
 
 
 def test_frame_debug_names_are_plain_text(restored: None) -> None:
@@ -26,3 +29,14 @@ def test_frame_debug_names_are_plain_text(restored: None) -> None:
         assert module.hltype(method) == "<WebSocketProtocol.sendData>"
         assert module.hlval("tcp:127.0.0.1:5000") == "tcp:127.0.0.1:5000"
         assert module.hlval(1234) == "1234"
+
+
+def test_a_new_connections_settings_are_pretty_printed_only_when_the_debug_line_is_written(restored: None) -> None:
+    settings = [("autoPingInterval", 0, "WebSocketServerFactory"), ("openHandshakeTimeout", 5, "SiteServer")]
+    assert protocol.pformat is pprint.pformat, "autobahn prints them for every connection by itself"
+
+    daphne_site.plain_debug_names()
+    deferred = protocol.pformat(settings)
+
+    assert not isinstance(deferred, str)  # nothing printed yet: made only if the line is formatted
+    assert f"\n{deferred}" == "\n" + pprint.pformat(settings)

@@ -71,3 +71,26 @@ async def test_sockets_leaving_all_at_once_wait_for_a_redis_connection_instead_o
 
     assert left == 0  # every socket joined and left
     assert pool.max_connections == 2
+
+
+@pytest.mark.skipif(not settings.REDIS_URL, reason="send_many is the Redis layer's; the in-memory one sends each")
+async def test_one_event_for_many_sockets_reaches_each_and_a_full_inbox_refuses_only_what_it_has_no_room_for() -> None:
+    host = settings.CHANNEL_LAYERS["default"]["CONFIG"]["hosts"][0]
+    busy = WaitingRedisChannelLayer(hosts=[host], channel_capacity={"specific.*": 3})  # one process: a small inbox
+    other = WaitingRedisChannelLayer(hosts=[host])  # another process, its own inbox
+    busy_sockets = [await busy.new_channel() for _ in range(5)]
+    other_socket = await other.new_channel()
+    try:
+        refused = await busy.send_many([*busy_sockets, other_socket], {"type": "lease.wake", "campaign_id": 7})
+        heard = [await asyncio.wait_for(busy.receive(channel), timeout=5) for channel in busy_sockets[:3]]
+        heard_elsewhere = await asyncio.wait_for(other.receive(other_socket), timeout=5)
+        held = await busy.connection(0).zcard(busy.prefix + busy.non_local_name(busy_sockets[0]))
+    finally:
+        await busy.flush()
+        await busy.close_pools()
+        await other.close_pools()
+
+    assert refused == 2  # the busy process's inbox had room for three of its five sockets
+    assert heard == [{"type": "lease.wake", "campaign_id": 7}] * 3
+    assert heard_elsewhere == {"type": "lease.wake", "campaign_id": 7}
+    assert held == 0  # nothing more was queued for the two it refused
