@@ -18,8 +18,10 @@ steps over only while an entry is less than ``ALIVE_S`` old; without one (the
 embedded default, a deployment that runs none, a committer that stopped) the
 reporting thread writes the step itself, as before. A step handed to a
 committer that dies before writing it is taken over when its claim lapses
-(``COMMIT_CLAIM_S`` in the scripts): by the next report, or by a site
-process's sweep. Two writers of one step are harmless: the step row's unique
+(``COMMIT_CLAIM_S`` in the scripts), or at once when the committer that
+took it, or every committer for a step still queued, has stopped renewing
+its entry (``alive_since``): by the next report, or by a site process's
+sweep. Two writers of one step are harmless: the step row's unique
 index lets one win, and the other reads its result back (``commits``).
 """
 
@@ -77,9 +79,20 @@ class _Committers:
 committers = _Committers()
 
 
-def handoff_args(campaign_id: int) -> dict[str, int]:
+def alive_since() -> float:
+    """The hot state's time before which a committer's last word means it is gone.
+
+    The scripts that may claim a full step take it as ``alive_since``: a step
+    queued while no committer is left, or taken by one that stopped renewing
+    its entry, is taken over at once rather than after ``COMMIT_CLAIM_S``.
+    """
+    return hot_state().clock() - ALIVE_S
+
+
+def handoff_args(campaign_id: int) -> dict[str, float]:
     """The done script's arguments for handing a full step over: the campaign's id while a committer runs
-    (else 0), and the fewest leases a step must have to go (``CROWDTRAIN_COMMITTER_MIN_LEASES``).
+    (else 0), the fewest leases a step must have to go (``CROWDTRAIN_COMMITTER_MIN_LEASES``), and
+    ``alive_since``.
 
     Small steps stay with the site: the site that writes a step itself answers the reporting device's
     waiting request at once, which a committer cannot, and a small step's write is short. Measured in the
@@ -90,6 +103,7 @@ def handoff_args(campaign_id: int) -> dict[str, int]:
     return {
         "handoff": campaign_id if committers.running() else 0,
         "handoff_least": settings.CROWDTRAIN_COMMITTER_MIN_LEASES,
+        "alive_since": alive_since(),
     }
 
 
@@ -145,7 +159,7 @@ class Committer:
         if config is None:
             return []
         try:
-            answer = hot_state().run("take", config.hot_key, {"step": step})
+            answer = hot_state().run("take", config.hot_key, {"step": step, "name": self.name})
         except HotStateMissing:
             # Redis lost the campaign: the next call of the scheduler rebuilds it from the record, and the
             # step, still uncommitted there, fills again from its accepted leases and is claimed anew.
@@ -169,6 +183,7 @@ class Committer:
         from crowdtrain.gateway.outbox import send_commits
 
         logger.info("committer %s: waiting for full steps", self.name)
+        renewing = asyncio.create_task(self._keep_announcing())
         try:
             while not self.stopping:
                 try:
@@ -179,11 +194,27 @@ class Committer:
                     logger.exception("committer %s: a step could not be committed; carrying on", self.name)
                     await asyncio.sleep(RENEW_S)
         finally:
+            renewing.cancel()
             try:
                 await offloop(self.withdraw)()
             except Exception:
                 logger.warning("committer %s: could not withdraw; it lapses in %s s", self.name, ALIVE_S)
         logger.info("committer %s: stopped after %s steps", self.name, self.committed)
+
+    async def _keep_announcing(self) -> None:
+        """Say this committer is alive every ``RENEW_S`` while it writes a step, too.
+
+        A step whose write outlasts ``ALIVE_S`` (thousands of leases on a busy
+        database) would otherwise look abandoned, and a site would write it again.
+        """
+        from crowdtrain.gateway.offloop import offloop
+
+        while True:
+            await asyncio.sleep(RENEW_S)
+            try:
+                await offloop(self.announce)()
+            except Exception:  # Redis is away: next_entry says so
+                logger.debug("committer %s: could not renew its entry", self.name, exc_info=True)
 
     def run(self) -> None:
         """Serve until SIGTERM or SIGINT; the step being written is finished first."""

@@ -115,6 +115,7 @@ class HotState:
                 self.lease_campaigns_key,
                 self.requests_key,
                 self.commits_key,
+                self.committer_key,
             ],
             args=[repr(self.clock() if now is None else now), json.dumps(args, separators=(",", ":"))],
         )

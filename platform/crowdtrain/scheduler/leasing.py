@@ -669,7 +669,8 @@ def sweep_campaign(campaign_id: int) -> tuple[int, list[Commit]]:
     config = campaign_config(campaign_id)
     if config is None:
         return 0, []
-    answer = _run(config, "sweep", {"limit": 1000, "gone_s": settings.CROWDTRAIN_GONE_AFTER_S})
+    args = {"limit": 1000, "gone_s": settings.CROWDTRAIN_GONE_AFTER_S, "alive_since": committer.alive_since()}
+    answer = _run(config, "sweep", args)
     expired = answer.get("expired") or []
     record_retired(expired, config.id)
     commits = commit_full_steps(config, answer["commit"]) if answer.get("commit") else []

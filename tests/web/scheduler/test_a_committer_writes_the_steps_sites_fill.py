@@ -3,7 +3,10 @@ one, or once it stopped or died, the site writes the step itself, and never twic
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -13,7 +16,7 @@ from django.test import override_settings
 
 from crowdtrain.campaigns.models import Campaign, Step
 from crowdtrain.scheduler import leasing
-from crowdtrain.scheduler.committer import ALIVE_S, Committer, parse_entry
+from crowdtrain.scheduler.committer import ALIVE_S, RENEW_S, Committer, parse_entry
 from crowdtrain.scheduler.hotstate import hot_state
 from tests.conftest import FakeClock
 from tests.factories import done_for, make_campaign, make_device
@@ -101,21 +104,81 @@ def test_a_committer_that_withdrew_is_handed_nothing(clock: FakeClock) -> None:
     assert [c.message.step for c in outcome.commits] == [0]
 
 
-def test_a_step_whose_committer_died_is_taken_over_by_the_sweep_and_written_once(clock: FakeClock) -> None:
+def test_a_step_queued_for_committers_that_all_died_is_taken_over_by_the_sweep_and_written_once(
+    clock: FakeClock,
+) -> None:
     dead = Committer("dies")
     dead.announce()
     campaign, _, lease_ids, _ = _full_step(clock)
-    entry = dead.next_entry(wait_s=0.1)  # popped; then the process is killed before it writes
+    entry = dead.next_entry(wait_s=0.1)  # popped; then the process is killed before it takes the step
     assert entry is not None
 
-    clock.advance(5)
-    assert leasing.sweep_campaign(campaign.pk)[1] == []  # its claim still holds
-    clock.advance(6)
+    clock.advance(ALIVE_S - 1)
+    assert leasing.sweep_campaign(campaign.pk)[1] == []  # it may still be at work: its claim holds
+    clock.advance(1.5)  # it has not said it is alive for ALIVE_S, and no other committer is left
     _, taken_over = leasing.sweep_campaign(campaign.pk)
 
     assert [(c.message.step, c.message.lease_ids) for c in taken_over] == [(0, lease_ids)]
     assert dead.commit(*entry) == []  # back from the dead: nothing left to write
     assert Step.objects.filter(campaign=campaign).count() == 1
+
+
+def test_a_step_taken_by_a_committer_that_died_is_taken_over_though_another_committer_lives(
+    clock: FakeClock,
+) -> None:
+    dead, alive = Committer("dies"), Committer("lives")
+    dead.announce()
+    campaign, _, lease_ids, _ = _full_step(clock)
+    assert dead.next_entry(wait_s=0.1) == (campaign.pk, 0)
+    hot_state().run("take", campaign.hot_key.hex, {"step": 0, "name": dead.name})  # then killed mid-write
+
+    clock.advance(ALIVE_S + 0.5)
+    alive.announce()
+    _, taken_over = leasing.sweep_campaign(campaign.pk)
+
+    assert [(c.message.step, c.message.lease_ids) for c in taken_over] == [(0, lease_ids)]
+    assert Step.objects.filter(campaign=campaign).count() == 1
+
+
+def test_a_step_a_live_committer_is_writing_is_left_to_it_until_the_claim_lapses(clock: FakeClock) -> None:
+    slow = Committer("slow")
+    slow.announce()
+    campaign, _, lease_ids, _ = _full_step(clock)
+    assert slow.next_entry(wait_s=0.1) == (campaign.pk, 0)
+    hot_state().run("take", campaign.hot_key.hex, {"step": 0, "name": slow.name})
+
+    for _ in range(9):  # a long write, the committer saying it is alive every second meanwhile
+        clock.advance(1)
+        slow.announce()
+        assert leasing.sweep_campaign(campaign.pk)[1] == []
+    clock.advance(1.5)  # past COMMIT_CLAIM_S: a write this long is taken for stuck, whoever holds it
+    _, taken_over = leasing.sweep_campaign(campaign.pk)
+
+    assert [(c.message.step, c.message.lease_ids) for c in taken_over] == [(0, lease_ids)]
+
+
+def test_a_committer_says_it_is_alive_while_it_writes_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    committer = Committer("busy")
+    state = hot_state()
+    writing = threading.Event()
+
+    def long_write(wait_s: float = RENEW_S) -> None:  # stands for a step of thousands of leases being written
+        writing.set()
+        time.sleep(2 * RENEW_S + 0.5)
+
+    monkeypatch.setattr(committer, "next_entry", long_write)
+
+    async def serve_while_it_writes() -> float | None:
+        server = asyncio.create_task(committer.serve())
+        await asyncio.to_thread(writing.wait, 5)
+        state.client.zrem(state.committer_key, committer.name)  # as if its last word were long ago
+        await asyncio.sleep(RENEW_S + 0.5)
+        renewed = state.client.zscore(state.committer_key, committer.name)
+        committer.stopping = True
+        await server
+        return renewed
+
+    assert asyncio.run(serve_while_it_writes()) is not None
 
 
 @pytest.mark.parametrize(

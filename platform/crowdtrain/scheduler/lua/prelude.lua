@@ -3,6 +3,7 @@
 -- KEYS[3]: lease id -> campaign id for every lease still remembered ("ct:lc");
 -- KEYS[4]: device -> "campaign:lease:request id" of its newest lease ("ct:rid"), to answer a resent request.
 -- KEYS[5]: full steps handed to the committers ("ct:commits", a list of "campaign:step"; scheduler.committer).
+-- KEYS[6]: the running committers, scored by when each last said it was alive ("ct:committer").
 -- ARGV[1]: now (seconds since the epoch, a float); ARGV[2]: a JSON object of the script's arguments.
 -- Every script returns one JSON object. Lease records and ranges never hold nulls (0 means none):
 -- cjson turns JSON null into a userdata that compares unequal to nil.
@@ -11,6 +12,7 @@ local SEEN = KEYS[2]
 local LC = KEYS[3]
 local RID = KEYS[4]
 local COMMITS = KEYS[5]
+local COMMITTERS = KEYS[6]
 local now = tonumber(ARGV[1])
 local A = cjson.decode(ARGV[2])
 
@@ -119,9 +121,20 @@ local function step_leases(s)
   return leases
 end
 
+-- Whether the claim on a step is held by committers that are gone. ``by``: '' for a site process (its
+-- liveness is not known here: only COMMIT_CLAIM_S ends its claim), '*' for the committers' queue (gone
+-- when none is alive), or the name of the committer that took the step (take.lua). ``alive_since``: the
+-- caller's A.alive_since, the time before which a committer's last word means it is gone (nil: unknown).
+local function claimer_gone(by, alive_since)
+  if not alive_since or by == '' then return false end
+  if by == '*' then return redis.call('ZCOUNT', COMMITTERS, alive_since, '+inf') == 0 end
+  return num(redis.call('ZSCORE', COMMITTERS, by)) < alive_since
+end
+
 -- The accepted leases of the open step when it holds the whole global batch, in lease-id order:
 -- handed to one caller, which writes the step to the database. Others asking meanwhile get nothing,
--- unless that caller has not finished after COMMIT_CLAIM_S (it died): then the next one takes over.
+-- unless that caller has not finished after COMMIT_CLAIM_S (it died), or the committers that hold the
+-- claim have stopped saying they are alive: then the next one takes over.
 -- With ``handoff`` (the campaign's id, 0 for none) a step of at least ``least`` leases goes to the
 -- committers' queue instead, and the caller is told only that it was queued: a committer takes it
 -- (take.lua) and writes it.
@@ -130,12 +143,16 @@ local function full_step(handoff, least)
   local open = meta('open')
   local target = meta('target')
   if num(redis.call('HGET', K_FILL, open)) < target then return nil end
-  local claim = redis.call('HMGET', K_META, 'claimed', 'claimed_at')
-  if num(claim[1]) == open + 1 and now - num(claim[2]) < COMMIT_CLAIM_S then return nil end
-  redis.call('HSET', K_META, 'claimed', open + 1, 'claimed_at', now)
+  local claim = redis.call('HMGET', K_META, 'claimed', 'claimed_at', 'claimed_by')
+  if num(claim[1]) == open + 1 and now - num(claim[2]) < COMMIT_CLAIM_S
+      and not claimer_gone(claim[3] or '', A.alive_since) then
+    return nil
+  end
   if (handoff or 0) ~= 0 and redis.call('ZCOUNT', K_ACC, open, open) >= (least or 0) then
+    redis.call('HSET', K_META, 'claimed', open + 1, 'claimed_at', now, 'claimed_by', '*')
     redis.call('RPUSH', COMMITS, handoff .. ':' .. open)
     return {step = open, queued = true}
   end
+  redis.call('HSET', K_META, 'claimed', open + 1, 'claimed_at', now, 'claimed_by', '')
   return {step = open, leases = step_leases(open)}
 end
