@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,20 @@ def pytest_configure(config: pytest.Config) -> None:
     django_settings.CROWDTRAIN_RECORDS_INLINE = True
     # Tests look at a task's outcome right after the request that queued it.
     django_settings.CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND = False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Before the last test's teardown drops the test database, close the connections dead threads left.
+
+    The scheduler's calls run in a pool of threads (``gateway.offloop``), each
+    with its own connection, and each test's event loop has its own pool. When
+    a pool's threads end, their connections stay open until the garbage
+    collector frees them, and PostgreSQL refuses to drop a database with
+    sessions on it ("being accessed by other users").
+    """
+    if nextitem is None:
+        gc.collect()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
