@@ -7,6 +7,14 @@ outage, a restart of the load balancer), every socket's ``disconnect``
 leaves its groups at the same moment: 1,704 of them raised it in one run,
 their cleanup cut short. redis-py's ``BlockingConnectionPool`` makes such a
 burst wait its turn instead, for up to ``WAIT_FOR_CONNECTION_S``.
+
+A connection is held from a command's sending to its answer being read, and
+an event loop that runs late reads late: 5,000 agents joining two site
+processes at once on this 2-core machine (loops a second behind) held all
+1,000 connections of each, and the calls that waited past the limit failed
+("No connection available"), closing sockets mid-handshake. So each send here
+is one round trip (``PUSH``, a server-side script) where channels_redis makes
+four, and one event for many sockets is one round trip per process inbox.
 """
 
 from __future__ import annotations
@@ -24,9 +32,30 @@ from redis.asyncio import BlockingConnectionPool
 # Under daphne's 10 s application_close_timeout, after which a closed socket's cleanup is cancelled.
 WAIT_FOR_CONNECTION_S = 8.0
 
+# What channels_redis's send does in four round trips (drop expired events, count, add, renew the key's
+# expiry), for any number of events to one inbox, in one. KEYS[1]: the inbox; ARGV: the time (the events'
+# score), the oldest score kept, the key's expiry in seconds, the inbox's capacity, then the events.
+# Returns how many events found no room.
+PUSH = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], 0, ARGV[2])
+local room = tonumber(ARGV[4]) - redis.call('ZCOUNT', KEYS[1], '-inf', '+inf')
+local added = 0
+for i = 5, #ARGV do
+  if added >= room then break end
+  redis.call('ZADD', KEYS[1], ARGV[1], ARGV[i])
+  added = added + 1
+end
+if added > 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
+return #ARGV - 4 - added
+"""
+
 
 class WaitingRedisChannelLayer(RedisChannelLayer):
     """``RedisChannelLayer`` on a ``BlockingConnectionPool`` for each host given as ``{"address": url, ...}``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._push_script: Any = None  # PUSH, registered once (by its digest); run on whichever client is asked
 
     def create_pool(self, index: int) -> Any:
         host = dict(self.hosts[index])
@@ -53,41 +82,51 @@ class WaitingRedisChannelLayer(RedisChannelLayer):
                     pipe.expire(key, self.group_expiry)
                 await pipe.execute()
 
+    async def send(self, channel: str, message: dict[str, Any]) -> None:
+        """channels_redis's ``send`` in one round trip; raises ``ChannelFull`` as it does."""
+        assert isinstance(message, dict), "message is not a dict"
+        assert self.require_valid_channel_name(channel), "Channel name not valid"
+        assert "__asgi_channel__" not in message
+        if "!" in channel:  # a socket's channel: its process's inbox, the full name inside the event
+            index = self.consistent_hash(channel)
+            body = self.serialize({**message, "__asgi_channel__": channel})
+        else:  # a general channel: any host, as channels_redis picks
+            index = next(self._send_index_generator)
+            body = self.serialize(message)
+        if await self._push(index, self.prefix + self.non_local_name(channel), self.get_capacity(channel), [body]):
+            raise ChannelFull()
+
     async def send_many(self, channels: Iterable[str], message: dict[str, Any]) -> int:
         """``send`` of one event to many sockets; returns how many were refused because their inbox was full.
 
-        ``send`` makes four round trips per socket. A commit wakes as many waiting
-        lease requests as it made room for, and on the W1-like step that loop was
-        9% of a site process. A process's sockets share one inbox key, so this
-        makes two pipelined round trips per key: trim and count, then add. An
-        inbox takes what it has room for and no more; the rest are refused, as
-        ``send`` refuses with ``ChannelFull``.
+        A commit wakes as many waiting lease requests as it made room for; sent
+        one by one, that loop was 9% of a site process on the W1-like step. A
+        process's sockets share one inbox, so this is one round trip per inbox,
+        which takes what it has room for and refuses the rest.
         """
-        now = time.time()
         inboxes: dict[tuple[int, str], list[str]] = defaultdict(list)
         refused = 0
         for channel in channels:
-            assert self.require_valid_channel_name(channel)
-            if "!" not in channel:  # a general channel (none of the site's sockets): its own list
+            if "!" not in channel:  # a general channel (none of the site's sockets): sent on its own
                 try:
                     await self.send(channel, message)
                 except ChannelFull:
                     refused += 1
                 continue
+            assert self.require_valid_channel_name(channel), "Channel name not valid"
             inboxes[(self.consistent_hash(channel), self.prefix + self.non_local_name(channel))].append(channel)
         for (index, key), members in inboxes.items():
-            connection = self.connection(index)
-            async with connection.pipeline(transaction=False) as pipe:
-                pipe.zremrangebyscore(key, min=0, max=int(now) - int(self.expiry))
-                pipe.zcount(key, "-inf", "+inf")
-                _, held = await pipe.execute()
-            room = max(0, self.get_capacity(members[0]) - int(held))
-            refused += max(0, len(members) - room)
-            if not room:
-                continue
-            bodies = {self.serialize({**message, "__asgi_channel__": channel}): now for channel in members[:room]}
-            async with connection.pipeline(transaction=False) as pipe:
-                pipe.zadd(key, bodies)
-                pipe.expire(key, int(self.expiry))
-                await pipe.execute()
+            bodies = [self.serialize({**message, "__asgi_channel__": channel}) for channel in members]
+            refused += await self._push(index, key, self.get_capacity(members[0]), bodies)
         return refused
+
+    async def _push(self, index: int, key: str, capacity: int, bodies: list[bytes]) -> int:
+        """Add events to one inbox as far as its capacity allows; returns how many found no room."""
+        now = time.time()
+        connection = self.connection(index)  # one client per event loop: the script is run with this one
+        if self._push_script is None:
+            self._push_script = connection.register_script(PUSH)
+        expiry = int(self.expiry)
+        args = [now, int(now) - expiry, expiry, capacity, *bodies]
+        refused = await self._push_script(keys=[key], args=args, client=connection)
+        return int(refused)

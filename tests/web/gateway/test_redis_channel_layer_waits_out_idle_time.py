@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from channels.exceptions import ChannelFull
 from channels.layers import channel_layers
 from django.conf import settings
 
@@ -94,3 +95,23 @@ async def test_one_event_for_many_sockets_reaches_each_and_a_full_inbox_refuses_
     assert heard == [{"type": "lease.wake", "campaign_id": 7}] * 3
     assert heard_elsewhere == {"type": "lease.wake", "campaign_id": 7}
     assert held == 0  # nothing more was queued for the two it refused
+
+
+@pytest.mark.skipif(not settings.REDIS_URL, reason="the Redis layer's own send; the in-memory one is channels'")
+async def test_a_send_to_a_full_inbox_is_refused_and_the_events_it_holds_arrive_in_order() -> None:
+    host = settings.CHANNEL_LAYERS["default"]["CONFIG"]["hosts"][0]
+    layer = WaitingRedisChannelLayer(hosts=[host], channel_capacity={"specific.*": 2})
+    first, second, third = [await layer.new_channel() for _ in range(3)]
+    try:
+        await layer.send(first, {"type": "lease.wake", "campaign_id": 1})
+        await layer.send(second, {"type": "lease.wake", "campaign_id": 2})
+        with pytest.raises(ChannelFull):
+            await layer.send(third, {"type": "lease.wake", "campaign_id": 3})
+        heard = [await asyncio.wait_for(layer.receive(channel), timeout=5) for channel in (first, second)]
+        await layer.send(third, {"type": "lease.wake", "campaign_id": 3})  # room again
+        heard.append(await asyncio.wait_for(layer.receive(third), timeout=5))
+    finally:
+        await layer.flush()
+        await layer.close_pools()
+
+    assert [event["campaign_id"] for event in heard] == [1, 2, 3]
