@@ -362,14 +362,21 @@ class AgentConsumer(_ProtocolConsumer):
         self.admitted = True
         self.start_hello_deadline()
         try:
+            # Counted as a handshake until the socket is set up, its Redis calls included: a connection
+            # holds a Redis connection per call in flight, and an unbounded burst of them took every one.
+            await self._set_up()
+        finally:
+            admission.handshake_done()
+
+    async def _set_up(self) -> None:
+        """Check the token, replace the device's older socket and say the device is here."""
+        try:
             device = await offloop(Device.authenticate)(bearer_token(self.scope["headers"]))
         except DatabaseError as exc:
             # The database is away (restarting, failing over): "come back later", which agents do with backoff.
             logger.warning("cannot check an agent's token, the database is unavailable (%s); asked it to retry", exc)
             await self.close(code=TRY_AGAIN_LATER)
             return
-        finally:
-            admission.handshake_done()
         if device is None:
             await self.close(code=CloseCode.UNAUTHORIZED)
             return
