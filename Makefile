@@ -150,7 +150,7 @@ test-browser: $(STAMP) $(CHARTS) $(CHROMIUM)
 HOMELINK_ARGS ?=
 SCALE_ARGS ?=
 SQLITE_SCALE_ARGS ?= --phases wide,w1like,overload --agents 10,100,300,1000 --cpu-agents 10,100,300,1000 \
-	--overload-agents 1000
+	--cpu-rate 25 --overload-agents 1000
 bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.protocol
 	$(BIN)/python -m tests.benchmarks.leaderboard

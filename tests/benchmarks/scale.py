@@ -31,7 +31,16 @@ Phases and the ``bench: NAME=VALUE`` lines they print:
   (median seconds from the start of a step's commit to its version
   published: the step's transaction, the aggregators' step, the version
   recorded; the step after next waits on it, so a pipeline slower than the
-  swarm fills a step holds agents back whatever the CPU), then
+  swarm fills a step holds agents back whatever the CPU).
+- ``even`` phases of the ``wide`` set (N in ``--cpu-agents``): whether the
+  cost of a lease grows with the swarm. N agents offer the same
+  ``--cpu-rate`` cycles per second together (each one every N / rate
+  seconds), in steps of ``2 * rate`` leases, so only N changes: the sockets
+  held, their heartbeats, the devices known. The wide phases cannot tell
+  that apart: N agents there offer N cycles/s, so at 100 agents the site's
+  fixed costs (housekeeping, timers, a step's commit) are spread over few
+  leases, and at 5,000 a saturated site spends its time refusing. The same
+  figures with ``_even_`` in the name, then
   ``site_cpu_ms_per_lease_spread_pct`` (largest over smallest across N) and
   ``site_cpu_ms_per_lease_band_pct`` (every N within this many percent of one
   centre, the best one: the lenient reading of "flat within ±20%").
@@ -172,6 +181,7 @@ class Options:
     backend: str = "postgres"  # or "sqlite": the embedded default, one site process
     sites: int = 2  # daphne processes on PostgreSQL + Redis (the embedded default runs one)
     committers: int = 1  # processes writing full steps beside them (none in the embedded default)
+    cpu_rate: float = 150.0  # cycles/s the even phases' agents offer together, whatever their number
 
     @property
     def embedded(self) -> bool:
@@ -598,15 +608,18 @@ def run_all(bench: Bench) -> list[str]:
 
     common = {"window_s": opts.window_s, "connect_rate": opts.connect_rate, "period_s": opts.period_s}
     cpu_per_lease: dict[int, float] = {}
-    wide_sizes = sorted(set(opts.agents) | set(opts.cpu_agents)) if "wide" in opts.phases else []
-    for n in wide_sizes:
-        # A --cpu-agents size is there for its CPU per lease; its other figures are printed as context.
-        run = attempt(PhasePlan(f"wide-{n}", n, "cycle", **common))
-        emit(cycle_figures(run, n, opts.tag))
+    for n in opts.agents if "wide" in opts.phases else []:
+        emit(cycle_figures(attempt(PhasePlan(f"wide-{n}", n, "cycle", **common)), n, opts.tag))
+    for n in opts.cpu_agents if "wide" in opts.phases else []:
+        # The same offered rate and step for every N: what changes with N is only the swarm's size.
+        even = {**common, "period_s": n / opts.cpu_rate}
+        steps = round(WIDE_LEASES_PER_AGENT * opts.cpu_rate)
+        run = attempt(PhasePlan(f"even-{n}", n, "cycle", leases_per_step=steps, **even))
+        emit(cycle_figures(run, n, f"{opts.tag}_even"))
         if isinstance(run, PhaseRun) and run.load["cycles"]:
             cpu_per_lease[n] = run.site_cpu_ms_per_lease
     if "wide" in opts.phases:
-        sizes = f"over N = {', '.join(map(str, sorted(cpu_per_lease)))}"
+        sizes = f"over N = {', '.join(map(str, sorted(cpu_per_lease)))} offering {opts.cpu_rate:g} cycles/s together"
         if len(cpu_per_lease) >= 2:
             centre = (max(cpu_per_lease.values()) + min(cpu_per_lease.values())) / 2
             emit([figure_line(f"site_cpu_ms_per_lease{opts.tag}_spread_pct", spread_pct(cpu_per_lease.values()),
@@ -707,7 +720,13 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespa
         "--cpu-agents",
         type=_sizes,
         default=[100, 1000, 5000],
-        help="agents of the wide phases whose CPU per lease must stay flat (default 100,1000,5000)",
+        help="agents of the even phases, whose CPU per lease must stay flat across N (default 100,1000,5000)",
+    )
+    add(
+        "--cpu-rate",
+        type=float,
+        default=150.0,
+        help="cycles/s the --cpu-agents agents offer together, below what the site serves (default 150)",
     )
     add("--idle-agents", type=int, default=10_000, help="connected idle agents (default 10000)")
     add("--join-rate", type=float, default=200.0, help="idle agents joining per second (default 200)")
@@ -749,7 +768,7 @@ def parse_options(argv: Sequence[str] | None) -> tuple[Options, argparse.Namespa
         overload_window_s=args.overload_window_s, connect_rate=args.connect_rate,
         upload_connections=args.upload_connections, loadgen_procs=args.loadgen_procs,
         phase_limit_s=args.phase_limit_s, nofile=0, backend=args.backend, sites=max(1, args.sites),
-        committers=max(0, args.committers),
+        committers=max(0, args.committers), cpu_rate=args.cpu_rate,
     )  # fmt: skip
     return options, args
 

@@ -20,6 +20,7 @@ four, and one event for many sockets is one round trip per process inbox.
 from __future__ import annotations
 
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -50,12 +51,39 @@ return #ARGV - 4 - added
 """
 
 
+# A key with no expiry that each process reads every housekeeping round: when it is gone, the Redis
+# that holds the groups was emptied (FLUSHDB, a restart without persistence) and every group with it.
+MARK_KEY = "groups-mark"
+
+
 class WaitingRedisChannelLayer(RedisChannelLayer):
     """``RedisChannelLayer`` on a ``BlockingConnectionPool`` for each host given as ``{"address": url, ...}``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._push_script: Any = None  # PUSH, registered once (by its digest); run on whichever client is asked
+        self._seen: dict[int, tuple[str, str]] = {}  # host -> (run_id, mark) it had at the last check
+
+    async def groups_forgotten(self) -> bool:
+        """Whether a host may have lost groups since the last call: it restarted, or its data was dropped.
+
+        Redis names each run of its server (``run_id``), and the mark key goes with
+        a flush or a restart that loaded nothing. A restart that loaded an older
+        snapshot keeps the mark but not the run: groups joined since are gone
+        either way. The first call only takes note. One round trip per host.
+        """
+        forgotten = False
+        for index in range(self.ring_size):
+            async with self.connection(index).pipeline(transaction=False) as pipe:
+                pipe.info("server")
+                pipe.set(self.prefix + MARK_KEY, uuid.uuid4().hex, nx=True)
+                pipe.get(self.prefix + MARK_KEY)
+                server, _, mark = await pipe.execute()
+            now = (str(server.get("run_id", "")), mark.decode() if isinstance(mark, bytes) else str(mark))
+            seen = self._seen.get(index)
+            self._seen[index] = now
+            forgotten = forgotten or (seen is not None and seen != now)
+        return forgotten
 
     def create_pool(self, index: int) -> Any:
         host = dict(self.hosts[index])

@@ -15,9 +15,11 @@ import pytest
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
+from django.conf import settings
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.gateway import groups
+from crowdtrain.gateway.channel_layer import MARK_KEY
 from crowdtrain.gateway.groups import REFRESH_S, Memberships, memberships
 from crowdtrain.gateway.housekeeping import housekeeping
 from crowdtrain.gateway.outbox import device_group
@@ -155,3 +157,38 @@ async def test_memberships_whose_refresh_failed_are_due_again_at_the_next_round(
 
     assert again == 1
     await kept.leave(layer, "test.groups.retry", channel)
+
+
+@pytest.mark.skipif(not settings.REDIS_URL, reason="the in-memory layer lives in the process and forgets nothing")
+async def test_after_redis_lost_its_groups_the_next_round_adds_every_membership_again_none_being_due() -> None:
+    layer = get_channel_layer()
+    kept = Memberships()
+    channels = [await layer.new_channel() for _ in range(3)]
+    for number, channel in enumerate(channels):
+        await kept.join(layer, f"test.groups.lost.{number}", channel)
+    joined = time.monotonic()
+    first = await kept.refresh(layer, now=joined + 1)  # takes note of the Redis it talks to
+
+    for number in range(3):  # a FLUSHDB, as far as these groups go: the groups and the layer's mark
+        await forget_group(layer, f"test.groups.lost.{number}")
+    await layer.connection(0).delete(layer.prefix + MARK_KEY)
+    after_loss = await kept.refresh(layer, now=joined + 2)
+    quiet = await kept.refresh(layer, now=joined + 3)
+
+    assert (first, after_loss, quiet) == (0, 3, 0)
+    for number, channel in enumerate(channels):
+        assert await has_members(layer, f"test.groups.lost.{number}")
+        await kept.leave(layer, f"test.groups.lost.{number}", channel)
+
+
+@pytest.mark.skipif(not settings.REDIS_URL, reason="only channels_redis's groups live in a server that restarts")
+async def test_a_redis_that_restarted_is_noticed_by_its_new_run_id_though_the_mark_survived() -> None:
+    """A restart that loaded an older snapshot: the mark is back, groups joined since it are not."""
+    layer = get_channel_layer()
+    await layer.groups_forgotten()  # takes note, if no earlier test's call did
+    quiet = await layer.groups_forgotten()
+    run_id, mark = layer._seen[0]
+    layer._seen[0] = ("an earlier run", mark)
+
+    assert (quiet, await layer.groups_forgotten()) == (False, True)
+    assert layer._seen[0] == (run_id, mark)
