@@ -56,6 +56,17 @@ return #ARGV - 4 - added
 MARK_KEY = "groups-mark"
 
 
+async def send_each(layer: Any, channels: Iterable[str], message: dict[str, Any]) -> int:
+    """``send`` to each channel in turn, on any layer; returns how many were refused because an inbox was full."""
+    refused = 0
+    for channel in channels:
+        try:
+            await layer.send(channel, message)
+        except ChannelFull:
+            refused += 1
+    return refused
+
+
 class WaitingRedisChannelLayer(RedisChannelLayer):
     """``RedisChannelLayer`` on a ``BlockingConnectionPool`` for each host given as ``{"address": url, ...}``."""
 
@@ -133,16 +144,14 @@ class WaitingRedisChannelLayer(RedisChannelLayer):
         which takes what it has room for and refuses the rest.
         """
         inboxes: dict[tuple[int, str], list[str]] = defaultdict(list)
-        refused = 0
+        general: list[str] = []  # none of the site's sockets: sent on their own
         for channel in channels:
-            if "!" not in channel:  # a general channel (none of the site's sockets): sent on its own
-                try:
-                    await self.send(channel, message)
-                except ChannelFull:
-                    refused += 1
+            if "!" not in channel:
+                general.append(channel)
                 continue
             assert self.require_valid_channel_name(channel), "Channel name not valid"
             inboxes[(self.consistent_hash(channel), self.prefix + self.non_local_name(channel))].append(channel)
+        refused = await send_each(self, general, message)
         for (index, key), members in inboxes.items():
             bodies = [self.serialize({**message, "__asgi_channel__": channel}) for channel in members]
             refused += await self._push(index, key, self.get_capacity(members[0]), bodies)

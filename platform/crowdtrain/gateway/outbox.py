@@ -14,7 +14,6 @@ import logging
 from collections.abc import Iterable
 from typing import Any, TypedDict
 
-from channels.exceptions import ChannelFull
 from channels.layers import get_channel_layer
 
 from crowdtrain.scheduler.commits import Commit
@@ -22,6 +21,7 @@ from crowdtrain_agent.protocol import OLDEST_MINOR, PROTOCOL_MINOR, encode_messa
 from crowdtrain_agent.protocol.schema import lost_in
 
 from . import backbone_lane
+from .channel_layer import send_each
 
 logger = logging.getLogger(__name__)
 
@@ -122,16 +122,8 @@ async def wake(campaign_id: int, channels: Iterable[str], *, copy: bool = False)
     """
     layer = get_channel_layer()
     event = {"type": "lease.wake", "campaign_id": campaign_id, "copy": copy}
-    unheard = 0
     send_many = getattr(layer, "send_many", None)  # the site's Redis layer: a few round trips for them all
-    if send_many is not None:
-        unheard = await send_many(channels, event)
-    else:
-        for channel in channels:
-            try:
-                await layer.send(channel, event)
-            except ChannelFull:
-                unheard += 1
+    unheard = await (send_many(channels, event) if send_many is not None else send_each(layer, channels, event))
     if unheard:
         logger.warning(
             "campaign %s: %d waiting lease requests not woken, their site process's channel-layer inbox is full; "

@@ -142,8 +142,7 @@ class Committer:
         state.client.zrem(state.committer_key, self.name)
 
     def next_entry(self, wait_s: float = RENEW_S) -> tuple[int, int] | None:
-        """Renew this committer's entry, then wait up to ``wait_s`` for a full step; None if none came."""
-        self.announce()
+        """Wait up to ``wait_s`` for a full step; None if none came. ``serve`` keeps the entry renewed meanwhile."""
         state = hot_state()
         popped = state.client.blpop([state.commits_key], timeout=wait_s)
         if not popped:
@@ -202,19 +201,20 @@ class Committer:
         logger.info("committer %s: stopped after %s steps", self.name, self.committed)
 
     async def _keep_announcing(self) -> None:
-        """Say this committer is alive every ``RENEW_S`` while it writes a step, too.
+        """Say this committer is alive now and every ``RENEW_S``, while it waits and while it writes a step.
 
-        A step whose write outlasts ``ALIVE_S`` (thousands of leases on a busy
-        database) would otherwise look abandoned, and a site would write it again.
+        Its own task, not a step of the loop: a step whose write outlasts ``ALIVE_S``
+        (thousands of leases on a busy database) would otherwise look abandoned,
+        and a site would write it again.
         """
         from crowdtrain.gateway.offloop import offloop
 
         while True:
-            await asyncio.sleep(RENEW_S)
             try:
                 await offloop(self.announce)()
             except Exception:  # Redis is away: next_entry says so
                 logger.debug("committer %s: could not renew its entry", self.name, exc_info=True)
+            await asyncio.sleep(RENEW_S)
 
     def run(self) -> None:
         """Serve until SIGTERM or SIGINT; the step being written is finished first."""

@@ -181,6 +181,34 @@ def test_a_committer_says_it_is_alive_while_it_writes_a_step(monkeypatch: pytest
     assert asyncio.run(serve_while_it_writes()) is not None
 
 
+def test_a_serving_committer_says_it_is_alive_at_once_and_then_once_a_renewal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not once a wait as well: the renewal task alone keeps the entry (a Redis round trip each)."""
+    committer = Committer("counted")
+    said: list[float] = []
+    announce = committer.announce
+
+    def counted() -> None:
+        said.append(time.monotonic())
+        announce()
+
+    monkeypatch.setattr(committer, "announce", counted)
+
+    async def serve_a_while() -> float:
+        started = time.monotonic()
+        server = asyncio.create_task(committer.serve())
+        await asyncio.sleep(2.5 * RENEW_S)
+        committer.stopping = True
+        await server
+        return started
+
+    started = asyncio.run(serve_a_while())
+
+    assert said and said[0] - started < RENEW_S / 2
+    assert len(said) <= 4  # at 0, 1, 2 renewals (and a late one while the last wait ends); twice that before
+
+
 @pytest.mark.parametrize(
     ("text", "entry"),
     [("7:12", (7, 12)), ("0:0", (0, 0)), ("7", None), ("7:", None), (":3", None), ("a:1", None), ("7:-1", None),
