@@ -413,7 +413,10 @@ class Bench:
 
         # the window: every load generator starts together; CPU is read at its two ends
         start = time.time() + 0.5
-        warmup = opts.warmup_s if plan.mode == "cycle" else 1.0
+        # An even phase's agents each cycle once a period: its window starts after every agent's first cycle,
+        # whose report reads the volunteer's record once per process (a cost of joining, not of a lease).
+        warmup = max(opts.warmup_s, plan.period_s + opts.warmup_s) if plan.name.startswith("even-") else opts.warmup_s
+        warmup = warmup if plan.mode == "cycle" else 1.0
         window = (start + warmup, start + warmup + plan.window_s)
         if window[1] + plan.drain_s + 30 > time.time() + (deadline - time.monotonic()):
             raise PhaseSkipped(f"no time left for the {plan.window_s:.0f} s window within --phase-limit-s")

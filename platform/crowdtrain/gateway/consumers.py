@@ -29,7 +29,7 @@ from crowdtrain.ops.metrics import LEASE_REQUEST_SECONDS
 from crowdtrain.scheduler import backbone, leasing
 from crowdtrain.scheduler.hotstate import hot_state, presence
 from crowdtrain.scheduler.models import Aggregator
-from crowdtrain.verification import checks
+from crowdtrain.verification import checks, standing
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
     BACKBONE_TO_SITE,
@@ -389,6 +389,7 @@ class AgentConsumer(_ProtocolConsumer):
         if not await self.take_over(device_group(device.pk)):
             return
         self.device = device
+        standing.note_owner(device.pk, device.owner_id)  # its reports need not read it again
         self.campaigns: set[int] = set()
         self.leases: set[int] = set()  # handed out on this socket and not reported yet
         self.activity = Tracker(device.pk)  # what My devices says this device does now

@@ -1,5 +1,5 @@
 """Periodic work of one site process: publish who is connected, sweep expired leases, keep sockets in their
-channel-layer groups, stamp "last seen", write the admin dashboard's minute.
+channel-layer groups, stamp "last seen", reload volunteers' records, write the admin dashboard's minute.
 
 It runs on the process's event loop as one task, started by the first
 connection, so a process that is behind on its messages still publishes its
@@ -22,7 +22,7 @@ from crowdtrain.ops import history
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.commits import Commit
 from crowdtrain.scheduler.hotstate import presence
-from crowdtrain.verification import checks
+from crowdtrain.verification import checks, standing
 
 from .admission import admission
 from .groups import memberships
@@ -54,6 +54,7 @@ class Housekeeping:
     def __init__(self) -> None:
         self._task: asyncio.Task[None] | None = None
         self._last_db = time.monotonic()  # when "last seen" was last written
+        self._last_records = time.monotonic()  # when volunteers' records were last reloaded
         self._minute = int(time.time() // 60)  # the dashboard's history minute in progress: written once ended
 
     def start(self) -> None:
@@ -82,6 +83,9 @@ class Housekeeping:
         """One round's work: a few batched calls, whatever the number of connections."""
         await offloop(presence.publish)()
         await send_commits(await offloop(_expire_overdue)())
+        if time.monotonic() - self._last_records > standing.RECORD_REFRESH_AT_S / 2:
+            self._last_records = time.monotonic()
+            await offloop(standing.refresh_records)()
         if time.monotonic() - self._last_db > LAST_SEEN_DB_EVERY_S:
             self._last_db = time.monotonic()
             await offloop(_stamp_last_seen)()

@@ -3,8 +3,12 @@
 Standings change rarely and are read on every report, so each site process
 keeps what it needs in memory: the quarantined and banned volunteers (reloaded
 every few seconds, so a quarantine decided by another process takes effect
-here within that time) and each volunteer's record (reloaded a minute after
-first use).
+here within that time), each device's owner (noted when its socket is set
+up) and each volunteer's record (read at first use, then reloaded at most a
+minute later). A site process reloads the records in use in bulk, from its
+housekeeping (``refresh_records``), before they are due: read one at a time,
+5,000 volunteers each leasing twice a minute cost a query on most of their
+reports.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ REFUSALS_TTL_S = 5.0
 # The volunteer's standing page (URL name "standing"), named in refusals; a test checks the two agree.
 STANDING_PATH = "/account/standing/"
 RECORD_TTL_S = 60.0
+# ``refresh_records`` reloads records this old, if read within RECORDS_IN_USE_S: due ones seldom remain.
+RECORD_REFRESH_AT_S = RECORD_TTL_S / 2
+RECORDS_IN_USE_S = 10 * RECORD_TTL_S
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class Record:
 _lock = threading.Lock()
 _owners: dict[int, int] = {}
 _records: dict[int, tuple[float, Record]] = {}
+_records_used: dict[int, float] = {}  # volunteer -> when their record was last read here (monotonic)
 _refusals: dict[int, str] = {}
 _refusals_at = 0.0
 
@@ -52,6 +60,11 @@ def owner_of(device_id: int) -> int | None:
         if owner is not None:
             _owners[device_id] = owner
     return owner
+
+
+def note_owner(device_id: int, owner_id: int) -> None:
+    """Remember a device's owner read elsewhere (its token check), so its reports need not read it again."""
+    _owners[device_id] = owner_id
 
 
 def owners_of(device_ids: Iterable[int]) -> dict[int, int]:
@@ -91,6 +104,7 @@ def probation(campaign_cap: int, organizer_id: int, volunteer_id: int | None) ->
 
 def record_of(volunteer_id: int) -> Record:
     now = time.monotonic()
+    _records_used[volunteer_id] = now
     cached = _records.get(volunteer_id)
     if cached is not None and now - cached[0] < RECORD_TTL_S:
         return cached[1]
@@ -98,6 +112,29 @@ def record_of(volunteer_id: int) -> Record:
     record = Record(*row) if row else Record()
     _records[volunteer_id] = (now, record)
     return record
+
+
+def refresh_records(chunk: int = 5000) -> int:
+    """Reload, a few queries for all, the records in use that will soon be due; returns how many.
+
+    Records not read for ``RECORDS_IN_USE_S`` are dropped instead: their
+    volunteers left, and the next read loads them afresh.
+    """
+    now = time.monotonic()
+    for volunteer_id, used in list(_records_used.items()):
+        if now - used > RECORDS_IN_USE_S:
+            _records_used.pop(volunteer_id, None)
+            _records.pop(volunteer_id, None)
+    due = [v for v, (loaded, _) in list(_records.items()) if now - loaded >= RECORD_REFRESH_AT_S]
+    for start in range(0, len(due), chunk):
+        ids = due[start : start + chunk]
+        found = Standing.objects.filter(volunteer_id__in=ids).values_list("volunteer_id", "checks_passed", "streak")
+        rows = {volunteer: Record(passed, streak) for volunteer, passed, streak in found}
+        for volunteer_id in ids:
+            current = _records.get(volunteer_id)
+            if current is not None and current[0] <= now:  # not remembered or forgotten meanwhile
+                _records[volunteer_id] = (now, rows.get(volunteer_id, Record()))
+    return len(due)
 
 
 def remember(volunteer_id: int, record: Record) -> None:
@@ -117,6 +154,7 @@ def clear_caches() -> None:
     global _refusals_at
     _owners.clear()
     _records.clear()
+    _records_used.clear()
     _refusals.clear()
     _refusals_at = 0.0
 

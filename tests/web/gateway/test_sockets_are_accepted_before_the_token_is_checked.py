@@ -82,3 +82,25 @@ async def test_a_hello_sent_before_a_bad_token_was_refused_is_dropped_quietly(co
 
     assert output == {"type": "websocket.close", "code": CloseCode.UNAUTHORIZED}
     await communicator.disconnect()  # raises what the consumer raised, if anything
+
+
+def _owner_read_without_a_query(device_id: int) -> tuple[int | None, int]:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from crowdtrain.verification import standing
+
+    with CaptureQueriesContext(connection) as queries:
+        owner = standing.owner_of(device_id)
+    return owner, len(queries)
+
+
+async def test_the_token_check_tells_the_process_the_devices_owner_which_its_reports_then_need_not_read(
+    connect: Connect,
+) -> None:
+    device, token = await sync_to_async(make_device)()
+    agent, _, _ = await connect("/ws/agent/", token)
+    await send(agent, HELLO)
+    await receive(agent)
+
+    assert await sync_to_async(_owner_read_without_a_query)(device.pk) == (device.owner_id, 0)
