@@ -636,7 +636,9 @@ def settle(check_id: int, state: str, detail: str) -> None:
 def _close(case: Check, state: str, detail: str) -> None:
     case.state, case.detail, case.decided_at = state, detail[:300], timezone.now()
     case.save(update_fields=["state", "detail", "decided_at"])
-    if state != Check.State.FAILED:
+    if state == Check.State.PASSED:  # vouched for by its own verdict: nothing to look up before the grant
+        transaction.on_commit(lambda: _grant_checked(case))
+    elif state != Check.State.FAILED:
         transaction.on_commit(lambda: release_credit([case.pk]))
 
 
@@ -690,23 +692,28 @@ def release_credit(check_ids: list[int] | None = None, *, volunteer_id: int | No
         cases = cases.filter(pk__in=check_ids)
     if volunteer_id is not None:
         cases = cases.filter(volunteer_id=volunteer_id)
-    count = 0
-    for case in cases:
-        if standing.refusal(case.volunteer_id):
-            continue  # a quarantined volunteer's credit stays with the review
-        lease = (
-            Lease.objects.filter(pk=case.lease_id, step__isnull=False).values_list("device_id", "num_samples").first()
-        )
-        if lease is None:
-            continue  # not committed yet: the commit grants it, or the sweep does
-        config = campaign_config(case.campaign_id)
-        if config is None:
-            continue
-        with transaction.atomic():
-            ledger.grant(case.campaign_id, config.flops_per_sample, [(case.lease_id, lease[0], lease[1])])
-            Check.objects.filter(pk=case.pk).update(credited=True)
-        count += 1
-    return count
+    return sum(_grant_checked(case) for case in cases)
+
+
+def _grant_checked(case: Check) -> bool:
+    """Grant the credit of one check's lease that nothing withholds any more, if it is committed.
+
+    What the commit of its step left out while the check was open. A grant is
+    written once per lease (the ledger ignores a second), so two processes
+    releasing the same check at once credit it once.
+    """
+    if standing.refusal(case.volunteer_id):
+        return False  # a quarantined volunteer's credit stays with the review
+    lease = Lease.objects.filter(pk=case.lease_id, step__isnull=False).values_list("device_id", "num_samples").first()
+    if lease is None:
+        return False  # not committed yet: the commit grants it, or the sweep does
+    config = campaign_config(case.campaign_id)
+    if config is None:
+        return False
+    with transaction.atomic():
+        ledger.grant(case.campaign_id, config.flops_per_sample, [(case.lease_id, lease[0], lease[1])])
+        Check.objects.filter(pk=case.pk).update(credited=True)
+    return True
 
 
 def expire_copies() -> int:

@@ -131,6 +131,30 @@ def test_a_copy_goes_to_another_volunteer_and_an_agreeing_copy_releases_the_cred
     assert _granted(copy.lease_id) == 0
 
 
+def test_a_check_that_passes_after_its_step_was_committed_grants_the_withheld_credit_with_its_verdict(
+    campaign: Campaign, django_capture_on_commit_callbacks
+) -> None:
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    carol, _ = make_device("carol")
+    # Verified before (a first pass releases all of a volunteer's held credit, which would hide this path).
+    Standing.objects.create(volunteer_id=alice.owner_id, checks_passed=5, streak=5)
+    original, _ = _work(campaign, alice.pk, HONEST)
+    copy = _lease(campaign, bob.pk)
+    assert verify_ticket(copy.ticket, ticket_key(campaign.pk)).check
+    while Campaign.objects.get(pk=campaign.pk).committed_steps < 1:
+        _work(campaign, carol.pk, HONEST)
+    assert Lease.objects.filter(pk=original.lease_id, step__isnull=False).exists()
+    assert _granted(original.lease_id) == 0  # withheld by the open check
+
+    with django_capture_on_commit_callbacks(execute=True):
+        leasing.report_done(bob.pk, _done(campaign, copy, HONEST))
+
+    case = Check.objects.get(lease_id=original.lease_id)
+    assert (case.state, case.credited) == (Check.State.PASSED, True)
+    assert _granted(original.lease_id) == original.num_samples
+
+
 def test_a_disagreement_asks_a_third_volunteer_and_the_outvoted_original_gets_no_credit(
     campaign: Campaign, django_capture_on_commit_callbacks
 ) -> None:
@@ -359,6 +383,8 @@ def test_a_copy_given_back_goes_to_another_volunteer(campaign: Campaign) -> None
     alice, _ = make_device("alice")
     bob, _ = make_device("bob")
     carol, _ = make_device("carol")
+    # Verified before (a first pass releases all of a volunteer's held credit, which would hide this path).
+    Standing.objects.create(volunteer_id=alice.owner_id, checks_passed=5, streak=5)
     original, _ = _work(campaign, alice.pk, HONEST)
     copy = _lease(campaign, bob.pk)
 
@@ -600,6 +626,8 @@ def test_a_copy_whose_report_is_refused_goes_to_another_volunteer(campaign: Camp
     alice, _ = make_device("alice")
     bob, _ = make_device("bob")
     carol, _ = make_device("carol")
+    # Verified before (a first pass releases all of a volunteer's held credit, which would hide this path).
+    Standing.objects.create(volunteer_id=alice.owner_id, checks_passed=5, streak=5)
     original, _ = _work(campaign, alice.pk, HONEST)
     copy = _lease(campaign, bob.pk)
     short = msgspec.structs.replace(_done(campaign, copy, HONEST), num_samples=copy.num_samples - 1)
