@@ -81,13 +81,18 @@ async def test_a_socket_that_closed_is_not_added_back_by_the_refresh(connect: Co
     assert not await has_members(layer, device_group(device.pk))
 
 
-async def test_the_refresh_takes_only_memberships_that_are_due_and_adds_them_with_a_fresh_time() -> None:
-    layer = get_channel_layer()
+async def _three_joined(layer: Any, prefix: str) -> tuple[Memberships, list[str], float]:
+    """Three new channels, each joined to its own group (``prefix``.0 to .2), and when they joined."""
     kept = Memberships()
     channels = [await layer.new_channel() for _ in range(3)]
     for number, channel in enumerate(channels):
-        await kept.join(layer, f"test.groups.{number}", channel)
-    joined = time.monotonic()
+        await kept.join(layer, f"{prefix}.{number}", channel)
+    return kept, channels, time.monotonic()
+
+
+async def test_the_refresh_takes_only_memberships_that_are_due_and_adds_them_with_a_fresh_time() -> None:
+    layer = get_channel_layer()
+    kept, channels, joined = await _three_joined(layer, "test.groups")
 
     early = await kept.refresh(layer, now=joined + REFRESH_S / 2)
     await forget_group(layer, "test.groups.1")
@@ -162,11 +167,7 @@ async def test_memberships_whose_refresh_failed_are_due_again_at_the_next_round(
 @pytest.mark.skipif(not settings.REDIS_URL, reason="the in-memory layer lives in the process and forgets nothing")
 async def test_after_redis_lost_its_groups_the_next_round_adds_every_membership_again_none_being_due() -> None:
     layer = get_channel_layer()
-    kept = Memberships()
-    channels = [await layer.new_channel() for _ in range(3)]
-    for number, channel in enumerate(channels):
-        await kept.join(layer, f"test.groups.lost.{number}", channel)
-    joined = time.monotonic()
+    kept, channels, joined = await _three_joined(layer, "test.groups.lost")
     first = await kept.refresh(layer, now=joined + 1)  # takes note of the Redis it talks to
 
     for number in range(3):  # a FLUSHDB, as far as these groups go: the groups and the layer's mark

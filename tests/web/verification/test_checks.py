@@ -21,6 +21,7 @@ from django.db.models import Sum
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
+from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.credit.models import CreditEntry
 from crowdtrain.scheduler import leasing, records
@@ -73,6 +74,20 @@ def _work(campaign: Campaign, device_id: int, sketch: list[float]) -> tuple[Leas
     ack = leasing.report_done(device_id, _done(campaign, lease, sketch)).ack
     assert ack.accepted, ack.reason
     return lease, ack.verification
+
+
+def _a_verified_volunteers_lease_and_its_copy(campaign: Campaign) -> tuple[Device, Device, LeaseMessage, LeaseMessage]:
+    """Bob's and Carol's devices, a lease of Alice's and its copy, handed to Bob.
+
+    Alice was verified before: a first pass releases all of a volunteer's held credit, which would hide what
+    these tests look at.
+    """
+    alice, _ = make_device("alice")
+    bob, _ = make_device("bob")
+    carol, _ = make_device("carol")
+    Standing.objects.create(volunteer_id=alice.owner_id, checks_passed=5, streak=5)
+    original, _ = _work(campaign, alice.pk, HONEST)
+    return bob, carol, original, _lease(campaign, bob.pk)
 
 
 async def _received(channel: str) -> dict[str, Any]:
@@ -134,13 +149,7 @@ def test_a_copy_goes_to_another_volunteer_and_an_agreeing_copy_releases_the_cred
 def test_a_check_that_passes_after_its_step_was_committed_grants_the_withheld_credit_with_its_verdict(
     campaign: Campaign, django_capture_on_commit_callbacks
 ) -> None:
-    alice, _ = make_device("alice")
-    bob, _ = make_device("bob")
-    carol, _ = make_device("carol")
-    # Verified before (a first pass releases all of a volunteer's held credit, which would hide this path).
-    Standing.objects.create(volunteer_id=alice.owner_id, checks_passed=5, streak=5)
-    original, _ = _work(campaign, alice.pk, HONEST)
-    copy = _lease(campaign, bob.pk)
+    bob, carol, original, copy = _a_verified_volunteers_lease_and_its_copy(campaign)
     assert verify_ticket(copy.ticket, ticket_key(campaign.pk)).check
     while Campaign.objects.get(pk=campaign.pk).committed_steps < 1:
         _work(campaign, carol.pk, HONEST)
@@ -380,13 +389,7 @@ def test_a_copy_calls_a_request_waiting_for_a_commit_of_another_volunteer(
 
 
 def test_a_copy_given_back_goes_to_another_volunteer(campaign: Campaign) -> None:
-    alice, _ = make_device("alice")
-    bob, _ = make_device("bob")
-    carol, _ = make_device("carol")
-    # Verified before (a first pass releases all of a volunteer's held credit, which would hide this path).
-    Standing.objects.create(volunteer_id=alice.owner_id, checks_passed=5, streak=5)
-    original, _ = _work(campaign, alice.pk, HONEST)
-    copy = _lease(campaign, bob.pk)
+    bob, carol, original, copy = _a_verified_volunteers_lease_and_its_copy(campaign)
 
     leasing.release_lease(bob.pk, copy.lease_id, "params no longer served")
 
@@ -623,13 +626,7 @@ def test_only_the_device_holding_a_copy_can_report_it_or_give_it_back(campaign: 
 
 
 def test_a_copy_whose_report_is_refused_goes_to_another_volunteer(campaign: Campaign) -> None:
-    alice, _ = make_device("alice")
-    bob, _ = make_device("bob")
-    carol, _ = make_device("carol")
-    # Verified before (a first pass releases all of a volunteer's held credit, which would hide this path).
-    Standing.objects.create(volunteer_id=alice.owner_id, checks_passed=5, streak=5)
-    original, _ = _work(campaign, alice.pk, HONEST)
-    copy = _lease(campaign, bob.pk)
+    bob, carol, original, copy = _a_verified_volunteers_lease_and_its_copy(campaign)
     short = msgspec.structs.replace(_done(campaign, copy, HONEST), num_samples=copy.num_samples - 1)
 
     ack = leasing.report_done(bob.pk, short).ack
