@@ -294,6 +294,7 @@ class PhasePlan:
     site_cpus: list[int] | None = None
     drain_s: float = 15.0
     lost_check: bool = False
+    warmup_s: float | None = None  # cycling before the window; None: --warmup-s
 
 
 class Bench:
@@ -413,10 +414,7 @@ class Bench:
 
         # the window: every load generator starts together; CPU is read at its two ends
         start = time.time() + 0.5
-        # An even phase's agents each cycle once a period: its window starts after every agent's first cycle,
-        # whose report reads the volunteer's record once per process (a cost of joining, not of a lease).
-        warmup = max(opts.warmup_s, plan.period_s + opts.warmup_s) if plan.name.startswith("even-") else opts.warmup_s
-        warmup = warmup if plan.mode == "cycle" else 1.0
+        warmup = (opts.warmup_s if plan.warmup_s is None else plan.warmup_s) if plan.mode == "cycle" else 1.0
         window = (start + warmup, start + warmup + plan.window_s)
         if window[1] + plan.drain_s + 30 > time.time() + (deadline - time.monotonic()):
             raise PhaseSkipped(f"no time left for the {plan.window_s:.0f} s window within --phase-limit-s")
@@ -615,8 +613,11 @@ def run_all(bench: Bench) -> list[str]:
         emit(cycle_figures(attempt(PhasePlan(f"wide-{n}", n, "cycle", **common)), n, opts.tag))
     for n in opts.cpu_agents if "wide" in opts.phases else []:
         # The same offered rate and step for every N: what changes with N is only the swarm's size.
-        even = {**common, "period_s": n / opts.cpu_rate}
+        # Each agent cycles once a period, so the window starts after every agent's first cycle, whose
+        # report reads the volunteer's record once per process (a cost of joining, not of a lease).
+        period = n / opts.cpu_rate
         steps = round(WIDE_LEASES_PER_AGENT * opts.cpu_rate)
+        even = {**common, "period_s": period, "warmup_s": period + opts.warmup_s}
         run = attempt(PhasePlan(f"even-{n}", n, "cycle", leases_per_step=steps, **even))
         emit(cycle_figures(run, n, f"{opts.tag}_even"))
         if isinstance(run, PhaseRun) and run.load["cycles"]:

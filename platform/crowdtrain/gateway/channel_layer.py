@@ -73,7 +73,7 @@ class WaitingRedisChannelLayer(RedisChannelLayer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._push_script: Any = None  # PUSH, registered once (by its digest); run on whichever client is asked
-        self._seen: dict[int, tuple[str, str]] = {}  # host -> (run_id, mark) it had at the last check
+        self._seen: dict[int, tuple[Any, Any]] = {}  # host -> (run_id, mark) it had at the last check
 
     async def groups_forgotten(self) -> bool:
         """Whether a host may have lost groups since the last call: it restarted, or its data was dropped.
@@ -90,7 +90,7 @@ class WaitingRedisChannelLayer(RedisChannelLayer):
                 pipe.set(self.prefix + MARK_KEY, uuid.uuid4().hex, nx=True)
                 pipe.get(self.prefix + MARK_KEY)
                 server, _, mark = await pipe.execute()
-            now = (str(server.get("run_id", "")), mark.decode() if isinstance(mark, bytes) else str(mark))
+            now = (server.get("run_id"), mark)
             seen = self._seen.get(index)
             self._seen[index] = now
             forgotten = forgotten or (seen is not None and seen != now)

@@ -114,13 +114,13 @@ def record_of(volunteer_id: int) -> Record:
     return record
 
 
-def refresh_records(chunk: int = 5000) -> int:
+def refresh_records(now: float | None = None, chunk: int = 5000) -> int:
     """Reload, a few queries for all, the records in use that will soon be due; returns how many.
 
     Records not read for ``RECORDS_IN_USE_S`` are dropped instead: their
-    volunteers left, and the next read loads them afresh.
+    volunteers left, and the next read loads them afresh. ``now``: the monotonic clock's reading.
     """
-    now = time.monotonic()
+    now = time.monotonic() if now is None else now
     for volunteer_id, used in list(_records_used.items()):
         if now - used > RECORDS_IN_USE_S:
             _records_used.pop(volunteer_id, None)

@@ -14,9 +14,12 @@ import threading
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
+from crowdtrain.verification import standing
 from crowdtrain_agent.protocol import CloseCode, Welcome
 from tests.factories import make_device
 
@@ -85,11 +88,6 @@ async def test_a_hello_sent_before_a_bad_token_was_refused_is_dropped_quietly(co
 
 
 def _owner_read_without_a_query(device_id: int) -> tuple[int | None, int]:
-    from django.db import connection
-    from django.test.utils import CaptureQueriesContext
-
-    from crowdtrain.verification import standing
-
     with CaptureQueriesContext(connection) as queries:
         owner = standing.owner_of(device_id)
     return owner, len(queries)

@@ -27,12 +27,6 @@ def _fresh_caches() -> None:
     standing.clear_caches()
 
 
-def _later(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    """Move this module's clock on by ``seconds``."""
-    now = time.monotonic() + seconds
-    monkeypatch.setattr(standing.time, "monotonic", lambda: now)
-
-
 def test_an_owner_noted_at_the_token_check_is_not_read_again() -> None:
     device, _ = make_device()
     standing.note_owner(device.pk, device.owner_id)
@@ -43,16 +37,15 @@ def test_an_owner_noted_at_the_token_check_is_not_read_again() -> None:
     assert (owner, len(queries)) == (device.owner_id, 0)
 
 
-def test_records_in_use_are_reloaded_in_one_query_before_they_are_due(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_records_in_use_are_reloaded_in_one_query_before_they_are_due() -> None:
     devices = [make_device(f"volunteer{n}")[0] for n in range(3)]
     volunteers = [d.owner_id for d in devices]
     for volunteer in volunteers:
         assert standing.record_of(volunteer) == standing.Record()
     Standing.objects.create(volunteer_id=volunteers[0], checks_passed=12, streak=12)  # judged elsewhere
 
-    _later(monkeypatch, standing.RECORD_REFRESH_AT_S + 1)
     with CaptureQueriesContext(connection) as refresh:
-        reloaded = standing.refresh_records()
+        reloaded = standing.refresh_records(now=time.monotonic() + standing.RECORD_REFRESH_AT_S + 1)
     with CaptureQueriesContext(connection) as reads:
         records = [standing.record_of(v) for v in volunteers]
 
@@ -71,13 +64,12 @@ def test_records_not_due_yet_are_left_and_no_query_is_made() -> None:
     assert len(queries) == 0
 
 
-def test_records_nobody_read_for_a_while_are_dropped_not_reloaded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_records_nobody_read_for_a_while_are_dropped_not_reloaded() -> None:
     volunteer = make_device()[0].owner_id
     standing.record_of(volunteer)
 
-    _later(monkeypatch, standing.RECORDS_IN_USE_S + 1)
     with CaptureQueriesContext(connection) as queries:
-        reloaded = standing.refresh_records()
+        reloaded = standing.refresh_records(now=time.monotonic() + standing.RECORDS_IN_USE_S + 1)
 
     assert (reloaded, len(queries)) == (0, 0)
     assert volunteer not in standing._records
@@ -89,16 +81,16 @@ def test_a_record_this_process_changed_meanwhile_is_not_overwritten_by_the_reloa
     """``remember`` during the reload's query: the reload read the row before that change was committed."""
     volunteer = make_device()[0].owner_id
     standing.record_of(volunteer)
-    _later(monkeypatch, standing.RECORD_REFRESH_AT_S + 1)
+    later = time.monotonic() + standing.RECORD_REFRESH_AT_S + 1
     changed = standing.Record(3, 3)
     reads = Standing.objects.filter
 
     def read_then_changed(*args: object, **kwargs: object) -> object:
         rows = reads(*args, **kwargs)
-        standing._records[volunteer] = (time.monotonic() + 0.5, changed)  # remembered a moment later
+        standing._records[volunteer] = (later + 0.5, changed)  # remembered a moment later
         return rows
 
     monkeypatch.setattr(Standing.objects, "filter", read_then_changed)
-    standing.refresh_records()
+    standing.refresh_records(now=later)
 
     assert standing.record_of(volunteer) == changed
