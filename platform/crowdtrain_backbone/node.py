@@ -175,6 +175,12 @@ class AggregatorNode:
         # have changed the params or the moments already: such a slice applies no commit (a retry could apply
         # part of a step twice) until an assignment or a rollback reloads it from a checkpoint.
         self.broken: dict[tuple[int, int], str] = {}
+        # Per campaign: the newest timeline (its rollbacks so far) an assignment, a rollback or a commit
+        # named. A commit of an older one was written before a rollback that this process has carried out.
+        self.timelines: dict[int, int] = {}
+
+    def _note_timeline(self, campaign_id: int, timeline: int) -> None:
+        self.timelines[campaign_id] = max(self.timelines.get(campaign_id, 0), timeline)
 
     def get_slice(self, campaign_id: int, slice_index: int) -> SliceState | None:
         return self.slices.get((campaign_id, slice_index))
@@ -225,10 +231,24 @@ class AggregatorNode:
             SliceReady / StepApplied / StepFailed messages, one per slice concerned.
         """
         if isinstance(order, SliceAssignment):
+            self._note_timeline(order.campaign_id, order.timeline)
             return [await self.assign(order)]
         if isinstance(order, StepCommit):
+            if order.timeline < self.timelines.get(order.campaign_id, 0):
+                # Overtaken by a rollback this process carried out: the site discarded that step, and
+                # its index may belong to a redone step by now. Applying it would count its samples twice.
+                logger.warning(
+                    "campaign %s: dropped the commit of step %s from timeline %s, which a rollback ended (now %s)",
+                    order.campaign_id,
+                    order.step,
+                    order.timeline,
+                    self.timelines[order.campaign_id],
+                )
+                return []
+            self._note_timeline(order.campaign_id, order.timeline)
             return await self.commit(order)
         if isinstance(order, Rollback):
+            self._note_timeline(order.campaign_id, order.timeline)
             return await self.rollback(order)
         if isinstance(order, CheckpointComplete):
             await self.note_complete(order)

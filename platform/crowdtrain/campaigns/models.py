@@ -222,6 +222,9 @@ class Campaign(models.Model):
     state = models.CharField(max_length=16, choices=State.choices, default=State.DRAFT)
     committed_steps = models.PositiveIntegerField(default=0)
     version = models.PositiveIntegerField(default=0)
+    # Rollbacks so far. A step's write counts only if the campaign is still on the timeline its leases were
+    # gathered on, and aggregators drop commits of an older one (scheduler.commits, protocol 2.5).
+    timeline = models.PositiveIntegerField(default=0, editable=False)
     epoch = models.PositiveIntegerField(default=0)
     cursor = models.BigIntegerField(default=0, help_text="next never-leased sample of the epoch")
     # Names the campaign's hot state in Redis: a fresh value per campaign row, so a database that was

@@ -1,5 +1,6 @@
 """Periodic work of one site process: publish who is connected, sweep expired leases, keep sockets in their
-channel-layer groups, stamp "last seen", reload volunteers' records, write the admin dashboard's minute.
+channel-layer groups, stamp "last seen", reload volunteers' records, write the admin dashboard's minute,
+check every running campaign's step counter against its rows (``scheduler.invariants``).
 
 It runs on the process's event loop as one task, started by the first
 connection, so a process that is behind on its messages still publishes its
@@ -19,7 +20,7 @@ from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.ops import history
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import invariants, leasing
 from crowdtrain.scheduler.commits import Commit
 from crowdtrain.scheduler.hotstate import presence
 from crowdtrain.verification import checks, standing
@@ -27,7 +28,7 @@ from crowdtrain.verification import checks, standing
 from .admission import admission
 from .groups import memberships
 from .offloop import offloop
-from .outbox import publish_commits, send_commits
+from .outbox import publish_commits, send_commits, send_outbox
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class Housekeeping:
             self._last_db = time.monotonic()
             await offloop(_stamp_last_seen)()
             await offloop(checks.upkeep)()
+            await send_outbox(await offloop(invariants.repair_step_counters)())
         if int(time.time() // 60) != self._minute:
             self._minute = int(time.time() // 60)
             await offloop(history.record_minute)()

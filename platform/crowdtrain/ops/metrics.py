@@ -31,6 +31,16 @@ STEP_COMMIT_SECONDS = Histogram(
     "Time to write one committed step (its row, its leases and their credit) to the database",
     buckets=LATENCY_BUCKETS,
 )
+STEP_COUNTER_REPAIRS = Counter(
+    "crowdtrain_step_counter_repairs",
+    "Times the site found a campaign's step counter off its step rows and repaired it (scheduler.invariants)",
+    ["campaign"],
+)
+STEPS_DISCARDED = Counter(
+    "crowdtrain_steps_discarded",
+    "Full steps whose write a rollback overtook: discarded whole, their samples redone (scheduler.commits)",
+    ["campaign"],
+)
 LEASE_OUTCOMES = Counter(
     "crowdtrain_lease_outcomes",
     "Leases that ended, by how: accepted, expired, released or rejected, and a short reason",

@@ -49,7 +49,7 @@ from crowdtrain_agent.protocol.schema import from_dict
 from .configs import publish_state, ticket_key
 from .hotstate import HotStateMissing, hot_state
 from .models import Aggregator, Checkpoint, Lease, SliceAssignment
-from .rebuild import to_global
+from .rebuild import merge, to_global
 from .records import writer
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ Outbox = list[tuple[int, object]]
 COMPLETE_KEPT = 2
 
 
-def _locked_campaigns() -> QuerySet[Campaign]:
+def locked_campaigns() -> QuerySet[Campaign]:
     """Campaign rows locked for this transaction, FOR NO KEY UPDATE (none of these changes a key).
 
     Not FOR UPDATE: that lock also blocks the foreign-key checks of every
@@ -123,6 +123,7 @@ def _assign_message(s: SliceAssignment, campaign: Campaign, restore_version: int
         version=max(s.version, campaign.version),
         restore_version=restore_version,
         ticket_key=_assign_ticket_key(campaign.pk),
+        timeline=campaign.timeline,
         **aggregator_settings(campaign),
     )
 
@@ -206,7 +207,7 @@ def assign_waiting_campaigns() -> Outbox:
     if not waiting:
         return outbox
     with transaction.atomic():
-        for campaign in _locked_campaigns().filter(pk__in=waiting, state=Campaign.State.RUNNING):
+        for campaign in locked_campaigns().filter(pk__in=waiting, state=Campaign.State.RUNNING):
             if campaign.slices.count() == campaign.num_aggregators:
                 continue
             live = live_aggregators()
@@ -302,12 +303,13 @@ def _commits_since(campaign: Campaign, version: int) -> list[StepCommit]:
             step=step.index,
             lease_ids=list(step.leases.order_by("id").values_list("id", flat=True)),
             num_samples=step.num_samples,
+            timeline=campaign.timeline,
         )
         for step in campaign.steps.filter(index__gte=version).order_by("index")
     ]
 
 
-def _flush_records() -> None:
+def flush_records() -> None:
     """Write the queued lease records; called before a campaign's row is locked for a possible rollback.
 
     Never with that lock held: the writer thread may be waiting for the same
@@ -323,11 +325,20 @@ def _rollback(campaign: Campaign, version: int) -> None:
 
     The devices' credit for the forgotten steps is taken back, so their totals
     stay equal to the committed work. Callers flush the lease records first
-    (``_flush_records``), before they lock the campaign.
+    (``flush_records``), before they lock the campaign. The campaign moves to a
+    new timeline: a step whose write began before this and ends after it is
+    discarded by its writer, and its commit, if one went out first, is dropped
+    by the aggregators (``commits``; protocol 2.5).
     """
+    committed_before = campaign.committed_steps
     table = shard_table(campaign.dataset)
     undone = Lease.objects.filter(campaign=campaign, step__index__gte=version)
-    ranges = [r for lease in undone.only("ranges") for r in to_global(table, lease.ranges)]
+    # Each sample once, even if two undone steps hold it (a counter repaired after a step was counted twice).
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for lease in undone.only("ranges"):
+        for epoch, start, count in to_global(table, lease.ranges):
+            spans.setdefault(epoch, []).append((start, start + count))
+    ranges = [[epoch, start, end - start] for epoch in sorted(spans) for start, end in merge(spans[epoch])]
     taken_back: dict[int, int] = {}
     for device_id, n in undone.values_list("device_id", "num_samples"):
         taken_back[device_id] = taken_back.get(device_id, 0) + n
@@ -346,16 +357,18 @@ def _rollback(campaign: Campaign, version: int) -> None:
         Device.objects.filter(pk__in=sorted(taken_back)).update(samples_accepted=F("samples_accepted") - back)
     campaign.committed_steps = version
     campaign.version = min(campaign.version, version)
-    campaign.save(update_fields=["committed_steps", "version"])
+    campaign.timeline += 1
+    campaign.save(update_fields=["committed_steps", "version", "timeline"])
+    args = {"version": version, "ranges": ranges, "committed": committed_before, "line": campaign.timeline}
     try:
-        hot_state().run("rollback", campaign.hot_key.hex, {"version": version, "ranges": ranges})
+        hot_state().run("rollback", campaign.hot_key.hex, args)
     except HotStateMissing:
         pass  # loading it later reads the record written above
     publish_state(campaign.pk)
     logger.warning("campaign %s rolled back to version %s after an aggregator lost its state", campaign.pk, version)
 
 
-def _roll_back_everyone(campaign: Campaign, version: int, *, except_slice: SliceAssignment | None = None) -> Outbox:
+def roll_back_everyone(campaign: Campaign, version: int, *, except_slice: SliceAssignment | None = None) -> Outbox:
     """Take the campaign back to ``version`` (complete, or the version every slice holds) once.
 
     Several paths notice one failure (a slice's ready report, its failed
@@ -377,11 +390,13 @@ def _roll_back_everyone(campaign: Campaign, version: int, *, except_slice: Slice
         other.ready = False
         other.version = min(other.version, version)
         other.save(update_fields=["ready", "version"])
-        outbox.append((other.aggregator_id, Rollback(campaign_id=campaign.pk, version=version)))
+        outbox.append(
+            (other.aggregator_id, Rollback(campaign_id=campaign.pk, version=version, timeline=campaign.timeline))
+        )
     return outbox
 
 
-def _block(campaign: Campaign, reason: str) -> None:
+def block(campaign: Campaign, reason: str) -> None:
     campaign.blocked_reason = reason[:1000]
     campaign.save(update_fields=["blocked_reason"])
     publish_state(campaign.pk)
@@ -396,9 +411,9 @@ def _complete_text(campaign: Campaign) -> str:
 def slice_ready(aggregator_id: int, ready: SliceReady) -> Outbox:
     """An aggregator holds a slice at some version: resume it, replay commits, or roll everyone back."""
     outbox: Outbox = []
-    _flush_records()
+    flush_records()
     with transaction.atomic():
-        campaign = _locked_campaigns().filter(pk=ready.campaign_id).first()
+        campaign = locked_campaigns().filter(pk=ready.campaign_id).first()
         s = SliceAssignment.objects.filter(
             campaign_id=ready.campaign_id, index=ready.slice_index, aggregator_id=aggregator_id
         ).first()
@@ -408,7 +423,7 @@ def slice_ready(aggregator_id: int, ready: SliceReady) -> Outbox:
         if ready.version < campaign.version:
             # It resumed from a complete version (the aggregator never offers another below ours).
             s.version = ready.version
-            outbox += _roll_back_everyone(campaign, ready.version, except_slice=s)
+            outbox += roll_back_everyone(campaign, ready.version, except_slice=s)
         s.ready = True
         s.version = ready.version
         s.save(update_fields=["ready", "version"])
@@ -425,7 +440,7 @@ def slice_ready(aggregator_id: int, ready: SliceReady) -> Outbox:
 def slice_lost(aggregator_id: int, lost: SliceLost) -> None:
     """An aggregator has no usable state for a slice: the campaign waits for an operator, saying why."""
     with transaction.atomic():
-        campaign = _locked_campaigns().filter(pk=lost.campaign_id).first()
+        campaign = locked_campaigns().filter(pk=lost.campaign_id).first()
         s = (
             SliceAssignment.objects.filter(
                 campaign_id=lost.campaign_id, index=lost.slice_index, aggregator_id=aggregator_id
@@ -437,7 +452,7 @@ def slice_lost(aggregator_id: int, lost: SliceLost) -> None:
             return
         s.ready = False
         s.save(update_fields=["ready"])
-        _block(
+        block(
             campaign,
             f"aggregator {s.aggregator.name} lost slice {s.index} ({lost.detail}); newest complete "
             f"checkpoint: {_complete_text(campaign)}. Restore it from a complete checkpoint or restart "
@@ -500,9 +515,9 @@ def step_failed(aggregator_id: int, failed: StepFailed) -> Outbox:
     or, when it holds them and still failed, pause the campaign and say why."""
     outbox: Outbox = []
     if failed.missing_lease_ids:
-        _flush_records()
+        flush_records()
     with transaction.atomic():
-        campaign = _locked_campaigns().filter(pk=failed.campaign_id).first()
+        campaign = locked_campaigns().filter(pk=failed.campaign_id).first()
         s = (
             SliceAssignment.objects.filter(
                 campaign_id=failed.campaign_id, index=failed.slice_index, aggregator_id=aggregator_id
@@ -525,13 +540,13 @@ def step_failed(aggregator_id: int, failed: StepFailed) -> Outbox:
             )
             target = restore_target(campaign, failed.step) if ahead else failed.step
             if target is None:
-                _block(
+                block(
                     campaign,
                     f"slice {s.index} lost the uploads of step {failed.step}, other slices are past "
                     "it, and no checkpoint every slice has exists; restore the campaign from scratch",
                 )
                 return outbox
-            outbox += _roll_back_everyone(campaign, target, except_slice=s if target == failed.step else None)
+            outbox += roll_back_everyone(campaign, target, except_slice=s if target == failed.step else None)
         elif failed.step > s.version:
             # A commit overtook an earlier one (or one was lost): send everything from where it is.
             outbox += [(aggregator_id, c) for c in _commits_since(campaign, s.version)]
@@ -551,7 +566,7 @@ def _could_not_apply(campaign: Campaign, s: SliceAssignment, failed: StepFailed)
     s.ready = False
     s.save(update_fields=["ready"])
     detail = failed.detail[:400]
-    _block(
+    block(
         campaign,
         f"aggregator {s.aggregator.name} could not apply step {failed.step} to slice {s.index} "
         f"({detail}); training is paused and the step is not sent to it again. Fix the cause (the "
@@ -564,7 +579,7 @@ def _could_not_apply(campaign: Campaign, s: SliceAssignment, failed: StepFailed)
 def step_applied(aggregator_id: int, applied: StepApplied) -> VersionPublished | None:
     """Record one slice's progress; when every slice has a version, publish it to agents."""
     with transaction.atomic():
-        campaign = _locked_campaigns().filter(pk=applied.campaign_id).first()
+        campaign = locked_campaigns().filter(pk=applied.campaign_id).first()
         s = SliceAssignment.objects.filter(
             campaign_id=applied.campaign_id, index=applied.slice_index, aggregator_id=aggregator_id
         ).first()
@@ -627,9 +642,9 @@ def restore_campaign(campaign_id: int, version: int) -> Outbox:
     Raises:
         ValueError: ``version`` is neither 0 nor a complete checkpoint; the message lists the choices.
     """
-    _flush_records()
+    flush_records()
     with transaction.atomic():
-        campaign = _locked_campaigns().get(pk=campaign_id)
+        campaign = locked_campaigns().get(pk=campaign_id)
         complete = complete_versions(campaign)
         if version != 0 and version not in complete:
             choices = ", ".join(str(v) for v in complete) or "none"

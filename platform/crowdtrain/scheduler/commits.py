@@ -7,6 +7,14 @@ read the row back and carry on from there. The commit goes to the aggregators
 after the row is durable, so an aggregator never applies a step the database
 could forget; duplicates are harmless (an aggregator acknowledges a step it
 already applied).
+
+A rollback (``backbone._rollback``) and a step's write are ordered by the
+campaign's row: the write's last statement moves ``committed_steps`` on only
+from ``index`` and only on the timeline its leases were gathered on, so a
+step being written when a rollback begins either commits before it (and the
+rollback undoes it with the rest) or is discarded whole, its samples redone.
+The step counter therefore always equals the number of step rows
+(``scheduler.invariants`` checks it anyway).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from crowdtrain.accounts.models import Device
 from crowdtrain.batchsql import column, db_time, table
 from crowdtrain.campaigns.models import Campaign, Step
 from crowdtrain.credit import ledger
-from crowdtrain.ops.metrics import STEP_COMMIT_SECONDS
+from crowdtrain.ops.metrics import STEP_COMMIT_SECONDS, STEPS_DISCARDED
 from crowdtrain.verification import checks
 from crowdtrain_agent.protocol import StepCommit
 
@@ -37,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 WRITE_ATTEMPTS = 3
 SPEED_WEIGHT = 0.2  # of each step's measured rate in a device's moving-average speed (My devices)
+
+
+class StepDiscarded(Exception):
+    """The campaign was rolled back while this step was written: nothing of it may count."""
 
 
 @dataclass
@@ -63,17 +75,21 @@ def held(record: dict[str, Any]) -> tuple[datetime, datetime, float]:
     return issued, finished, min(float(record["cs"]), (finished - issued).total_seconds())
 
 
-def _write_step(config: CampaignConfig, index: int, leases: list[dict[str, Any]]) -> list[int]:
+def _write_step(config: CampaignConfig, index: int, leases: list[dict[str, Any]], line: int) -> list[int]:
     """The step row, its leases and their devices' credit in one transaction; returns the lease ids in the step.
 
+    ``line``: the campaign's timeline the leases were gathered on (the hot state's, when it handed them out).
     A transaction PostgreSQL aborts (a deadlock with another process's batch of
-    lease records, which locks the same rows in another order) is run again: the
-    write is idempotent, and the step must not wait for the sweep's takeover.
+    lease records, which locks the same rows in another order, or with a rollback) is
+    run again: the write is idempotent, and the step must not wait for the sweep's takeover.
+
+    Raises:
+        StepDiscarded: a rollback came first; the step must not be announced.
     """
     attempt = 1
     while True:
         try:
-            return _write_step_once(config, index, leases)
+            return _write_step_once(config, index, leases, line)
         except OperationalError:
             if attempt >= WRITE_ATTEMPTS:
                 raise
@@ -83,7 +99,7 @@ def _write_step(config: CampaignConfig, index: int, leases: list[dict[str, Any]]
             attempt += 1
 
 
-def _write_step_once(config: CampaignConfig, index: int, leases: list[dict[str, Any]]) -> list[int]:
+def _write_step_once(config: CampaignConfig, index: int, leases: list[dict[str, Any]], line: int) -> list[int]:
     try:
         with transaction.atomic():
             step = Step.objects.create(
@@ -98,13 +114,31 @@ def _write_step_once(config: CampaignConfig, index: int, leases: list[dict[str, 
             _credit(leases)
             # A lease picked for verification is credited when its check passes, not here (see verification).
             ledger.grant(config.id, config.flops_per_sample, checks.creditable(leases))
-            Campaign.objects.filter(pk=config.id, committed_steps=index).update(committed_steps=index + 1)
+            # The commit point, last: it locks the campaign's row, which a rollback holds while it undoes
+            # steps (taken here after the lease and device rows, in the order the record writer takes them).
+            # No match means a rollback came first: the whole write is undone with the exception.
+            moved = Campaign.objects.filter(pk=config.id, committed_steps=index, timeline=line).update(
+                committed_steps=index + 1
+            )
+            if not moved:
+                raise StepDiscarded(_why_discarded(config.id, index, line))
             return [int(lease["id"]) for lease in leases]
     except IntegrityError:
-        # Another process wrote this step first: it is what the aggregators must apply.
+        # Another process wrote this step first: it is what the aggregators must apply, if it is of our timeline.
         step = Step.objects.get(campaign_id=config.id, index=index)
+        if not Campaign.objects.filter(pk=config.id, timeline=line).exists():
+            raise StepDiscarded(_why_discarded(config.id, index, line)) from None
         logger.debug("campaign %s: step %s was committed by another process", config.id, index)
         return list(step.leases.order_by("id").values_list("id", flat=True))
+
+
+def _why_discarded(campaign_id: int, index: int, line: int) -> str:
+    now = Campaign.objects.filter(pk=campaign_id).values_list("committed_steps", "timeline").first()
+    steps, timeline = now if now is not None else (0, 0)
+    return (
+        f"campaign {campaign_id}: step {index} (timeline {line}) was not committed: the campaign is at step "
+        f"{steps} of timeline {timeline} (a rollback came first); its samples are redone"
+    )
 
 
 def _row(config: CampaignConfig, record: dict[str, Any], step: Step) -> Lease:
@@ -239,12 +273,18 @@ def commit_full_steps(config: CampaignConfig, full: dict[str, Any]) -> list[Comm
     """Commit the full open step, and every step after it that is full already (a lease reported ahead)."""
     commits: list[Commit] = []
     while full:
-        index = int(full["step"])
-        with STEP_COMMIT_SECONDS.time():
-            lease_ids = _write_step(config, index, list(full["leases"]))
+        index, line = int(full["step"]), int(full.get("line") or 0)
+        try:
+            with STEP_COMMIT_SECONDS.time():
+                lease_ids = _write_step(config, index, list(full["leases"]), line)
+        except StepDiscarded as exc:
+            # The rollback gave these leases' samples back already (they were live in the hot state).
+            logger.warning("%s", exc, extra={"campaign_id": config.id, "step": index})
+            STEPS_DISCARDED.labels(campaign=str(config.id)).inc()
+            break
         num_samples = sum(int(lease["n"]) for lease in full["leases"])
         try:
-            answer = hot_state().run("committed", config.hot_key, {"step": index})
+            answer = hot_state().run("committed", config.hot_key, {"step": index, "line": line})
         except HotStateMissing:  # Redis lost the keys meanwhile: the record, step included, rebuilds them
             load_campaign(config.id)
             answer = {}
@@ -256,7 +296,9 @@ def commit_full_steps(config: CampaignConfig, full: dict[str, Any]) -> list[Comm
             len(lease_ids),
             extra={"campaign_id": config.id, "step": index},
         )
-        message = StepCommit(campaign_id=config.id, step=index, lease_ids=lease_ids, num_samples=num_samples)
+        message = StepCommit(
+            campaign_id=config.id, step=index, lease_ids=lease_ids, num_samples=num_samples, timeline=line
+        )
         commits.append(Commit(message, list(config.aggregator_ids), [str(c) for c in answer.get("woken") or []]))
         full = answer.get("commit") or {}
     return commits

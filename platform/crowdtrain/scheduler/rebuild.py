@@ -60,7 +60,7 @@ def to_shards(table: ShardTable, ranges: Iterable[list[int]]) -> list[list[int]]
     return out
 
 
-def _merge(intervals: list[Interval]) -> list[Interval]:
+def merge(intervals: list[Interval]) -> list[Interval]:
     merged: list[Interval] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -72,7 +72,7 @@ def _merge(intervals: list[Interval]) -> list[Interval]:
 
 def _gaps(covered: list[Interval], end: int) -> list[Interval]:
     gaps, at = [], 0
-    for start, stop in _merge(covered):
+    for start, stop in merge(covered):
         if start >= end:
             break
         if start > at:
@@ -88,7 +88,7 @@ class _Taken:
     bisection) and the live leases kept so far (as many as were in flight)."""
 
     def __init__(self, committed: list[Interval]) -> None:
-        self.committed = _merge(committed)
+        self.committed = merge(committed)
         self.starts = [s for s, _ in self.committed]
         self.live: list[Interval] = []
 
@@ -149,6 +149,7 @@ def load_campaign(campaign_id: int, *, force: bool = False) -> bool:
     run, why = run_state(campaign)
     meta = {
         "open": campaign.committed_steps,
+        "line": campaign.timeline,
         "cursor": cursor,
         "epoch": epoch,
         "total": total,

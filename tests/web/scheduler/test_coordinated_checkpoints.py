@@ -98,7 +98,7 @@ def test_a_lost_slice_resumes_from_the_complete_version_and_rolls_back_everyone_
     campaign.refresh_from_db()
     assert (campaign.committed_steps, campaign.version) == (4, 4)
     assert [(a, m) for a, m in outbox if isinstance(m, Rollback)] == [
-        (second.aggregator_id, Rollback(campaign_id=campaign.pk, version=4))
+        (second.aggregator_id, Rollback(campaign_id=campaign.pk, version=4, timeline=1))
     ]
     assert not [m for _, m in again if isinstance(m, Rollback)]
 
@@ -217,6 +217,6 @@ def test_a_slice_whose_reply_for_the_failed_step_is_not_in_yet_is_rolled_back_to
     campaign.refresh_from_db()
     assert campaign.committed_steps == 4
     assert [(a, m) for a, m in outbox if isinstance(m, Rollback)] == [
-        (second.aggregator_id, Rollback(campaign_id=campaign.pk, version=4))
+        (second.aggregator_id, Rollback(campaign_id=campaign.pk, version=4, timeline=1))
     ]
     assert late is None and campaign.slices.get(index=1).version == 4  # the undone step's reply changes nothing

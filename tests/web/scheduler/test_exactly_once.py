@@ -1,7 +1,8 @@
 """Property: within an epoch every sample lands in exactly one committed step, whatever agents
 crash, retry, replay or run late, with two to four site processes serving one campaign, whose
 batched records trail, and with Redis losing the scheduler's keys; and a volunteer on probation never
-holds more of a committed step than their limit."""
+holds more of a committed step than their limit. Also over interleavings of a step's write, an aggregator's
+lost uploads and the rollback they cause: the step counter always ends equal to the step rows."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -17,12 +19,12 @@ from hypothesis import strategies as st
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign
-from crowdtrain.scheduler import backbone, configs, ids, leasing, records
+from crowdtrain.scheduler import backbone, commits, configs, ids, leasing, records
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from crowdtrain.verification import standing
 from crowdtrain_agent.protocol import Lease as LeaseMessage
-from crowdtrain_agent.protocol import LeaseDone, Receipt, StepApplied, sign_receipt
+from crowdtrain_agent.protocol import LeaseDone, Receipt, SliceReady, StepApplied, StepFailed, sign_receipt
 from tests.conftest import FakeClock, redis_lost_its_keys
 from tests.factories import done_for, make_campaign, make_device, make_text_dataset
 
@@ -119,6 +121,59 @@ def test_every_sample_of_an_epoch_is_counted_exactly_once(
     assert max(per_step.values(), default=0) <= 1, f"a volunteer on probation held more of a step: {per_step}"
 
 
+# A step's write held back (a slow writer), the aggregators losing a committed step's uploads, a held write
+# going on: the interleavings of a commit and a rollback.
+ROLLBACK_OPS = st.sampled_from(["lease", "lease", "done", "done", "done", "apply", "hold", "write", "write", "fail"])
+
+
+@pytest.mark.django_db
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(ops=st.lists(st.tuples(ROLLBACK_OPS, st.integers(0, 2), st.integers(0, 3)), max_size=50),
+       staleness=st.integers(0, 1))  # fmt: skip
+# The race the fault injection found: step 1 claimed, step 0's uploads lost, then step 1's write.
+@example(ops=[*[("lease", 1, 0), ("done", 1, 0)] * 4, ("apply", 0, 0), ("hold", 0, 0),
+              *[("lease", 1, 0), ("done", 1, 0)] * 4, ("fail", 0, 0), ("write", 0, 0)], staleness=1)  # fmt: skip
+def test_a_rollback_racing_step_writes_counts_every_sample_once_and_leaves_the_counter_on_its_rows(
+    ops: list[tuple[str, int, int]], staleness: int, clock: FakeClock
+) -> None:
+    campaign = make_campaign(make_text_dataset(num_samples=40, samples_per_shard=13), target_batch_size=8,
+                             microbatch_size=2, staleness=staleness, slices=2, checkpoint_every=1000)  # fmt: skip
+    devices = [make_device(f"v{campaign.pk}-{i}")[0] for i in range(3)]
+    held: dict[int, list[int]] = {d.pk: [] for d in devices}
+
+    _play(campaign, devices, [SiteProcess(), SiteProcess()], ops, clock, held, [], set())
+
+    counted = _committed_samples(campaign)
+    epoch0 = {key: n for key, n in counted.items() if key[0] == 0}
+    assert len(epoch0) == 40, f"only {len(epoch0)} of 40 samples of epoch 0 were committed"
+    assert max(counted.values()) == 1, f"samples counted twice: {[k for k, n in counted.items() if n > 1]}"
+    campaign.refresh_from_db()
+    rows = sorted(campaign.steps.values_list("index", flat=True))
+    assert rows == list(range(campaign.committed_steps)), (campaign.committed_steps, rows)
+
+
+def _lose_uploads(campaign: Campaign, sites: list[SiteProcess]) -> None:
+    """Slice 0's aggregator restarted without the newest committed step's uploads; after the rollback the
+    site orders, every slice reports itself at the version it went back to."""
+    for site in sites:
+        site.writer.flush()
+    campaign.refresh_from_db()
+    step = campaign.committed_steps - 1
+    if step < 0:
+        return
+    lost = list(Lease.objects.filter(step__campaign=campaign, step__index=step).values_list("id", flat=True))
+    first = campaign.slices.get(index=0)
+    backbone.step_failed(first.aggregator_id, StepFailed(
+        campaign_id=campaign.pk, slice_index=0, step=step, missing_lease_ids=lost, detail="restarted",
+    ))  # fmt: skip
+    campaign.refresh_from_db()
+    for s in campaign.slices.all():
+        backbone.slice_ready(s.aggregator_id, SliceReady(campaign_id=campaign.pk, slice_index=s.index,
+                                                         version=campaign.committed_steps))  # fmt: skip
+
+
 def _play(
     campaign: Campaign,
     devices: list[Device],
@@ -130,6 +185,36 @@ def _play(
     on_probation: set[int],
 ) -> None:
     """The random phase, then a drain by device 0 until epoch 0 is committed."""
+    writes: list[tuple[configs.CampaignConfig, dict[str, Any]]] = []  # full steps whose writers are slow
+    holding = [False]
+    write = commits.commit_full_steps
+
+    def slow_or_not(config: configs.CampaignConfig, full: dict[str, Any]) -> list[commits.Commit]:
+        if holding[0]:
+            writes.append((config, full))
+            return []
+        return write(config, full)
+
+    with mock.patch.object(leasing, "commit_full_steps", slow_or_not):
+        _play_ops(campaign, devices, sites, ops, clock, held, reported, on_probation, writes, holding)
+        holding[0] = False
+        for config, full in writes:  # the slow writers finish, whatever happened since
+            write(config, full)
+        _drain(campaign, devices, sites, clock)
+
+
+def _play_ops(
+    campaign: Campaign,
+    devices: list[Device],
+    sites: list[SiteProcess],
+    ops: list[tuple[str, int, int]],
+    clock: FakeClock,
+    held: dict[int, list[int]],
+    reported: list[tuple[int, int]],
+    on_probation: set[int],
+    writes: list[tuple[configs.CampaignConfig, dict[str, Any]]],
+    holding: list[bool],
+) -> None:
     processes = len(sites)
     for op, who, where in ops:
         device, site = devices[who], sites[where % processes]
@@ -162,11 +247,19 @@ def _play(
                 redis_lost_its_keys()  # a Redis restarted without persistence
             elif op == "kill_process":
                 sites[where % processes] = SiteProcess()  # its queued records die with it
+            elif op == "hold":
+                holding[0] = not holding[0]
+            elif op == "write" and writes:
+                commits.commit_full_steps(*writes.pop(0))
+            elif op == "fail":
+                _lose_uploads(campaign, sites)
         if on_probation:
             _probation_holds(campaign, {d.pk: d.owner_id for d in devices}, on_probation)
 
-    # Drain: every process writes what it queued, the agents of the random phase vanish (their
-    # leases run out), and one well-behaved agent works until every sample of epoch 0 is committed.
+
+def _drain(campaign: Campaign, devices: list[Device], sites: list[SiteProcess], clock: FakeClock) -> None:
+    """Every process writes what it queued, the agents of the random phase vanish (their leases run
+    out), and one well-behaved agent works until every sample of epoch 0 is committed."""
     for site in sites:
         site.writer.flush()
     worker, site = devices[0], sites[0]

@@ -419,6 +419,9 @@ class SliceAssignment(Message, tag="assign", frozen=True, kw_only=True):
     # 2.3: elements per scale of the int8 codec. Advisory for the same reason as the lease's: an int8
     # campaign (``since_values``) is never assigned to an older aggregator, and other codecs have no blocks.
     codec_block_size: BlockSize = 256
+    # 2.5: the campaign's rollbacks so far (see ``StepCommit.timeline``). Advisory: a 2.4 aggregator only
+    # loses the fence against a commit that a rollback overtook.
+    timeline: Count = 0
 
     since: ClassVar[dict[str, int]] = {
         "codec": 1,
@@ -427,8 +430,11 @@ class SliceAssignment(Message, tag="assign", frozen=True, kw_only=True):
         "clip_factor": 2,
         "trim_fraction": 2,
         "codec_block_size": 3,
+        "timeline": 5,
     }
-    advisory: ClassVar[frozenset[str]] = frozenset({"codec", "clip_factor", "trim_fraction", "codec_block_size"})
+    advisory: ClassVar[frozenset[str]] = frozenset(
+        {"codec", "clip_factor", "trim_fraction", "codec_block_size", "timeline"}
+    )
     since_values: ClassVar[dict[str, dict[str, int]]] = {"codec": {"int8": 3}}
 
 
@@ -494,6 +500,13 @@ class StepCommit(Message, tag="commit", frozen=True, kw_only=True):
     step: Version
     lease_ids: list[Id]
     num_samples: Count
+    # 2.5: how many rollbacks the campaign had when the step was written. A commit of an older timeline
+    # than the last ``rollback`` or ``assign`` the aggregator heard is one the rollback undid, delivered
+    # late: it is dropped, never applied (its step index may be taken again by the redone steps).
+    timeline: Count = 0
+
+    since: ClassVar[dict[str, int]] = {"timeline": 5}
+    advisory: ClassVar[frozenset[str]] = frozenset({"timeline"})
 
 
 class StepApplied(Message, tag="applied", frozen=True, kw_only=True):
@@ -516,6 +529,10 @@ class Rollback(Message, tag="rollback", frozen=True, kw_only=True):
 
     campaign_id: Id
     version: Version
+    timeline: Count = 0  # 2.5: the campaign's rollbacks, this one included (``StepCommit.timeline``)
+
+    since: ClassVar[dict[str, int]] = {"timeline": 5}
+    advisory: ClassVar[frozenset[str]] = frozenset({"timeline"})
 
 
 # ------------------------------------------------------- data: agent -> aggregator

@@ -1,10 +1,12 @@
--- The database holds step A.step now: open the next one. Idempotent. Returns the next full step
--- (a lease reported ahead may complete several at once) and the waiting requests to wake.
+-- The database holds step A.step of timeline A.line now: open the next one. Idempotent. Returns the next
+-- full step (a lease reported ahead may complete several at once) and the waiting requests to wake.
+-- A step of an older timeline (its writer stalled past a rollback, and the redone steps reached its index
+-- again) changes nothing: the open step's leases are not that step's.
 if redis.call('EXISTS', K_META) == 0 then return cjson.encode({missing = true}) end
 local s = A.step
 local open = meta('open')
 local woken = {}
-if open == s then
+if open == s and (A.line or 0) == meta('line') then
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', K_ACC, s, s)) do
     redis.call('HDEL', K_LEASES, id)
     redis.call('HDEL', LC, id)

@@ -138,11 +138,16 @@ end
 -- With ``handoff`` (the campaign's id, 0 for none) a step of at least ``least`` leases goes to the
 -- committers' queue instead, and the caller is told only that it was queued: a committer takes it
 -- (take.lua) and writes it.
+-- The campaign's timeline ('line', its rollbacks so far, as the database counts them) goes with the leases:
+-- the database takes the step only if no rollback came since (scheduler.commits). A step at or past 'hold'
+-- (the newest complete checkpoint plus the lag the site allows, -1: none) waits for checkpoints to catch up.
 local COMMIT_CLAIM_S = 10
 local function full_step(handoff, least)
   local open = meta('open')
   local target = meta('target')
   if num(redis.call('HGET', K_FILL, open)) < target then return nil end
+  local hold = num(redis.call('HGET', K_META, 'hold') or -1)
+  if hold >= 0 and open >= hold then return nil end
   local claim = redis.call('HMGET', K_META, 'claimed', 'claimed_at', 'claimed_by')
   if num(claim[1]) == open + 1 and now - num(claim[2]) < COMMIT_CLAIM_S
       and not claimer_gone(claim[3] or '', A.alive_since) then
@@ -154,5 +159,5 @@ local function full_step(handoff, least)
     return {step = open, queued = true}
   end
   redis.call('HSET', K_META, 'claimed', open + 1, 'claimed_at', now, 'claimed_by', '')
-  return {step = open, leases = step_leases(open)}
+  return {step = open, leases = step_leases(open), line = meta('line')}
 end

@@ -8,4 +8,4 @@ if open ~= A.step or num(redis.call('HGET', K_FILL, open)) < meta('target') then
   return cjson.encode({commit = false})
 end
 redis.call('HSET', K_META, 'claimed', open + 1, 'claimed_at', now, 'claimed_by', A.name or '')
-return cjson.encode({commit = {step = open, leases = step_leases(open)}})
+return cjson.encode({commit = {step = open, leases = step_leases(open), line = meta('line')}})
