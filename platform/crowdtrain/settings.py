@@ -332,6 +332,10 @@ CROWDTRAIN_LEASE_WAIT_MAX_S = env_float("CROWDTRAIN_LEASE_WAIT_MAX_S", 10.0, min
 # Steps of at least this many leases go to a committer when one runs (scheduler.committer); smaller ones
 # are written by the site process whose report filled them, which then answers its waiting request at once.
 CROWDTRAIN_COMMITTER_MIN_LEASES = env_int("CROWDTRAIN_COMMITTER_MIN_LEASES", 256, minimum=1)
+# The most a crash may cost, in checkpoint intervals: a campaign whose newest complete checkpoint falls
+# this many times checkpoint_every behind its committed steps commits and leases no more until checkpoints
+# catch up (scheduler.durability). 0 lets the lag grow without bound.
+CROWDTRAIN_CHECKPOINT_LAG_MAX = env_int("CROWDTRAIN_CHECKPOINT_LAG_MAX", 3, minimum=0)
 # Agents and aggregators silent this long are gone; what they held is freed.
 CROWDTRAIN_GONE_AFTER_S = env_float("CROWDTRAIN_GONE_AFTER_S", 10.0, minimum=1.0)
 CROWDTRAIN_HEARTBEAT_S = env_float("CROWDTRAIN_HEARTBEAT_S", 2.0, minimum=0.1)

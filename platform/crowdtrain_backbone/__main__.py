@@ -46,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
         dest="checkpoint_url",
         help="s3://BUCKET/PREFIX: checkpoints in S3-compatible storage (CROWDTRAIN_S3_* credentials) instead",
     )
+    parser.add_argument(
+        "--checkpoint-fallback-dir",
+        dest="checkpoint_fallback_dir",
+        help="folder for checkpoints the store refuses, until it takes them again "
+        "(default var/checkpoints-fallback with --checkpoint-url; '' for none)",
+    )
     parser.add_argument("--public-host", dest="public_host", help="host agents use to reach this aggregator")
     parser.add_argument("--max-pending-bytes", dest="max_pending_bytes", help="cap on pending gradient bytes")
     parser.add_argument("--torch-threads", dest="torch_threads", help="PyTorch intra-op threads (default 1)")

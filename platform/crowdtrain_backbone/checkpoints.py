@@ -217,6 +217,55 @@ def encode_state(state: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
+@dataclass(frozen=True)
+class WithFallback:
+    """The store, backed by a local folder for the checkpoints it refused (``write_fallback``).
+
+    Reads try the store first, then the folder; listing and deleting cover both, so
+    pruning and a rollback's end of a timeline reach the fallback copies too. Only
+    the store's copies are confirmed to the site: the folder does not outlive the
+    machine, but it lets this process resume where it was after a restart while the
+    store is away.
+    """
+
+    store: CheckpointStore
+    fallback: LocalStore
+
+    def describe(self) -> str:
+        return f"{self.store.describe()} (fallback {self.fallback.describe()})"
+
+    def check_writable(self) -> None:
+        self.store.check_writable()
+
+    def versions(self, campaign_id: int, slice_index: int) -> list[int]:
+        try:
+            ours = self.fallback.versions(campaign_id, slice_index)
+        except OSError:
+            ours = []
+        return sorted(set(self.store.versions(campaign_id, slice_index)) | set(ours))
+
+    def write(self, campaign_id: int, slice_index: int, version: int, data: bytes) -> str:
+        where = self.store.write(campaign_id, slice_index, version, data)
+        self.fallback.delete(campaign_id, slice_index, version)  # the store holds it now
+        return where
+
+    def write_fallback(self, campaign_id: int, slice_index: int, version: int, data: bytes) -> str:
+        return self.fallback.write(campaign_id, slice_index, version, data)
+
+    def read(self, campaign_id: int, slice_index: int, version: int) -> bytes:
+        try:
+            return self.store.read(campaign_id, slice_index, version)
+        except Exception as exc:
+            try:
+                return self.fallback.read(campaign_id, slice_index, version)
+            except OSError:
+                raise exc from None
+
+    def delete(self, campaign_id: int, slice_index: int, version: int) -> None:
+        self.fallback.delete(campaign_id, slice_index, version)
+        self.store.delete(campaign_id, slice_index, version)
+
+
 def save_checkpoint(
     store: CheckpointStore, campaign_id: int, slice_index: int, version: int, state: dict[str, Any]
 ) -> str:
@@ -226,8 +275,25 @@ def save_checkpoint(
         Where it was written.
     """
     try:
-        where = store.write(campaign_id, slice_index, version, encode_state(state))
+        data = encode_state(state)
     except Exception as exc:
+        raise CheckpointError(f"checkpoint of version {version} failed: {type(exc).__name__}: {exc}") from exc
+    try:
+        where = store.write(campaign_id, slice_index, version, data)
+    except Exception as exc:
+        if isinstance(store, WithFallback):
+            try:
+                kept = store.write_fallback(campaign_id, slice_index, version, data)
+            except Exception as local:
+                logger.error("the fallback checkpoint of version %s failed too: %s", version, local)
+            else:
+                logger.warning(
+                    "checkpoint of campaign %s slice %s version %s kept in %s until the store takes it",
+                    campaign_id,
+                    slice_index,
+                    version,
+                    kept,
+                )
         raise CheckpointError(f"checkpoint of version {version} failed: {type(exc).__name__}: {exc}") from exc
     logger.info("checkpoint of campaign %s slice %s version %s written to %s", campaign_id, slice_index, version, where)
     return where

@@ -22,6 +22,7 @@ DEFAULT_SITE = "http://127.0.0.1:8000"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8100
 DEFAULT_CHECKPOINT_DIR = "var/checkpoints"
+DEFAULT_FALLBACK_DIR = "var/checkpoints-fallback"
 # Pending gradient slices are kept as fp32 until their step commits; this caps
 # what a burst of uploads (or a hostile agent) can make the process hold.
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
@@ -55,6 +56,10 @@ class BackboneConfig:
     # s3://bucket/prefix: checkpoints in a bucket (credentials from the site's CROWDTRAIN_S3_* variables)
     # instead of checkpoint_dir, so a replacement aggregator on another machine restores them.
     checkpoint_url: str = ""
+    # Where a checkpoint goes when the store refuses it (storage down, disk full), so this process can
+    # resume from it after a restart on the same machine; retried in the store meanwhile. None: no fallback
+    # (the default for a checkpoint folder, whose fallback would share its disk).
+    checkpoint_fallback_dir: Path | None = None
     public_host: str = DEFAULT_HOST
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
     # One intra-op thread by default: an aggregator's work is elementwise passes over its slice,
@@ -145,6 +150,10 @@ def _parse_path(raw: str, where: str) -> Path:
     return Path(raw)
 
 
+def _parse_optional_path(raw: str, where: str) -> Path | None:
+    return Path(raw) if raw.strip() else None  # set but empty: no fallback
+
+
 def _parse_bucket_url(raw: str, where: str) -> str:
     if not raw.strip():
         return ""  # set but empty (compose passes unset variables so): the checkpoint folder then
@@ -193,6 +202,7 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str]) -> Backbon
     host = get("host", _parse_text, DEFAULT_HOST)
     # A wildcard bind address is no address an agent can dial: advertise the hostname instead.
     default_public = socket.getfqdn() if host in ("0.0.0.0", "::") else host
+    checkpoint_url = get("checkpoint_url", _parse_bucket_url, "")
     return BackboneConfig(
         site=get("site", _parse_site, DEFAULT_SITE),
         token=token,
@@ -200,7 +210,12 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str]) -> Backbon
         host=host,
         port=get("port", _parse_port, DEFAULT_PORT),
         checkpoint_dir=get("checkpoint_dir", _parse_path, Path(DEFAULT_CHECKPOINT_DIR)),
-        checkpoint_url=get("checkpoint_url", _parse_bucket_url, ""),
+        checkpoint_url=checkpoint_url,
+        checkpoint_fallback_dir=get(
+            "checkpoint_fallback_dir",
+            _parse_optional_path,
+            Path(DEFAULT_FALLBACK_DIR) if checkpoint_url else None,
+        ),
         public_host=get("public_host", _parse_text, default_public),
         max_pending_bytes=get("max_pending_bytes", _parse_bytes, DEFAULT_MAX_PENDING_BYTES),
         torch_threads=get("torch_threads", _parse_threads, 1),

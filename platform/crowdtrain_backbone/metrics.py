@@ -45,6 +45,11 @@ class _NodeCollector(Collector):
         pending = GaugeMetricFamily(
             "crowdtrain_backbone_pending_leases", "Uploads waiting for their step", labels=labels
         )
+        owed = GaugeMetricFamily(
+            "crowdtrain_backbone_checkpoint_owed",
+            "1 while the slice's last checkpoint was refused by the store and not yet written again",
+            labels=labels,
+        )
         clipped = CounterMetricFamily(
             "crowdtrain_backbone_clipped_contributions",
             "Contributions whose norm was clipped since this process took the slice",
@@ -56,7 +61,8 @@ class _NodeCollector(Collector):
             held.add_metric(key, len(state.snapshots))
             pending.add_metric(key, len(state.pending))
             clipped.add_metric(key, state.clipped)
-        yield from (version, held, pending, clipped)
+            owed.add_metric(key, int((state.campaign_id, state.slice_index) in node.owed))
+        yield from (version, held, pending, clipped, owed)
 
     def describe(self) -> list[Any]:
         return []
@@ -79,6 +85,12 @@ class BackboneMetrics:
         self.steps_applied = Counter(
             "crowdtrain_backbone_steps_applied", "Steps applied", ["campaign", "slice"], registry=self.registry
         )
+        self.checkpoint_failures = Counter(
+            "crowdtrain_backbone_checkpoint_failures",
+            "Checkpoints the store refused (storage down, disk full); each slice is written again until it takes one",
+            ["campaign", "slice"],
+            registry=self.registry,
+        )
         self.apply_seconds = Histogram(
             "crowdtrain_backbone_apply_seconds",
             "Time to apply one step to one slice (the optimizer pass, off the event loop)",
@@ -99,6 +111,9 @@ class BackboneMetrics:
     def step_applied(self, campaign_id: int, slice_index: int, seconds: float) -> None:
         self.steps_applied.labels(str(campaign_id), str(slice_index)).inc()
         self.apply_seconds.observe(seconds)
+
+    def checkpoint_failed(self, campaign_id: int, slice_index: int) -> None:
+        self.checkpoint_failures.labels(str(campaign_id), str(slice_index)).inc()
 
     def render(self) -> bytes:
         """The exposition text of one scrape."""

@@ -26,6 +26,8 @@ from crowdtrain_agent.protocol import (
 from .checkpoints import (
     CheckpointError,
     CheckpointStore,
+    LocalStore,
+    WithFallback,
     delete_versions,
     load_checkpoint,
     save_checkpoint,
@@ -37,6 +39,9 @@ from .robust import ClipHistory
 from .slices import MemoryBudget, SliceState, StepRefused, initial_params
 
 logger = logging.getLogger(__name__)
+# The first wait before a refused checkpoint is written again, and the longest (doubled after each refusal).
+RETRY_FIRST_S = 2.0
+RETRY_MAX_S = 30.0
 
 SiteOrder = SliceAssignment | StepCommit | Rollback | SliceUnassign | CheckpointComplete
 ORDERS = (SliceAssignment, StepCommit, Rollback, SliceUnassign, CheckpointComplete)  # what ``handle`` carries out
@@ -158,7 +163,14 @@ class AggregatorNode:
 
     def __init__(self, config: BackboneConfig, store: CheckpointStore | None = None) -> None:
         self.config = config
-        self.store = store if store is not None else config.checkpoint_store(os.environ)
+        store = store if store is not None else config.checkpoint_store(os.environ)
+        if config.checkpoint_fallback_dir is not None:
+            store = WithFallback(store, LocalStore(config.checkpoint_fallback_dir))
+        self.store: CheckpointStore = store
+        # Slices whose last checkpoint the store refused: (when to try again, the wait after that). Each is
+        # written again at its current version until the store takes it, so that the site's newest complete
+        # version moves on again by itself once storage is back (``retry_checkpoints``).
+        self.owed: dict[tuple[int, int], tuple[float, float]] = {}
         self.budget = MemoryBudget(config.max_pending_bytes)
         self.metrics = BackboneMetrics(self)
         self.slices: dict[tuple[int, int], SliceState] = {}
@@ -300,6 +312,7 @@ class AggregatorNode:
         # A graceful stop saved the uploads of the step in hand: with them that step commits here.
         taken = state.reinstate_(restored.pending)
         self.slices[key] = state
+        await asyncio.to_thread(self._owe_unless_stored, state)
         await asyncio.to_thread(self._forget_newer, state)
         logger.info(
             "holding campaign %s slice %s (elements %s:%s) at version %s%s",
@@ -340,6 +353,18 @@ class AggregatorNode:
             removed,
         )
         return SliceReady(campaign_id=state.campaign_id, slice_index=state.slice_index, version=loaded)
+
+    def _owe_unless_stored(self, state: SliceState) -> None:
+        """A slice resumed from its fallback copy (the store was away): the store still owes the site that version."""
+        if not isinstance(self.store, WithFallback) or state.version == 0:
+            return
+        key = (state.campaign_id, state.slice_index)
+        try:
+            stored = state.version in self.store.store.versions(*key)
+        except Exception:  # the store is still away
+            stored = False
+        if not stored:
+            self.owed[key] = (time.monotonic(), RETRY_FIRST_S / 2)
 
     def _forget_newer(self, state: SliceState) -> list[int]:
         """Delete this slice's checkpoints above its version: a timeline that a restore or rollback ended."""
@@ -489,16 +514,42 @@ class AggregatorNode:
         try:
             await asyncio.to_thread(write)
         except CheckpointError as exc:
+            wait = min(RETRY_MAX_S, 2 * self.owed.get(key, (0.0, RETRY_FIRST_S / 2))[1])
+            self.owed[key] = (time.monotonic() + wait, wait)
+            self.metrics.checkpoint_failed(*key)
             logger.error(
-                "campaign %s slice %s: %s; the step itself was applied. Check the space and permissions of %s",
+                "campaign %s slice %s: %s; the step itself was applied. Check the space and permissions of %s; "
+                "writing the slice again in %.0f s",
                 *key,
                 exc,
                 self.store.describe(),
+                wait,
             )
             return None
         except Exception as exc:  # listing or pruning failed after a good write: the checkpoint stands
             logger.warning("campaign %s slice %s: checkpoint v%s written, pruning failed: %s", *key, version, exc)
+        self.owed.pop(key, None)
         return CheckpointSaved(campaign_id=key[0], slice_index=key[1], version=version)
+
+    async def retry_checkpoints(self) -> list[Reply]:
+        """Write again, at its current version, each slice whose checkpoint the store refused and whose wait is over.
+
+        While the store is away the site's newest complete version stands still and,
+        past its bound, the campaign stops committing (every slice then stays at one
+        version): writing that version again is what lets it go on by itself.
+        """
+        replies: list[Reply] = []
+        now = time.monotonic()
+        for key, (due, _) in sorted(self.owed.items()):
+            state = self.slices.get(key)
+            if state is None:
+                del self.owed[key]
+            elif due <= now:
+                saved = await self.checkpoint(state)
+                if saved is not None:
+                    logger.info("campaign %s slice %s: the store takes checkpoints again (v%s)", *key, saved.version)
+                    replies.append(saved)
+        return replies
 
     async def checkpoint_all(self) -> list[Reply]:
         """A checkpoint of every slice at its current version, with its pending uploads (before a graceful exit).

@@ -192,6 +192,8 @@ class SiteLink:
             self.connected.set()
             interval = welcome.heartbeat_s if welcome.heartbeat_s > 0 else HEARTBEAT_INTERVAL_S
             heartbeats = asyncio.create_task(self._heartbeat(ws, interval))
+            # Its own task: a write to a store that is down can take seconds, and heartbeats must not wait.
+            retries = asyncio.create_task(self._retry_checkpoints(interval))
             try:
                 async for raw in ws:
                     self._dispatch(raw)
@@ -199,6 +201,7 @@ class SiteLink:
                 pass
             finally:
                 heartbeats.cancel()
+                retries.cancel()
                 self._ws = None
                 self.connected.clear()
             return True
@@ -214,6 +217,18 @@ class SiteLink:
                 await ws.send(beat)
         except ConnectionClosed:
             return
+
+    async def _retry_checkpoints(self, interval: float) -> None:
+        """Write refused checkpoints again (``AggregatorNode.retry_checkpoints``) and confirm those the store took."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                replies = await self.node.retry_checkpoints()
+            except Exception:  # a bug here must not end the retries for good
+                logger.exception("retrying refused checkpoints failed")
+                continue
+            for reply in replies:
+                await self.send(reply)
 
     def _dispatch(self, raw: str | bytes) -> None:
         try:

@@ -133,6 +133,9 @@ def condition(
             "Volunteers get no leases until every slice of the model has a live aggregator.",
             by_code[health.CAMPAIGN_WAITING].what_to_do,
         )
+    behind = by_code.get(health.CHECKPOINTS_BEHIND)
+    if behind is not None and behind.severity == "critical":
+        return Condition("checkpoints_behind", "critical", "Waiting for checkpoints", behind.message, behind.what_to_do)
     if health.CAMPAIGN_STALLED in by_code:
         alert = by_code[health.CAMPAIGN_STALLED]
         return Condition("stalled", "critical", "Stalled", alert.message, alert.what_to_do)
@@ -145,6 +148,9 @@ def condition(
             "No agent is working on it right now.",
             "Share its join page: volunteers who follow it start training within a minute.",
         )
+    if behind is not None:
+        return Condition("checkpoints_behind", "warning", "Training, checkpoints behind", behind.message,
+                         behind.what_to_do)  # fmt: skip
     if health.LEASE_FAILURES in by_code:
         alert = by_code[health.LEASE_FAILURES]
         return Condition(

@@ -26,7 +26,8 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from crowdtrain.accounts.models import new_invite_code
 from crowdtrain.accounts.users import signed_in_user
 from crowdtrain.gateway.outbox import send_outbox
-from crowdtrain.scheduler.backbone import complete_versions, restore_campaign
+from crowdtrain.scheduler.backbone import restore_campaign
+from crowdtrain.scheduler.durability import complete_versions
 
 from . import monitor
 from .export import export_context

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Step, ValidationResult
+from crowdtrain.scheduler.durability import durability
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Aggregator, Lease, SliceAssignment
 from crowdtrain.verification.models import Check, Standing
@@ -110,7 +111,12 @@ def _campaigns() -> Iterator[Metric]:
             loss.add_metric(label, c["step_loss_sum"] / c["step_samples"])
         if c["val_loss"] is not None and math.isfinite(c["val_loss"]):
             val.add_metric(label, c["val_loss"])
-    yield from (info, steps, version, total, loss, val, leases)
+    lag = _gauge("crowdtrain_campaign_checkpoint_lag_steps",
+                 "Committed steps since the newest complete checkpoint: what an aggregator's crash would cost",
+                 ["campaign"])  # fmt: skip
+    for campaign in Campaign.objects.filter(pk__in=ids, checkpoint_every__gt=0).order_by("id"):
+        lag.add_metric([str(campaign.pk)], durability(campaign).lag)
+    yield from (info, steps, version, total, loss, val, leases, lag)
 
 
 def _aggregators() -> Iterator[Metric]:

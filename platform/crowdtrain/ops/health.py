@@ -18,6 +18,7 @@ from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 
 from crowdtrain.campaigns.models import Campaign, Step
+from crowdtrain.scheduler.durability import durability
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import SliceAssignment
 
@@ -34,9 +35,18 @@ AGGREGATOR_SILENT = "aggregator_silent"
 CAMPAIGN_WAITING = "campaign_waiting_for_aggregators"
 CAMPAIGN_BLOCKED = "campaign_blocked"
 CAMPAIGN_STALLED = "campaign_stalled"
+CHECKPOINTS_BEHIND = "campaign_checkpoints_behind"
 LEASE_FAILURES = "lease_failures_spike"
 TASK_FAILING = "celery_task_failing"
-CODES = (AGGREGATOR_SILENT, CAMPAIGN_WAITING, CAMPAIGN_BLOCKED, CAMPAIGN_STALLED, LEASE_FAILURES, TASK_FAILING)
+CODES = (
+    AGGREGATOR_SILENT,
+    CAMPAIGN_WAITING,
+    CAMPAIGN_BLOCKED,
+    CHECKPOINTS_BEHIND,
+    CAMPAIGN_STALLED,
+    LEASE_FAILURES,
+    TASK_FAILING,
+)
 
 
 @dataclass(frozen=True)
@@ -154,6 +164,33 @@ def _blocked(running: list[_Running]) -> list[Alert]:
     ]
 
 
+def _checkpoints_behind(running: list[_Running]) -> list[Alert]:
+    """Campaigns whose newest complete checkpoint missed an interval (a warning) or reached the bound (critical:
+    they take no work until one completes)."""
+    alerts = []
+    for campaign in Campaign.objects.filter(pk__in=[c.id for c in running], checkpoint_every__gt=0).order_by("id"):
+        lag = durability(campaign)
+        usual = campaign.checkpoint_every + campaign.staleness + 2
+        if lag.lag <= usual and not lag.holding:
+            continue
+        what = "it takes no work until one completes" if lag.holding else "an aggregator's crash would cost those steps"
+        alerts.append(
+            Alert(
+                CHECKPOINTS_BEHIND,
+                "critical" if lag.holding else "warning",
+                campaign.pk,
+                f"campaign {campaign.pk} ({campaign.name!r}): the newest complete checkpoint is version "
+                f"{lag.newest_complete}, {lag.lag} steps behind its committed steps (checkpoints every "
+                f"{campaign.checkpoint_every}); {what}",
+                "read the aggregators' logs for checkpoint errors and check their storage (the S3 endpoint and "
+                "credentials, or the disk's free space); their /metrics count the failures "
+                "(crowdtrain_backbone_checkpoint_failures_total). Training goes on by itself once a checkpoint "
+                "of every slice is written",
+            )
+        )
+    return alerts
+
+
 def _stalled(running: list[_Running], now: datetime, excused: set[int]) -> list[Alert]:
     after = timedelta(minutes=settings.CROWDTRAIN_STALLED_AFTER_MIN)
     alerts = []
@@ -246,9 +283,11 @@ def _campaign_alerts(running: list[_Running], now: datetime, *, every: bool) -> 
     silent_ids = {a.campaign_id for a in silent if a.campaign_id is not None}
     waiting = _waiting_for_aggregators(running, slices, silent_ids)
     blocked = _blocked(running)
-    excused = silent_ids | {a.campaign_id for a in waiting + blocked if a.campaign_id is not None}
+    behind = _checkpoints_behind(running)
+    held = [a for a in behind if a.severity == "critical"]
+    excused = silent_ids | {a.campaign_id for a in waiting + blocked + held if a.campaign_id is not None}
     failures = _lease_failures(None if every else running)
-    alerts = silent + waiting + blocked + _stalled(running, now, excused) + failures
+    alerts = silent + waiting + blocked + behind + _stalled(running, now, excused) + failures
     alerts.sort(key=lambda a: (a.campaign_id or 0, CODES.index(a.code)))
     return alerts
 

@@ -46,7 +46,8 @@ from crowdtrain_agent.protocol import (
 )
 from crowdtrain_agent.protocol.schema import from_dict
 
-from .configs import publish_state, ticket_key
+from .configs import publish_hold, publish_state, ticket_key
+from .durability import complete_versions
 from .hotstate import HotStateMissing, hot_state
 from .models import Aggregator, Checkpoint, Lease, SliceAssignment
 from .rebuild import merge, to_global
@@ -71,18 +72,6 @@ def locked_campaigns() -> QuerySet[Campaign]:
     version bookkeeping.
     """
     return Campaign.objects.select_for_update(of=("self",), no_key=True)
-
-
-def complete_versions(campaign: Campaign) -> list[int]:
-    """Versions, ascending, that every slice of the campaign has a confirmed checkpoint of, on its timeline."""
-    rows = (
-        Checkpoint.objects.filter(campaign=campaign, version__lte=campaign.committed_steps)
-        .values("version")
-        .annotate(slices=Count("slice_index", distinct=True))
-        .filter(slices__gte=campaign.num_aggregators)
-        .order_by("version")
-    )
-    return [row["version"] for row in rows]
 
 
 def restore_target(campaign: Campaign, at_most: int | None = None) -> int | None:
@@ -482,6 +471,8 @@ def checkpoint_saved(aggregator_id: int, saved: CheckpointSaved) -> Outbox:
         kept = complete[-COMPLETE_KEPT:]
         # Older confirmations stop mattering once the aggregators may prune them.
         Checkpoint.objects.filter(campaign=campaign, version__lt=kept[0]).delete()
+        # A campaign held for its checkpoints may commit again: the next sweep commits its full step.
+        publish_hold(campaign)
         message = CheckpointComplete(campaign_id=campaign.pk, versions=kept)
         return [(a, message) for a in sorted(set(campaign.slices.values_list("aggregator_id", flat=True)))]
 

@@ -35,6 +35,7 @@ from crowdtrain_agent.protocol import (
 )
 from crowdtrain_agent.protocol.schema import from_dict
 
+from .durability import durability
 from .hotstate import HotStateMissing, hot_state
 from .models import SliceAssignment
 
@@ -269,6 +270,33 @@ def run_state(campaign: Campaign) -> tuple[bool, str]:
     return True, ""
 
 
+def hot_fields(campaign: Campaign) -> dict[str, object]:
+    """The campaign's settings the scheduler's scripts read from its hot state (``configure`` and ``load``).
+
+    ``hold``: the first step that may not commit while checkpoints lag (``durability``), with the
+    words volunteers get for it (``hold_why``); leases for that step are refused with them too.
+    """
+    lag = durability(campaign)
+    return {
+        "target": campaign.target_batch_size,
+        "stale": campaign.staleness,
+        "state": campaign.state,
+        "max": -1 if campaign.max_steps is None else campaign.max_steps,
+        "hold": lag.hold,
+        "hold_why": lag.why(campaign.pk),
+    }
+
+
+def publish_hold(campaign: Campaign) -> None:
+    """Move the campaign's checkpoint hold after a checkpoint completed; nothing else changes, no copy is re-read."""
+    lag = durability(campaign)
+    fields = {"hold": lag.hold, "hold_why": lag.why(campaign.pk)}
+    try:
+        hot_state().run("configure", campaign.hot_key.hex, {"quiet": True, "fields": fields})
+    except HotStateMissing:
+        pass
+
+
 def publish_state(campaign_id: int) -> None:
     """Tell every site process what changed: lease or not, and re-read the campaign (its generation moves).
 
@@ -280,12 +308,7 @@ def publish_state(campaign_id: int) -> None:
     if campaign is None:
         return
     run, why = run_state(campaign)
-    fields = {
-        "target": campaign.target_batch_size,
-        "stale": campaign.staleness,
-        "state": campaign.state,
-        "max": -1 if campaign.max_steps is None else campaign.max_steps,
-    }
+    fields = hot_fields(campaign)
     try:
         hot_state().run("configure", campaign.hot_key.hex, {"run": int(run), "why": why, "fields": fields})
     except HotStateMissing:

@@ -25,7 +25,7 @@ from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
 from crowdtrain.verification import standing
 
-from .configs import probation_cap, publish_state, run_state
+from .configs import hot_fields, probation_cap, publish_state, run_state
 from .hotstate import hot_state
 from .models import Lease
 from .records import Finished, writer
@@ -153,10 +153,7 @@ def load_campaign(campaign_id: int, *, force: bool = False) -> bool:
         "cursor": cursor,
         "epoch": epoch,
         "total": total,
-        "target": campaign.target_batch_size,
-        "stale": campaign.staleness,
-        "state": campaign.state,
-        "max": -1 if campaign.max_steps is None else campaign.max_steps,
+        **hot_fields(campaign),
         "run": int(run),
         "why": why,
         # Newer than any generation a process may have cached from before Redis lost the keys.

@@ -82,6 +82,11 @@ if capped and (step > open + stale or (max_steps >= 0 and step >= max_steps)) th
   return refuse('probation', {ready_at = open + 1, cap = cap})
 end
 if max_steps >= 0 and step >= max_steps then return refuse('last_step', {max = max_steps}) end
+local hold = num(redis.call('HGET', K_META, 'hold') or -1)
+if hold >= 0 and step >= hold then
+  -- Its checkpoints lag too far behind (scheduler.durability): no work for a step that may not commit.
+  return refuse('paused', {why = redis.call('HGET', K_META, 'hold_why') or ''})
+end
 if step > open + stale then return refuse('window_full', {step = open, ready_at = step - stale}) end
 if held > 0 and redis.call('ZCARD', K_IDLE) > 0 then
   -- This device asks ahead while another waits with nothing to do: the other goes first.

@@ -14,7 +14,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.gateway.outbox import send_outbox
-from crowdtrain.scheduler.backbone import complete_versions, restore_campaign
+from crowdtrain.scheduler.backbone import restore_campaign
+from crowdtrain.scheduler.durability import complete_versions
 
 
 class Command(BaseCommand):
