@@ -149,6 +149,7 @@ test-browser: $(STAMP) $(CHARTS) $(CHROMIUM)
 # SCALE_ARGS="--agents 100 --cpu-agents 100,1000 --idle-agents 2000".
 HOMELINK_ARGS ?=
 SCALE_ARGS ?=
+FAULT_ARGS ?=
 SQLITE_SCALE_ARGS ?= --phases wide,w1like,overload --agents 10,100,300,1000 --cpu-agents 10,100,300,1000 \
 	--cpu-rate 25 --overload-agents 1000
 bench: $(STAMP)
@@ -161,6 +162,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.int8_gaps
 	$(BIN)/python -m tests.benchmarks.scale $(SCALE_ARGS)
 	$(BIN)/python -m tests.benchmarks.scale --backend sqlite $(SQLITE_SCALE_ARGS)
+	$(BIN)/python -m tests.benchmarks.faults $(FAULT_ARGS)
 
 clean:
 	rm -rf $(VENV) var frontend/node_modules frontend/static/build

@@ -250,7 +250,11 @@ class WithFallback:
         return where
 
     def write_fallback(self, campaign_id: int, slice_index: int, version: int, data: bytes) -> str:
-        return self.fallback.write(campaign_id, slice_index, version, data)
+        """Keep ``data`` in the folder; only the newest ``KEEP_RECENT`` stay there (the store keeps the rest)."""
+        where = self.fallback.write(campaign_id, slice_index, version, data)
+        kept = self.fallback.versions(campaign_id, slice_index)
+        delete_versions(self.fallback, campaign_id, slice_index, kept[:-KEEP_RECENT])
+        return where
 
     def read(self, campaign_id: int, slice_index: int, version: int) -> bytes:
         try:

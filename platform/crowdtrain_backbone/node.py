@@ -41,7 +41,7 @@ from .slices import MemoryBudget, SliceState, StepRefused, initial_params
 logger = logging.getLogger(__name__)
 # The first wait before a refused checkpoint is written again, and the longest (doubled after each refusal).
 RETRY_FIRST_S = 2.0
-RETRY_MAX_S = 30.0
+RETRY_MAX_S = 10.0
 
 SiteOrder = SliceAssignment | StepCommit | Rollback | SliceUnassign | CheckpointComplete
 ORDERS = (SliceAssignment, StepCommit, Rollback, SliceUnassign, CheckpointComplete)  # what ``handle`` carries out

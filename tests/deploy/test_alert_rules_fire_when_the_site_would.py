@@ -111,6 +111,36 @@ CASES: list[dict[str, Any]] = [
                   firing("CrowdtrainSiteAlert", code="aggregator_silent", campaign="7", severity="critical")),
         ],
     },
+    {   # Campaign 7 waits for its checkpoints (held: critical), 8 only has them behind (a warning): both
+        # stopped stepping, and only 8's stall is the campaign's own alert.
+        "interval": "1m",
+        "input_series": [
+            {"series": 'crowdtrain_campaign_info{campaign="7",name="seven",state="running"}', "values": "1x30"},
+            {"series": 'crowdtrain_campaign_committed_steps{campaign="7"}', "values": "5x30"},
+            {"series": 'crowdtrain_alert{code="campaign_checkpoints_behind",campaign="7",severity="critical"}',
+             "values": "1x30"},
+            {"series": 'crowdtrain_campaign_info{campaign="8",name="eight",state="running"}', "values": "1x30"},
+            {"series": 'crowdtrain_campaign_committed_steps{campaign="8"}', "values": "5x30"},
+            {"series": 'crowdtrain_alert{code="campaign_checkpoints_behind",campaign="8",severity="warning"}',
+             "values": "1x30"},
+        ],
+        "alert_rule_test": [check("CampaignStalled", "20m", firing("CampaignStalled", campaign="8"))],
+    },
+    {   # An aggregator's checkpoints fail for a while, then the store takes them again; a repaired counter.
+        "interval": "1m",
+        "input_series": [
+            {"series": 'crowdtrain_backbone_checkpoint_failures_total{instance="agg-1:8100",campaign="1",slice="0"}',
+             "values": "0 0 1+2x5 11x30"},
+            {"series": 'crowdtrain_step_counter_repairs_total{campaign="3",instance="s1"}', "values": "0 0 1x80"},
+        ],
+        "alert_rule_test": [
+            check("CheckpointWritesFailing", "1m"),
+            check("CheckpointWritesFailing", "5m", firing("CheckpointWritesFailing", instance="agg-1:8100")),
+            check("CheckpointWritesFailing", "20m"),
+            check("StepCounterRepaired", "30m", firing("StepCounterRepaired", campaign="3")),
+            check("StepCounterRepaired", "70m"),  # an hour after the repair
+        ],
+    },
     {   # Two site processes count campaign 7's leases: 10 accepted and 30 expired in 10 minutes, summed.
         # Campaign 8 fails as often but has too few leases to judge; campaign 9 mostly succeeds.
         "interval": "1m",

@@ -17,7 +17,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Count, Sum
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.campaigns.models import Campaign
+from crowdtrain.campaigns.models import Campaign, Shard
 from crowdtrain.scheduler.leasing import step_ranges
 
 
@@ -60,7 +60,17 @@ def dump_campaign(campaign: Campaign) -> dict[str, Any]:
         "committed_steps": campaign.committed_steps,
         "version": campaign.version,
         "param_count": campaign.param_count,
-        "dataset": {"kind": campaign.dataset.kind, "sample_len": campaign.dataset.sample_len},
+        "dataset": {
+            "kind": campaign.dataset.kind,
+            "sample_len": campaign.dataset.sample_len,
+            # The training shards in the order leases walk them: where a gap in the committed samples lies.
+            "shards": [
+                {"sha256": sha, "num_samples": n}
+                for sha, n in campaign.dataset.shards.filter(split=Shard.Split.TRAIN)
+                .order_by("index")
+                .values_list("sha256", "num_samples")
+            ],
+        },
         "media_root": str(settings.MEDIA_ROOT),
         "slices": [
             {
