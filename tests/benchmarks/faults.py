@@ -211,11 +211,21 @@ def _committed(run: Run) -> int:
         return -1
 
 
-def _stall(run: Run, since: float, committed: int, timeout_s: float) -> float:
-    """Seconds from ``since`` until the run has committed more steps than ``committed`` (a rollback's redone
-    steps included: the count goes back with it)."""
-    run.swarm.wait_until(lambda: _committed(run) > committed, timeout_s=timeout_s, what=f"step {committed} again")
-    return time.monotonic() - since
+def _stall(run: Run, since: float, steps: int, timeout_s: float) -> float:
+    """Watch the run from ``since`` until it has committed ``steps`` steps: the longest time it went without
+    committing a step it never had before (a rollback's redone steps are not new)."""
+    newest, last_new, longest = _committed(run), since, 0.0
+    deadline = time.monotonic() + timeout_s
+    while newest < steps:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{newest} of {steps} steps committed after {timeout_s:.0f} s")
+        run.swarm.check()
+        committed = _committed(run)
+        now = time.monotonic()
+        if committed > newest:
+            longest, newest, last_new = max(longest, now - last_new), committed, now
+        time.sleep(0.1)
+    return max(longest, 0.0)
 
 
 @contextlib.contextmanager
@@ -240,15 +250,14 @@ def aggregator_fault(folder: Path, steps: int) -> Outcome:
         site = run.start(agents_first=True)
         run.wait_for_version(10, timeout_s=90)
         victim = next(c for c in swarm.children if c.name == "agg-2")
-        committed = _committed(run)
         victim.expected_exit = True
         victim.signal(signal.SIGKILL)
         killed = time.monotonic()
         victim.popen.wait(10)
         swarm.children.remove(victim)
         swarm.start_aggregator(site, token=run.seed["aggregators"]["agg-2"], name="agg-2")
-        outcome.stall_s = _stall(run, killed, committed, timeout_s=120)
-        run.wait_for_version(steps, timeout_s=180)
+        outcome.stall_s = _stall(run, killed, steps, timeout_s=180)
+        run.wait_for_version(steps, timeout_s=60)
         return _finish(outcome, run, steps, replay=False)
 
 
@@ -273,22 +282,27 @@ def storage_fault(folder: Path, steps: int, outage_s: float) -> Outcome:
         run.wait_for_version(12, timeout_s=90)
 
         proxy.down()
-        cut = run.progress()["committed_steps"]
+        cut = newest = _committed(run)
+        last_new = time.monotonic()
         most_lag = 0
         until = time.monotonic() + outage_s
         while time.monotonic() < until:
             most_lag = max(most_lag, _lag(site.url, run.campaign_id))
+            if (committed := _committed(run)) > newest:
+                newest, last_new = committed, time.monotonic()
             time.sleep(0.25)
-        during = run.progress()["committed_steps"] - cut
-        held_at = _committed(run)
         proxy.up()
-        outcome.stall_s = _stall(run, time.monotonic(), held_at, timeout_s=120)
-        run.wait_for_version(steps, timeout_s=180)
+        back = time.monotonic()
+        run.swarm.wait_until(lambda: _committed(run) > newest, timeout_s=120, what="a step after the outage")
+        resumed = time.monotonic()
+        # The stall: from the last step the bound let through to the first after storage came back.
+        outcome.stall_s = max(resumed - last_new, _stall(run, resumed, steps, timeout_s=180))
+        run.wait_for_version(steps, timeout_s=60)
         outcome.extra.update(
-            committed_during_outage=str(during),
+            committed_during_outage=str(newest - cut),
             most_lag_steps=str(most_lag),
             bound_steps=str(3 * 4),
-            resumed_after_s=f"{outcome.stall_s:.1f}",
+            resumed_after_s=f"{resumed - back:.1f}",
         )
         finished = _finish(outcome, run, steps)
         proxy.down()
@@ -311,15 +325,14 @@ def site_fault(folder: Path, steps: int) -> Outcome:
         run = Run(swarm, seed(swarm, _campaign(folder, steps, staleness=0, every=4), folder / "spec.json"))
         site = run.start(agents_first=True)
         run.wait_for_version(10, timeout_s=90)
-        committed = _committed(run)
         site.child.expected_exit = True
         site.child.signal(signal.SIGKILL)
         killed = time.monotonic()
         site.child.popen.wait(15)
         swarm.children.remove(site.child)
         run.site = swarm.start_site(port=site.port)
-        outcome.stall_s = _stall(run, killed, committed, timeout_s=120)
-        run.wait_for_version(steps, timeout_s=180)
+        outcome.stall_s = _stall(run, killed, steps, timeout_s=180)
+        run.wait_for_version(steps, timeout_s=60)
         return _finish(outcome, run, steps)
 
 

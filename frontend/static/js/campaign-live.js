@@ -127,6 +127,7 @@
     set("eta", p.eta_text || "–");
     set("samples_per_s", text(p.samples_per_s, 1));
     set("average_samples_per_s", text(p.average_samples_per_s, 1));
+    set("checkpoint", p.checkpoint_text);
     set("samples", p.samples);
     set("contributors", snapshot.contributors.count);
     set("active_leases", snapshot.leases.count);

@@ -29,6 +29,7 @@ from crowdtrain.accounts.models import ANONYMOUS_NAME, Profile
 from crowdtrain.credit import boards
 from crowdtrain.credit.models import FLOPS_PER_CREDIT, CreditEntry
 from crowdtrain.ops import health
+from crowdtrain.scheduler.durability import durability
 from crowdtrain.scheduler.models import Lease, SliceAssignment, StepNetwork
 
 from .models import Campaign, Step
@@ -275,8 +276,15 @@ def progress(campaign: Campaign, pace: _Pace, *, latest_val: float | None, now: 
         eta_text = "no estimate: it stops when the validation loss reaches its target"
     elif running:
         eta_text = "no stop rule: it trains until you finish it"
+    lag = durability(campaign)
+    checkpoint_text = (
+        f"version {lag.newest_complete}, {plural(lag.lag, 'step')} behind" if campaign.committed_steps else "none yet"
+    )
     return {
         "committed_steps": campaign.committed_steps,
+        # What a crash of an aggregator would cost now: the steps since the newest complete checkpoint.
+        "checkpoint_lag": lag.lag,
+        "checkpoint_text": checkpoint_text,
         "max_steps": campaign.max_steps,
         "fraction": fraction,
         "target_val_loss": campaign.target_val_loss,
