@@ -156,11 +156,16 @@ class S3Store:
     def from_url(cls, url: str, environ: Mapping[str, str]) -> S3Store:
         """``s3://bucket/prefix``; credentials and endpoint from the site's ``CROWDTRAIN_S3_*`` variables."""
         import boto3
+        from botocore.config import Config
 
         rest = url.removeprefix("s3://")
         bucket, _, prefix = rest.partition("/")
         client = boto3.client(
             "s3",
+            # Three tries, then the aggregator's own retries (``AggregatorNode.retry_checkpoints``): boto's
+            # legacy five took about 5 s to give up on a store that refuses connections, and a checkpoint
+            # tried again every few seconds must not hold a thread that long.
+            config=Config(retries={"mode": "standard", "max_attempts": 3}, connect_timeout=5),
             endpoint_url=environ.get("CROWDTRAIN_S3_ENDPOINT_URL") or None,
             aws_access_key_id=environ.get("CROWDTRAIN_S3_ACCESS_KEY_ID") or None,
             aws_secret_access_key=environ.get("CROWDTRAIN_S3_SECRET_ACCESS_KEY") or None,

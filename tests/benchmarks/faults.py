@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from crowdtrain_launcher import Swarm
+from crowdtrain_launcher import Child, Swarm
 from tests.e2e.conftest import Run, seed
 from tests.e2e.test_two_aggregators_match_plain_pytorch import (
     SITE_ENV,
@@ -228,6 +228,16 @@ def _stall(run: Run, since: float, steps: int, timeout_s: float) -> float:
     return max(longest, 0.0)
 
 
+def _kill_9(swarm: Swarm, child: Child) -> float:
+    """``kill -9`` a child of the swarm and forget it; returns when it was killed (monotonic)."""
+    child.expected_exit = True
+    child.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    child.popen.wait(15)
+    swarm.children.remove(child)
+    return killed
+
+
 @contextlib.contextmanager
 def _swarm(folder: Path, env: dict[str, str] | None = None) -> Iterator[Swarm]:
     swarm = Swarm(folder, env={"CROWDTRAIN_VAR_DIR": str(folder / "var"), **SITE_ENV, **(env or {})})
@@ -250,11 +260,7 @@ def aggregator_fault(folder: Path, steps: int) -> Outcome:
         site = run.start(agents_first=True)
         run.wait_for_version(10, timeout_s=90)
         victim = next(c for c in swarm.children if c.name == "agg-2")
-        victim.expected_exit = True
-        victim.signal(signal.SIGKILL)
-        killed = time.monotonic()
-        victim.popen.wait(10)
-        swarm.children.remove(victim)
+        killed = _kill_9(swarm, victim)
         swarm.start_aggregator(site, token=run.seed["aggregators"]["agg-2"], name="agg-2")
         outcome.stall_s = _stall(run, killed, steps, timeout_s=180)
         run.wait_for_version(steps, timeout_s=60)
@@ -325,11 +331,7 @@ def site_fault(folder: Path, steps: int) -> Outcome:
         run = Run(swarm, seed(swarm, _campaign(folder, steps, staleness=0, every=4), folder / "spec.json"))
         site = run.start(agents_first=True)
         run.wait_for_version(10, timeout_s=90)
-        site.child.expected_exit = True
-        site.child.signal(signal.SIGKILL)
-        killed = time.monotonic()
-        site.child.popen.wait(15)
-        swarm.children.remove(site.child)
+        killed = _kill_9(swarm, site.child)
         run.site = swarm.start_site(port=site.port)
         outcome.stall_s = _stall(run, killed, steps, timeout_s=180)
         run.wait_for_version(steps, timeout_s=60)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -49,16 +50,20 @@ def _work(campaign: Campaign, device_id: int, leases: int) -> list[int]:
     return done
 
 
-def _holding_writes(monkeypatch: pytest.MonkeyPatch) -> Held:
-    """Full steps are claimed as usual but their writes wait in the returned list until the test runs them."""
+def _step_one_held(campaign: Campaign, device_id: int) -> tuple[list[int], CampaignConfig, dict[str, Any]]:
+    """Step 0 committed, then step 1 filled and claimed, its write held back (a slow writer): returns step 0's
+    leases and what the writer of step 1 holds."""
+    step_zero = _work(campaign, device_id, 2)
     held: Held = []
 
     def hold(config: CampaignConfig, full: dict[str, Any]) -> list[commits.Commit]:
         held.append((config, full))
         return []
 
-    monkeypatch.setattr(leasing, "commit_full_steps", hold)
-    return held
+    with mock.patch.object(leasing, "commit_full_steps", hold):
+        _work(campaign, device_id, 2)
+    (config, full), *_ = held
+    return step_zero, config, full
 
 
 def _fail_step_zero(campaign: Campaign, lost: list[int]) -> None:
@@ -99,16 +104,12 @@ def _assert_exactly_once_and_counter_equals_rows(campaign: Campaign) -> None:
     assert rows == list(range(campaign.committed_steps)), (campaign.committed_steps, rows)
 
 
-def test_a_step_still_being_written_when_the_rollback_begins_is_discarded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_still_being_written_when_the_rollback_begins_is_discarded() -> None:
     campaign = _campaign()
     device, _ = make_device()
-    step_zero = _work(campaign, device.pk, 2)
-    held = _holding_writes(monkeypatch)
-    _work(campaign, device.pk, 2)  # fills step 1; its writer is slow
-    monkeypatch.undo()
+    step_zero, config, full = _step_one_held(campaign, device.pk)
 
     _fail_step_zero(campaign, step_zero)
-    config, full = held.pop()
     written = commits.commit_full_steps(config, full)
 
     assert written == []  # nothing goes to the aggregators
@@ -118,16 +119,10 @@ def test_a_step_still_being_written_when_the_rollback_begins_is_discarded(monkey
     _assert_exactly_once_and_counter_equals_rows(campaign)
 
 
-def test_a_step_written_just_before_the_rollback_is_undone_with_it_and_its_samples_redone_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_step_written_just_before_the_rollback_is_undone_with_it_and_its_samples_redone_once() -> None:
     campaign = _campaign()
     device, _ = make_device()
-    step_zero = _work(campaign, device.pk, 2)
-    held = _holding_writes(monkeypatch)
-    _work(campaign, device.pk, 2)
-    monkeypatch.undo()
-    config, full = held.pop()
+    step_zero, config, full = _step_one_held(campaign, device.pk)
     # The row is written, but the writer has not told the hot state yet when the rollback comes.
     commits._write_step(config, 1, list(full["leases"]), int(full["line"]))
 
@@ -143,21 +138,15 @@ def test_a_step_written_just_before_the_rollback_is_undone_with_it_and_its_sampl
     _assert_exactly_once_and_counter_equals_rows(campaign)
 
 
-def test_a_writer_that_stalls_until_the_redone_steps_reach_its_index_is_discarded(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_writer_that_stalls_until_the_redone_steps_reach_its_index_is_discarded() -> None:
     campaign = _campaign()
     device, _ = make_device()
-    step_zero = _work(campaign, device.pk, 2)
-    held = _holding_writes(monkeypatch)
-    _work(campaign, device.pk, 2)
-    monkeypatch.undo()
+    step_zero, config, full = _step_one_held(campaign, device.pk)
     _fail_step_zero(campaign, step_zero)
     _work(campaign, device.pk, 2)  # step 0 redone and committed: the counter is at 1 again
     campaign.refresh_from_db()
     assert campaign.committed_steps == 1
 
-    config, full = held.pop()
     written = commits.commit_full_steps(config, full)
 
     assert written == []
@@ -185,5 +174,3 @@ def test_every_commit_names_the_timeline_and_a_resend_after_a_rollback_names_the
     assert [(m.step, m.timeline) for _, m in before if isinstance(m, StepCommit)] == [(0, 0)]
     assert [(m.step, m.timeline) for _, m in after if isinstance(m, StepCommit)] == [(0, 1)]
     assert [m.lease_ids for _, m in after if isinstance(m, StepCommit)] != [step_zero]
-
-

@@ -174,6 +174,24 @@ def _lose_uploads(campaign: Campaign, sites: list[SiteProcess]) -> None:
                                                          version=campaign.committed_steps))  # fmt: skip
 
 
+@dataclass
+class SlowWriters:
+    """Stands in for ``commit_full_steps``: while ``holding``, full steps wait in ``writes`` (their writers are
+    slow) until the test runs them."""
+
+    writes: list[tuple[configs.CampaignConfig, dict[str, Any]]] = field(default_factory=list)
+    holding: bool = False
+
+    def __call__(self, config: configs.CampaignConfig, full: dict[str, Any]) -> list[commits.Commit]:
+        if self.holding:
+            self.writes.append((config, full))
+            return []
+        return WRITE(config, full)
+
+
+WRITE = commits.commit_full_steps
+
+
 def _play(
     campaign: Campaign,
     devices: list[Device],
@@ -184,77 +202,53 @@ def _play(
     reported: list[tuple[int, int]],
     on_probation: set[int],
 ) -> None:
-    """The random phase, then a drain by device 0 until epoch 0 is committed."""
-    writes: list[tuple[configs.CampaignConfig, dict[str, Any]]] = []  # full steps whose writers are slow
-    holding = [False]
-    write = commits.commit_full_steps
-
-    def slow_or_not(config: configs.CampaignConfig, full: dict[str, Any]) -> list[commits.Commit]:
-        if holding[0]:
-            writes.append((config, full))
-            return []
-        return write(config, full)
-
-    with mock.patch.object(leasing, "commit_full_steps", slow_or_not):
-        _play_ops(campaign, devices, sites, ops, clock, held, reported, on_probation, writes, holding)
-        holding[0] = False
-        for config, full in writes:  # the slow writers finish, whatever happened since
-            write(config, full)
+    """The random phase, then the held writes (whatever happened since), then a drain by device 0."""
+    slow = SlowWriters()
+    with mock.patch.object(leasing, "commit_full_steps", slow):
+        processes = len(sites)
+        for op, who, where in ops:
+            device, site = devices[who], sites[where % processes]
+            with site.active():
+                if op == "lease":
+                    lease = leasing.request_lease(device.pk, campaign.pk, None)
+                    if isinstance(lease, LeaseMessage):
+                        held[device.pk].append(lease.lease_id)
+                elif op == "done" and held[device.pk]:
+                    lease_id = held[device.pk].pop(0)
+                    _report(campaign, device.pk, lease_id)
+                    reported.append((device.pk, lease_id))
+                elif op == "replay" and reported:
+                    _report(campaign, *reported[who % len(reported)])
+                elif op == "crash" and held[device.pk]:
+                    held[device.pk] = []  # the agent vanished with its leases; their deadlines pass
+                    clock.advance(leasing.settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S + 1)
+                    leasing.expire_overdue(campaign)
+                elif op == "late":
+                    clock.advance(leasing.settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S + 1)
+                elif op == "backup":
+                    _past_the_next_soft_deadline(campaign, clock)  # the next lease backs up a slow one
+                elif op == "release" and held[device.pk]:
+                    leasing.release_lease(device.pk, held[device.pk].pop())
+                elif op == "apply":
+                    _apply_all(campaign)
+                elif op == "flush":
+                    site.writer.flush()
+                elif op == "lose_redis":
+                    redis_lost_its_keys()  # a Redis restarted without persistence
+                elif op == "kill_process":
+                    sites[where % processes] = SiteProcess()  # its queued records die with it
+                elif op == "hold":
+                    slow.holding = not slow.holding
+                elif op == "write" and slow.writes:
+                    WRITE(*slow.writes.pop(0))
+                elif op == "fail":
+                    _lose_uploads(campaign, sites)
+            if on_probation:
+                _probation_holds(campaign, {d.pk: d.owner_id for d in devices}, on_probation)
+        slow.holding = False
+        for config, full in slow.writes:
+            WRITE(config, full)
         _drain(campaign, devices, sites, clock)
-
-
-def _play_ops(
-    campaign: Campaign,
-    devices: list[Device],
-    sites: list[SiteProcess],
-    ops: list[tuple[str, int, int]],
-    clock: FakeClock,
-    held: dict[int, list[int]],
-    reported: list[tuple[int, int]],
-    on_probation: set[int],
-    writes: list[tuple[configs.CampaignConfig, dict[str, Any]]],
-    holding: list[bool],
-) -> None:
-    processes = len(sites)
-    for op, who, where in ops:
-        device, site = devices[who], sites[where % processes]
-        with site.active():
-            if op == "lease":
-                lease = leasing.request_lease(device.pk, campaign.pk, None)
-                if isinstance(lease, LeaseMessage):
-                    held[device.pk].append(lease.lease_id)
-            elif op == "done" and held[device.pk]:
-                lease_id = held[device.pk].pop(0)
-                _report(campaign, device.pk, lease_id)
-                reported.append((device.pk, lease_id))
-            elif op == "replay" and reported:
-                _report(campaign, *reported[who % len(reported)])
-            elif op == "crash" and held[device.pk]:
-                held[device.pk] = []  # the agent vanished with its leases; their deadlines pass
-                clock.advance(leasing.settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S + 1)
-                leasing.expire_overdue(campaign)
-            elif op == "late":
-                clock.advance(leasing.settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S + 1)
-            elif op == "backup":
-                _past_the_next_soft_deadline(campaign, clock)  # the next lease backs up a slow one
-            elif op == "release" and held[device.pk]:
-                leasing.release_lease(device.pk, held[device.pk].pop())
-            elif op == "apply":
-                _apply_all(campaign)
-            elif op == "flush":
-                site.writer.flush()
-            elif op == "lose_redis":
-                redis_lost_its_keys()  # a Redis restarted without persistence
-            elif op == "kill_process":
-                sites[where % processes] = SiteProcess()  # its queued records die with it
-            elif op == "hold":
-                holding[0] = not holding[0]
-            elif op == "write" and writes:
-                commits.commit_full_steps(*writes.pop(0))
-            elif op == "fail":
-                _lose_uploads(campaign, sites)
-        if on_probation:
-            _probation_holds(campaign, {d.pk: d.owner_id for d in devices}, on_probation)
 
 
 def _drain(campaign: Campaign, devices: list[Device], sites: list[SiteProcess], clock: FakeClock) -> None:
