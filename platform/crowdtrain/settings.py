@@ -324,6 +324,8 @@ CROWDTRAIN_LEASE_MIN_DEADLINE_S = env_float("CROWDTRAIN_LEASE_MIN_DEADLINE_S", 3
 # tiny speed must not hold a step's samples (and so the step) for ever.
 CROWDTRAIN_LEASE_MAX_DEADLINE_S = env_float("CROWDTRAIN_LEASE_MAX_DEADLINE_S", 600.0, minimum=1.0)
 CROWDTRAIN_MAX_LEASE_SAMPLES = env_int("CROWDTRAIN_MAX_LEASE_SAMPLES", 65536, minimum=1)
+# The largest model a campaign may train, in parameters (counted from its config before anything is built).
+CROWDTRAIN_MAX_MODEL_PARAMS = env_int("CROWDTRAIN_MAX_MODEL_PARAMS", 2_000_000_000, minimum=1)
 # How often idle agents ask again when no lease can be given.
 CROWDTRAIN_RETRY_AFTER_S = env_float("CROWDTRAIN_RETRY_AFTER_S", 2.0, minimum=0.05)
 # The longest the site holds a lease request while every step the device may work on is full

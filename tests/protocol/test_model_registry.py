@@ -53,8 +53,8 @@ def test_it_names_the_bad_field(name: str, config: dict, problem: str) -> None:
 
 
 def test_an_unknown_architecture_says_what_this_agent_knows() -> None:
-    with pytest.raises(ModelConfigError, match="this agent knows gpt, mlp"):
-        get_model("resnet")
+    with pytest.raises(ModelConfigError, match="this agent knows gpt, gpt2, llama, mlp, resnet, vit"):
+        get_model("alexnet")
 
 
 def test_flops_grow_with_the_model() -> None:

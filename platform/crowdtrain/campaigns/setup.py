@@ -112,7 +112,15 @@ def validate_campaign(
         )
     check_training_mode(training_mode, inner or {}, check_fraction, staleness)
     check_inner_batch((inner or {}).get("inner_batch_size"), microbatch_size, target_batch_size)
-    return config, to_dict(spec), entry.param_count(config)
+    count = entry.param_count(config)
+    if count > django_settings.CROWDTRAIN_MAX_MODEL_PARAMS:
+        raise CampaignConfigError(
+            f"{architecture} with this config has {count:,} parameters (counted from the config), more than "
+            f"the {django_settings.CROWDTRAIN_MAX_MODEL_PARAMS:,} this site trains (CROWDTRAIN_MAX_MODEL_PARAMS); "
+            "choose fewer or narrower layers",
+            "architecture",
+        )
+    return config, to_dict(spec), count
 
 
 def check_inner_batch(inner_batch_size: int | None, microbatch_size: int, target_batch_size: int) -> None:

@@ -135,7 +135,7 @@ def test_an_mlp_campaign_reads_its_hidden_widths_from_a_comma_list(
 BAD_FIELDS = [
     ("name", {"name": ""}, "Name is required"),
     ("visibility", {"visibility": "secret"}, "Visibility"),
-    ("architecture", {"architecture": "resnet"}, "Architecture"),
+    ("architecture", {"architecture": "alexnet"}, "Architecture"),
     ("gpt__n_layer", {"gpt__n_layer": 0}, "gpt.n_layer must be between"),
     ("gpt__n_layer", {"gpt__n_layer": ""}, "gpt.n_layer is required"),
     ("gpt__n_head", {"gpt__n_head": "two"}, "gpt.n_head"),

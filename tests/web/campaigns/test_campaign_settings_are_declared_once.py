@@ -90,7 +90,7 @@ BAD = [
     ({"architecture": "gpt", "model_config": {**TINY_GPT, "n_head": 3}}, "gpt__n_embd"),
     ({"architecture": "gpt", "model_config": {**TINY_GPT, "block_size": 16}}, "gpt__block_size"),
     ({"architecture": "gpt", "model_config": {"layers": 2}}, "architecture"),
-    ({"architecture": "resnet", "model_config": {}}, "architecture"),
+    ({"architecture": "alexnet", "model_config": {}}, "architecture"),
     ({"architecture": "mlp", "model_config": {}}, "dataset"),
     ({"codec": "int3"}, "codec"),
     ({"target_batch_size": 2, "microbatch_size": 4}, "microbatch_size"),

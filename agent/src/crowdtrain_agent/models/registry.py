@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..fields import ConfigError, ConfigField
+from . import hf
 from .gpt import GPT
 from .mlp import MLP
 
@@ -145,6 +146,58 @@ def _mlp_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return F.cross_entropy(model(x), y, reduction="sum")
 
 
+# ----------------------------------------------------------------------- transformers families
+
+LM_MAX_BLOCK_SIZE = GPT_MAX_BLOCK_SIZE  # tokens of context; a sample is one more (the shifted target)
+BYTE_VOCAB = 256  # a text dataset's samples are bytes until it is tokenized: ids 0..255
+
+
+def _heads_divide(width: str, heads: str) -> Callable[[dict[str, Any]], None]:
+    def check(config: dict[str, Any]) -> None:
+        if config[width] % config[heads]:
+            raise ModelConfigError(f"{width} ({config[width]}) must be divisible by {heads} ({config[heads]})", width)
+
+    return check
+
+
+def _llama_check(config: dict[str, Any]) -> None:
+    _heads_divide("hidden_size", "num_attention_heads")(config)
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise ModelConfigError(
+            f"num_attention_heads ({config['num_attention_heads']}) must be a multiple of num_key_value_heads "
+            f"({config['num_key_value_heads']}): each key/value head serves a group of query heads",
+            "num_key_value_heads",
+        )
+
+
+def _vit_check(config: dict[str, Any]) -> None:
+    _heads_divide("hidden_size", "num_attention_heads")(config)
+    if config["image_size"] % config["patch_size"]:
+        raise ModelConfigError(
+            f"image_size ({config['image_size']}) must be a multiple of patch_size ({config['patch_size']})",
+            "image_size",
+        )
+
+
+def _resnet_check(config: dict[str, Any]) -> None:
+    if len(config["hidden_sizes"]) != len(config["depths"]):
+        raise ModelConfigError(
+            f"hidden_sizes has {len(config['hidden_sizes'])} stages and depths {len(config['depths'])}; "
+            "give one width and one depth per stage",
+            "depths",
+        )
+
+
+_LM_FIELDS = {
+    "vocab_size": ConfigField("int", BYTE_VOCAB, BYTE_VOCAB, 1 << 20, "token ids the model knows; 256 for bytes"),
+    "block_size": ConfigField("int", 128, 2, LM_MAX_BLOCK_SIZE, "context length in tokens"),
+}
+_IMAGE_FIELDS = {
+    "image_size": ConfigField("int", 32, 8, 1024, "width and height of the (square) images, in pixels"),
+    "num_channels": ConfigField("int", 3, 1, 4, "colour channels of the images"),
+    "num_labels": ConfigField("int", 10, 2, 1 << 20, "classes"),
+}
+
 REGISTRY: dict[str, ModelEntry] = {
     "gpt": ModelEntry(
         name="gpt",
@@ -176,6 +229,76 @@ REGISTRY: dict[str, ModelEntry] = {
         _build=lambda c: MLP(c["in_dim"], c["hidden"], c["classes"]),
         _flops_forward=_mlp_flops,
         _loss_sum=_mlp_loss_sum,
+    ),
+    "llama": ModelEntry(
+        name="llama",
+        description="Llama-family decoder from transformers (RoPE, RMSNorm, SwiGLU, grouped-query attention).",
+        data_kind="text",
+        fields={
+            "num_hidden_layers": ConfigField("int", 4, 1, 256, "decoder layers"),
+            "hidden_size": ConfigField("int", 256, 8, 32768, "width; a multiple of num_attention_heads"),
+            "intermediate_size": ConfigField("int", 688, 8, 131072, "SwiGLU width"),
+            "num_attention_heads": ConfigField("int", 4, 1, 256, "query heads"),
+            "num_key_value_heads": ConfigField("int", 2, 1, 256, "key/value heads; divides num_attention_heads"),
+            "tie_word_embeddings": ConfigField("bool", False, help="share the input and output embeddings"),
+            **_LM_FIELDS,
+        },
+        _build=hf.build_llama,
+        _flops_forward=hf.counted_flops(hf.build_llama, hf.token_example, "input_ids"),
+        _loss_sum=hf.lm_loss_sum,
+        _check=_llama_check,
+        _sample_len=lambda c: c["block_size"] + 1,
+        max_sample_len=LM_MAX_BLOCK_SIZE + 1,
+    ),
+    "gpt2": ModelEntry(
+        name="gpt2",
+        description="GPT-2 decoder from transformers (learned positions, tied embeddings).",
+        data_kind="text",
+        fields={
+            "n_layer": ConfigField("int", 4, 1, 256, "transformer blocks"),
+            "n_head": ConfigField("int", 4, 1, 256, "attention heads per block"),
+            "n_embd": ConfigField("int", 256, 8, 32768, "embedding width; a multiple of n_head"),
+            **_LM_FIELDS,
+        },
+        _build=hf.build_gpt2,
+        _flops_forward=hf.counted_flops(hf.build_gpt2, hf.token_example, "input_ids"),
+        _loss_sum=hf.lm_loss_sum,
+        _check=_heads_divide("n_embd", "n_head"),
+        _sample_len=lambda c: c["block_size"] + 1,
+        max_sample_len=LM_MAX_BLOCK_SIZE + 1,
+    ),
+    "vit": ModelEntry(
+        name="vit",
+        description="Vision Transformer image classifier from transformers (images as 0..255 pixels, C x H x W).",
+        data_kind="tensors",
+        fields={
+            "patch_size": ConfigField("int", 8, 1, 256, "side of the square patches; divides image_size"),
+            "hidden_size": ConfigField("int", 192, 8, 32768, "width; a multiple of num_attention_heads"),
+            "num_hidden_layers": ConfigField("int", 4, 1, 256, "encoder layers"),
+            "num_attention_heads": ConfigField("int", 3, 1, 256, "attention heads"),
+            "intermediate_size": ConfigField("int", 768, 8, 131072, "MLP width"),
+            **_IMAGE_FIELDS,
+        },
+        _build=hf.build_vit,
+        _flops_forward=hf.counted_flops(hf.build_vit, hf.image_example, "pixel_values"),
+        _loss_sum=hf.image_loss_sum,
+        _check=_vit_check,
+    ),
+    "resnet": ModelEntry(
+        name="resnet",
+        description="ResNet image classifier from transformers, batch norms frozen (images as 0..255 pixels).",
+        data_kind="tensors",
+        fields={
+            "embedding_size": ConfigField("int", 32, 4, 4096, "channels of the stem"),
+            "hidden_sizes": ConfigField("int_list", [32, 64, 128, 256], 4, 16384, "channels of each stage"),
+            "depths": ConfigField("int_list", [2, 2, 2, 2], 1, 64, "blocks of each stage"),
+            "layer_type": ConfigField("choice", "basic", choices=("basic", "bottleneck"), help="block kind"),
+            **_IMAGE_FIELDS,
+        },
+        _build=hf.build_resnet,
+        _flops_forward=hf.counted_flops(hf.build_resnet, hf.image_example, "pixel_values"),
+        _loss_sum=hf.image_loss_sum,
+        _check=_resnet_check,
     ),
 }
 

@@ -1,0 +1,208 @@
+"""Architectures from Hugging Face ``transformers``, built from configuration only.
+
+A campaign names a family and a few sizes; the agent builds the library's own
+model class from them (never ``trust_remote_code``, never code from a
+campaign). Every device must build the same parameters in the same order, so
+the agent pins the library (``TRANSFORMERS_VERSION``, the version its package
+requires) and refuses to train with another. Dropout is off in every family:
+two volunteers computing one lease must get the same gradient (verification),
+and a step must equal the same step on one machine.
+
+``transformers`` is imported on first use only: it takes seconds, and the site,
+the aggregators and the byte-level demo never need it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+TRANSFORMERS_VERSION = "5.23.0"
+
+
+class LibraryMismatch(RuntimeError):
+    """The installed ``transformers`` is not the version every device of a campaign builds its model with."""
+
+
+@functools.cache
+def transformers_module() -> Any:
+    """The pinned ``transformers``, imported once.
+
+    Raises:
+        LibraryMismatch: another version is installed; the message says how to fix it.
+    """
+    import transformers
+
+    if transformers.__version__ != TRANSFORMERS_VERSION:
+        raise LibraryMismatch(
+            f"this agent builds models with transformers {TRANSFORMERS_VERSION}, and {transformers.__version__} "
+            f"is installed; every device of a campaign must build the same parameters: "
+            f"pip install transformers=={TRANSFORMERS_VERSION}"
+        )
+    return transformers
+
+
+# ------------------------------------------------------------------ language models
+
+
+def build_llama(c: dict[str, Any]) -> nn.Module:
+    """A Llama-family decoder: RoPE, RMSNorm, SwiGLU and grouped-query attention."""
+    lib = transformers_module()
+    config = lib.LlamaConfig(
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"],
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_key_value_heads"],
+        max_position_embeddings=c["block_size"],
+        tie_word_embeddings=c["tie_word_embeddings"],
+        attention_dropout=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return lib.LlamaForCausalLM(config)
+
+
+def build_gpt2(c: dict[str, Any]) -> nn.Module:
+    """GPT-2: learned positions, LayerNorm, GELU MLP, tied input and output embeddings."""
+    lib = transformers_module()
+    config = lib.GPT2Config(
+        vocab_size=c["vocab_size"],
+        n_positions=c["block_size"],
+        n_embd=c["n_embd"],
+        n_layer=c["n_layer"],
+        n_head=c["n_head"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    return lib.GPT2LMHeadModel(config)
+
+
+def lm_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each sample's mean next-token loss, summed over the batch (``ModelEntry.loss_sum``)."""
+    logits = model(input_ids=x).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum") / y.size(1)
+
+
+# ------------------------------------------------------------------ image classifiers
+
+
+def build_vit(c: dict[str, Any]) -> nn.Module:
+    lib = transformers_module()
+    config = lib.ViTConfig(
+        image_size=c["image_size"],
+        patch_size=c["patch_size"],
+        num_channels=c["num_channels"],
+        hidden_size=c["hidden_size"],
+        num_hidden_layers=c["num_hidden_layers"],
+        num_attention_heads=c["num_attention_heads"],
+        intermediate_size=c["intermediate_size"],
+        num_labels=c["num_labels"],
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return lib.ViTForImageClassification(config)
+
+
+def build_resnet(c: dict[str, Any]) -> nn.Module:
+    """A ResNet whose batch norms are frozen (see ``FrozenBatchNorm2d``)."""
+    lib = transformers_module()
+    config = lib.ResNetConfig(
+        num_channels=c["num_channels"],
+        embedding_size=c["embedding_size"],
+        hidden_sizes=c["hidden_sizes"],
+        depths=c["depths"],
+        layer_type=c["layer_type"],
+        num_labels=c["num_labels"],
+    )
+    return freeze_batch_norms(lib.ResNetForImageClassification(config))
+
+
+class FrozenBatchNorm2d(nn.Module):
+    """A batch norm that normalizes with its stored statistics, in training too; its scale and shift train.
+
+    Batch statistics would make a gradient depend on which samples share a
+    microbatch: the sum of a step's microbatch gradients would no longer be the
+    step's gradient, and a verification copy computed in other company would
+    differ. The statistics are buffers, which no aggregator holds. Names match
+    ``nn.BatchNorm2d``'s, so an export loads into the library's own class.
+    """
+
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+
+    def __init__(self, channels: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        self.register_buffer("running_mean", torch.zeros(channels))
+        self.register_buffer("running_var", torch.ones(channels))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight * torch.rsqrt(self.running_var + self.eps)
+        shift = self.bias - self.running_mean * scale
+        return x * scale.reshape(1, -1, 1, 1) + shift.reshape(1, -1, 1, 1)
+
+
+def freeze_batch_norms(model: nn.Module) -> nn.Module:
+    """Replace every ``nn.BatchNorm2d`` in place, keeping its name (and the parameters' order)."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.BatchNorm2d):
+            frozen = FrozenBatchNorm2d(child.num_features, child.eps)
+            with torch.no_grad():
+                frozen.weight.copy_(child.weight)
+                frozen.bias.copy_(child.bias)
+            setattr(model, name, frozen)
+        else:
+            freeze_batch_norms(child)
+    return model
+
+
+def pixels(x: torch.Tensor) -> torch.Tensor:
+    """Image samples as stored (0..255, uint8 or float) to the model's input range, -1..1."""
+    return x.to(torch.float32) / 127.5 - 1.0
+
+
+def image_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(pixel_values=pixels(x)).logits, y, reduction="sum")
+
+
+# ------------------------------------------------------------------ cost
+
+
+def counted_flops(build: Callable[[dict[str, Any]], nn.Module], example: Callable[[dict[str, Any]], torch.Tensor],
+                  keyword: str) -> Callable[[dict[str, Any]], int]:  # fmt: skip
+    """Forward FLOPs of one sample, counted by PyTorch on the meta device (no memory, no arithmetic)."""
+
+    @functools.lru_cache(maxsize=64)
+    def count(frozen: str) -> int:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        config = json.loads(frozen)
+        counter = FlopCounterMode(display=False)
+        with torch.device("meta"), counter:
+            build(config)(**{keyword: example(config)})
+        return int(counter.get_total_flops())
+
+    return lambda config: count(json.dumps(config, sort_keys=True))
+
+
+def token_example(c: dict[str, Any]) -> torch.Tensor:
+    return torch.zeros((1, c["block_size"]), dtype=torch.long)
+
+
+def image_example(c: dict[str, Any]) -> torch.Tensor:
+    return torch.zeros((1, c["num_channels"], c["image_size"], c["image_size"]))
