@@ -53,16 +53,10 @@ def make_aggregator(name: str = "agg-1") -> Aggregator:
 def make_campaign(dataset: Dataset | None = None, *, slices: int = 1, **fields: Any) -> Campaign:
     """A running campaign whose slices are assigned to live, ready aggregators."""
     dataset = dataset or make_text_dataset()
-    options: dict[str, Any] = {"target_batch_size": 32, "microbatch_size": 4, "staleness": 0, "num_aggregators": slices}
+    options: dict[str, Any] = {"target_batch_size": 32, "microbatch_size": 4, "staleness": 0, "num_aggregators": slices,
+                               "architecture": "gpt", "model_config": TINY_GPT}  # fmt: skip
     options.update(fields)
-    campaign = create_campaign(
-        name="test campaign",
-        owner=make_user("organizer"),
-        dataset=dataset,
-        architecture="gpt",
-        model_config=TINY_GPT,
-        **options,
-    )
+    campaign = create_campaign(name="test campaign", owner=make_user("organizer"), dataset=dataset, **options)
     campaign.state = Campaign.State.RUNNING
     campaign.save(update_fields=["state"])
     bounds = [campaign.param_count * i // slices for i in range(slices + 1)]

@@ -45,6 +45,12 @@ urlpatterns = [
         campaign_export.campaign_export_config,
         name="campaign-export-config",
     ),
+    # The same version as a transformers folder (zipped): config.json, model.safetensors, a tokenizer.
+    path(
+        "campaigns/<int:campaign_id>/export/transformers.zip",
+        campaign_export.campaign_export_transformers,
+        name="campaign-export-transformers",
+    ),
     path("organizers/request", role_views.organizer_request, name="organizer-request"),
     path("organizers/requests", role_views.organizer_requests, name="organizer-requests"),
     path("organizers/requests/<int:request_id>/decide", role_views.organizer_decide, name="organizer-decide"),

@@ -9,7 +9,10 @@ weights are exactly the ones whose validation loss the page shows.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import tempfile
+import zipfile
+from typing import IO, Any
 
 from django.contrib.auth.decorators import login_required
 from django.core.files.storage import default_storage
@@ -17,6 +20,8 @@ from django.http import FileResponse, Http404, HttpRequest, HttpResponse, JsonRe
 from django.shortcuts import get_object_or_404
 from django.urls import reverse
 from django.views.decorators.http import require_GET
+
+from crowdtrain_agent.models.hf import CONFIGS, pretrained_files
 
 from .models import Campaign, ValidationResult
 from .organizers import is_organizer, managed_campaigns
@@ -98,11 +103,22 @@ def export_context(campaign: Campaign) -> dict[str, Any]:
                 "loss": r.loss,
                 "weights_url": f"{reverse('campaign-export', args=[campaign.pk])}?version={r.version}",
                 "config_url": f"{reverse('campaign-export-config', args=[campaign.pk])}?version={r.version}",
+                "transformers_url": f"{reverse('campaign-export-transformers', args=[campaign.pk])}?version={r.version}"
+                if pretrained_files_known(campaign)
+                else "",
             }
             for r in exports(campaign)
         ],
         "snippet": SNIPPET,
+        "transformers_snippet": (LM_SNIPPET if campaign.dataset.kind == "text" else IMAGE_SNIPPET)
+        if pretrained_files_known(campaign)
+        else "",
     }
+
+
+def pretrained_files_known(campaign: Campaign) -> bool:
+    """Whether the campaign's architecture is one of the library's (its export loads with ``from_pretrained``)."""
+    return campaign.architecture in CONFIGS
 
 
 def _managed(user: Any, campaign_id: int) -> Campaign:
@@ -136,6 +152,78 @@ def campaign_export(request: HttpRequest, campaign_id: int) -> FileResponse | Js
     )
     response["ETag"] = f'"c{campaign.pk}-v{result.version}-{result.computed_at.timestamp():.0f}"'
     return response
+
+
+LM_SNIPPET = (
+    "# pip install transformers; unzip the download (it holds model/)\n"
+    "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+    'model = AutoModelForCausalLM.from_pretrained("model")\n'
+    'tokenizer = AutoTokenizer.from_pretrained("model")'
+)
+IMAGE_SNIPPET = (
+    "# pip install transformers; unzip the download (it holds model/)\n"
+    "from transformers import AutoModelForImageClassification\n"
+    'model = AutoModelForImageClassification.from_pretrained("model")\n'
+    "# inputs: pixel_values = images (0..255) / 127.5 - 1, shape (batch, channels, height, width)"
+)
+COPY_CHUNK = 1 << 20
+
+
+def transformers_folder(campaign: Campaign, result: ValidationResult, out: IO[bytes]) -> None:
+    """Write a zip of a ``transformers`` folder (``config.json``, ``model.safetensors``, a tokenizer for a language
+    model on bytes) to ``out``; the stored weights are copied in chunks, never held in memory whole.
+
+    Raises:
+        ExportRequestError: the campaign's architecture is not one of the library's (409).
+    """
+    files = pretrained_files(campaign.architecture, campaign.model_config)
+    if not files:
+        raise ExportRequestError(
+            f"{campaign.architecture} is not a transformers architecture; download model.safetensors and "
+            "config.json instead and load them with crowdtrain_agent.models.load_exported",
+            409,
+        )
+    with zipfile.ZipFile(out, "w") as folder, default_storage.open(result.weights, "rb") as weights:
+        for name, data in sorted(files.items()):
+            folder.writestr(f"model/{name}", data, compress_type=zipfile.ZIP_DEFLATED)
+        with folder.open("model/model.safetensors", "w", force_zip64=True) as target:
+            target.write(pt_header(weights))
+            while chunk := weights.read(COPY_CHUNK):
+                target.write(chunk)
+
+
+def pt_header(weights: IO[bytes]) -> bytes:
+    """The safetensors header of ``weights`` (read past it) with ``format: pt`` in its metadata.
+
+    ``from_pretrained`` refuses a file whose metadata does not name its framework; the tensors' offsets are
+    relative to the end of the header, so the bytes after it are copied as they are. Headers are padded
+    with spaces to a multiple of 8 bytes, as the format's writers do.
+    """
+    length = int.from_bytes(weights.read(8), "little")
+    header = json.loads(weights.read(length))
+    header["__metadata__"] = {**header.get("__metadata__", {}), "format": "pt"}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+@login_required
+@require_GET
+def campaign_export_transformers(request: HttpRequest, campaign_id: int) -> FileResponse | JsonResponse:
+    campaign, result = _requested_export(request, campaign_id)
+    if isinstance(result, JsonResponse):
+        return result
+    spool = tempfile.TemporaryFile()  # on disk: a model of billions of parameters is as big as its weights
+    try:
+        transformers_folder(campaign, result, spool)
+    except ExportRequestError as exc:
+        spool.close()
+        return JsonResponse({"error": str(exc)}, status=exc.status)
+    spool.seek(0)
+    return FileResponse(
+        spool, as_attachment=True, filename=f"campaign-{campaign.pk}-v{result.version}.zip",
+        content_type="application/zip",
+    )  # fmt: skip
 
 
 @login_required

@@ -53,7 +53,8 @@ def export_bytes(model: nn.Module, metadata: Mapping[str, str] | None = None) ->
             continue  # tied weights: load_model restores the alias
         seen.add(tensor.data_ptr())
         tensors[name] = tensor.detach().contiguous().clone()
-    return save_safetensors(tensors, metadata=dict(metadata or {}))
+    # "format": "pt" is what transformers' from_pretrained asks of a weights file it loads.
+    return save_safetensors(tensors, metadata={"format": "pt", **(metadata or {})})
 
 
 def load_exported(weights: str | PathLike[str], config: str | PathLike[str] | Mapping[str, Any]) -> nn.Module:

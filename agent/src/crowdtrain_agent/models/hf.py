@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 TRANSFORMERS_VERSION = "5.23.0"
+BYTE_VOCAB = 256  # a text dataset's samples are bytes until it is tokenized: ids 0..255
 
 
 class LibraryMismatch(RuntimeError):
@@ -51,10 +52,9 @@ def transformers_module() -> Any:
 # ------------------------------------------------------------------ language models
 
 
-def build_llama(c: dict[str, Any]) -> nn.Module:
-    """A Llama-family decoder: RoPE, RMSNorm, SwiGLU and grouped-query attention."""
-    lib = transformers_module()
-    config = lib.LlamaConfig(
+def llama_config(c: dict[str, Any]) -> Any:
+    """The ``LlamaConfig`` of a validated config: RoPE, RMSNorm, SwiGLU and grouped-query attention."""
+    return transformers_module().LlamaConfig(
         vocab_size=c["vocab_size"],
         hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"],
@@ -68,13 +68,15 @@ def build_llama(c: dict[str, Any]) -> nn.Module:
         eos_token_id=None,
         pad_token_id=None,
     )
-    return lib.LlamaForCausalLM(config)
 
 
-def build_gpt2(c: dict[str, Any]) -> nn.Module:
-    """GPT-2: learned positions, LayerNorm, GELU MLP, tied input and output embeddings."""
-    lib = transformers_module()
-    config = lib.GPT2Config(
+def build_llama(c: dict[str, Any]) -> nn.Module:
+    return transformers_module().LlamaForCausalLM(llama_config(c))
+
+
+def gpt2_config(c: dict[str, Any]) -> Any:
+    """The ``GPT2Config``: learned positions, LayerNorm, GELU MLP, tied input and output embeddings."""
+    return transformers_module().GPT2Config(
         vocab_size=c["vocab_size"],
         n_positions=c["block_size"],
         n_embd=c["n_embd"],
@@ -86,7 +88,10 @@ def build_gpt2(c: dict[str, Any]) -> nn.Module:
         bos_token_id=None,
         eos_token_id=None,
     )
-    return lib.GPT2LMHeadModel(config)
+
+
+def build_gpt2(c: dict[str, Any]) -> nn.Module:
+    return transformers_module().GPT2LMHeadModel(gpt2_config(c))
 
 
 def lm_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -98,9 +103,8 @@ def lm_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
 # ------------------------------------------------------------------ image classifiers
 
 
-def build_vit(c: dict[str, Any]) -> nn.Module:
-    lib = transformers_module()
-    config = lib.ViTConfig(
+def vit_config(c: dict[str, Any]) -> Any:
+    return transformers_module().ViTConfig(
         image_size=c["image_size"],
         patch_size=c["patch_size"],
         num_channels=c["num_channels"],
@@ -112,13 +116,14 @@ def build_vit(c: dict[str, Any]) -> nn.Module:
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    return lib.ViTForImageClassification(config)
 
 
-def build_resnet(c: dict[str, Any]) -> nn.Module:
-    """A ResNet whose batch norms are frozen (see ``FrozenBatchNorm2d``)."""
-    lib = transformers_module()
-    config = lib.ResNetConfig(
+def build_vit(c: dict[str, Any]) -> nn.Module:
+    return transformers_module().ViTForImageClassification(vit_config(c))
+
+
+def resnet_config(c: dict[str, Any]) -> Any:
+    return transformers_module().ResNetConfig(
         num_channels=c["num_channels"],
         embedding_size=c["embedding_size"],
         hidden_sizes=c["hidden_sizes"],
@@ -126,7 +131,11 @@ def build_resnet(c: dict[str, Any]) -> nn.Module:
         layer_type=c["layer_type"],
         num_labels=c["num_labels"],
     )
-    return freeze_batch_norms(lib.ResNetForImageClassification(config))
+
+
+def build_resnet(c: dict[str, Any]) -> nn.Module:
+    """A ResNet whose batch norms are frozen (see ``FrozenBatchNorm2d``)."""
+    return freeze_batch_norms(transformers_module().ResNetForImageClassification(resnet_config(c)))
 
 
 class FrozenBatchNorm2d(nn.Module):
@@ -206,3 +215,67 @@ def token_example(c: dict[str, Any]) -> torch.Tensor:
 
 def image_example(c: dict[str, Any]) -> torch.Tensor:
     return torch.zeros((1, c["num_channels"], c["image_size"], c["image_size"]))
+
+
+# ------------------------------------------------------------------ export
+
+# The library config of each family, for an export that ``from_pretrained`` loads.
+CONFIGS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "llama": llama_config,
+    "gpt2": gpt2_config,
+    "vit": vit_config,
+    "resnet": resnet_config,
+}
+
+
+def byte_tokenizer() -> Any:
+    """A tokenizer whose ids are the bytes themselves (0..255), as a byte-level text campaign trains on.
+
+    Byte-level pre-tokenization writes each byte as one printable character (GPT-2's table); each such
+    character's id is the byte it stands for, and there are no merges.
+    """
+    lib = transformers_module()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in _byte_chars().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return lib.PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-to-character table (bytes that print stand for themselves, the rest for 256 upwards)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def pretrained_files(architecture: str, config: dict[str, Any]) -> dict[str, bytes]:
+    """The files beside ``model.safetensors`` that make a ``transformers`` folder of this model.
+
+    ``config.json`` always; for a language model on bytes (vocab 256) also the byte tokenizer's files, so
+    ``AutoTokenizer.from_pretrained`` encodes text as the campaign's samples were. Empty for families
+    that are not the library's.
+    """
+    make = CONFIGS.get(architecture)
+    if make is None:
+        return {}
+    library_config = make(config)
+    if architecture == "resnet":
+        library_config.architectures = ["ResNetForImageClassification"]
+    files = {"config.json": library_config.to_json_string().encode()}
+    if architecture in ("llama", "gpt2") and config["vocab_size"] == BYTE_VOCAB:
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory() as folder:
+            byte_tokenizer().save_pretrained(folder)
+            files.update({p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()})
+    return files

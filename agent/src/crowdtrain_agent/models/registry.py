@@ -149,7 +149,7 @@ def _mlp_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
 # ----------------------------------------------------------------------- transformers families
 
 LM_MAX_BLOCK_SIZE = GPT_MAX_BLOCK_SIZE  # tokens of context; a sample is one more (the shifted target)
-BYTE_VOCAB = 256  # a text dataset's samples are bytes until it is tokenized: ids 0..255
+BYTE_VOCAB = hf.BYTE_VOCAB
 
 
 def _heads_divide(width: str, heads: str) -> Callable[[dict[str, Any]], None]:
