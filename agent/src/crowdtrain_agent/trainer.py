@@ -32,6 +32,11 @@ class CampaignModel:
     param_count: int
     version: int | None = None  # None until parameters were loaded
     etags: tuple[str, ...] = ()  # of each slice's publication of that version (a rollback republishes it)
+    # Learned from out-of-memory errors on this device (``compute_gradient``): activation checkpointing
+    # switched on, the most samples a microbatch may hold (None: the lease's), and how often it ran out.
+    checkpointing: bool = False
+    microbatch_cap: int | None = None
+    out_of_memory: int = 0
 
 
 class ModelCache:
@@ -110,6 +115,7 @@ class GradientResult:
     # from while its base is being published), and the seconds spent waiting for that base.
     final_params: torch.Tensor | None = None
     rebase_wait_s: float = 0.0
+    out_of_memory: int = 0  # out-of-memory errors this lease recovered from (each retried smaller)
 
 
 def compute_gradient(
@@ -124,7 +130,10 @@ def compute_gradient(
 
     Summing (not averaging) lets aggregators add leases of any size and divide
     once by the step's sample count, and makes the result independent of the
-    microbatch size.
+    microbatch size. The memory wall is met on the device, never by losing the
+    lease: an out-of-memory error switches on activation checkpointing (models
+    that support it), then halves the microbatch, and the lease starts over;
+    what the device learned holds for its later leases (``CampaignModel``).
 
     Args:
         cm: the campaign's model, holding the lease's base version.
@@ -139,11 +148,51 @@ def compute_gradient(
     Raises:
         ComputeCancelled: if ``cancel`` was set.
         ValueError: for a non-positive microbatch size.
+        torch.OutOfMemoryError: if not even one sample fits, with checkpointing on.
     """
     if microbatch_size < 1:
         raise ValueError(f"microbatch size must be at least 1, got {microbatch_size}")
-    model, device = cm.model, next(cm.model.parameters()).device
     start = time.perf_counter()
+    recovered = 0
+    while True:
+        size = min(microbatch_size, cm.microbatch_cap or microbatch_size)
+        try:
+            grad, loss_sum = _summed_gradient(cm, x, y, size, cancel)
+        except torch.OutOfMemoryError:
+            cm.model.zero_grad(set_to_none=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            cm.out_of_memory += 1
+            recovered += 1
+            if not _smaller(cm, size):
+                raise
+            continue
+        return GradientResult(grad=grad, loss_sum=loss_sum, num_samples=len(x),
+                              compute_s=time.perf_counter() - start, out_of_memory=recovered)  # fmt: skip
+
+
+def _smaller(cm: CampaignModel, size: int) -> bool:
+    """After an out-of-memory error: checkpoint activations, else halve microbatches; False when neither is left."""
+    enable = getattr(cm.model, "activation_checkpointing_enable", None)  # transformers' models have it
+    if not cm.checkpointing and getattr(cm.model, "supports_gradient_checkpointing", False) and callable(enable):
+        # Per block: activations are recomputed in the backward pass instead of kept (about a third more compute).
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        cm.checkpointing = True
+        logger.warning(
+            "out of memory at microbatches of %s: activation checkpointing on, starting the lease over", size
+        )
+        return True
+    if size > 1:
+        cm.microbatch_cap = size // 2
+        logger.warning("out of memory at microbatches of %s: %s from now on, starting the lease over", size, size // 2)
+        return True
+    return False
+
+
+def _summed_gradient(
+    cm: CampaignModel, x: torch.Tensor, y: torch.Tensor, microbatch_size: int, cancel: threading.Event | None
+) -> tuple[torch.Tensor, float]:
+    model, device = cm.model, next(cm.model.parameters()).device
     model.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     for lo in range(0, len(x), microbatch_size):
@@ -160,4 +209,4 @@ def compute_gradient(
     flat = torch.cat([g.reshape(-1) for g in grads]).to("cpu", torch.float32)
     loss_sum = float(total.item())
     model.zero_grad(set_to_none=True)
-    return GradientResult(grad=flat, loss_sum=loss_sum, num_samples=len(x), compute_s=time.perf_counter() - start)
+    return flat, loss_sum
