@@ -116,3 +116,25 @@ def test_another_transformers_version_is_refused_with_the_fix(monkeypatch: pytes
             hf.transformers_module()
     finally:
         hf.transformers_module.cache_clear()
+
+
+def test_threads_of_a_fresh_process_build_and_count_a_family_at_once() -> None:
+    # A site process's scheduler threads read a new campaign together; the library resolves its names lazily,
+    # and two threads resolving one name at once once saw "module 'transformers' has no attribute ...".
+    code = (
+        "import threading\n"
+        "from crowdtrain_agent.models import get_model\n"
+        "from tests.protocol.test_transformers_families import SMALL\n"
+        "errors = []\n"
+        "def work(name):\n"
+        "    try:\n"
+        "        get_model(name).flops_per_sample(SMALL[name]); get_model(name).build(SMALL[name], seed=1)\n"
+        "    except Exception as exc:\n"
+        "        errors.append(repr(exc))\n"
+        "threads = [threading.Thread(target=work, args=(n,)) for n in sorted(SMALL) * 4]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "print(errors)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=180)
+
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,9 +32,25 @@ class LibraryMismatch(RuntimeError):
     """The installed ``transformers`` is not the version every device of a campaign builds its model with."""
 
 
+_resolving = threading.RLock()
+_classes: dict[str, Any] = {}
+
+
+def library(name: str) -> Any:
+    """A class of the pinned ``transformers`` (``"LlamaForCausalLM"``), resolved once, under a lock.
+
+    The library resolves its names lazily on first access, and two threads of a site process resolving
+    the same name at once saw ``module 'transformers' has no attribute 'LlamaForCausalLM'``.
+    """
+    with _resolving:
+        if name not in _classes:
+            _classes[name] = getattr(transformers_module(), name)
+        return _classes[name]
+
+
 @functools.cache
 def transformers_module() -> Any:
-    """The pinned ``transformers``, imported once.
+    """The pinned ``transformers``, imported once (callers use ``library``).
 
     Raises:
         LibraryMismatch: another version is installed; the message says how to fix it.
@@ -54,7 +71,7 @@ def transformers_module() -> Any:
 
 def llama_config(c: dict[str, Any]) -> Any:
     """The ``LlamaConfig`` of a validated config: RoPE, RMSNorm, SwiGLU and grouped-query attention."""
-    return transformers_module().LlamaConfig(
+    return library("LlamaConfig")(
         vocab_size=c["vocab_size"],
         hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"],
@@ -71,12 +88,12 @@ def llama_config(c: dict[str, Any]) -> Any:
 
 
 def build_llama(c: dict[str, Any]) -> nn.Module:
-    return transformers_module().LlamaForCausalLM(llama_config(c))
+    return library("LlamaForCausalLM")(llama_config(c))
 
 
 def gpt2_config(c: dict[str, Any]) -> Any:
     """The ``GPT2Config``: learned positions, LayerNorm, GELU MLP, tied input and output embeddings."""
-    return transformers_module().GPT2Config(
+    return library("GPT2Config")(
         vocab_size=c["vocab_size"],
         n_positions=c["block_size"],
         n_embd=c["n_embd"],
@@ -91,7 +108,7 @@ def gpt2_config(c: dict[str, Any]) -> Any:
 
 
 def build_gpt2(c: dict[str, Any]) -> nn.Module:
-    return transformers_module().GPT2LMHeadModel(gpt2_config(c))
+    return library("GPT2LMHeadModel")(gpt2_config(c))
 
 
 def lm_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -104,7 +121,7 @@ def lm_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
 
 
 def vit_config(c: dict[str, Any]) -> Any:
-    return transformers_module().ViTConfig(
+    return library("ViTConfig")(
         image_size=c["image_size"],
         patch_size=c["patch_size"],
         num_channels=c["num_channels"],
@@ -119,11 +136,11 @@ def vit_config(c: dict[str, Any]) -> Any:
 
 
 def build_vit(c: dict[str, Any]) -> nn.Module:
-    return transformers_module().ViTForImageClassification(vit_config(c))
+    return library("ViTForImageClassification")(vit_config(c))
 
 
 def resnet_config(c: dict[str, Any]) -> Any:
-    return transformers_module().ResNetConfig(
+    return library("ResNetConfig")(
         num_channels=c["num_channels"],
         embedding_size=c["embedding_size"],
         hidden_sizes=c["hidden_sizes"],
@@ -135,7 +152,7 @@ def resnet_config(c: dict[str, Any]) -> Any:
 
 def build_resnet(c: dict[str, Any]) -> nn.Module:
     """A ResNet whose batch norms are frozen (see ``FrozenBatchNorm2d``)."""
-    return freeze_batch_norms(transformers_module().ResNetForImageClassification(resnet_config(c)))
+    return freeze_batch_norms(library("ResNetForImageClassification")(resnet_config(c)))
 
 
 class FrozenBatchNorm2d(nn.Module):
@@ -202,7 +219,9 @@ def counted_flops(build: Callable[[dict[str, Any]], nn.Module], example: Callabl
 
         config = json.loads(frozen)
         counter = FlopCounterMode(display=False)
-        with torch.device("meta"), counter:
+        # One count at a time: the site's threads may all read a new campaign at once, and the library's
+        # first use imports parts of itself lazily (see ``library``).
+        with _resolving, torch.device("meta"), counter:
             build(config)(**{keyword: example(config)})
         return int(counter.get_total_flops())
 
@@ -234,14 +253,13 @@ def byte_tokenizer() -> Any:
     Byte-level pre-tokenization writes each byte as one printable character (GPT-2's table); each such
     character's id is the byte it stands for, and there are no merges.
     """
-    lib = transformers_module()
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {char: byte for byte, char in _byte_chars().items()}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    return lib.PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    return library("PreTrainedTokenizerFast")(tokenizer_object=tokenizer)
 
 
 def _byte_chars() -> dict[int, str]:
