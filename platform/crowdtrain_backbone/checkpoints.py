@@ -250,16 +250,35 @@ class WithFallback:
         return sorted(set(self.store.versions(campaign_id, slice_index)) | set(ours))
 
     def write(self, campaign_id: int, slice_index: int, version: int, data: bytes) -> str:
-        where = self.store.write(campaign_id, slice_index, version, data)
+        """Write to the store; when it refuses, keep ``data`` in the folder and raise the store's error all the
+        same (the checkpoint is not confirmed). The folder keeps its newest ``KEEP_RECENT`` versions."""
+        try:
+            where = self.store.write(campaign_id, slice_index, version, data)
+        except Exception:
+            try:
+                kept = self.fallback.write(campaign_id, slice_index, version, data)
+                versions = self.fallback.versions(campaign_id, slice_index)
+                delete_versions(self.fallback, campaign_id, slice_index, versions[:-KEEP_RECENT])
+            except Exception as local:
+                logger.error("the fallback checkpoint of version %s failed too: %s", version, local)
+            else:
+                logger.warning(
+                    "checkpoint of campaign %s slice %s version %s kept in %s until the store takes it",
+                    campaign_id,
+                    slice_index,
+                    version,
+                    kept,
+                )
+            raise
         self.fallback.delete(campaign_id, slice_index, version)  # the store holds it now
         return where
 
-    def write_fallback(self, campaign_id: int, slice_index: int, version: int, data: bytes) -> str:
-        """Keep ``data`` in the folder; only the newest ``KEEP_RECENT`` stay there (the store keeps the rest)."""
-        where = self.fallback.write(campaign_id, slice_index, version, data)
-        kept = self.fallback.versions(campaign_id, slice_index)
-        delete_versions(self.fallback, campaign_id, slice_index, kept[:-KEEP_RECENT])
-        return where
+    def stored(self, campaign_id: int, slice_index: int, version: int) -> bool:
+        """Whether the store itself (not the folder) holds ``version``; False while it does not answer."""
+        try:
+            return version in self.store.versions(campaign_id, slice_index)
+        except Exception:
+            return False
 
     def read(self, campaign_id: int, slice_index: int, version: int) -> bytes:
         try:
@@ -284,25 +303,8 @@ def save_checkpoint(
         Where it was written.
     """
     try:
-        data = encode_state(state)
+        where = store.write(campaign_id, slice_index, version, encode_state(state))
     except Exception as exc:
-        raise CheckpointError(f"checkpoint of version {version} failed: {type(exc).__name__}: {exc}") from exc
-    try:
-        where = store.write(campaign_id, slice_index, version, data)
-    except Exception as exc:
-        if isinstance(store, WithFallback):
-            try:
-                kept = store.write_fallback(campaign_id, slice_index, version, data)
-            except Exception as local:
-                logger.error("the fallback checkpoint of version %s failed too: %s", version, local)
-            else:
-                logger.warning(
-                    "checkpoint of campaign %s slice %s version %s kept in %s until the store takes it",
-                    campaign_id,
-                    slice_index,
-                    version,
-                    kept,
-                )
         raise CheckpointError(f"checkpoint of version {version} failed: {type(exc).__name__}: {exc}") from exc
     logger.info("checkpoint of campaign %s slice %s version %s written to %s", campaign_id, slice_index, version, where)
     return where

@@ -359,11 +359,7 @@ class AggregatorNode:
         if not isinstance(self.store, WithFallback) or state.version == 0:
             return
         key = (state.campaign_id, state.slice_index)
-        try:
-            stored = state.version in self.store.store.versions(*key)
-        except Exception:  # the store is still away
-            stored = False
-        if not stored:
+        if not self.store.stored(*key, state.version):
             self.owed[key] = (time.monotonic(), RETRY_FIRST_S / 2)
 
     def _forget_newer(self, state: SliceState) -> list[int]:

@@ -60,3 +60,16 @@ def test_a_checkpoint_url_must_name_a_bucket_and_empty_means_the_folder() -> Non
     assert url == "s3://bucket/ckpt"
     with pytest.raises(ConfigError, match="--checkpoint-url='/var/ckpt' must be an S3 location like s3://BUCKET"):
         load_config({"checkpoint_url": "/var/ckpt"}, base)
+
+
+def test_a_fallback_folder_comes_with_a_bucket_not_with_a_folder_and_empty_means_none() -> None:
+    base = {"CROWDTRAIN_BACKBONE_TOKEN": "t"}
+    bucket = {"checkpoint_url": "s3://bucket/ckpt"}
+
+    with_bucket = load_config(bucket, base).checkpoint_fallback_dir
+    with_folder = load_config({}, base).checkpoint_fallback_dir
+    chosen = load_config({**bucket, "checkpoint_fallback_dir": "/srv/keep"}, base).checkpoint_fallback_dir
+    refused = load_config(bucket, {**base, "CROWDTRAIN_BACKBONE_CHECKPOINT_FALLBACK_DIR": ""}).checkpoint_fallback_dir
+
+    assert (with_bucket, with_folder) == (Path("var/checkpoints-fallback"), None)
+    assert (chosen, refused) == (Path("/srv/keep"), None)

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from crowdtrain_launcher import Child, Swarm
+from crowdtrain_launcher import Child, Site, Swarm
 from tests.e2e.conftest import Run, seed
 from tests.e2e.test_two_aggregators_match_plain_pytorch import (
     SITE_ENV,
@@ -253,12 +253,18 @@ def _campaign(folder: Path, steps: int, staleness: int, every: int) -> dict[str,
     return campaign_spec
 
 
+def _training(swarm: Swarm, folder: Path, steps: int, staleness: int) -> tuple[Run, Site]:
+    """Seed the run's campaign (checkpoint every 4), start every process, and wait for version 10."""
+    run = Run(swarm, seed(swarm, _campaign(folder, steps, staleness=staleness, every=4), folder / "spec.json"))
+    site = run.start(agents_first=True)
+    run.wait_for_version(10, timeout_s=90)
+    return run, site
+
+
 def aggregator_fault(folder: Path, steps: int) -> Outcome:
     outcome = Outcome("aggregator")
     with _swarm(folder) as swarm:
-        run = Run(swarm, seed(swarm, _campaign(folder, steps, staleness=1, every=4), folder / "spec.json"))
-        site = run.start(agents_first=True)
-        run.wait_for_version(10, timeout_s=90)
+        run, site = _training(swarm, folder, steps, staleness=1)
         victim = next(c for c in swarm.children if c.name == "agg-2")
         killed = _kill_9(swarm, victim)
         swarm.start_aggregator(site, token=run.seed["aggregators"]["agg-2"], name="agg-2")
@@ -328,9 +334,7 @@ def _lag(site_url: str, campaign_id: int) -> int:
 def site_fault(folder: Path, steps: int) -> Outcome:
     outcome = Outcome("site")
     with _swarm(folder) as swarm:
-        run = Run(swarm, seed(swarm, _campaign(folder, steps, staleness=0, every=4), folder / "spec.json"))
-        site = run.start(agents_first=True)
-        run.wait_for_version(10, timeout_s=90)
+        run, site = _training(swarm, folder, steps, staleness=0)
         killed = _kill_9(swarm, site.child)
         run.site = swarm.start_site(port=site.port)
         outcome.stall_s = _stall(run, killed, steps, timeout_s=180)

@@ -170,8 +170,7 @@ def _checkpoints_behind(running: list[_Running]) -> list[Alert]:
     alerts = []
     for campaign in Campaign.objects.filter(pk__in=[c.id for c in running], checkpoint_every__gt=0).order_by("id"):
         lag = durability(campaign)
-        usual = campaign.checkpoint_every + campaign.staleness + 2
-        if lag.lag <= usual and not lag.holding:
+        if not lag.late:
             continue
         what = "it takes no work until one completes" if lag.holding else "an aggregator's crash would cost those steps"
         alerts.append(

@@ -35,7 +35,7 @@ from crowdtrain_agent.protocol import (
 )
 from crowdtrain_agent.protocol.schema import from_dict
 
-from .durability import durability
+from .durability import hold_fields
 from .hotstate import HotStateMissing, hot_state
 from .models import SliceAssignment
 
@@ -276,23 +276,19 @@ def hot_fields(campaign: Campaign) -> dict[str, object]:
     ``hold``: the first step that may not commit while checkpoints lag (``durability``), with the
     words volunteers get for it (``hold_why``); leases for that step are refused with them too.
     """
-    lag = durability(campaign)
     return {
         "target": campaign.target_batch_size,
         "stale": campaign.staleness,
         "state": campaign.state,
         "max": -1 if campaign.max_steps is None else campaign.max_steps,
-        "hold": lag.hold,
-        "hold_why": lag.why(campaign.pk),
+        **hold_fields(campaign),
     }
 
 
 def publish_hold(campaign: Campaign) -> None:
     """Move the campaign's checkpoint hold after a checkpoint completed; nothing else changes, no copy is re-read."""
-    lag = durability(campaign)
-    fields = {"hold": lag.hold, "hold_why": lag.why(campaign.pk)}
     try:
-        hot_state().run("configure", campaign.hot_key.hex, {"quiet": True, "fields": fields})
+        hot_state().run("configure", campaign.hot_key.hex, {"quiet": True, "fields": hold_fields(campaign)})
     except HotStateMissing:
         pass
 

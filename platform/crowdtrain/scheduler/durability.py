@@ -42,10 +42,16 @@ class Durability:
     newest_complete: int  # 0 (the seeded init, which every slice can rebuild) while none is
     lag: int  # committed steps a crash of any aggregator would cost now
     hold: int  # the first step that may not commit (-1: no bound)
+    usual: int  # the most lag of a campaign whose checkpoints keep up: one interval plus the pipeline's own
 
     @property
     def holding(self) -> bool:
         return self.hold >= 0 and self.lag >= self.hold - self.newest_complete
+
+    @property
+    def late(self) -> bool:
+        """A checkpoint interval was missed (or the campaign is held)."""
+        return self.lag > self.usual or self.holding
 
     def why(self, campaign_id: int) -> str:
         """What volunteers and the organizer read while the campaign waits for its checkpoints."""
@@ -62,8 +68,16 @@ def durability(campaign: Campaign) -> Durability:
     complete = complete_versions(campaign)
     newest = complete[-1] if complete else 0
     every, most = campaign.checkpoint_every, settings.CROWDTRAIN_CHECKPOINT_LAG_MAX
-    # Never below one interval plus the pipeline's own lag (the staleness window, the step being applied and
-    # the one being checkpointed): a campaign that checkpoints every step must not wait on every confirmation.
-    bound = max(most * every, every + campaign.staleness + 2) if every > 0 and most > 0 else 0
+    # One interval plus the pipeline's own lag (the staleness window, the step being applied and the one
+    # being checkpointed). The bound is never below it: a campaign that checkpoints every step must not wait
+    # on every confirmation.
+    usual = every + campaign.staleness + 2
+    bound = max(most * every, usual) if every > 0 and most > 0 else 0
     hold = newest + bound if bound > 0 else -1
-    return Durability(newest_complete=newest, lag=max(0, campaign.committed_steps - newest), hold=hold)
+    return Durability(newest_complete=newest, lag=max(0, campaign.committed_steps - newest), hold=hold, usual=usual)
+
+
+def hold_fields(campaign: Campaign) -> dict[str, object]:
+    """The hot state's ``hold`` (the first step that may not commit) and ``hold_why`` (what volunteers hear)."""
+    lag = durability(campaign)
+    return {"hold": lag.hold, "hold_why": lag.why(campaign.pk)}

@@ -250,29 +250,18 @@ CONFIGS: dict[str, Callable[[dict[str, Any]], Any]] = {
 def byte_tokenizer() -> Any:
     """A tokenizer whose ids are the bytes themselves (0..255), as a byte-level text campaign trains on.
 
-    Byte-level pre-tokenization writes each byte as one printable character (GPT-2's table); each such
-    character's id is the byte it stands for, and there are no merges.
+    Byte-level pre-tokenization writes each byte as one printable character (GPT-2's table, as the library
+    keeps it); each such character's id is the byte it stands for, and there are no merges.
     """
+    transformers_module()  # the pinned version, before anything of it is imported
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    vocab = {char: byte for byte, char in _byte_chars().items()}
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     return library("PreTrainedTokenizerFast")(tokenizer_object=tokenizer)
-
-
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte-to-character table (bytes that print stand for themselves, the rest for 256 upwards)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def pretrained_files(architecture: str, config: dict[str, Any]) -> dict[str, bytes]:
