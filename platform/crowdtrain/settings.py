@@ -260,6 +260,14 @@ if CROWDTRAIN_VALIDATION_FRACTION >= 0.5:
         f"CROWDTRAIN_VALIDATION_FRACTION must be below 0.5, got {CROWDTRAIN_VALIDATION_FRACTION}; 0.05 holds out 5%"
     )
 CROWDTRAIN_SHARD_BYTES = env_int("CROWDTRAIN_SHARD_BYTES", 4 << 20, minimum=1024)
+# A BPE tokenizer trained on an upload has this many tokens unless the upload asks for another size.
+CROWDTRAIN_TOKENIZER_VOCAB = env_int("CROWDTRAIN_TOKENIZER_VOCAB", 8192, minimum=256)
+# The largest tokenizer.json an organizer may upload (Llama 3's is 9 MB).
+CROWDTRAIN_MAX_TOKENIZER_BYTES = env_int("CROWDTRAIN_MAX_TOKENIZER_BYTES", 64 << 20, minimum=1024)
+# Uploaded images are resized to squares of this many pixels a side unless the upload asks for another size.
+CROWDTRAIN_IMAGE_SIZE = env_int("CROWDTRAIN_IMAGE_SIZE", 32, minimum=8)
+# An image file that decodes to more pixels than this is refused (a small file can hold a huge image).
+CROWDTRAIN_MAX_IMAGE_PIXELS = env_int("CROWDTRAIN_MAX_IMAGE_PIXELS", 64_000_000, minimum=1024)
 # Uploads still unfinished this long after they started are deleted, bytes and all.
 CROWDTRAIN_UPLOAD_EXPIRY_S = env_int("CROWDTRAIN_UPLOAD_EXPIRY_S", 7 * 86400, minimum=60)
 # The validation loss of a campaign averages over at most this many held-out samples.

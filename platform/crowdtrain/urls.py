@@ -60,6 +60,7 @@ urlpatterns = [
     path("datasets/<int:dataset_id>/", dataset_views.dataset_detail, name="dataset-detail"),
     path("datasets/<int:dataset_id>/status", dataset_views.dataset_status, name="dataset-status"),
     path("datasets/uploads", uploads.upload_create, name="dataset-upload-create"),
+    path("datasets/tokenizers", uploads.tokenizer_upload, name="dataset-tokenizer-upload"),
     path("datasets/uploads/<uuid:upload_id>", uploads.upload_status, name="dataset-upload-status"),
     path("datasets/uploads/<uuid:upload_id>/chunk", uploads.upload_chunk, name="dataset-upload-chunk"),
     path("datasets/uploads/<uuid:upload_id>/complete", uploads.upload_complete, name="dataset-upload-complete"),

@@ -89,3 +89,78 @@ def test_the_dataset_list_shows_an_unfinished_upload_and_a_ready_dataset(
     expect(page.get_by_role("row", name="small")).to_contain_text("Ready")
     expect(page.get_by_text("big.txt")).to_be_visible()
     shot(page, "dataset list")
+
+
+def test_a_text_tokenized_on_upload_shows_its_stages_and_its_tokenizer(page: Page, shot: Shot, tmp_path: Path) -> None:
+    make_organizer("olga")
+    corpus = tmp_path / "poems.txt"
+    corpus.write_bytes(b"Shall I compare thee to a summer's day? Thou art more lovely and more temperate.\n" * 3000)
+    log_in(page, "olga@example.org")
+
+    page.goto("/datasets/new")
+    page.get_by_label("File").set_input_files(corpus)
+    page.get_by_label("Tokenizer", exact=True).select_option("train")
+    page.get_by_label("Vocabulary size").fill("300")
+    expect(page.get_by_label("Sample length (tokens)")).to_be_visible()
+    page.get_by_label("Sample length (tokens)").fill("17")
+    page.get_by_role("button", name="Upload").click()
+
+    expect(page.locator("[data-dataset-status] [data-field=status]")).to_have_text("ready", timeout=60_000)
+    expect(page.locator("[data-field=tokenizer]")).to_contain_text("300 tokens")
+    shot(page, "tokenized dataset")
+    dataset = Dataset.objects.get(name="poems")
+    assert (dataset.kind, dataset.vocab_size, dataset.sample_len) == ("tokens", 300, 17)
+    expect(page.locator("[data-field=num_samples]")).to_have_text(str(dataset.num_samples))
+
+
+def test_an_organizers_tokenizer_file_is_checked_before_the_upload_starts(
+    page: Page, shot: Shot, tmp_path: Path
+) -> None:
+    make_organizer("olga")
+    corpus = tmp_path / "notes.txt"
+    corpus.write_bytes(b"some notes to tokenize " * 200)
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text('{"version": "1.0", "model": {"type": "nothing"}}')
+    log_in(page, "olga@example.org")
+
+    page.goto("/datasets/new")
+    page.get_by_label("File").set_input_files(corpus)
+    page.get_by_label("Tokenizer", exact=True).select_option("file")
+    page.get_by_label("Your tokenizer.json").set_input_files(broken)
+    page.get_by_role("button", name="Upload").click()
+
+    expect(page.get_by_role("alert")).to_contain_text("not a tokenizer.json the tokenizers library reads")
+    shot(page, "tokenizer refused")
+    assert not Upload.objects.exists()
+
+
+def test_an_image_archive_lists_the_files_it_skipped(page: Page, shot: Shot, tmp_path: Path) -> None:
+    import io
+    import zipfile
+
+    from PIL import Image
+
+    make_organizer("olga")
+    archive = tmp_path / "pets.zip"
+    with zipfile.ZipFile(archive, "w") as pets:
+        for label, colour in (("cat", (200, 30, 30)), ("dog", (30, 30, 200))):
+            for i in range(6):
+                picture = io.BytesIO()
+                Image.new("RGB", (24, 20), colour).save(picture, format="PNG")
+                pets.writestr(f"{label}/{i}.png", picture.getvalue())
+        pets.writestr("cat/shopping-list.txt", b"milk, eggs")
+    log_in(page, "olga@example.org")
+
+    page.goto("/datasets/new")
+    page.get_by_label("File").set_input_files(archive)
+    expect(page.get_by_label("Format")).to_have_value("images")
+    page.get_by_label("Image size (pixels)").fill("16")
+    page.get_by_role("button", name="Upload").click()
+
+    expect(page.locator("[data-dataset-status] [data-field=status]")).to_have_text("ready", timeout=60_000)
+    skipped = page.locator("[data-skipped]")
+    expect(skipped).to_contain_text("1 file skipped")
+    skipped.locator("summary").click()
+    expect(skipped).to_contain_text("cat/shopping-list.txt")
+    expect(page.get_by_text("2 classes: cat, dog")).to_be_visible()
+    shot(page, "image dataset")

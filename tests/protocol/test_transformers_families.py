@@ -48,10 +48,7 @@ def _digest(name: str) -> str:
 
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_a_seed_builds_the_same_parameters_in_another_process(name: str) -> None:
-    code = (
-        "import sys, json; from tests.protocol.test_transformers_families import _digest; "
-        f"print(_digest({name!r}))"
-    )
+    code = f"import sys, json; from tests.protocol.test_transformers_families import _digest; print(_digest({name!r}))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
 
     assert other.stdout.strip() == _digest(name)

@@ -21,7 +21,7 @@ from .codec import Codec, get_codec
 from .config import AgentConfig
 from .control import AgentStopped, Backoff, ConnectionLost, ControlChannel
 from .credit import credit_for
-from .data import ShardReader
+from .data import ShardReader, check_tokenizer
 from .device import describe_device, select_device
 from .feedback import ErrorFeedback, SliceKey
 from .fetch import FetchError, HeldParams, ShardCache, fetch_params, still_current
@@ -211,6 +211,7 @@ class Agent:
         self._reports: set[asyncio.Task[None]] = set()
         self._readers: dict[tuple[str, DataSpec], ShardReader] = {}
         self._prefetching: set[str] = set()  # shards a background thread is fetching ahead
+        self._tokenizers: set[tuple[str, int]] = set()  # (sha256, vocabulary) of tokenizers checked
         self.leases_taken = 0
         self._control: ControlChannel
         self._uploader = Uploader()
@@ -503,6 +504,8 @@ class Agent:
                     f"the site says {lease.model.architecture} has {lease.param_count} parameters, this agent "
                     f"builds {cm.param_count}; upgrade crowdtrain-agent (pip install -U crowdtrain-agent)"
                 )
+            if lease.data.kind == "tokens":
+                self._check_tokens(lease)
             readers = {r.shard: self._reader(r.shard, lease.data) for r in lease.ranges}
             flat: torch.Tensor | None = None
             etags: list[str] = []
@@ -519,7 +522,7 @@ class Agent:
                     lease.base_version,
                     1e3 * (time.perf_counter() - started),
                 )
-            x, y = trainer.gather_samples(lease.ranges, readers)
+            x, y = trainer.gather_samples(lease.ranges, readers, augment=lease.data.augment, version=lease.base_version)
             return Prepared(lease=lease, cm=cm, flat=flat, x=x, y=y, etags=etags)
 
         try:
@@ -584,6 +587,23 @@ class Agent:
                     self._prefetching.discard(sha)
 
         self._prefetcher.post(fetch_ahead)
+
+    def _check_tokens(self, lease: Lease) -> None:
+        """A tokenized campaign's model must embed every id, and its tokenizer must be the one the ids came from.
+
+        The tokenizer is fetched and verified like a shard, once per agent.
+
+        Raises:
+            ModelConfigError, ProtocolError, FetchError: saying which of the three disagrees.
+        """
+        spec = lease.data
+        get_model(lease.model.architecture).check_vocab(lease.model.config, spec.vocab_size)
+        if (spec.tokenizer, spec.vocab_size) in self._tokenizers:
+            return
+        if not spec.tokenizer:
+            raise ProtocolError("a lease of token data names no tokenizer; the site must be upgraded")
+        check_tokenizer(spec, self._shards.get(spec.tokenizer))
+        self._tokenizers.add((spec.tokenizer, spec.vocab_size))
 
     def _reader(self, sha256: str, spec: DataSpec) -> ShardReader:
         """A decoded shard, kept for the next leases (they mostly read the same few shards)."""

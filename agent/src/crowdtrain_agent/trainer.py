@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .data import ShardReader
+from .data import ShardReader, augment_images, sample_seed
 from .models import ModelEntry, get_model
 from .protocol import ModelSpec, SampleRange
 
@@ -91,13 +91,24 @@ def load_params_(cm: CampaignModel, flat: torch.Tensor, version: int, etags: Seq
     cm.etags = tuple(etags)
 
 
-def gather_samples(ranges: Sequence[SampleRange], readers: dict[str, ShardReader]) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_samples(
+    ranges: Sequence[SampleRange], readers: dict[str, ShardReader], *, augment: str = "none", version: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets of every range of a lease, concatenated in lease order.
 
+    With ``augment`` each image is changed as the seed of its sample and the
+    lease's base ``version`` say, so a verification copy sees the same images.
+
     Raises:
-        ProtocolError: if a range lies outside its shard.
+        ProtocolError: if a range lies outside its shard, or samples are not images to augment.
     """
-    parts = [readers[r.shard].read(r.start, r.count) for r in ranges]
+    parts = []
+    for r in ranges:
+        x, y = readers[r.shard].read(r.start, r.count)
+        if augment != "none":
+            seeds = [sample_seed(r.shard, r.start + i, version) for i in range(r.count)]
+            x = augment_images(x, augment, seeds)
+        parts.append((x, y))
     if len(parts) == 1:
         return parts[0]
     return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])

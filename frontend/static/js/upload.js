@@ -56,21 +56,54 @@
     const maxBytes = Number(form.dataset.maxBytes);
     const headers = { "X-CSRFToken": csrfToken(form) };
 
+    const tokenizerSelect = form.querySelector("select[name=tokenizer]");
+    const tokenizerFile = form.querySelector("input[name=tokenizer_file]");
+    const maxTokenizerBytes = Number(form.dataset.maxTokenizerBytes);
+    const textual = () => formatSelect.value === "text" || formatSelect.value === "jsonl";
+
     function showFormatFields() {
       form.querySelectorAll("[data-for-format]").forEach((field) => {
         field.hidden = !field.dataset.forFormat.split(" ").includes(formatSelect.value);
       });
+      form.querySelectorAll("[data-for-tokenizer]").forEach((field) => {
+        field.hidden = !textual() || field.dataset.forTokenizer !== tokenizerSelect.value;
+      });
+      form.querySelector("[data-sample-unit]").textContent = tokenizerSelect.value ? "(tokens)" : "(bytes)";
     }
     formatSelect.addEventListener("change", showFormatFields);
+    tokenizerSelect.addEventListener("change", showFormatFields);
     fileInput.addEventListener("change", () => {
       const file = fileInput.files[0];
       if (!file) return;
       if (/\.npz$/i.test(file.name)) formatSelect.value = "npz";
       else if (/\.jsonl?$/i.test(file.name)) formatSelect.value = "jsonl";
+      else if (/\.(zip|tar|tgz|tar\.gz|tar\.bz2|tar\.xz)$/i.test(file.name)) formatSelect.value = "images";
       else formatSelect.value = "text";
       showFormatFields();
     });
     showFormatFields();
+
+    // The tokenizer field of the upload: "" (bytes), "train", or the sha256 the site answers for a tokenizer.json.
+    async function tokenizerChoice() {
+      if (!textual() || !tokenizerSelect.value) return { tokenizer: "" };
+      if (tokenizerSelect.value === "train") {
+        return { tokenizer: "train", vocab_size: Number(form.querySelector("[name=vocab_size]").value) };
+      }
+      const file = tokenizerFile.files[0];
+      if (!file) throw new Error("Choose the tokenizer.json file, or another tokenizer option.");
+      if (file.size > maxTokenizerBytes) {
+        throw new Error("The tokenizer file is " + formatBytes(file.size) + ", over the limit of " + formatBytes(maxTokenizerBytes) + ".");
+      }
+      note("Checking the tokenizer…");
+      const answer = await request(form.dataset.tokenizerUrl, {
+        method: "POST",
+        headers: Object.assign({ "Content-Type": "application/json" }, headers),
+        body: file,
+      });
+      if (answer.status !== 201) throw new Error(answer.data.error || "The tokenizer was refused.");
+      note("Tokenizer accepted: " + answer.data.vocab_size + " tokens.");
+      return { tokenizer: answer.data.sha256 };
+    }
 
     function fail(message) {
       errorBox.textContent = message;
@@ -111,7 +144,8 @@
       if (file.size === 0) return fail("The file is empty; choose a file with data in it.");
       if (file.size > maxBytes) return fail("The file is " + formatBytes(file.size) + ", over the limit of " + formatBytes(maxBytes) + ".");
       button.disabled = true;
-      const key = ["crowdtrain-upload", file.name, file.size, file.lastModified, formatSelect.value].join(":");
+      const key = ["crowdtrain-upload", file.name, file.size, file.lastModified, formatSelect.value,
+        textual() ? tokenizerSelect.value : ""].join(":");
 
       let upload = await resumable(key);
       if (upload && upload.received > 0) note("Resuming: the site already has " + formatBytes(upload.received) + ".");
@@ -122,8 +156,16 @@
           format: formatSelect.value,
           name: form.querySelector("[name=name]").value,
         };
-        if (formatSelect.value !== "npz") body.sample_len = Number(form.querySelector("[name=sample_len]").value);
+        if (textual()) {
+          body.sample_len = Number(form.querySelector("[name=sample_len]").value);
+          try {
+            Object.assign(body, await tokenizerChoice());
+          } catch (error) {
+            return fail(error.message);
+          }
+        }
         if (formatSelect.value === "jsonl") body.text_field = form.querySelector("[name=text_field]").value;
+        if (formatSelect.value === "images") body.image_size = Number(form.querySelector("[name=image_size]").value);
         const answer = await request(createUrl, {
           method: "POST",
           headers: Object.assign({ "Content-Type": "application/json" }, headers),
@@ -178,6 +220,7 @@
       progress.querySelector("progress").value = s.progress;
       field("percent").textContent = Math.floor(100 * s.progress) + "%";
       progress.hidden = s.status === "ready" || s.status === "failed";
+      field("stage").textContent = s.stage;
       field("error").textContent = s.error;
       field("error").hidden = !s.error;
       ["num_samples", "num_validation_samples", "train_shards", "validation_shards"].forEach((name) => {
@@ -186,6 +229,8 @@
       field("size_bytes").textContent = formatBytes(s.size_bytes);
       document.querySelectorAll("[data-when-ready]").forEach((el) => { el.hidden = s.status !== "ready"; });
       if (s.status !== "ready" && s.status !== "failed") setTimeout(poll, 1000);
+      // The facts only a finished dataset has (its tokenizer, classes, skipped files) come with the page itself.
+      else if (s.tokenizer || s.classes || s.skipped_count) window.location.reload();
     }
     if (box.dataset.state !== "ready" && box.dataset.state !== "failed") poll();
   }

@@ -98,6 +98,7 @@ class CampaignAdminForm(forms.ModelForm):
                 inner={name: data[name] for name in INNER_SETTINGS if name in data},
                 check_fraction=data.get("check_fraction", 0.0),
                 staleness=data.get("staleness", 0),
+                augmentation=data.get("augmentation", "none"),
             )
         except CampaignConfigError as exc:
             self.add_error(self._admin_field(exc.field, data.get("architecture")), str(exc))

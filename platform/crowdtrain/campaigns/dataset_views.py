@@ -12,6 +12,7 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from crowdtrain_agent.models import max_text_sample_len
+from crowdtrain_agent.models.registry import IMAGE_SIZES, MAX_VOCAB
 
 from .models import Dataset, Shard, Upload
 from .permissions import is_organizer, visible_datasets, visible_uploads
@@ -47,6 +48,12 @@ def dataset_status_json(dataset: Dataset) -> dict[str, Any]:
         "size_bytes": dataset.size_bytes,
         "train_shards": counts[Shard.Split.TRAIN],
         "validation_shards": counts[Shard.Split.VALIDATION],
+        "stage": dataset.stage if dataset.status == Dataset.Status.SHARDING else "",
+        "tokenizer": dataset.tokenizer_sha256,
+        "vocab_size": dataset.vocab_size,
+        "image_size": dataset.image_size,
+        "classes": len(dataset.labels),
+        "skipped_count": dataset.skipped_count,
     }
 
 
@@ -72,6 +79,11 @@ def dataset_upload_page(request: HttpRequest) -> HttpResponse:
             "chunk_bytes": settings.CROWDTRAIN_UPLOAD_CHUNK_BYTES,
             "max_sample_len": max_text_sample_len(),
             "validation_percent": settings.CROWDTRAIN_VALIDATION_FRACTION * 100,
+            "default_vocab": settings.CROWDTRAIN_TOKENIZER_VOCAB,
+            "max_vocab": MAX_VOCAB,
+            "max_tokenizer_bytes": settings.CROWDTRAIN_MAX_TOKENIZER_BYTES,
+            "default_image_size": settings.CROWDTRAIN_IMAGE_SIZE,
+            "image_sizes": IMAGE_SIZES,
         },
     )
 

@@ -23,7 +23,7 @@ from django.views.decorators.http import require_GET
 
 from crowdtrain_agent.models.hf import CONFIGS, pretrained_files
 
-from .models import Campaign, ValidationResult
+from .models import Campaign, ValidationResult, shard_storage_name
 from .organizers import is_organizer, managed_campaigns
 
 SNIPPET = (
@@ -110,7 +110,7 @@ def export_context(campaign: Campaign) -> dict[str, Any]:
             for r in exports(campaign)
         ],
         "snippet": SNIPPET,
-        "transformers_snippet": (LM_SNIPPET if campaign.dataset.kind == "text" else IMAGE_SNIPPET)
+        "transformers_snippet": (LM_SNIPPET if campaign.dataset.kind in ("text", "tokens") else IMAGE_SNIPPET)
         if pretrained_files_known(campaign)
         else "",
     }
@@ -162,21 +162,29 @@ LM_SNIPPET = (
 )
 IMAGE_SNIPPET = (
     "# pip install transformers; unzip the download (it holds model/)\n"
-    "from transformers import AutoModelForImageClassification\n"
+    "from transformers import AutoImageProcessor, AutoModelForImageClassification\n"
     'model = AutoModelForImageClassification.from_pretrained("model")\n'
-    "# inputs: pixel_values = images (0..255) / 127.5 - 1, shape (batch, channels, height, width)"
+    'processor = AutoImageProcessor.from_pretrained("model")  # scales 0..255 pixels to -1..1, as training did\n'
+    'logits = model(**processor(images=image, return_tensors="pt")).logits'
 )
 COPY_CHUNK = 1 << 20
 
 
 def transformers_folder(campaign: Campaign, result: ValidationResult, out: IO[bytes]) -> None:
-    """Write a zip of a ``transformers`` folder (``config.json``, ``model.safetensors``, a tokenizer for a language
-    model on bytes) to ``out``; the stored weights are copied in chunks, never held in memory whole.
+    """Write a zip of a ``transformers`` folder (``config.json``, ``model.safetensors``, the dataset's tokenizer or
+    an image processor) to ``out``; the stored weights are copied in chunks, never held in memory whole.
 
     Raises:
         ExportRequestError: the campaign's architecture is not one of the library's (409).
     """
-    files = pretrained_files(campaign.architecture, campaign.model_config)
+    dataset = campaign.dataset
+    tokenizer = None
+    if dataset.tokenizer_sha256:
+        with default_storage.open(shard_storage_name(dataset.tokenizer_sha256), "rb") as fh:
+            tokenizer = fh.read()
+    files = pretrained_files(
+        campaign.architecture, campaign.model_config, tokenizer_json=tokenizer, labels=dataset.labels or None
+    )
     if not files:
         raise ExportRequestError(
             f"{campaign.architecture} is not a transformers architecture; download model.safetensors and "

@@ -384,6 +384,7 @@ class CampaignForm(forms.Form):
                 inner={name: data[name] for name in INNER_SETTINGS},
                 check_fraction=data["check_fraction"],
                 staleness=data["staleness"],
+                augmentation=data["augmentation"],
             )
         except CampaignConfigError as exc:
             self.add_error(exc.field if exc.field in self.fields else None, str(exc))

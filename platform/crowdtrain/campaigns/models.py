@@ -10,6 +10,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from crowdtrain_agent.protocol import DataSpec
+
 
 class Dataset(models.Model):
     """A training corpus split into content-addressed shards, in a fixed sample order."""
@@ -17,6 +19,7 @@ class Dataset(models.Model):
     class Kind(models.TextChoices):
         TEXT = "text", "text (byte-level)"
         TENSORS = "tensors", "tensors (x, y)"
+        TOKENS = "tokens", "tokens (tokenized text)"
 
     class Status(models.TextChoices):
         PENDING = "pending"
@@ -27,9 +30,10 @@ class Dataset(models.Model):
     class Format(models.TextChoices):
         """The uploaded file's format; ``kind`` is what the shards hold."""
 
-        TEXT = "text", "plain text (.txt, byte-level)"
+        TEXT = "text", "plain text (.txt)"
         NPZ = "npz", ".npz with arrays x and y"
         JSONL = "jsonl", "JSON lines with a text field"
+        IMAGES = "images", "images: a .zip or .tar of class folders, or a WebDataset .tar"
 
     name = models.CharField(max_length=200)
     # Null for datasets made in code (the demo, seed_run); uploads always have one.
@@ -37,7 +41,18 @@ class Dataset(models.Model):
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="datasets"
     )
     kind = models.CharField(max_length=16, choices=Kind.choices)
-    sample_len = models.PositiveIntegerField(default=0, help_text="bytes per sample of a text dataset")
+    sample_len = models.PositiveIntegerField(default=0, help_text="bytes (text) or token ids (tokens) per sample")
+    # A tokens dataset: the sha256 of the tokenizer.json that made its ids (stored like a shard), its
+    # vocabulary, and the bytes of one stored id.
+    tokenizer_sha256 = models.CharField(max_length=64, blank=True, db_index=True)
+    vocab_size = models.PositiveIntegerField(default=0)
+    token_bytes = models.PositiveSmallIntegerField(default=0)
+    # An images dataset: the side of its square images, and its class names in label order.
+    image_size = models.PositiveIntegerField(default=0)
+    labels = models.JSONField(default=list, blank=True)
+    # Files of an upload that could not be used (the first SKIPPED_NAMED, with why), and how many in all.
+    skipped = models.JSONField(default=list, blank=True)
+    skipped_count = models.PositiveIntegerField(default=0)
     source_sha256 = models.CharField(max_length=64, blank=True, db_index=True)
     source_format = models.CharField(max_length=16, choices=Format.choices, blank=True)
     text_field = models.CharField(max_length=100, blank=True, help_text="the JSONL field holding the text")
@@ -48,11 +63,23 @@ class Dataset(models.Model):
     # Datasets made in code are ready when saved; uploads go pending -> sharding -> ready | failed.
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY)
     progress = models.FloatField(default=1.0, help_text="0..1 while sharding")
+    stage = models.CharField(max_length=64, blank=True, help_text="what sharding is doing now, for the page")
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:
         return self.name
+
+    def data_spec(self, augment: str = "none") -> DataSpec:
+        """How agents (``augment``: the campaign's augmentation) and the validation task read the shards."""
+        return DataSpec(
+            kind=self.kind,  # type: ignore[arg-type]
+            sample_len=self.sample_len,
+            token_bytes=self.token_bytes,  # type: ignore[arg-type]
+            vocab_size=self.vocab_size,
+            tokenizer=self.tokenizer_sha256,
+            augment=augment,  # type: ignore[arg-type]
+        )
 
     def train_shards(self) -> models.QuerySet[Shard]:
         """The shards the scheduler leases, in sample order."""
@@ -190,6 +217,14 @@ class Campaign(models.Model):
     staleness = models.PositiveSmallIntegerField(default=1, help_text="0 = fully synchronous")
     num_aggregators = models.PositiveSmallIntegerField(default=1)
     checkpoint_every = models.PositiveIntegerField(default=10)
+
+    class Augmentation(models.TextChoices):
+        NONE = "none", "none"
+        FLIP = "flip", "random horizontal flips"
+        FLIP_CROP = "flip_crop", "random flips and shifted crops"
+
+    # Image campaigns: what agents do to each training image, seeded by the sample and the version.
+    augmentation = models.CharField(max_length=16, choices=Augmentation.choices, default=Augmentation.NONE)
     max_steps = models.PositiveIntegerField(null=True, blank=True)
     # Every this many applied steps (and at the finish) a Celery task computes the held-out loss.
     validate_every = models.PositiveIntegerField(default=10, help_text="steps between validation losses; 0 disables")
@@ -364,6 +399,11 @@ class Upload(models.Model):
     format = models.CharField(max_length=16, choices=Dataset.Format.choices)
     text_field = models.CharField(max_length=100, default="text")
     sample_len = models.PositiveIntegerField(default=0)
+    # Text: "" keeps bytes, "train" trains a BPE tokenizer of ``vocab_size`` tokens on the upload, a sha256
+    # names a tokenizer.json uploaded before. Images: the side they are resized to.
+    tokenizer = models.CharField(max_length=64, blank=True)
+    vocab_size = models.PositiveIntegerField(default=0)
+    image_size = models.PositiveIntegerField(default=0)
     received = models.BigIntegerField(default=0)
     state = models.CharField(max_length=16, choices=State.choices, default=State.RECEIVING)
     dataset = models.ForeignKey(Dataset, null=True, blank=True, on_delete=models.SET_NULL, related_name="uploads")

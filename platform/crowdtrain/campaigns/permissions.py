@@ -11,7 +11,7 @@ from crowdtrain.accounts.models import Device
 from .models import Campaign, Dataset, Upload
 from .organizers import is_organizer
 
-__all__ = ["can_download_shard", "is_organizer", "visible_datasets", "visible_uploads"]
+__all__ = ["can_download_shard", "data_holders", "is_organizer", "visible_datasets", "visible_uploads"]
 
 
 def visible_datasets(user: Any) -> Any:
@@ -25,6 +25,11 @@ def visible_uploads(user: Any) -> Any:
     return Upload.objects.filter(owner=user)
 
 
+def data_holders(sha256: str) -> Any:
+    """The datasets whose shards, or whose tokenizer, are the stored object ``sha256``."""
+    return Dataset.objects.filter(Q(shards__sha256=sha256) | Q(tokenizer_sha256=sha256)).distinct()
+
+
 def can_download_shard(device: Device, sha256: str) -> bool:
     """Whether ``device`` may fetch the shard with these bytes.
 
@@ -35,7 +40,7 @@ def can_download_shard(device: Device, sha256: str) -> bool:
     used only by invite-only campaigns needs a device whose owner may work on
     one of them: invited, the campaign's owner, or staff.
     """
-    holders = Dataset.objects.filter(shards__sha256=sha256)
+    holders = data_holders(sha256)
     if holders.filter(campaigns__isnull=True).exists():
         return True
     campaigns = Campaign.objects.filter(dataset__in=holders)

@@ -122,6 +122,17 @@ SETTINGS: dict[str, Setting] = {
             to_aggregator=True,
         ),
         Setting(
+            "augmentation",
+            "batch",
+            ConfigField(
+                "choice",
+                help="image datasets: flips, or flips and shifted crops, seeded by each sample and version so "
+                "every device computing a lease sees the same images",
+                label="Image augmentation",
+                choices=tuple(Campaign.Augmentation.values),
+            ),
+        ),
+        Setting(
             "training_mode",
             "mode",
             ConfigField(

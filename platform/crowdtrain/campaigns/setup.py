@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings as django_settings
 
 from crowdtrain_agent.codec import CODECS
-from crowdtrain_agent.models import ModelConfigError, get_model
+from crowdtrain_agent.models import REGISTRY, ModelConfigError, ModelEntry, get_model
 from crowdtrain_agent.optimizers import (
     INNER_OPTIMIZERS,
     OptimizerConfigError,
@@ -15,7 +15,7 @@ from crowdtrain_agent.optimizers import (
     to_wire,
     validate_config,
 )
-from crowdtrain_agent.protocol import Lease, OptimizerSpec, ProtocolError
+from crowdtrain_agent.protocol import DataSpec, Lease, OptimizerSpec, ProtocolError
 from crowdtrain_agent.protocol.schema import from_dict, to_dict
 
 from .models import Campaign, Dataset
@@ -61,6 +61,7 @@ def validate_campaign(
     inner: dict[str, Any] | None = None,
     check_fraction: float = 0.0,
     staleness: int = 0,
+    augmentation: str = "none",
 ) -> tuple[dict[str, Any], dict[str, Any], int]:
     """Check a campaign's settings against the registries and its dataset.
 
@@ -80,17 +81,36 @@ def validate_campaign(
     except ModelConfigError as exc:
         field = config_field_name(architecture, exc.field) if exc.field else "architecture"
         raise CampaignConfigError(str(exc), field) from None
-    if entry.data_kind != dataset.kind:
+    # A text architecture trains on bytes or on the ids of a tokenized text alike.
+    reads = {"text": (Dataset.Kind.TEXT, Dataset.Kind.TOKENS)}.get(entry.data_kind, (entry.data_kind,))
+    if dataset.kind not in reads:
         raise CampaignConfigError(
             f"{architecture} trains on {entry.data_kind} data but {dataset} holds {dataset.kind}", "dataset"
         )
     if entry.data_kind == "text" and entry.sample_len(config) != dataset.sample_len:
         field = config_field_name(architecture, "block_size") if "block_size" in entry.fields else "dataset"
+        unit = "token ids" if dataset.kind == Dataset.Kind.TOKENS else "bytes"
         raise CampaignConfigError(
             f"{architecture}.block_size + 1 = {entry.sample_len(config)} must equal the dataset's sample length "
-            f"{dataset.sample_len}",
+            f"{dataset.sample_len} ({unit})",
             field,
         )
+    check_images(architecture, entry, config, dataset, augmentation)
+    if dataset.kind == Dataset.Kind.TOKENS:
+        needs = DataSpec.since_values["kind"]["tokens"]
+        if needs > django_settings.CROWDTRAIN_PROTOCOL_MINOR:
+            raise CampaignConfigError(
+                f"a tokenized dataset needs protocol 2.{needs}, and this site is pinned to "
+                f"2.{django_settings.CROWDTRAIN_PROTOCOL_MINOR} (CROWDTRAIN_PROTOCOL_MINOR); upload the text "
+                "without a tokenizer",
+                "dataset",
+            )
+        try:
+            entry.check_vocab(config, dataset.vocab_size)
+        except ModelConfigError as exc:
+            raise CampaignConfigError(
+                str(exc), config_field_name(architecture, exc.field) if exc.field else "architecture"
+            ) from None
     spec = validate_optimizer(
         optimizer, max_steps=max_steps, num_aggregators=num_aggregators, tensors=len(entry.param_shapes(config))
     )
@@ -121,6 +141,42 @@ def validate_campaign(
             "architecture",
         )
     return config, to_dict(spec), count
+
+
+def check_images(
+    architecture: str, entry: ModelEntry, config: dict[str, Any], dataset: Dataset, augmentation: str
+) -> None:
+    """An uploaded image dataset trains an image family of its size and classes; only images are augmented.
+
+    Raises:
+        CampaignConfigError: naming the model field (or the augmentation) to change.
+    """
+    if not dataset.image_size:
+        if augmentation != Campaign.Augmentation.NONE:
+            raise CampaignConfigError(
+                f"augmentation {augmentation!r} changes images, and {dataset} holds no uploaded images; choose none",
+                "augmentation",
+            )
+        return
+    if "image_size" not in entry.fields:
+        families = ", ".join(n for n, e in REGISTRY.items() if "image_size" in e.fields)
+        raise CampaignConfigError(
+            f"{dataset} holds images; {architecture} does not read images, choose one of {families}", "architecture"
+        )
+    wanted = {"image_size": dataset.image_size, "num_channels": 3}
+    for name, value in wanted.items():
+        if config[name] != value:
+            raise CampaignConfigError(
+                f"{architecture}.{name} is {config[name]}, but the dataset's images are {dataset.image_size} x "
+                f"{dataset.image_size} RGB; set {name} to {value}",
+                config_field_name(architecture, name),
+            )
+    if config["num_labels"] < len(dataset.labels):
+        raise CampaignConfigError(
+            f"{architecture}.num_labels is {config['num_labels']}, but the dataset has {len(dataset.labels)} "
+            f"classes; set num_labels to at least {len(dataset.labels)}",
+            config_field_name(architecture, "num_labels"),
+        )
 
 
 def check_inner_batch(inner_batch_size: int | None, microbatch_size: int, target_batch_size: int) -> None:
@@ -311,6 +367,7 @@ def create_campaign(
         inner={k: settings[k] for k in INNER_SETTINGS if k in settings},
         check_fraction=settings.get("check_fraction", Campaign._meta.get_field("check_fraction").get_default()),
         staleness=settings.get("staleness", Campaign._meta.get_field("staleness").get_default()),
+        augmentation=settings.get("augmentation", Campaign.Augmentation.NONE),
     )
     return Campaign.objects.create(
         name=name,

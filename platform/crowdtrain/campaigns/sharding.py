@@ -15,16 +15,17 @@ import json
 import logging
 import math
 import sysconfig
+import threading
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Protocol
+from typing import IO, TYPE_CHECKING, BinaryIO, Protocol
 
 import numpy as np
 from django.conf import settings
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
-from django.db import transaction
+from django.db import DatabaseError, connection, transaction
 from safetensors.numpy import save as save_safetensors
 
 from crowdtrain_agent.data import sha256_hex
@@ -73,8 +74,8 @@ def split_sizes(total: int, validation_fraction: float) -> tuple[int, int]:
     return total - held_out, held_out
 
 
-def _store(shard: bytes) -> str:
-    """Write a shard once: identical bytes from any dataset share one stored object."""
+def store_object(shard: bytes) -> str:
+    """Write a shard (or a tokenizer) once: identical bytes from any dataset share one stored object."""
     sha = sha256_hex(shard)
     name = shard_storage_name(sha)
     if not default_storage.exists(name):
@@ -102,7 +103,7 @@ def fill_dataset(dataset: Dataset, pieces: Iterable[ShardPiece]) -> Dataset:
                 dataset=dataset,
                 split=split,
                 index=indexes[split],
-                sha256=_store(data),
+                sha256=store_object(data),
                 first_sample=counts[split],
                 num_samples=count,
                 size_bytes=len(data),
@@ -130,6 +131,13 @@ def fill_dataset(dataset: Dataset, pieces: Iterable[ShardPiece]) -> Dataset:
     return dataset
 
 
+# What a dataset's shards are, beside the rows: a dataset that shares them shares these.
+SHARED_FIELDS = (
+    "kind", "sample_len", "tokenizer_sha256", "vocab_size", "token_bytes", "image_size", "labels",
+    "num_samples", "num_validation_samples", "size_bytes",
+)  # fmt: skip
+
+
 def copy_shards(source: Dataset, target: Dataset) -> Dataset:
     """Give ``target`` the shards of ``source``: rows only, the stored bytes are shared."""
     rows = [
@@ -147,16 +155,16 @@ def copy_shards(source: Dataset, target: Dataset) -> Dataset:
     with transaction.atomic():
         Shard.objects.filter(dataset=target).delete()
         Shard.objects.bulk_create(rows)
-        for field in ("kind", "sample_len", "num_samples", "num_validation_samples", "size_bytes"):
+        for field in SHARED_FIELDS:
             setattr(target, field, getattr(source, field))
-        target.save(update_fields=["kind", "sample_len", "num_samples", "num_validation_samples", "size_bytes"])
+        target.save(update_fields=list(SHARED_FIELDS))
     return target
 
 
 # ---------------------------------------------------------------- text
 
 
-def read_blocks(fh: BinaryIO, block_bytes: int = BLOCK_BYTES) -> Iterator[bytes]:
+def read_blocks(fh: IO[bytes], block_bytes: int = BLOCK_BYTES) -> Iterator[bytes]:
     while block := fh.read(block_bytes):
         yield block
 
@@ -502,11 +510,17 @@ def shard_source(
             dataset.save(update_fields=["kind"])
             per_shard = max(1, shard_bytes // rows.row_bytes)
             return fill_dataset(dataset, tensor_pieces(rows, per_shard, num_train, num_validation, write))
+    if fmt == Dataset.Format.IMAGES:
+        from .images import shard_images
+
+        return shard_images(dataset, open_source, size, shard_bytes=shard_bytes, progress=progress)
     if fmt not in (Dataset.Format.TEXT, Dataset.Format.JSONL):
-        raise DatasetError(f"unknown format {fmt!r}; expected one of text, npz, jsonl")
+        raise DatasetError(f"unknown format {fmt!r}; expected one of {', '.join(Dataset.Format.values)}")
     sample_len = dataset.sample_len
     if sample_len < 2:
         raise DatasetError(f"sample_len must be at least 2 bytes, got {sample_len}")
+    if dataset.kind == Dataset.Kind.TOKENS:
+        return _shard_tokens(dataset, open_source, size, shard_bytes, progress)
     if fmt == Dataset.Format.TEXT:
         with open_source() as fh:
             total = _check_text(fh, size, check)
@@ -533,16 +547,101 @@ def shard_source(
         else:
             blocks = _joined(jsonl_texts(fh, dataset.text_field))
         pieces = text_pieces(blocks, sample_len, per_shard, num_train, num_validation)
-        total_samples = num_train + num_validation
+        return fill_dataset(dataset, counted(pieces, num_train + num_validation, write))
 
-        def counted() -> Iterator[ShardPiece]:
-            done = 0
-            for piece in pieces:
-                done += piece[2]
-                write(done / total_samples)
-                yield piece
 
-        return fill_dataset(dataset, counted())
+def counted(pieces: Iterable[ShardPiece], total_samples: int, progress: ProgressFn) -> Iterator[ShardPiece]:
+    """The pieces, telling ``progress`` the fraction of ``total_samples`` written after each."""
+    done = 0
+    for piece in pieces:
+        done += piece[2]
+        progress(done / max(1, total_samples))
+        yield piece
+
+
+def from_any_thread(progress: ProgressFn) -> ProgressFn:
+    """``progress`` for a library that calls back from threads of its own: there, each call closes the
+    thread's database connection after it (nothing else would), and a failed write never stops the work.
+    """
+    owner = threading.get_ident()
+
+    def call(fraction: float) -> None:
+        if threading.get_ident() == owner:
+            progress(fraction)
+            return
+        try:
+            progress(fraction)
+        except DatabaseError as exc:
+            logger.debug("progress not written: %s", exc)
+        finally:
+            connection.close()
+
+    return call
+
+
+def set_stage(dataset: Dataset, stage: str) -> None:
+    """What the dataset's page says sharding is doing (a tokenized upload has three long stages)."""
+    Dataset.objects.filter(pk=dataset.pk).update(stage=stage)
+
+
+def _shard_tokens(
+    dataset: Dataset, open_source: Callable[[], BinaryIO], size: int, shard_bytes: int, progress: ProgressFn
+) -> Dataset:
+    """Tokenize a text or JSONL upload and cut its ids into shards of ``sample_len`` ids per sample.
+
+    The tokenizer is the one the dataset names (uploaded before), or a BPE of
+    ``vocab_size`` tokens trained on the upload first. Ids go to a temporary
+    file, so their count (hence the split) is known before any shard is stored.
+
+    Raises:
+        DatasetError: for a file that is not UTF-8 text, a bad JSONL line, or too few tokens.
+    """
+    from . import tokenizing
+
+    jsonl = dataset.source_format == Dataset.Format.JSONL
+
+    def texts(fh: BinaryIO, report: ProgressFn) -> Iterator[str]:
+        if not jsonl:
+            yield from tokenizing.text_pieces(read_blocks(fh), report, size)
+            return
+        for text in jsonl_texts(fh, dataset.text_field):
+            report(min(1.0, fh.tell() / size))
+            yield text.decode("utf-8")
+
+    try:
+        if dataset.tokenizer_sha256:
+            with default_storage.open(shard_storage_name(dataset.tokenizer_sha256), "rb") as stored:
+                tokenizer = tokenizing.load_tokenizer(stored.read())
+            trained = 0.0
+        else:
+            set_stage(dataset, f"training a tokenizer of {dataset.vocab_size} tokens")
+            # The library reads the texts from a thread of its own.
+            report = from_any_thread(lambda f: progress(0.4 * f))
+            with open_source() as fh:
+                tokenizer = tokenizing.train_bpe(texts(fh, report), dataset.vocab_size)
+            dataset.tokenizer_sha256, _ = tokenizing.store_tokenizer(tokenizer)
+            trained = 0.4
+    except tokenizing.TokenizerError as exc:
+        raise DatasetError(str(exc)) from None
+    set_stage(dataset, "tokenizing")
+    with open_source() as fh:
+        ids, total, width = tokenizing.tokenize_to_file(
+            tokenizer, texts(fh, lambda f: progress(trained + (0.9 - trained) * f)), documents=jsonl
+        )
+    with ids:
+        sample_len = dataset.sample_len
+        if total < sample_len:
+            raise DatasetError(f"the text is {total} tokens long, shorter than one sample of {sample_len} tokens")
+        num_train, num_validation = split_sizes(total // sample_len, dataset.validation_fraction)
+        dataset.vocab_size = tokenizing.vocab_size(tokenizer)
+        dataset.token_bytes = width
+        dataset.save(update_fields=["tokenizer_sha256", "vocab_size", "token_bytes"])
+        set_stage(dataset, f"writing shards of {total:,} tokens")
+        per_shard = max(1, shard_bytes // (sample_len * width))
+        pieces = text_pieces(read_blocks(ids), sample_len * width, per_shard, num_train, num_validation)
+        filled = fill_dataset(dataset, counted(pieces, num_train + num_validation, lambda f: progress(0.9 + f / 10)))
+    set_stage(dataset, "")
+    return filled
 
 
 def _check_text(fh: BinaryIO, size: int, progress: ProgressFn) -> int:

@@ -56,6 +56,12 @@ def _same_dataset(dataset: Dataset) -> Dataset | None:
             sample_len=dataset.sample_len,
             text_field=dataset.text_field,
             validation_fraction=dataset.validation_fraction,
+            # the recipe's other ingredients: a trained tokenizer's file is not known yet, so such an upload
+            # matches none and is tokenized anew
+            kind=dataset.kind,
+            tokenizer_sha256=dataset.tokenizer_sha256,
+            vocab_size=dataset.vocab_size,
+            image_size=dataset.image_size,
         )
         .exclude(pk=dataset.pk)
         .order_by("pk")

@@ -9,6 +9,7 @@ through ``open_upload`` as one seekable file.
     GET  /datasets/uploads/<id>                 -> {"received": N, ...}: the resume point
     PUT  /datasets/uploads/<id>/chunk?offset=N  body: the bytes N .. N+len-1
     POST /datasets/uploads/<id>/complete        -> 202, queues the sharding task
+    POST /datasets/tokenizers                   body: a tokenizer.json -> 201 {"sha256", "vocab_size"}
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from django.views.decorators.http import require_http_methods
 
 from crowdtrain.text import is_text
 from crowdtrain_agent.models import max_text_sample_len
+from crowdtrain_agent.models.registry import BYTE_VOCAB, IMAGE_SIZES, MAX_VOCAB
 
-from .models import Dataset, Upload, UploadChunk
+from .models import Dataset, Upload, UploadChunk, shard_storage_name
 from .permissions import is_organizer, visible_uploads
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ logger = logging.getLogger(__name__)
 _BYTE_COUNT = re.compile(r"[0-9]{1,19}")
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = IMAGE_SIZES
 
 
 class UploadError(ValueError):
@@ -127,19 +130,27 @@ def create_upload(owner: Any, body: dict[str, Any]) -> Upload:
     name = _field(body, "name", str, "").strip() or filename.rsplit(".", 1)[0] or filename
     if len(name) > 200:
         raise UploadError("name must be at most 200 characters")
-    sample_len, text_field = 0, "text"
+    sample_len, text_field, tokenizer, vocab_size, image_size = 0, "text", "", 0, 0
     if fmt in (Dataset.Format.TEXT, Dataset.Format.JSONL):
+        tokenizer, vocab_size = _tokenizer_fields(body)
         sample_len = _field(body, "sample_len", int)
         longest = max_text_sample_len()
+        unit = "token ids" if tokenizer else "bytes"
         if not 2 <= sample_len <= longest:
             raise UploadError(
-                f"sample_len must be between 2 and {longest} bytes, the longest sample a text model here trains on "
-                f"(for gpt, block_size + 1), got {sample_len}"
+                f"sample_len must be between 2 and {longest} {unit}, the longest sample a text model here trains "
+                f"on (block_size + 1), got {sample_len}"
             )
     if fmt == Dataset.Format.JSONL:
         text_field = _field(body, "text_field", str, "text").strip()
         if not text_field or len(text_field) > 100:
             raise UploadError("text_field must hold 1 to 100 characters")
+    if fmt == Dataset.Format.IMAGES:
+        image_size = _field(body, "image_size", int, settings.CROWDTRAIN_IMAGE_SIZE)
+        if not MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE:
+            raise UploadError(
+                f"image_size must be between {MIN_IMAGE_SIZE} and {MAX_IMAGE_SIZE} pixels, got {image_size}"
+            )
     return Upload.objects.create(
         owner=owner,
         name=name,
@@ -149,7 +160,37 @@ def create_upload(owner: Any, body: dict[str, Any]) -> Upload:
         format=fmt,
         sample_len=sample_len,
         text_field=text_field,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        image_size=image_size,
     )
+
+
+def _tokenizer_fields(body: dict[str, Any]) -> tuple[str, int]:
+    """``tokenizer`` ("" for bytes, "train", or the sha256 of a tokenizer uploaded before) and the vocabulary to train.
+
+    Raises:
+        UploadError: naming the field.
+    """
+    tokenizer = _field(body, "tokenizer", str, "").strip().lower()
+    if not tokenizer:
+        return "", 0
+    if tokenizer == "train":
+        vocab = _field(body, "vocab_size", int, settings.CROWDTRAIN_TOKENIZER_VOCAB)
+        if not BYTE_VOCAB < vocab <= MAX_VOCAB:
+            raise UploadError(
+                f"vocab_size must be between {BYTE_VOCAB + 1} (the 256 bytes and an end-of-text token) and "
+                f"{MAX_VOCAB}, got {vocab}"
+            )
+        return "train", vocab
+    if not _SHA256.match(tokenizer):
+        raise UploadError(
+            'tokenizer must be empty (bytes), "train", or the sha256 the tokenizer upload answered, '
+            f"got {tokenizer[:80]!r}"
+        )
+    if not default_storage.exists(shard_storage_name(tokenizer)):
+        raise UploadError(f"no tokenizer {tokenizer[:12]}… was uploaded; upload the tokenizer.json first")
+    return tokenizer, 0
 
 
 @require_http_methods(["POST"])
@@ -168,6 +209,47 @@ def upload_create(request: HttpRequest) -> JsonResponse:
         return _error(exc)
     logger.info("upload %s started by %s: %s, %d bytes", upload.pk, request.user.pk, upload.filename, upload.size)
     return JsonResponse(describe(upload), status=201)
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def store_uploaded_tokenizer(data: bytes) -> dict[str, Any]:
+    """Check an organizer's tokenizer.json and store it under its sha256, as shards are stored.
+
+    Raises:
+        UploadError: for a file that is too big or not a tokenizer the platform can use.
+    """
+    from .sharding import store_object
+    from .tokenizing import TokenizerError, load_tokenizer, vocab_size
+
+    cap = settings.CROWDTRAIN_MAX_TOKENIZER_BYTES
+    if not data:
+        raise UploadError("the tokenizer file is empty; upload a tokenizer.json")
+    if len(data) > cap:
+        raise UploadError(f"a tokenizer file may hold at most {cap} bytes", status=413, limit=cap)
+    try:
+        tokenizer = load_tokenizer(data)
+    except TokenizerError as exc:
+        raise UploadError(str(exc)) from None
+    return {"sha256": store_object(data), "vocab_size": vocab_size(tokenizer), "size": len(data)}
+
+
+@require_http_methods(["POST"])
+def tokenizer_upload(request: HttpRequest) -> JsonResponse:
+    """POST /datasets/tokenizers, the tokenizer.json as the body: answers its sha256 for an upload's ``tokenizer``."""
+    if (refused := _guard(request)) is not None:
+        return refused
+    cap = settings.CROWDTRAIN_MAX_TOKENIZER_BYTES
+    declared = request.META.get("CONTENT_LENGTH") or "0"
+    try:
+        if _BYTE_COUNT.fullmatch(declared) and int(declared) > cap:
+            raise UploadError(f"a tokenizer file may hold at most {cap} bytes, got {declared}", status=413, limit=cap)
+        answer = store_uploaded_tokenizer(request.read(cap + 1))
+    except UploadError as exc:
+        return _error(exc)
+    logger.info("tokenizer %s (%d tokens) uploaded by %s", answer["sha256"][:12], answer["vocab_size"], request.user.pk)
+    return JsonResponse(answer, status=201)
 
 
 # ---------------------------------------------------------------- chunks
@@ -271,14 +353,21 @@ def complete_upload(upload: Upload) -> Upload:
                 status=409,
                 expected_offset=upload.received,
             )
-        text = upload.format != Dataset.Format.NPZ
+        text = upload.format in (Dataset.Format.TEXT, Dataset.Format.JSONL)
+        kind = Dataset.Kind.TENSORS
+        if text:
+            kind = Dataset.Kind.TOKENS if upload.tokenizer else Dataset.Kind.TEXT
         upload.dataset = Dataset.objects.create(
             name=upload.name,
             owner=upload.owner,
-            kind=Dataset.Kind.TEXT if text else Dataset.Kind.TENSORS,
+            kind=kind,
             source_format=upload.format,
             sample_len=upload.sample_len if text else 0,
             text_field=upload.text_field if upload.format == Dataset.Format.JSONL else "",
+            # A tokenizer trained on the upload is named once it exists; its size is asked for now.
+            tokenizer_sha256=upload.tokenizer if upload.tokenizer != "train" else "",
+            vocab_size=upload.vocab_size,
+            image_size=upload.image_size,
             validation_fraction=settings.CROWDTRAIN_VALIDATION_FRACTION,
             status=Dataset.Status.PENDING,
             progress=0.0,

@@ -19,7 +19,6 @@ import math
 import threading
 import time
 from collections.abc import Iterator
-from typing import cast
 
 import torch
 from django.conf import settings
@@ -32,7 +31,7 @@ from crowdtrain.scheduler.configs import ticket_key
 from crowdtrain_agent.data import ShardReader
 from crowdtrain_agent.fetch import FetchError, fetch_params
 from crowdtrain_agent.models import ModelEntry, export_bytes, get_model, model_from_flat
-from crowdtrain_agent.protocol import DataKind, DataSpec, ProtocolError, SliceRoute, Ticket, sign_ticket
+from crowdtrain_agent.protocol import ProtocolError, SliceRoute, Ticket, sign_ticket
 
 from .models import Campaign, Dataset, ValidationResult
 
@@ -88,7 +87,7 @@ def fetch_campaign_params(campaign: Campaign, version: int) -> torch.Tensor:
 
 def validation_samples(dataset: Dataset, limit: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Batches of the first ``limit`` samples of the validation split, in shard order (the same every time)."""
-    spec = DataSpec(kind=cast(DataKind, dataset.kind), sample_len=dataset.sample_len)
+    spec = dataset.data_spec()
     left = limit
     for shard in dataset.validation_shards():
         if left <= 0:

@@ -16,9 +16,9 @@ from crowdtrain.accounts.tokens import bearer_token
 
 from . import monitor
 from .coverage import coverage_map
-from .models import Campaign, Shard, shard_storage_name
+from .models import Campaign, shard_storage_name
 from .organizers import managed_campaigns
-from .permissions import can_download_shard
+from .permissions import can_download_shard, data_holders
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _RANGE = re.compile(r"^bytes=([0-9]{0,19})-([0-9]{0,19})$")  # ASCII digits, no longer than any file size
@@ -31,11 +31,11 @@ def _error(message: str, status: int) -> JsonResponse:
 
 @require_GET
 def shard(request: HttpRequest, sha256: str) -> HttpResponseBase:
-    """A shard's bytes; immutable, so cacheable forever, with ETag and single-range support."""
+    """A shard's bytes (or a token dataset's tokenizer.json); immutable, so cacheable forever, with ETag and ranges."""
     device = Device.authenticate(bearer_token(dict(request.headers)))
     if device is None or device.is_revoked:
         return _error("invalid or revoked device token", 401)
-    if not _SHA256.match(sha256) or not Shard.objects.filter(sha256=sha256).exists():
+    if not _SHA256.match(sha256) or not data_holders(sha256).exists():
         return _error("unknown shard", 404)
     # Before the ETag check, so a 304 cannot tell a stranger that a private shard exists.
     if not can_download_shard(device, sha256):

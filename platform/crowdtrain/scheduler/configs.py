@@ -24,7 +24,6 @@ from crowdtrain.campaigns.setup import inner_optimizer_spec
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import (
     CodecName,
-    DataKind,
     DataSpec,
     ModelSpec,
     OptimizerSpec,
@@ -135,7 +134,7 @@ def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
         codec_block_size=campaign.codec_block_size,
         model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
         flops_per_sample=spec.flops_per_sample(campaign.model_config),
-        data=DataSpec(kind=cast(DataKind, campaign.dataset.kind), sample_len=campaign.dataset.sample_len),
+        data=campaign.dataset.data_spec(augment=campaign.augmentation),
         param_count=campaign.param_count,
         num_samples=campaign.dataset.num_samples,
         table=shard_table(campaign.dataset),

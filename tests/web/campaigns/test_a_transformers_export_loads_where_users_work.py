@@ -85,6 +85,60 @@ def test_an_image_model_loads_as_an_image_classifier(monkeypatch: pytest.MonkeyP
 
     images = torch.randint(0, 256, (2, 3, 16, 16), dtype=torch.uint8)
     torch.testing.assert_close(model(pixel_values=pixels(images)).logits, ours(pixel_values=pixels(images)).logits)
+    assert model.config.id2label == dict(enumerate(["ant", "bee", "cat", "dog", "eel"]))
+
+
+def test_an_image_export_brings_a_processor_that_scales_pixels_as_training_did(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    monkeypatch.setattr(validation, "fetch_campaign_params", _trained)
+    campaign = _image_campaign()
+    compute_validation_loss(campaign.pk, 5)
+    folder = _unzip(logged_in(campaign.owner), campaign, 5, tmp_path)
+    picture = np.random.default_rng(1).integers(0, 256, (16, 16, 3)).astype(np.uint8)
+
+    processed = AutoImageProcessor.from_pretrained(folder)(images=Image.fromarray(picture), return_tensors="pt")
+
+    stored = torch.from_numpy(picture.transpose(2, 0, 1).copy())  # as an upload stores a 16 x 16 image
+    torch.testing.assert_close(processed["pixel_values"][0], pixels(stored), atol=1e-5, rtol=0)
+
+
+def test_a_language_model_on_a_tokenized_dataset_exports_that_tokenizer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from crowdtrain.campaigns import tokenizing
+    from crowdtrain.campaigns.models import Dataset, Upload
+    from crowdtrain.campaigns.uploads import append_chunk, complete_upload, store_uploaded_tokenizer
+
+    monkeypatch.setattr(validation, "fetch_campaign_params", _trained)
+    trained = tokenizing.train_bpe([TEXT.decode()], 300)
+    sha = store_uploaded_tokenizer(tokenizing.tokenizer_bytes(trained))["sha256"]
+    owner = make_organizer("owner")
+    upload = Upload.objects.create(owner=owner, name="fox", filename="fox.txt", size=len(TEXT), format="text",
+                                   sample_len=SAMPLE_LEN, tokenizer=sha)  # fmt: skip
+    upload = complete_upload(append_chunk(upload, 0, TEXT))
+    dataset = Dataset.objects.get(pk=upload.dataset_id)
+    assert dataset.status == "ready", dataset.error
+    campaign = make_campaign(dataset, architecture="llama", model_config={**LLAMA, "vocab_size": 300}, seed=3)
+    Campaign.objects.filter(pk=campaign.pk).update(owner=owner)
+    compute_validation_loss(campaign.pk, 4)
+
+    folder = _unzip(logged_in(owner), campaign, 4, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+
+    ids = tokenizer("the lazy fox jumps", return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == trained.encode("the lazy fox jumps").ids
+    assert tokenizer.eos_token == tokenizing.END_OF_TEXT
+    ours = model_from_flat("llama", campaign.model_config, _trained(campaign, 4)).eval()
+    torch.testing.assert_close(model(input_ids=ids).logits, ours(input_ids=ids).logits)
+    assert tokenizer.decode(model.generate(ids, max_new_tokens=3, do_sample=False)[0]).startswith("the lazy fox jumps")
 
 
 def test_a_model_of_our_own_registry_says_to_use_the_two_files(llama: Campaign) -> None:
@@ -113,6 +167,8 @@ def _image_campaign() -> Campaign:
     x = rng.integers(0, 256, (40, 3, 16, 16)).astype(np.uint8)
     y = rng.integers(0, 5, 40).astype(np.int64)
     dataset = create_tensor_dataset("images", x, y, validation_fraction=0.25)
+    dataset.image_size, dataset.labels = 16, ["ant", "bee", "cat", "dog", "eel"]  # as an image upload names them
+    dataset.save(update_fields=["image_size", "labels"])
     config: dict[str, Any] = {"image_size": 16, "embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1],
                               "num_labels": 5}  # fmt: skip
     c = make_campaign(dataset, architecture="resnet", model_config=config, seed=3)

@@ -264,12 +264,18 @@ def byte_tokenizer() -> Any:
     return library("PreTrainedTokenizerFast")(tokenizer_object=tokenizer)
 
 
-def pretrained_files(architecture: str, config: dict[str, Any]) -> dict[str, bytes]:
+def pretrained_files(
+    architecture: str, config: dict[str, Any], *, tokenizer_json: bytes | None = None, labels: list[str] | None = None
+) -> dict[str, bytes]:
     """The files beside ``model.safetensors`` that make a ``transformers`` folder of this model.
 
-    ``config.json`` always; for a language model on bytes (vocab 256) also the byte tokenizer's files, so
-    ``AutoTokenizer.from_pretrained`` encodes text as the campaign's samples were. Empty for families
-    that are not the library's.
+    ``config.json`` always. A language model gets the tokenizer its samples
+    were made with: ``tokenizer_json`` (the dataset's ``tokenizer.json``), or
+    the byte tokenizer of a byte-level dataset, so ``AutoTokenizer`` encodes
+    prompts as training did. An image classifier gets its class names
+    (``labels``) and a processor that scales pixels as training did, so
+    ``pipeline("image-classification")`` works too. Empty for families that are
+    not the library's.
     """
     make = CONFIGS.get(architecture)
     if make is None:
@@ -277,12 +283,44 @@ def pretrained_files(architecture: str, config: dict[str, Any]) -> dict[str, byt
     library_config = make(config)
     if architecture == "resnet":
         library_config.architectures = ["ResNetForImageClassification"]
+    if labels:
+        library_config.id2label = dict(enumerate(labels))
+        library_config.label2id = {name: i for i, name in enumerate(labels)}
     files = {"config.json": library_config.to_json_string().encode()}
-    if architecture in ("llama", "gpt2") and config["vocab_size"] == BYTE_VOCAB:
-        import tempfile
-        from pathlib import Path
-
-        with tempfile.TemporaryDirectory() as folder:
-            byte_tokenizer().save_pretrained(folder)
-            files.update({p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()})
+    if architecture in ("llama", "gpt2"):
+        files.update(_saved(lm_tokenizer(tokenizer_json)))
+    else:
+        processor = library("ViTImageProcessor")(
+            do_resize=True,
+            size={"height": config["image_size"], "width": config["image_size"]},
+            image_mean=[0.5] * config["num_channels"],  # (x / 255 - 0.5) / 0.5 = x / 127.5 - 1: ``pixels``
+            image_std=[0.5] * config["num_channels"],
+        )
+        files.update(_saved(processor))
     return files
+
+
+def lm_tokenizer(tokenizer_json: bytes | None) -> Any:
+    """The ``PreTrainedTokenizerFast`` of a dataset's ``tokenizer.json``, its end-of-text token named; bytes if None."""
+    if tokenizer_json is None:
+        return byte_tokenizer()
+    transformers_module()
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+    end = next((t for t in END_TOKENS if tokenizer.token_to_id(t) is not None), None)
+    return library("PreTrainedTokenizerFast")(tokenizer_object=tokenizer, eos_token=end)
+
+
+# Tokens that end a text in common tokenizers; the first one a tokenizer has is its end-of-text token.
+END_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+
+
+def _saved(thing: Any) -> dict[str, bytes]:
+    """The files ``thing.save_pretrained`` writes, by name."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        thing.save_pretrained(folder)
+        return {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()}

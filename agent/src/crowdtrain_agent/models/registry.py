@@ -16,6 +16,8 @@ from . import hf
 from .gpt import GPT
 from .mlp import MLP
 
+BYTE_VOCAB = hf.BYTE_VOCAB
+
 
 class ModelConfigError(ConfigError):
     """A campaign's model config that the registry cannot build; ``field`` names the config key, if one is at fault."""
@@ -43,6 +45,9 @@ class ModelEntry:
     # checks ask these instead of assuming a field of one architecture (GPT's block_size).
     _sample_len: Callable[[dict[str, Any]], int] | None = None
     max_sample_len: int = 0
+    # Text architectures whose embedding size is a field can train on a tokenized dataset; the others
+    # (the byte-level GPT) only on bytes.
+    vocab_field: str = ""
 
     def __post_init__(self) -> None:
         if self.data_kind == "text" and (self._sample_len is None or self.max_sample_len < 2):
@@ -110,6 +115,36 @@ class ModelEntry:
     def loss_sum(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self._loss_sum(model, x, y)
 
+    def vocab_size(self, config: Mapping[str, Any]) -> int:
+        """Token ids the model embeds with ``config``: 256 for a byte-level model, 0 for tensor data.
+
+        Raises:
+            ModelConfigError: if ``config`` is not valid for this architecture.
+        """
+        if self.data_kind != "text":
+            return 0
+        return int(self.validate(config)[self.vocab_field]) if self.vocab_field else BYTE_VOCAB
+
+    def check_vocab(self, config: Mapping[str, Any], dataset_vocab: int) -> None:
+        """Refuse a model that cannot embed every id of a tokenized dataset of ``dataset_vocab`` tokens.
+
+        Raises:
+            ModelConfigError: naming the vocabulary field and the size it needs.
+        """
+        if not self.vocab_field:
+            raise ModelConfigError(
+                f"{self.name} reads bytes and cannot train on a tokenized dataset; choose "
+                f"{' or '.join(n for n, e in REGISTRY.items() if e.vocab_field)}, "
+                "or upload the text without a tokenizer"
+            )
+        own = self.vocab_size(config)
+        if own < dataset_vocab:
+            raise ModelConfigError(
+                f"{self.name}.{self.vocab_field} is {own} but the dataset's tokenizer has {dataset_vocab} tokens; "
+                f"set {self.vocab_field} to at least {dataset_vocab}",
+                self.vocab_field,
+            )
+
 
 # ----------------------------------------------------------------------- gpt
 
@@ -149,7 +184,8 @@ def _mlp_loss_sum(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
 # ----------------------------------------------------------------------- transformers families
 
 LM_MAX_BLOCK_SIZE = GPT_MAX_BLOCK_SIZE  # tokens of context; a sample is one more (the shifted target)
-BYTE_VOCAB = hf.BYTE_VOCAB
+MAX_VOCAB = 1 << 20  # token ids a language model here may embed
+IMAGE_SIZES = (8, 1024)  # the sides, in pixels, a square image of an image family may have
 
 
 def _heads_divide(width: str, heads: str) -> Callable[[dict[str, Any]], None]:
@@ -189,11 +225,11 @@ def _resnet_check(config: dict[str, Any]) -> None:
 
 
 _LM_FIELDS = {
-    "vocab_size": ConfigField("int", BYTE_VOCAB, BYTE_VOCAB, 1 << 20, "token ids the model knows; 256 for bytes"),
+    "vocab_size": ConfigField("int", BYTE_VOCAB, BYTE_VOCAB, MAX_VOCAB, "token ids the model knows; 256 for bytes"),
     "block_size": ConfigField("int", 128, 2, LM_MAX_BLOCK_SIZE, "context length in tokens"),
 }
 _IMAGE_FIELDS = {
-    "image_size": ConfigField("int", 32, 8, 1024, "width and height of the (square) images, in pixels"),
+    "image_size": ConfigField("int", 32, *IMAGE_SIZES, "width and height of the (square) images, in pixels"),
     "num_channels": ConfigField("int", 3, 1, 4, "colour channels of the images"),
     "num_labels": ConfigField("int", 10, 2, 1 << 20, "classes"),
 }
@@ -249,6 +285,7 @@ REGISTRY: dict[str, ModelEntry] = {
         _check=_llama_check,
         _sample_len=lambda c: c["block_size"] + 1,
         max_sample_len=LM_MAX_BLOCK_SIZE + 1,
+        vocab_field="vocab_size",
     ),
     "gpt2": ModelEntry(
         name="gpt2",
@@ -266,6 +303,7 @@ REGISTRY: dict[str, ModelEntry] = {
         _check=_heads_divide("n_embd", "n_head"),
         _sample_len=lambda c: c["block_size"] + 1,
         max_sample_len=LM_MAX_BLOCK_SIZE + 1,
+        vocab_field="vocab_size",
     ),
     "vit": ModelEntry(
         name="vit",

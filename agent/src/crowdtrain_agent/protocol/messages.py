@@ -52,7 +52,9 @@ CodecName = Literal["fp32", "fp16", "int8"]  # "int8" since 2.3: an older peer c
 # Elements per scale of the int8 codec (crowdtrain_agent.codec.MIN_INT8_BLOCK_SIZE to MAX_INT8_BLOCK_SIZE).
 BlockSize = Annotated[int, msgspec.Meta(ge=32, le=1 << 16)]
 DeviceKind = Literal["cpu", "cuda", "mps"]
-DataKind = Literal["text", "tensors"]
+DataKind = Literal["text", "tensors", "tokens"]  # "tokens" since 2.6
+TokenBytes = Literal[0, 2, 4]  # bytes per token id of a token shard; 0 for other kinds
+Augment = Literal["none", "flip", "flip_crop"]  # what agents do to image samples (DataSpec)
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 HexKey = Annotated[str, msgspec.Meta(pattern="^(?:[0-9a-f]{64})?$")]  # a 32-byte HMAC key in hex, or "" for none
 RequestId = Annotated[str, msgspec.Meta(max_length=64)]
@@ -84,10 +86,24 @@ class DataSpec(Part, frozen=True, kw_only=True):
     ``text``: raw bytes, ``sample_len`` bytes per sample (inputs are the first
     ``sample_len - 1``, targets the last ``sample_len - 1``).
     ``tensors``: a safetensors file with arrays ``x`` and ``y``, one row per sample.
+    ``tokens`` (2.6): little-endian unsigned token ids of ``token_bytes`` each,
+    ``sample_len`` ids per sample, every id below ``vocab_size``; ``tokenizer``
+    is the sha256 of the ``tokenizer.json`` that made them, fetched like a shard.
+    None of this is advisory: a 2.5 agent would read ids as bytes.
+    ``augment`` (2.6, image samples of 0..255 pixels): random flips, or flips
+    and shifted crops, seeded by the sample and the lease's base version, so
+    two devices computing one lease see the same images. Not advisory either.
     """
+
+    since: ClassVar[dict[str, int]] = {"token_bytes": 6, "vocab_size": 6, "tokenizer": 6, "augment": 6}
+    since_values: ClassVar[dict[str, dict[str, int]]] = {"kind": {"tokens": 6}}
 
     kind: DataKind
     sample_len: Count = 0
+    token_bytes: TokenBytes = 0
+    vocab_size: Count = 0
+    tokenizer: HexKey = ""  # sha256 hex of the tokenizer.json, or "" for none
+    augment: Augment = "none"
 
 
 class SampleRange(Part, frozen=True, kw_only=True):
