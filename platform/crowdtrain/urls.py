@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.urls import include, path
 
 from crowdtrain.accounts import profile_views, team_views
-from crowdtrain.campaigns import agent_wheel, dataset_views, organizer_views, role_views, uploads
+from crowdtrain.campaigns import agent_wheel, dataset_views, organizer_views, pretrained_views, role_views, uploads
 from crowdtrain.campaigns import export as campaign_export
 from crowdtrain.campaigns import join as campaign_join
 from crowdtrain.campaigns import views as campaign_views
@@ -59,6 +59,10 @@ urlpatterns = [
     path("datasets/new", dataset_views.dataset_upload_page, name="dataset-upload"),
     path("datasets/<int:dataset_id>/", dataset_views.dataset_detail, name="dataset-detail"),
     path("datasets/<int:dataset_id>/status", dataset_views.dataset_status, name="dataset-status"),
+    path("models/new", pretrained_views.pretrained_upload_page, name="pretrained-upload"),
+    path("models/<int:pretrained_id>/", pretrained_views.pretrained_detail, name="pretrained-detail"),
+    path("models/<int:pretrained_id>/status", pretrained_views.pretrained_status, name="pretrained-status"),
+    path("api/backbone/weights/<str:sha256>", campaign_views.initial_weights, name="backbone-weights"),
     path("datasets/uploads", uploads.upload_create, name="dataset-upload-create"),
     path("datasets/tokenizers", uploads.tokenizer_upload, name="dataset-tokenizer-upload"),
     path("datasets/uploads/<uuid:upload_id>", uploads.upload_status, name="dataset-upload-status"),

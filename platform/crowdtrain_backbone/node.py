@@ -6,7 +6,8 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, NamedTuple
+import urllib.request
+from typing import IO, Any, NamedTuple
 
 import torch
 
@@ -36,11 +37,13 @@ from .checkpoints import (
 from .config import BackboneConfig
 from .metrics import BackboneMetrics
 from .robust import ClipHistory
-from .slices import MemoryBudget, SliceState, StepRefused, initial_params
+from .slices import MemoryBudget, PretrainedUnavailable, SliceState, StepRefused, WeightsOpener, initial_params
 
 logger = logging.getLogger(__name__)
 # The first wait before a refused checkpoint is written again, and the longest (doubled after each refusal).
 RETRY_FIRST_S = 2.0
+# A stalled download of pretrained weights fails after this long without a byte (urllib's socket timeout).
+WEIGHTS_TIMEOUT_S = 60.0
 RETRY_MAX_S = 10.0
 
 SiteOrder = SliceAssignment | StepCommit | Rollback | SliceUnassign | CheckpointComplete
@@ -48,7 +51,7 @@ ORDERS = (SliceAssignment, StepCommit, Rollback, SliceUnassign, CheckpointComple
 Reply = SliceReady | SliceLost | CheckpointSaved | StepApplied | StepFailed
 
 # Fields that fix which numbers a slice holds; a change means a different slice.
-_LAYOUT_FIELDS = ("start", "end", "param_count", "model", "seed")
+_LAYOUT_FIELDS = ("start", "end", "param_count", "model", "seed", "initial")
 # The part of an exception's text a StepFailed or SliceLost carries: the site shows it on the campaign page.
 _DETAIL_CHARS = 500
 # A step whose uploads hold at most this many elements in all is applied on the event loop, not in a
@@ -114,7 +117,20 @@ def _load(store: CheckpointStore, assignment: SliceAssignment, version: int) -> 
     return Restored(state["params"], version, optimizer_state, pending if isinstance(pending, list) else [], history)
 
 
-def restore(assignment: SliceAssignment, store: CheckpointStore, version: int, fallback: int | None) -> Restored:
+def _version_zero(assignment: SliceAssignment, open_weights: WeightsOpener | None) -> Restored:
+    try:
+        return Restored(initial_params(assignment, open_weights), 0, None, [])
+    except PretrainedUnavailable as exc:
+        raise SliceLostError(str(exc)) from None
+
+
+def restore(
+    assignment: SliceAssignment,
+    store: CheckpointStore,
+    version: int,
+    fallback: int | None,
+    open_weights: WeightsOpener | None = None,
+) -> Restored:
     """The state to hold: ``version``'s checkpoint, else the site's ``fallback`` (a complete version), else lost.
 
     Never an older checkpoint of this slice alone (the other slices may not
@@ -129,7 +145,7 @@ def restore(assignment: SliceAssignment, store: CheckpointStore, version: int, f
     """
     cid, idx = assignment.campaign_id, assignment.slice_index
     if version == 0:
-        return Restored(initial_params(assignment), 0, None, [])
+        return _version_zero(assignment, open_weights)
     tried = []
     try:
         return _load(store, assignment, version)
@@ -138,8 +154,8 @@ def restore(assignment: SliceAssignment, store: CheckpointStore, version: int, f
     if fallback is None:
         raise SliceLostError(f"{tried[0]}; the campaign has no complete checkpoint to fall back to")
     if fallback == 0:
-        logger.warning("campaign %s slice %s: restarting from the seeded init (version 0), as the site asks", cid, idx)
-        return Restored(initial_params(assignment), 0, None, [])
+        logger.warning("campaign %s slice %s: restarting from version 0, as the site asks", cid, idx)
+        return _version_zero(assignment, open_weights)
     try:
         restored = _load(store, assignment, fallback)
     except CheckpointError as exc:
@@ -190,6 +206,19 @@ class AggregatorNode:
         # Per campaign: the newest timeline (its rollbacks so far) an assignment, a rollback or a commit
         # named. A commit of an older one was written before a rollback that this process has carried out.
         self.timelines: dict[int, int] = {}
+
+    def open_weights(self, sha256: str) -> IO[bytes]:
+        """The site's stream of the pretrained weights a campaign starts from (``slices.pretrained_slice``).
+
+        Raises:
+            OSError: the site cannot be reached or refuses (urllib's errors are OSErrors).
+        """
+        request = urllib.request.Request(
+            f"{self.config.site.rstrip('/')}/api/backbone/weights/{sha256}",
+            headers={"Authorization": f"Bearer {self.config.token}", "User-Agent": "crowdtrain-backbone"},
+        )
+        response: IO[bytes] = urllib.request.urlopen(request, timeout=WEIGHTS_TIMEOUT_S)
+        return response
 
     def _note_timeline(self, campaign_id: int, timeline: int) -> None:
         self.timelines[campaign_id] = max(self.timelines.get(campaign_id, 0), timeline)
@@ -296,7 +325,7 @@ class AggregatorNode:
             self.broken.pop(key, None)
         try:
             restored = await asyncio.to_thread(
-                restore, assignment, self.store, assignment.version, assignment.restore_version
+                restore, assignment, self.store, assignment.version, assignment.restore_version, self.open_weights
             )
         except SliceLostError as exc:
             return self._lost(assignment, assignment.version, str(exc))
@@ -335,7 +364,9 @@ class AggregatorNode:
 
     async def _reload(self, state: SliceState, version: int, fallback: int | None) -> SliceReady | SliceLost:
         try:
-            restored = await asyncio.to_thread(restore, state.assignment, self.store, version, fallback)
+            restored = await asyncio.to_thread(
+                restore, state.assignment, self.store, version, fallback, self.open_weights
+            )
         except SliceLostError as exc:
             return self._lost(state.assignment, version, str(exc))
         # Uploads saved in the file are not taken back: this process's own pending ones are newer.

@@ -9,13 +9,16 @@ the slice at one version, served to agents over HTTP.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
+import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import IO, Any, TypeGuard
 
+import numpy as np
 import torch
 
 from crowdtrain_agent.codec import encode_fp32
@@ -34,6 +37,7 @@ __all__ = [
     "MeanRule",
     "MemoryBudget",
     "PendingUpload",
+    "PretrainedUnavailable",
     "SliceState",
     "Snapshot",
     "StepRefused",
@@ -41,6 +45,7 @@ __all__ = [
     "build_slice_optimizer",
     "initial_params",
     "make_snapshot",
+    "pretrained_slice",
     "slice_segments",
 ]
 
@@ -96,12 +101,21 @@ class MemoryBudget:
         self.used = max(0, self.used - nbytes)
 
 
-def initial_params(assignment: SliceAssignment) -> torch.Tensor:
-    """Elements ``start:end`` of the seeded model's flat parameter vector (the same on every aggregator).
+# Opens the site's stream of the pretrained weights with this sha256 (``AggregatorNode.open_weights``).
+WeightsOpener = Callable[[str], IO[bytes]]
+
+
+def initial_params(assignment: SliceAssignment, open_weights: WeightsOpener | None = None) -> torch.Tensor:
+    """Elements ``start:end`` of version 0: the pretrained weights the assignment names, else the seeded model's.
 
     Raises:
         ValueError: if the model does not have ``param_count`` parameters or the range does not fit.
+        PretrainedUnavailable: the pretrained weights cannot be fetched, or are not the ones named.
     """
+    if assignment.initial:
+        if open_weights is None:
+            raise PretrainedUnavailable("this aggregator has no way to fetch pretrained weights")
+        return pretrained_slice(assignment, open_weights)
     model = get_model(assignment.model.architecture).build(assignment.model.config, seed=assignment.seed)
     flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
     if flat.numel() != assignment.param_count:
@@ -111,6 +125,49 @@ def initial_params(assignment: SliceAssignment) -> torch.Tensor:
             "different model registries, upgrade crowdtrain-agent on the aggregator"
         )
     return flat[assignment.start : assignment.end].clone()
+
+
+class PretrainedUnavailable(RuntimeError):
+    """The pretrained weights a campaign starts from could not be fetched whole and verified."""
+
+
+def pretrained_slice(assignment: SliceAssignment, open_weights: WeightsOpener) -> torch.Tensor:
+    """This slice's elements of the pretrained weights, read from the site's stream of the whole vector.
+
+    Every byte is hashed, not only the slice's: the sha256 the site named is
+    of the whole vector, and a slice of damaged weights must never become a
+    campaign's version 0.
+
+    Raises:
+        PretrainedUnavailable: saying what went wrong (the download, the size, the hash).
+    """
+    sha = assignment.initial
+    first, last = assignment.start * 4, assignment.end * 4
+    expected = assignment.param_count * 4
+    out = torch.empty(assignment.end - assignment.start, dtype=torch.float32)
+    target = out.numpy().view(np.uint8)
+    digest = hashlib.sha256()
+    offset = 0
+    try:
+        with open_weights(sha) as body:
+            while block := body.read(1 << 20):
+                digest.update(block)
+                low, high = max(offset, first), min(offset + len(block), last)
+                if low < high:
+                    target[low - first : high - first] = np.frombuffer(block, np.uint8, high - low, low - offset)
+                offset += len(block)
+    except OSError as exc:
+        raise PretrainedUnavailable(f"pretrained weights {sha[:12]}: cannot download them: {exc}") from None
+    if offset != expected:
+        raise PretrainedUnavailable(
+            f"pretrained weights {sha[:12]}: {offset} bytes came, {expected} expected ({assignment.param_count} "
+            "fp32 parameters); the site's copy does not fit the campaign"
+        )
+    if digest.hexdigest() != sha:
+        raise PretrainedUnavailable(f"pretrained weights {sha[:12]}: the bytes that came hash to {digest.hexdigest()}")
+    if sys.byteorder == "big":  # the stored vector is little-endian
+        return torch.from_numpy(out.numpy().byteswap())
+    return out
 
 
 def _saved_upload(entry: Any, numel: int) -> PendingUpload:

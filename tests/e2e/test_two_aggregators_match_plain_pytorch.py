@@ -61,10 +61,15 @@ class Trained(NamedTuple):
     params: torch.Tensor  # the platform's flat parameters at the last step trained
 
 
-def rerun_in_pytorch(dump: dict[str, Any], steps: int = STEPS) -> tuple[torch.Tensor, list[float]]:
-    """The first ``steps`` committed steps replayed on one model: final flat parameters and each step's loss."""
+def rerun_in_pytorch(
+    dump: dict[str, Any], steps: int = STEPS, initial: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[float]]:
+    """The first ``steps`` committed steps replayed on one model (from ``initial``, else the seeded init): final
+    flat parameters and each step's loss."""
     entry = get_model(dump["architecture"])
     model = entry.build(dump["model_config"], seed=dump["seed"])
+    if initial is not None:
+        torch.nn.utils.vector_to_parameters(initial.clone(), model.parameters())
     opt = dump["optimizer"]
     # The aggregators' weight-decay rule (nanoGPT's): matrices and embeddings decay, biases and norm
     # gains (fewer than 2 dimensions) do not, unless the campaign decays every tensor.

@@ -45,7 +45,24 @@
     }
   }
 
+  // Pretrained weights decide the model: choosing them fills in their architecture and sizes.
+  const pretrained = form.querySelector("select[name=pretrained]");
+  const pretrainedConfigs = JSON.parse(document.getElementById("pretrained-configs").textContent);
+  function fillFromPretrained() {
+    const chosen = pretrained && pretrainedConfigs[pretrained.value];
+    if (!chosen) return;
+    architecture.value = chosen.architecture;
+    showArchitecture();
+    for (const [name, value] of Object.entries(chosen.config)) {
+      const input = form.querySelector(`[name="${chosen.architecture}__${name}"]`);
+      if (!input || input.disabled) continue;
+      if (input.type === "checkbox") input.checked = Boolean(value);
+      else input.value = Array.isArray(value) ? value.join(", ") : String(value);
+    }
+  }
+
   architecture.addEventListener("change", showArchitecture);
+  if (pretrained) pretrained.addEventListener("change", fillFromPretrained);
   optimizer.addEventListener("change", showOptimizer);
   if (mode) {
     mode.addEventListener("change", showMode);

@@ -65,16 +65,17 @@
       form.querySelectorAll("[data-for-format]").forEach((field) => {
         field.hidden = !field.dataset.forFormat.split(" ").includes(formatSelect.value);
       });
+      if (!tokenizerSelect) return;  // the pretrained weights' page has one format and no tokenizer
       form.querySelectorAll("[data-for-tokenizer]").forEach((field) => {
         field.hidden = !textual() || field.dataset.forTokenizer !== tokenizerSelect.value;
       });
       form.querySelector("[data-sample-unit]").textContent = tokenizerSelect.value ? "(tokens)" : "(bytes)";
     }
     formatSelect.addEventListener("change", showFormatFields);
-    tokenizerSelect.addEventListener("change", showFormatFields);
+    if (tokenizerSelect) tokenizerSelect.addEventListener("change", showFormatFields);
     fileInput.addEventListener("change", () => {
       const file = fileInput.files[0];
-      if (!file) return;
+      if (!file || formatSelect.options.length < 2) return;
       if (/\.npz$/i.test(file.name)) formatSelect.value = "npz";
       else if (/\.jsonl?$/i.test(file.name)) formatSelect.value = "jsonl";
       else if (/\.(zip|tar|tgz|tar\.gz|tar\.bz2|tar\.xz)$/i.test(file.name)) formatSelect.value = "images";
@@ -85,7 +86,8 @@
 
     // The tokenizer field of the upload: "" (bytes), "train", or the sha256 the site answers for a tokenizer.json.
     async function tokenizerChoice() {
-      if (!textual() || !tokenizerSelect.value) return { tokenizer: "" };
+      if (!textual() || !tokenizerSelect || !tokenizerSelect.value) return { tokenizer: "" };
+      if (!["train", "file"].includes(tokenizerSelect.value)) return { tokenizer: tokenizerSelect.value };
       if (tokenizerSelect.value === "train") {
         return { tokenizer: "train", vocab_size: Number(form.querySelector("[name=vocab_size]").value) };
       }
@@ -145,7 +147,7 @@
       if (file.size > maxBytes) return fail("The file is " + formatBytes(file.size) + ", over the limit of " + formatBytes(maxBytes) + ".");
       button.disabled = true;
       const key = ["crowdtrain-upload", file.name, file.size, file.lastModified, formatSelect.value,
-        textual() ? tokenizerSelect.value : ""].join(":");
+        textual() && tokenizerSelect ? tokenizerSelect.value : ""].join(":");
 
       let upload = await resumable(key);
       if (upload && upload.received > 0) note("Resuming: the site already has " + formatBytes(upload.received) + ".");
@@ -199,7 +201,7 @@
       const done = await request(createUrl + "/" + upload.id + "/complete", { method: "POST", headers: headers });
       if (done.status !== 202) return fail(done.data.error || "The upload could not be completed.");
       localStorage.removeItem(key);
-      window.location.assign(done.data.dataset_url);
+      window.location.assign(done.data.page_url || done.data.dataset_url);
     });
   }
 
@@ -220,17 +222,18 @@
       progress.querySelector("progress").value = s.progress;
       field("percent").textContent = Math.floor(100 * s.progress) + "%";
       progress.hidden = s.status === "ready" || s.status === "failed";
-      field("stage").textContent = s.stage;
       field("error").textContent = s.error;
       field("error").hidden = !s.error;
-      ["num_samples", "num_validation_samples", "train_shards", "validation_shards"].forEach((name) => {
-        field(name).textContent = s[name];
-      });
-      field("size_bytes").textContent = formatBytes(s.size_bytes);
+      // Fields this page shows (a dataset's counts; pretrained weights have fewer), kept live.
+      ["stage", "num_samples", "num_validation_samples", "train_shards", "validation_shards", "param_count"]
+        .forEach((name) => {
+          if (field(name) && s[name] !== undefined) field(name).textContent = s[name];
+        });
+      if (field("size_bytes")) field("size_bytes").textContent = formatBytes(s.size_bytes);
       document.querySelectorAll("[data-when-ready]").forEach((el) => { el.hidden = s.status !== "ready"; });
       if (s.status !== "ready" && s.status !== "failed") setTimeout(poll, 1000);
       // The facts only a finished dataset has (its tokenizer, classes, skipped files) come with the page itself.
-      else if (s.tokenizer || s.classes || s.skipped_count) window.location.reload();
+      else if (s.tokenizer || s.classes || s.skipped_count || s.architecture) window.location.reload();
     }
     if (box.dataset.state !== "ready" && box.dataset.state !== "failed") poll();
   }

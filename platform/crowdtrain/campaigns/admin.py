@@ -99,6 +99,7 @@ class CampaignAdminForm(forms.ModelForm):
                 check_fraction=data.get("check_fraction", 0.0),
                 staleness=data.get("staleness", 0),
                 augmentation=data.get("augmentation", "none"),
+                pretrained=data.get("pretrained"),
             )
         except CampaignConfigError as exc:
             self.add_error(self._admin_field(exc.field, data.get("architecture")), str(exc))

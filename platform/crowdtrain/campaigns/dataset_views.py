@@ -15,7 +15,7 @@ from crowdtrain_agent.models import max_text_sample_len
 from crowdtrain_agent.models.registry import IMAGE_SIZES, MAX_VOCAB
 
 from .models import Dataset, Shard, Upload
-from .permissions import is_organizer, visible_datasets, visible_uploads
+from .permissions import is_organizer, visible_datasets, visible_pretrained, visible_uploads
 
 
 def _organizer(request: HttpRequest) -> None:
@@ -63,7 +63,10 @@ def dataset_list(request: HttpRequest) -> HttpResponse:
     _organizer(request)
     datasets = visible_datasets(request.user).select_related("owner").order_by("-created_at")
     unfinished = visible_uploads(request.user).filter(state=Upload.State.RECEIVING)
-    return render(request, "datasets/list.html", {"datasets": datasets, "unfinished": unfinished})
+    pretrained = visible_pretrained(request.user).order_by("-created_at")
+    return render(
+        request, "datasets/list.html", {"datasets": datasets, "unfinished": unfinished, "pretrained": pretrained}
+    )
 
 
 @login_required
@@ -84,6 +87,11 @@ def dataset_upload_page(request: HttpRequest) -> HttpResponse:
             "max_tokenizer_bytes": settings.CROWDTRAIN_MAX_TOKENIZER_BYTES,
             "default_image_size": settings.CROWDTRAIN_IMAGE_SIZE,
             "image_sizes": IMAGE_SIZES,
+            # Tokenizers that came with pretrained weights: a dataset for them must be tokenized by them.
+            "pretrained_tokenizers": visible_pretrained(request.user)
+            .filter(status="ready")
+            .exclude(tokenizer_sha256="")
+            .values_list("name", "tokenizer_sha256"),
         },
     )
 

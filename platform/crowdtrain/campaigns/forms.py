@@ -32,7 +32,7 @@ from crowdtrain_agent.optimizers import (
 )
 
 from .lifecycle import LOCK_REASON, config_locked
-from .models import Campaign, Dataset
+from .models import Campaign, Dataset, Pretrained
 from .permissions import visible_datasets
 from .settings_table import GROUPS, SETTINGS, Group, locked_fields
 from .setup import INNER_SETTINGS, CampaignConfigError, config_field_name, validate_campaign
@@ -121,6 +121,17 @@ class DatasetChoiceField(forms.ModelChoiceField):
         return f"{obj.name} ({obj.kind}, {obj.num_samples} samples{shape})"
 
 
+class PretrainedChoiceField(forms.ModelChoiceField):
+    def label_from_instance(self, obj: Pretrained) -> str:
+        return f"{obj.name} ({obj.architecture}, {obj.param_count:,} parameters)"
+
+
+def pretrained_for(user: Any) -> QuerySet[Pretrained]:
+    """Pretrained weights ``user`` may start a campaign from: their own (staff: any), converted."""
+    weights = Pretrained.objects.filter(status=Pretrained.Status.READY)
+    return (weights if user.is_staff else weights.filter(owner=user)).order_by("-created_at", "-id")
+
+
 class CampaignForm(forms.Form):
     name = forms.CharField(max_length=200, error_messages=_messages("Name"))
     description = forms.CharField(
@@ -139,6 +150,14 @@ class CampaignForm(forms.Form):
         queryset=Dataset.objects.none(),
         error_messages=_messages("Dataset"),
         help_text="One of your datasets that has finished splitting into shards.",
+    )
+    pretrained = PretrainedChoiceField(
+        queryset=Pretrained.objects.none(),
+        required=False,
+        empty_label="none: the seeded random initialisation",
+        label="Start from",
+        help_text="Pretrained weights you uploaded: version 0 is them, and the architecture and its sizes are theirs.",
+        error_messages=_messages("Start from"),
     )
     architecture = forms.ChoiceField(choices=[], error_messages=_messages("Architecture"))
     optimizer = forms.ChoiceField(choices=[], initial=DEFAULT_OPTIMIZER, error_messages=_messages("Optimizer"))
@@ -159,6 +178,10 @@ class CampaignForm(forms.Form):
         if instance is not None:  # keep the current dataset selectable even if it is not the user's own
             datasets = datasets | Dataset.objects.filter(pk=instance.dataset_id)
         self._declared("dataset", DatasetChoiceField).queryset = datasets
+        weights = pretrained_for(user)
+        if instance is not None and instance.pretrained_id:
+            weights = weights | Pretrained.objects.filter(pk=instance.pretrained_id)
+        self._declared("pretrained", PretrainedChoiceField).queryset = weights
         architectures = [(name, f"{name}: {e.description}") for name, e in REGISTRY.items()]
         self._declared("architecture", forms.ChoiceField).choices = architectures
         self._declared("optimizer", forms.ChoiceField).choices = [(name, e.label) for name, e in OPTIMIZERS.items()]
@@ -167,6 +190,7 @@ class CampaignForm(forms.Form):
             [
                 *ABOUT_FIELDS,
                 "dataset",
+                "pretrained",
                 "architecture",
                 *(config_field_name(a, f) for a, e in REGISTRY.items() for f in e.fields),
                 "optimizer",
@@ -219,7 +243,7 @@ class CampaignForm(forms.Form):
     def _is_locked(self, name: str) -> bool:
         if "__" in name:
             return True  # model config
-        return name in ("optimizer", *HYPERPARAMETERS, *SCHEDULE_FIELDS) or name in locked_fields()
+        return name in ("optimizer", "pretrained", *HYPERPARAMETERS, *SCHEDULE_FIELDS) or name in locked_fields()
 
     def config_sets(self) -> list[tuple[str, str, list[forms.BoundField]]]:
         """(architecture, description, its bound config fields) for each registry entry."""
@@ -242,6 +266,15 @@ class CampaignForm(forms.Form):
             groups.append((group, fields, any(f.errors for f in fields)))
         return groups
 
+    def pretrained_configs(self) -> dict[str, dict[str, Any]]:
+        """{weights id: their architecture and config}: choosing weights fills the model's fields."""
+        weights = self._declared("pretrained", PretrainedChoiceField).queryset
+        assert weights is not None  # set in __init__
+        return {
+            str(p.pk): {"architecture": p.architecture, "config": p.model_config}
+            for p in weights.only("pk", "architecture", "model_config")
+        }
+
     def optimizer_field_map(self) -> dict[str, list[str]]:
         """The hyperparameters each optimizer reads; the page shows only the chosen one's."""
         return {name: list(entry.hyperparameters) for name, entry in OPTIMIZERS.items()}
@@ -250,6 +283,7 @@ class CampaignForm(forms.Form):
     def _initial_from(campaign: Campaign) -> dict[str, Any]:
         initial: dict[str, Any] = {name: getattr(campaign, name) for name in (*ABOUT_FIELDS, *SETTINGS)}
         initial["dataset"] = campaign.dataset_id
+        initial["pretrained"] = campaign.pretrained_id
         initial["architecture"] = campaign.architecture
         optimizer = dict(campaign.optimizer or {})
         initial["optimizer"] = optimizer.get("name", DEFAULT_OPTIMIZER)
@@ -385,6 +419,7 @@ class CampaignForm(forms.Form):
                 check_fraction=data["check_fraction"],
                 staleness=data["staleness"],
                 augmentation=data["augmentation"],
+                pretrained=data.get("pretrained"),
             )
         except CampaignConfigError as exc:
             self.add_error(exc.field if exc.field in self.fields else None, str(exc))
@@ -405,6 +440,7 @@ class CampaignForm(forms.Form):
                     setattr(campaign, name, data[name])
             if not self.locked:
                 campaign.dataset = data["dataset"]
+                campaign.pretrained = data.get("pretrained")
                 campaign.architecture = data["architecture"]
                 campaign.model_config = self.model_config
                 campaign.optimizer = self.optimizer_spec

@@ -107,6 +107,7 @@ def _check_trainable(campaign: Campaign) -> None:
             max_steps=campaign.max_steps,
             num_aggregators=campaign.num_aggregators,
             augmentation=campaign.augmentation,
+            pretrained=campaign.pretrained,
         )
     except CampaignConfigError as exc:
         raise LifecycleError(f"the campaign cannot train as configured: {exc}; fix it in Edit") from None

@@ -90,6 +90,40 @@ class Dataset(models.Model):
         return self.shards.filter(split=Shard.Split.VALIDATION).order_by("index")
 
 
+class Pretrained(models.Model):
+    """Weights an organizer uploaded (a ``transformers`` folder) that a campaign can start from.
+
+    ``architecture`` and ``model_config`` are the registry's reading of the
+    folder's ``config.json``; the weights are stored as one fp32 vector in the
+    flat parameter order (``pretrained.weights_storage_name``).
+    """
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        CONVERTING = "converting"
+        READY = "ready"
+        FAILED = "failed"
+
+    name = models.CharField(max_length=200)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="pretrained")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    progress = models.FloatField(default=0.0)
+    error = models.TextField(blank=True)
+    architecture = models.CharField(max_length=64, blank=True)
+    model_config = models.JSONField(default=dict, blank=True)
+    param_count = models.BigIntegerField(default=0)
+    weights_sha256 = models.CharField(max_length=64, blank=True)
+    tokenizer_sha256 = models.CharField(max_length=64, blank=True)
+    labels = models.JSONField(default=list, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.architecture or 'pretrained'})"
+
+
 class Shard(models.Model):
     """Samples ``first_sample : first_sample + num_samples`` of a dataset, stored by sha256."""
 
@@ -192,6 +226,10 @@ class Campaign(models.Model):
     invite_code = models.CharField(max_length=64, blank=True, db_index=True, editable=False)
     invited = models.ManyToManyField(settings.AUTH_USER_MODEL, blank=True, related_name="invited_campaigns")
     dataset = models.ForeignKey(Dataset, on_delete=models.PROTECT, related_name="campaigns")
+    # Version 0 is these weights instead of the seeded init (the architecture and config are theirs).
+    pretrained = models.ForeignKey(
+        Pretrained, null=True, blank=True, on_delete=models.PROTECT, related_name="campaigns"
+    )
     architecture = models.CharField(max_length=64)
     model_config = models.JSONField(default=dict)
     optimizer = models.JSONField(default=default_optimizer)
@@ -396,7 +434,10 @@ class Upload(models.Model):
     filename = models.CharField(max_length=255)
     size = models.BigIntegerField(help_text="declared size in bytes")
     sha256 = models.CharField(max_length=64, blank=True, help_text="declared sha256, checked when sharding")
-    format = models.CharField(max_length=16, choices=Dataset.Format.choices)
+    # A dataset's format, or PRETRAINED: a zipped transformers folder of weights to start a campaign from.
+    PRETRAINED = "pretrained"
+    FORMATS = (*Dataset.Format.choices, (PRETRAINED, "pretrained weights: a zipped transformers folder"))
+    format = models.CharField(max_length=16, choices=FORMATS)
     text_field = models.CharField(max_length=100, default="text")
     sample_len = models.PositiveIntegerField(default=0)
     # Text: "" keeps bytes, "train" trains a BPE tokenizer of ``vocab_size`` tokens on the upload, a sha256
@@ -407,6 +448,8 @@ class Upload(models.Model):
     received = models.BigIntegerField(default=0)
     state = models.CharField(max_length=16, choices=State.choices, default=State.RECEIVING)
     dataset = models.ForeignKey(Dataset, null=True, blank=True, on_delete=models.SET_NULL, related_name="uploads")
+    # A "pretrained" upload (a zipped transformers folder) becomes this instead of a dataset.
+    pretrained = models.ForeignKey(Pretrained, null=True, blank=True, on_delete=models.SET_NULL, related_name="uploads")
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:

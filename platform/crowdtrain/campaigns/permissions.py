@@ -8,16 +8,29 @@ from django.db.models import Q
 
 from crowdtrain.accounts.models import Device
 
-from .models import Campaign, Dataset, Upload
+from .models import Campaign, Dataset, Pretrained, Upload
 from .organizers import is_organizer
 
-__all__ = ["can_download_shard", "data_holders", "is_organizer", "visible_datasets", "visible_uploads"]
+__all__ = [
+    "can_download_shard",
+    "data_holders",
+    "is_organizer",
+    "visible_datasets",
+    "visible_pretrained",
+    "visible_uploads",
+]
 
 
 def visible_datasets(user: Any) -> Any:
     """The datasets ``user`` may see and use: their own, or all of them for staff."""
     datasets = Dataset.objects.all()
     return datasets if user.is_staff else datasets.filter(owner=user)
+
+
+def visible_pretrained(user: Any) -> Any:
+    """The pretrained weights ``user`` may see and start from: their own, or all of them for staff."""
+    weights = Pretrained.objects.all()
+    return weights if user.is_staff else weights.filter(owner=user)
 
 
 def visible_uploads(user: Any) -> Any:

@@ -18,7 +18,7 @@ from crowdtrain_agent.optimizers import (
 from crowdtrain_agent.protocol import DataSpec, Lease, OptimizerSpec, ProtocolError
 from crowdtrain_agent.protocol.schema import from_dict, to_dict
 
-from .models import Campaign, Dataset
+from .models import Campaign, Dataset, Pretrained
 from .settings_table import check_settings
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ def validate_campaign(
     check_fraction: float = 0.0,
     staleness: int = 0,
     augmentation: str = "none",
+    pretrained: Pretrained | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], int]:
     """Check a campaign's settings against the registries and its dataset.
 
@@ -96,6 +97,8 @@ def validate_campaign(
             field,
         )
     check_images(architecture, entry, config, dataset, augmentation)
+    if pretrained is not None:
+        check_pretrained(architecture, entry, config, dataset, pretrained)
     if dataset.kind == Dataset.Kind.TOKENS:
         needs = DataSpec.since_values["kind"]["tokens"]
         if needs > django_settings.CROWDTRAIN_PROTOCOL_MINOR:
@@ -141,6 +144,45 @@ def validate_campaign(
             "architecture",
         )
     return config, to_dict(spec), count
+
+
+# Fields a campaign may set apart from its pretrained weights' when the parameter shapes stay the same:
+# the context length of a RoPE model, the image size of a convolutional one.
+INPUT_SIZES = ("block_size", "image_size")
+
+
+def check_pretrained(
+    architecture: str, entry: ModelEntry, config: dict[str, Any], dataset: Dataset, pretrained: Pretrained
+) -> None:
+    """A campaign starting from pretrained weights builds their model and reads ids of their tokenizer.
+
+    Raises:
+        CampaignConfigError: naming the field that differs from the weights.
+    """
+    if pretrained.status != Pretrained.Status.READY:
+        raise CampaignConfigError(
+            f"the pretrained weights {pretrained} are {pretrained.status}, not ready", "pretrained"
+        )
+    if architecture != pretrained.architecture:
+        raise CampaignConfigError(
+            f"the pretrained weights are a {pretrained.architecture}; choose that architecture", "architecture"
+        )
+    theirs = entry.validate(pretrained.model_config)
+    same_shapes = entry.param_shapes(config) == entry.param_shapes(theirs)
+    for name in entry.fields:
+        if config[name] == theirs[name] or (name in INPUT_SIZES and same_shapes):
+            continue
+        raise CampaignConfigError(
+            f"{architecture}.{name} is {config[name]}, but the pretrained weights have {theirs[name]}; a campaign "
+            "that starts from them keeps their model",
+            config_field_name(architecture, name),
+        )
+    if pretrained.tokenizer_sha256 and dataset.tokenizer_sha256 != pretrained.tokenizer_sha256:
+        raise CampaignConfigError(
+            f"{dataset} was not tokenized with the pretrained weights' tokenizer; upload the text again choosing "
+            f"the tokenizer of {pretrained.name}, so the ids mean what the weights learned",
+            "dataset",
+        )
 
 
 def check_images(
@@ -342,6 +384,7 @@ def create_campaign(
     target_batch_size: int = 256,
     microbatch_size: int = 16,
     codec: str = "fp32",
+    pretrained: Pretrained | None = None,
     **fields: Any,
 ) -> Campaign:
     """Validate and save a draft campaign, with the bounds the campaign form enforces.
@@ -368,11 +411,13 @@ def create_campaign(
         check_fraction=settings.get("check_fraction", Campaign._meta.get_field("check_fraction").get_default()),
         staleness=settings.get("staleness", Campaign._meta.get_field("staleness").get_default()),
         augmentation=settings.get("augmentation", Campaign.Augmentation.NONE),
+        pretrained=pretrained,
     )
     return Campaign.objects.create(
         name=name,
         owner=owner,
         dataset=dataset,
+        pretrained=pretrained,
         architecture=architecture,
         model_config=config,
         optimizer=opt,

@@ -10,8 +10,8 @@ from celery import shared_task
 from django.conf import settings
 from django.utils import timezone
 
-from . import uploads, validation
-from .models import Dataset, Upload
+from . import pretrained, uploads, validation
+from .models import Dataset, Pretrained, Upload
 from .sharding import DatasetError, copy_shards, shard_source
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,59 @@ def shard_upload(upload_id: str) -> str | None:
     Dataset.objects.filter(pk=dataset.pk).update(status=Dataset.Status.READY, progress=1.0, error="")
     uploads.discard_chunks(upload)
     return Dataset.Status.READY
+
+
+@shared_task(autoretry_for=(OSError,), retry_backoff=True, retry_jitter=True, max_retries=3)
+def convert_pretrained_upload(upload_id: str) -> str | None:
+    """Check a zipped transformers folder and store its weights for campaigns to start from; idempotent.
+
+    A folder the registry cannot build, or weights that do not fit its
+    config, fail with the reason; storage errors are retried. The received
+    bytes are deleted once the outcome is final.
+
+    Returns:
+        The final status, or None if the upload or its row is gone.
+    """
+    upload = Upload.objects.filter(pk=upload_id).select_related("pretrained").first()
+    if upload is None or upload.pretrained is None:
+        logger.info("upload %s or its pretrained weights have disappeared; nothing to convert", upload_id)
+        return None
+    target = Pretrained.objects.filter(pk=upload.pretrained.pk)
+    if upload.pretrained.status in (Pretrained.Status.READY, Pretrained.Status.FAILED):
+        return upload.pretrained.status
+    target.update(status=Pretrained.Status.CONVERTING, progress=0.0, error="")
+
+    def progress(fraction: float) -> None:
+        target.update(progress=min(1.0, max(0.0, fraction)))
+
+    try:
+        with uploads.open_upload(upload) as fh:
+            converted = pretrained.convert(fh, progress)
+    except pretrained.PretrainedError as exc:
+        target.update(status=Pretrained.Status.FAILED, error=str(exc))
+        uploads.discard_chunks(upload)
+        logger.info("pretrained upload %s refused: %s", upload_id, exc)
+        return Pretrained.Status.FAILED
+    except OSError as exc:
+        target.update(status=Pretrained.Status.PENDING, error=f"storage error while converting ({exc}); retrying")
+        raise
+    except Exception as exc:
+        why = f"internal error while converting ({type(exc).__name__}); upload again"
+        target.update(status=Pretrained.Status.FAILED, error=why)
+        raise
+    target.update(
+        status=Pretrained.Status.READY,
+        progress=1.0,
+        error="",
+        architecture=converted.architecture,
+        model_config=converted.config,
+        param_count=converted.param_count,
+        weights_sha256=converted.weights_sha256,
+        tokenizer_sha256=converted.tokenizer_sha256,
+        labels=converted.labels,
+    )
+    uploads.discard_chunks(upload)
+    return Pretrained.Status.READY
 
 
 @shared_task

@@ -15,6 +15,7 @@ through ``open_upload`` as one seekable file.
 from __future__ import annotations
 
 import bisect
+import errno
 import hashlib
 import io
 import json
@@ -37,7 +38,7 @@ from crowdtrain.text import is_text
 from crowdtrain_agent.models import max_text_sample_len
 from crowdtrain_agent.models.registry import BYTE_VOCAB, IMAGE_SIZES, MAX_VOCAB
 
-from .models import Dataset, Upload, UploadChunk, shard_storage_name
+from .models import Dataset, Pretrained, Upload, UploadChunk, shard_storage_name
 from .permissions import is_organizer, visible_uploads
 
 logger = logging.getLogger(__name__)
@@ -84,8 +85,11 @@ def describe(upload: Upload) -> dict[str, Any]:
         "dataset": upload.dataset_id,
     }
     if upload.dataset_id:
-        data["dataset_url"] = reverse("dataset-detail", args=[upload.dataset_id])
+        data["dataset_url"] = data["page_url"] = reverse("dataset-detail", args=[upload.dataset_id])
         data["status_url"] = reverse("dataset-status", args=[upload.dataset_id])
+    if upload.pretrained_id:
+        data["page_url"] = reverse("pretrained-detail", args=[upload.pretrained_id])
+        data["status_url"] = reverse("pretrained-status", args=[upload.pretrained_id])
     return data
 
 
@@ -122,8 +126,9 @@ def create_upload(owner: Any, body: dict[str, Any]) -> Upload:
     if size > cap:
         raise UploadError(f"the file is {size} bytes, over the limit of {cap} bytes", status=413, limit=cap)
     fmt = _field(body, "format", str)
-    if fmt not in Dataset.Format.values:
-        raise UploadError(f"unknown format {fmt!r}; expected one of {', '.join(Dataset.Format.values)}")
+    formats = [value for value, _ in Upload.FORMATS]
+    if fmt not in formats:
+        raise UploadError(f"unknown format {fmt!r}; expected one of {', '.join(formats)}")
     sha256 = _field(body, "sha256", str, "").strip().lower()
     if sha256 and not _SHA256.match(sha256):
         raise UploadError(f"sha256 must be 64 hexadecimal digits, got {sha256!r}")
@@ -336,12 +341,12 @@ def upload_status(request: HttpRequest, upload_id: UUID) -> JsonResponse:
 
 
 def complete_upload(upload: Upload) -> Upload:
-    """Check every byte arrived, create the pending Dataset, and queue the sharding task; idempotent.
+    """Check every byte arrived, create the pending Dataset (or Pretrained weights) and queue its task; idempotent.
 
     Raises:
         UploadError: 409 if bytes are missing.
     """
-    from .tasks import shard_upload  # tasks imports this module
+    from .tasks import convert_pretrained_upload, shard_upload  # tasks imports this module
 
     with transaction.atomic():
         upload = Upload.objects.select_for_update().get(pk=upload.pk)
@@ -353,47 +358,57 @@ def complete_upload(upload: Upload) -> Upload:
                 status=409,
                 expected_offset=upload.received,
             )
-        text = upload.format in (Dataset.Format.TEXT, Dataset.Format.JSONL)
-        kind = Dataset.Kind.TENSORS
-        if text:
-            kind = Dataset.Kind.TOKENS if upload.tokenizer else Dataset.Kind.TEXT
-        upload.dataset = Dataset.objects.create(
-            name=upload.name,
-            owner=upload.owner,
-            kind=kind,
-            source_format=upload.format,
-            sample_len=upload.sample_len if text else 0,
-            text_field=upload.text_field if upload.format == Dataset.Format.JSONL else "",
-            # A tokenizer trained on the upload is named once it exists; its size is asked for now.
-            tokenizer_sha256=upload.tokenizer if upload.tokenizer != "train" else "",
-            vocab_size=upload.vocab_size,
-            image_size=upload.image_size,
-            validation_fraction=settings.CROWDTRAIN_VALIDATION_FRACTION,
-            status=Dataset.Status.PENDING,
-            progress=0.0,
-        )
-        upload.state = Upload.State.COMPLETE
-        upload.save(update_fields=["dataset", "state"])
+        if upload.format == Upload.PRETRAINED:
+            upload.pretrained = Pretrained.objects.create(name=upload.name, owner=upload.owner)
+            upload.state = Upload.State.COMPLETE
+            upload.save(update_fields=["pretrained", "state"])
+            task = convert_pretrained_upload
+        else:
+            _create_dataset(upload)
+            task = shard_upload
     # After the commit: a worker must find the rows.
     if settings.CELERY_TASK_ALWAYS_EAGER and settings.CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND:
-        # The embedded default has no worker: shard in a thread, so the request returns at once and
+        # The embedded default has no worker: work in a thread, so the request returns at once and
         # the dataset page shows the progress, as it does with a worker.
         threading.Thread(
-            target=_shard_in_thread, args=(str(upload.pk),), name=f"shard-{upload.pk}", daemon=True
+            target=_run_in_thread, args=(task, str(upload.pk)), name=f"upload-{upload.pk}", daemon=True
         ).start()
     else:
-        shard_upload.delay(str(upload.pk))
+        task.delay(str(upload.pk))
     upload.refresh_from_db()
     return upload
 
 
-def _shard_in_thread(upload_id: str) -> None:
-    from .tasks import shard_upload
+def _create_dataset(upload: Upload) -> None:
+    """The pending dataset an upload becomes, with the recipe the sharding task follows."""
+    text = upload.format in (Dataset.Format.TEXT, Dataset.Format.JSONL)
+    kind = Dataset.Kind.TENSORS
+    if text:
+        kind = Dataset.Kind.TOKENS if upload.tokenizer else Dataset.Kind.TEXT
+    upload.dataset = Dataset.objects.create(
+        name=upload.name,
+        owner=upload.owner,
+        kind=kind,
+        source_format=upload.format,
+        sample_len=upload.sample_len if text else 0,
+        text_field=upload.text_field if upload.format == Dataset.Format.JSONL else "",
+        # A tokenizer trained on the upload is named once it exists; its size is asked for now.
+        tokenizer_sha256=upload.tokenizer if upload.tokenizer != "train" else "",
+        vocab_size=upload.vocab_size,
+        image_size=upload.image_size,
+        validation_fraction=settings.CROWDTRAIN_VALIDATION_FRACTION,
+        status=Dataset.Status.PENDING,
+        progress=0.0,
+    )
+    upload.state = Upload.State.COMPLETE
+    upload.save(update_fields=["dataset", "state"])
 
+
+def _run_in_thread(task: Any, upload_id: str) -> None:
     try:
-        shard_upload(upload_id)
-    except Exception:  # the task marks the dataset failed itself; this is what escaped it
-        logger.exception("sharding upload %s failed", upload_id)
+        task(upload_id)
+    except Exception:  # the task marks its dataset or weights failed itself; this is what escaped it
+        logger.exception("processing upload %s failed", upload_id)
     finally:
         connection.close()  # this thread's connection would otherwise stay open until exit
 
@@ -435,7 +450,8 @@ class UploadReader(io.RawIOBase):
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
         if base + pos < 0:
-            raise ValueError(f"negative seek position {base + pos}")
+            # As a file does: zipfile probes a short file's end this way and expects OSError.
+            raise OSError(errno.EINVAL, f"negative seek position {base + pos}")
         self._pos = base + pos
         return self._pos
 

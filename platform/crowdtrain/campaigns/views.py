@@ -69,6 +69,30 @@ def shard(request: HttpRequest, sha256: str) -> HttpResponseBase:
     return stream
 
 
+@require_GET
+def initial_weights(request: HttpRequest, sha256: str) -> HttpResponseBase:
+    """A campaign's pretrained weights (flat fp32), for the aggregators that hold a slice of it: its version 0.
+
+    Whole, not a range: the aggregator checks the sha256 of every byte before it starts the campaign from them.
+    """
+    from crowdtrain.scheduler.models import Aggregator
+
+    from .pretrained import weights_storage_name
+
+    aggregator = Aggregator.authenticate(bearer_token(dict(request.headers)))
+    if aggregator is None:
+        return _error("invalid backbone token", 401)
+    held = aggregator.slices.filter(campaign__pretrained__weights_sha256=sha256)
+    if not _SHA256.match(sha256) or not held.exists():
+        return _error("no campaign of yours starts from these weights", 404)
+    name = weights_storage_name(sha256)
+    stream = FileResponse(default_storage.open(name, "rb"), content_type="application/octet-stream")
+    stream["Content-Length"] = str(default_storage.size(name))
+    stream["ETag"] = f'"{sha256}"'
+    stream.block_size = SHARD_BLOCK_BYTES
+    return stream
+
+
 def _progress(campaign: Campaign) -> dict:
     """The public progress feed and the campaign list's card: the monitor's own figures, cheap for long runs.
 

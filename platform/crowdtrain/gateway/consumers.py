@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 from crowdtrain.accounts.activity import Tracker
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.names import account_name
-from crowdtrain.accounts.tokens import bearer_token, hash_token
+from crowdtrain.accounts.tokens import bearer_token
 from crowdtrain.ops import heartbeats
 from crowdtrain.ops.metrics import LEASE_REQUEST_SECONDS
 from crowdtrain.scheduler import backbone, leasing
@@ -702,12 +702,6 @@ def _record_hello(device: Device, hardware: dict[str, Any]) -> None:
         device.hardware, device.last_seen_at = merged, now
 
 
-def _aggregator_with_token(token: str | None) -> Aggregator | None:
-    if not token:
-        return None
-    return Aggregator.objects.filter(token_hash=hash_token(token)).first()
-
-
 class BackboneConsumer(_ProtocolConsumer):
     """``/ws/backbone/``: one aggregator, authenticated by its backbone token.
 
@@ -723,7 +717,7 @@ class BackboneConsumer(_ProtocolConsumer):
     async def connect(self) -> None:
         await self.accept_protocol()  # before the token lookup, as AgentConsumer.connect explains
         self.start_hello_deadline()
-        aggregator = await database_sync_to_async(_aggregator_with_token)(bearer_token(self.scope["headers"]))
+        aggregator = await database_sync_to_async(Aggregator.authenticate)(bearer_token(self.scope["headers"]))
         if aggregator is None:
             await self.close(code=CloseCode.UNAUTHORIZED)
             return

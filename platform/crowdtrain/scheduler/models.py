@@ -6,6 +6,7 @@ from django.db import models
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
+from crowdtrain.accounts.tokens import hash_token
 from crowdtrain.campaigns.models import Campaign, Step
 
 
@@ -92,6 +93,13 @@ class Aggregator(models.Model):
     channel_name = models.CharField(max_length=200, blank=True, default="", editable=False)
     last_seen_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
+
+    @classmethod
+    def authenticate(cls, token: str | None) -> Aggregator | None:
+        """The aggregator whose backbone token this is (tokens are kept hashed), or None."""
+        if not token:
+            return None
+        return cls.objects.filter(token_hash=hash_token(token)).first()
 
     def __str__(self) -> str:
         return self.name

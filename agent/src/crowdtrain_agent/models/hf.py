@@ -80,6 +80,8 @@ def llama_config(c: dict[str, Any]) -> Any:
         num_key_value_heads=c["num_key_value_heads"],
         max_position_embeddings=c["block_size"],
         tie_word_embeddings=c["tie_word_embeddings"],
+        rms_norm_eps=c["rms_norm_eps"],
+        rope_theta=c["rope_theta"],
         attention_dropout=0.0,
         bos_token_id=None,
         eos_token_id=None,
@@ -95,7 +97,8 @@ def gpt2_config(c: dict[str, Any]) -> Any:
     """The ``GPT2Config``: learned positions, LayerNorm, GELU MLP, tied input and output embeddings."""
     return library("GPT2Config")(
         vocab_size=c["vocab_size"],
-        n_positions=c["block_size"],
+        n_positions=c["n_positions"] or c["block_size"],
+        layer_norm_epsilon=c["layer_norm_epsilon"],
         n_embd=c["n_embd"],
         n_layer=c["n_layer"],
         n_head=c["n_head"],

@@ -215,6 +215,16 @@ def _vit_check(config: dict[str, Any]) -> None:
         )
 
 
+def _gpt2_check(config: dict[str, Any]) -> None:
+    _heads_divide("n_embd", "n_head")(config)
+    if config["n_positions"] and config["n_positions"] < config["block_size"]:
+        raise ModelConfigError(
+            f"n_positions ({config['n_positions']}) must be at least block_size ({config['block_size']}): "
+            "every position of a sample needs an embedding",
+            "n_positions",
+        )
+
+
 def _resnet_check(config: dict[str, Any]) -> None:
     if len(config["hidden_sizes"]) != len(config["depths"]):
         raise ModelConfigError(
@@ -277,6 +287,8 @@ REGISTRY: dict[str, ModelEntry] = {
             "num_attention_heads": ConfigField("int", 4, 1, 256, "query heads"),
             "num_key_value_heads": ConfigField("int", 2, 1, 256, "key/value heads; divides num_attention_heads"),
             "tie_word_embeddings": ConfigField("bool", False, help="share the input and output embeddings"),
+            "rms_norm_eps": ConfigField("float", 1e-6, 0.0, 1.0, "RMSNorm's epsilon", open_minimum=True),
+            "rope_theta": ConfigField("float", 10000.0, 1.0, 1e9, "RoPE's base"),
             **_LM_FIELDS,
         },
         _build=hf.build_llama,
@@ -295,12 +307,16 @@ REGISTRY: dict[str, ModelEntry] = {
             "n_layer": ConfigField("int", 4, 1, 256, "transformer blocks"),
             "n_head": ConfigField("int", 4, 1, 256, "attention heads per block"),
             "n_embd": ConfigField("int", 256, 8, 32768, "embedding width; a multiple of n_head"),
+            "layer_norm_epsilon": ConfigField("float", 1e-5, 0.0, 1.0, "LayerNorm's epsilon", open_minimum=True),
+            "n_positions": ConfigField(
+                "int", 0, 0, LM_MAX_BLOCK_SIZE, "learned positions; 0: block_size (pretrained GPT-2 has 1024)"
+            ),
             **_LM_FIELDS,
         },
         _build=hf.build_gpt2,
         _flops_forward=hf.counted_flops(hf.build_gpt2, hf.token_example, "input_ids"),
         _loss_sum=hf.lm_loss_sum,
-        _check=_heads_divide("n_embd", "n_head"),
+        _check=_gpt2_check,
         _sample_len=lambda c: c["block_size"] + 1,
         max_sample_len=LM_MAX_BLOCK_SIZE + 1,
         vocab_field="vocab_size",

@@ -21,7 +21,8 @@ PROTOCOL_VERSION = 2
 #   2.3  the int8 codec (codec "int8"; lease, assign and upload codec_block_size); local-steps leases
 #   2.4  lease.rebase_to: a local-steps lease that overlaps the publication of its round's base
 #   2.5  assign, commit and rollback timeline: an aggregator drops a commit written before a rollback
-#   2.6  token datasets: lease.data kind "tokens" with token_bytes, vocab_size and tokenizer
+#   2.6  token datasets: lease.data kind "tokens" with token_bytes, vocab_size and tokenizer; data.augment;
+#        assign.initial: pretrained weights as version 0
 PROTOCOL_MINOR = 6
 # A site serves every minor of its major: volunteers upgrade at their own pace until the next major. An older
 # peer that cannot carry what a campaign needs is refused at that message, with the field to upgrade for.

@@ -438,6 +438,10 @@ class SliceAssignment(Message, tag="assign", frozen=True, kw_only=True):
     # 2.5: the campaign's rollbacks so far (see ``StepCommit.timeline``). Advisory: a 2.4 aggregator only
     # loses the fence against a commit that a rollback overtook.
     timeline: Count = 0
+    # 2.6: the sha256 of the pretrained weights version 0 is (flat fp32, little-endian; the aggregator
+    # fetches them from the site's /api/backbone/weights/<sha256> and checks every byte), or "" for the
+    # seeded init. Not advisory: a 2.5 aggregator would start the campaign from random weights.
+    initial: HexKey = ""
 
     since: ClassVar[dict[str, int]] = {
         "codec": 1,
@@ -447,6 +451,7 @@ class SliceAssignment(Message, tag="assign", frozen=True, kw_only=True):
         "trim_fraction": 2,
         "codec_block_size": 3,
         "timeline": 5,
+        "initial": 6,
     }
     advisory: ClassVar[frozenset[str]] = frozenset(
         {"codec", "clip_factor", "trim_fraction", "codec_block_size", "timeline"}

@@ -14,7 +14,8 @@ Spec (every key optional)::
         {"dataset": {"kind": "npz", "path": "w1.npz", "name": "w1", "validation_fraction": 0.05},
          "name": "W1", "architecture": "mlp", "model_config": {...}, "optimizer": {...},
          "target_batch_size": 1024, "microbatch_size": 64, "staleness": 1, "max_steps": 40},
-        {"dataset": {"kind": "stdlib", "bytes": 1048576, "sample_len": 33}, "architecture": "gpt", ...}],
+        {"dataset": {"kind": "stdlib", "bytes": 1048576, "sample_len": 33}, "architecture": "gpt", ...},
+        {"dataset": {...}, "pretrained": {"path": "llama.zip"}, "model_config": {"block_size": 32}, ...}],
      "aggregators": ["agg-1"], "agents": ["agent-1", "agent-2"], "bulk_agents": 10000}
 
 ``bulk_agents`` creates that many more volunteers, each with one device
@@ -40,7 +41,8 @@ from django.db import transaction
 from crowdtrain.accounts.models import Device, Profile
 from crowdtrain.accounts.tokens import hash_token, new_token
 from crowdtrain.campaigns.demo import seed_demo_campaign
-from crowdtrain.campaigns.models import Campaign, Dataset
+from crowdtrain.campaigns.models import Campaign, Dataset, Pretrained
+from crowdtrain.campaigns.pretrained import PretrainedError, convert
 from crowdtrain.campaigns.settings_table import SETTINGS
 from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign
 from crowdtrain.campaigns.sharding import DatasetError, create_npz_dataset, create_text_dataset, stdlib_corpus
@@ -73,16 +75,42 @@ def _dataset(spec: dict[str, Any]) -> Dataset:
     raise CommandError(f"dataset kind must be 'npz' or 'stdlib', got {kind!r}")
 
 
+def _pretrained(spec: dict[str, Any], owner: Any) -> Pretrained:
+    """Pretrained weights from a zipped transformers folder on disk, converted as an upload would be."""
+    path = Path(spec["path"])
+    try:
+        with path.open("rb") as fh:
+            converted = convert(fh, lambda fraction: None)
+    except (OSError, PretrainedError) as exc:
+        raise CommandError(f"pretrained weights {path}: {exc}") from None
+    return Pretrained.objects.create(
+        name=spec.get("name", path.stem),
+        owner=owner,
+        status=Pretrained.Status.READY,
+        progress=1.0,
+        architecture=converted.architecture,
+        model_config=converted.config,
+        param_count=converted.param_count,
+        weights_sha256=converted.weights_sha256,
+        tokenizer_sha256=converted.tokenizer_sha256,
+        labels=converted.labels,
+    )
+
+
 def _campaign(spec: dict[str, Any], owner: Any) -> Campaign:
     if spec.get("preset") == "demo":
         kwargs = {k: v for k, v in spec.items() if k != "preset"}
         return seed_demo_campaign(**kwargs)
-    unknown = set(spec) - CAMPAIGN_FIELDS - {"dataset"}
+    unknown = set(spec) - CAMPAIGN_FIELDS - {"dataset", "pretrained"}
     if unknown:
         raise CommandError(f"unknown campaign field(s) {sorted(unknown)}; known: {sorted(CAMPAIGN_FIELDS)}")
     fields = {k: v for k, v in spec.items() if k in CAMPAIGN_FIELDS}
+    weights = _pretrained(spec["pretrained"], owner) if "pretrained" in spec else None
+    if weights is not None:  # the weights decide the model, with the spec's context length if it has one
+        fields["architecture"] = weights.architecture
+        fields["model_config"] = {**weights.model_config, **fields.get("model_config", {})}
     fields.setdefault("name", f"{spec.get('architecture', 'model')} campaign")
-    campaign = create_campaign(owner=owner, dataset=_dataset(spec.get("dataset", {})), **fields)
+    campaign = create_campaign(owner=owner, dataset=_dataset(spec.get("dataset", {})), pretrained=weights, **fields)
     campaign.state = Campaign.State.RUNNING
     campaign.save(update_fields=["state", *campaign.stamp_state()])
     return campaign
