@@ -363,11 +363,12 @@ if CROWDTRAIN_PROTOCOL_MINOR > PROTOCOL_MINOR:
 # drive the site's resends of lost commits. Keep it under daphne's ping interval (30 s,
 # crowdtrain.daphne_site), or the site pings every idle agent as well.
 CROWDTRAIN_AGENT_HEARTBEAT_S = env_float("CROWDTRAIN_AGENT_HEARTBEAT_S", 25.0, minimum=0.1)
-# A lease still out this long after it was issued (at least this many seconds, or this many times the
-# campaign's measured lease time) gets a backup: its samples go to another device too, and the first
-# valid report wins. A slow or silent device then never holds a step for longer than that.
-CROWDTRAIN_BACKUP_MIN_S = env_float("CROWDTRAIN_BACKUP_MIN_S", 5.0, minimum=0.1)
-CROWDTRAIN_BACKUP_FACTOR = env_float("CROWDTRAIN_BACKUP_FACTOR", 3.0, minimum=1.0)
+# A lease of the open step still out this many times longer than its device has taken for as many
+# samples (a new device: the swarm's typical lease), and at least this many seconds, gets a backup:
+# its samples go to another device too, one expected to finish sooner than the original has already
+# taken, and the first valid report wins. With no lease finished yet, only the hard deadline does.
+CROWDTRAIN_BACKUP_MIN_S = env_float("CROWDTRAIN_BACKUP_MIN_S", 2.0, minimum=0.1)
+CROWDTRAIN_BACKUP_FACTOR = env_float("CROWDTRAIN_BACKUP_FACTOR", 2.0, minimum=1.0)
 # Verification: how long a copy waits for a volunteer of another account before the check is given up
 # (aggregators keep a version's parameters for a few steps only, so a late copy could not train on it).
 CROWDTRAIN_CHECK_WAIT_S = env_float("CROWDTRAIN_CHECK_WAIT_S", 120.0, minimum=1.0)

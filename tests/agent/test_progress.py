@@ -31,3 +31,17 @@ def test_live_panel_starts_and_stops_on_a_terminal() -> None:
         status.set_status("computing lease 1 (8 samples)")
 
     assert "computing lease 1" in out.getvalue()
+
+
+def test_panel_says_how_the_device_meets_its_memory_wall() -> None:
+    quiet = Console(record=True, width=120, file=io.StringIO())
+    quiet.print(render_status(AgentStatus()))
+    assert "memory" not in quiet.export_text()  # nothing happened: nothing to say
+    status = AgentStatus(out_of_memory=2, memory="microbatches of 4 (the campaign asks 16), activation checkpointing")
+    console = Console(record=True, width=160, file=io.StringIO())
+
+    console.print(render_status(status))
+
+    text = console.export_text()
+    assert "microbatches of 4 (the campaign asks 16), activation checkpointing" in text
+    assert "2 out-of-memory error(s) recovered" in text

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .optimizers import INNER_OPTIMIZERS
+from .precision import autocast_dtype
 from .protocol import Lease, OptimizerSpec
 from .trainer import CampaignModel, ComputeCancelled, GradientResult
 
@@ -285,8 +286,12 @@ def compute_pseudo_gradient(
     start: torch.Tensor | None = None,
     rebase: RoundBase | None = None,
     rebase_wait_s: float = 60.0,
+    mixed_precision: bool = False,
 ) -> GradientResult:
     """Run inner steps from the model's current (base) parameters; return the pseudo-gradient.
+
+    With ``mixed_precision`` a CUDA device with bf16 computes in bf16 autocast; fp16's loss scale would
+    have to skip inner steps that overflow, so a GPU without bf16 takes its inner steps in fp32.
 
     Each inner step follows the mean loss of ``inner_batch_size`` samples, taken
     as microbatches whose gradients add up, so the step is the one a machine
@@ -339,6 +344,7 @@ def compute_pseudo_gradient(
     device = next(model.parameters()).device
     params = list(model.parameters())
     started = time.perf_counter()
+    bf16 = autocast_dtype(device, mixed_precision) is torch.bfloat16
     base = torch.nn.utils.parameters_to_vector(params).detach().clone()
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -372,9 +378,10 @@ def compute_pseudo_gradient(
                 hi = min(lo + microbatch_size, first + step_samples)
                 xb = x[lo:hi].to(device, non_blocking=True)
                 yb = y[lo:hi].to(device, non_blocking=True)
-                loss_sum = cm.entry.loss_sum(model, xb, yb)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    loss_sum = cm.entry.loss_sum(model, xb, yb)
                 (loss_sum / step_samples).backward()  # adds up to the inner batch's mean loss
-                total += loss_sum.detach()
+                total += loss_sum.detach().float()
             optimizer.step()
         if rebase is not None:
             waiting_from = time.perf_counter()

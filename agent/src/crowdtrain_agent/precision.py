@@ -28,7 +28,7 @@ MIN_SCALE = 1.0
 
 
 def autocast_dtype(device: torch.device, allowed: bool) -> torch.dtype | None:
-    """The dtype a lease computes in on ``device``: bf16 or fp16 on CUDA when the campaign allows it, else None (fp32)."""
+    """The dtype a lease computes in on ``device``: bf16 (else fp16) on CUDA if the campaign allows; None: fp32."""
     if not allowed or device.type != "cuda":
         return None
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

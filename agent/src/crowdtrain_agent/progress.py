@@ -31,6 +31,10 @@ class AgentStatus:
     status: str = "starting"
     status_since: float = field(default_factory=time.monotonic)
     network: NetworkMeter | None = None  # the link's rates and the time waited on it (``netmeter``)
+    # How the device meets its memory wall (``trainer.compute_gradient``): out-of-memory errors recovered
+    # from, and what they and the measured peak left: the samples per microbatch, checkpointing, precision.
+    out_of_memory: int = 0
+    memory: str = ""
 
     def set_status(self, text: str) -> None:
         """Change the status line; the panel shows how long it has held, so waits are visible."""
@@ -58,6 +62,9 @@ def render_status(status: AgentStatus) -> RenderableType:
     table.add_row("credit", f"{status.credit:,.1f} (1 credit = 1 GFLOP of accepted work, granted as steps commit)")
     if status.network is not None:
         table.add_row("network", describe(status.network.figures()))
+    if status.memory or status.out_of_memory:
+        recovered = f"; {status.out_of_memory} out-of-memory error(s) recovered" if status.out_of_memory else ""
+        table.add_row("memory", f"{status.memory or 'as the campaign asks'}{recovered}")
     waited = time.monotonic() - status.status_since
     table.add_row("status", f"{status.status} ({waited:.0f} s)" if waited >= 2 else status.status)
     return Panel(table, title="crowdtrain-agent", subtitle="Ctrl-C: finish this lease and stop", expand=False)

@@ -28,6 +28,7 @@ from .fetch import FetchError, HeldParams, ShardCache, fetch_params, still_curre
 from .local_steps import InnerOptimizers, RebaseFailed, RoundBase, compute_pseudo_gradient, local_lease_problem
 from .models import ModelConfigError, get_model
 from .netmeter import METER, LeaseCost
+from .precision import autocast_dtype
 from .progress import AgentStatus
 from .protocol import (
     PROTOCOL_VERSION,
@@ -47,7 +48,7 @@ from .protocol import (
     no_lease_why,
     ticket_is_check,
 )
-from .trainer import CampaignModel, ComputeCancelled, GradientResult, ModelCache
+from .trainer import CampaignModel, ComputeCancelled, GradientResult, ModelCache, model_device
 from .uploader import Uploader, UploadError
 
 logger = logging.getLogger(__name__)
@@ -393,10 +394,13 @@ class Agent:
                 work.cm, optimizer, lease.inner.lr, work.x, work.y, lease.microbatch_size,
                 inner_batch_size=lease.inner_batch_size, cancel=self._abort, start=start, rebase=work.round_base,
                 rebase_wait_s=max(0.0, work.leased_at + lease.deadline_s - time.perf_counter()),
+                mixed_precision=lease.mixed_precision,
             )  # fmt: skip
             self._inner.remember(lease.campaign_id, lease.round_base, result.final_params)
             return dataclasses.replace(result, final_params=None)
-        return trainer.compute_gradient(work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort)
+        return trainer.compute_gradient(
+            work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort, mixed_precision=lease.mixed_precision
+        )
 
     async def _start_report(
         self, previous: asyncio.Task[None] | None, lease: Lease, result: GradientResult
@@ -622,6 +626,16 @@ class Agent:
         self._last_campaign = lease.campaign_id
         self.status.samples_per_s = self._speed[lease.campaign_id]
         self.status.last_loss = result.loss_sum / max(result.num_samples, 1)
+        self.status.out_of_memory += result.out_of_memory
+        cm = self._models.get(lease.campaign_id, lease.model)
+        facts = []
+        if cm.microbatch_cap is not None and cm.microbatch_cap < lease.microbatch_size:
+            facts.append(f"microbatches of {cm.microbatch_cap} (the campaign asks {lease.microbatch_size})")
+        if cm.checkpointing:
+            facts.append("activation checkpointing")
+        if (dtype := autocast_dtype(model_device(cm), lease.mixed_precision)) is not None:
+            facts.append(f"{str(dtype).removeprefix('torch.')} autocast")
+        self.status.memory = ", ".join(facts)
 
     # ------------------------------------------------------------- send, report
 

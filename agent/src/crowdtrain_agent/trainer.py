@@ -6,13 +6,14 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .data import ShardReader, augment_images, sample_seed
 from .models import ModelEntry, get_model
+from .precision import LossScale, MemoryProbe, autocast_dtype, fitting_microbatch, memory_probe
 from .protocol import ModelSpec, SampleRange
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ class CampaignModel:
     checkpointing: bool = False
     microbatch_cap: int | None = None
     out_of_memory: int = 0
+    # Set once the first microbatch's peak memory sized this device's microbatches (``precision``).
+    memory_measured: bool = False
+    loss_scale: LossScale = field(default_factory=LossScale)  # fp16 autocast only
 
 
 class ModelCache:
@@ -136,6 +140,8 @@ def compute_gradient(
     microbatch_size: int,
     *,
     cancel: threading.Event | None = None,
+    mixed_precision: bool = False,
+    probe: MemoryProbe | None = None,
 ) -> GradientResult:
     """Gradient of the summed per-sample loss over all samples, in microbatches.
 
@@ -152,6 +158,8 @@ def compute_gradient(
         y: targets, one row per sample.
         microbatch_size: samples per forward/backward; bounds device memory.
         cancel: set from another thread to abandon the computation between microbatches.
+        mixed_precision: the campaign allows autocast (used on CUDA only, see ``precision``).
+        probe: measures the device's memory to size its microbatches (default: CUDA's allocator; none on a CPU).
 
     Returns:
         The flat gradient in parameters_to_vector order, on the CPU.
@@ -165,10 +173,13 @@ def compute_gradient(
         raise ValueError(f"microbatch size must be at least 1, got {microbatch_size}")
     start = time.perf_counter()
     recovered = 0
+    device = model_device(cm)
+    dtype = autocast_dtype(device, mixed_precision)
+    probe = probe if probe is not None else memory_probe(device)
     while True:
         size = min(microbatch_size, cm.microbatch_cap or microbatch_size)
         try:
-            grad, loss_sum = _summed_gradient(cm, x, y, size, cancel)
+            grad, loss_sum = _summed_gradient(cm, x, y, size, cancel, dtype, probe)
         except torch.OutOfMemoryError:
             cm.model.zero_grad(set_to_none=True)
             if torch.cuda.is_available():
@@ -201,23 +212,74 @@ def _smaller(cm: CampaignModel, size: int) -> bool:
 
 
 def _summed_gradient(
-    cm: CampaignModel, x: torch.Tensor, y: torch.Tensor, microbatch_size: int, cancel: threading.Event | None
+    cm: CampaignModel,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    microbatch_size: int,
+    cancel: threading.Event | None,
+    dtype: torch.dtype | None = None,
+    probe: MemoryProbe | None = None,
 ) -> tuple[torch.Tensor, float]:
-    model, device = cm.model, next(cm.model.parameters()).device
+    """The summed gradient, microbatch by microbatch, in autocast ``dtype`` if any (fp16 with a loss scale).
+
+    With a ``probe``, the first microbatch a device computes for a campaign
+    measures its peak memory, and later microbatches hold no more samples than
+    ``precision.fitting_microbatch`` allows.
+    """
+    model, device = cm.model, model_device(cm)
+    params = list(model.parameters())
     model.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
-    for lo in range(0, len(x), microbatch_size):
+    scale = cm.loss_scale if dtype is torch.float16 else None
+    # fp16: each microbatch's gradient is checked for overflow before it joins the sum, so it gets its own.
+    summed = torch.zeros(cm.param_count, device=device) if scale is not None else None
+    size, lo = microbatch_size, 0
+    while lo < len(x):
         if cancel is not None and cancel.is_set():
             raise ComputeCancelled("gradient computation abandoned")
-        xb = x[lo : lo + microbatch_size].to(device, non_blocking=True)
-        yb = y[lo : lo + microbatch_size].to(device, non_blocking=True)
-        loss = cm.entry.loss_sum(model, xb, yb)
-        loss.backward()  # accumulates into .grad across microbatches
-        total += loss.detach()  # stays on the device: no GPU->CPU sync per microbatch
-    params = list(model.parameters())
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        xb = x[lo : lo + size].to(device, non_blocking=True)
+        yb = y[lo : lo + size].to(device, non_blocking=True)
+        measuring = probe is not None and not cm.memory_measured
+        if measuring:
+            assert probe is not None
+            # What stays whatever the microbatch: the model and (about to be allocated) its fp32 gradients.
+            baseline = probe.allocated() + (0 if params[0].grad is not None else 4 * cm.param_count)
+            probe.reset_peak()
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = cm.entry.loss_sum(model, xb, yb)
+        if scale is None:
+            loss.backward()  # accumulates into .grad across microbatches
+        else:
+            (loss.float() * scale.scale).backward()
+            grad = _flat_grads(params)
+            model.zero_grad(set_to_none=True)
+            if not bool(torch.isfinite(grad).all()):
+                scale.overflowed()
+                logger.debug("fp16 gradient overflowed; loss scale now %s, computing the microbatch again", scale.scale)
+                continue
+            assert summed is not None
+            summed.add_(grad, alpha=1.0 / scale.scale)
+            scale.succeeded()
+        total += loss.detach().float()  # stays on the device: no GPU->CPU sync per microbatch
+        if measuring:
+            assert probe is not None
+            fit = fitting_microbatch(probe, baseline, probe.peak(), len(xb))
+            cm.memory_measured = True
+            if fit < size:
+                cm.microbatch_cap = fit
+                logger.warning(
+                    "a microbatch of %s samples peaked at %.2f GiB of %.2f: %s per microbatch from now on",
+                    len(xb), probe.peak() / 2**30, probe.capacity() / 2**30, fit,
+                )  # fmt: skip
+                size = fit
+        lo += len(xb)
     # .cpu() and .item() are where the CPU waits for the GPU to finish the lease.
-    flat = torch.cat([g.reshape(-1) for g in grads]).to("cpu", torch.float32)
+    flat = (summed if summed is not None else _flat_grads(params)).to("cpu", torch.float32)
     loss_sum = float(total.item())
     model.zero_grad(set_to_none=True)
     return flat, loss_sum
+
+
+def _flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    return torch.cat([g.reshape(-1) for g in grads]).float()

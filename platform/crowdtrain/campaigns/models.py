@@ -261,6 +261,8 @@ class Campaign(models.Model):
         FLIP = "flip", "random horizontal flips"
         FLIP_CROP = "flip_crop", "random flips and shifted crops"
 
+    # CUDA devices compute forward and backward in bf16 autocast (fp16 with a loss scale without bf16).
+    mixed_precision = models.BooleanField(default=True)
     # Image campaigns: what agents do to each training image, seeded by the sample and the version.
     augmentation = models.CharField(max_length=16, choices=Augmentation.choices, default=Augmentation.NONE)
     max_steps = models.PositiveIntegerField(null=True, blank=True)

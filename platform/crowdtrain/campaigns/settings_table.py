@@ -122,6 +122,17 @@ SETTINGS: dict[str, Setting] = {
             to_aggregator=True,
         ),
         Setting(
+            "mixed_precision",
+            "batch",
+            ConfigField(
+                "bool",
+                help="GPU volunteers compute in bf16 autocast (fp16 with a loss scale on GPUs without bf16): "
+                "about half the activation memory and far faster; gradients are still sent and summed in fp32. "
+                "CPUs always compute in fp32",
+                label="Mixed precision on GPUs",
+            ),
+        ),
+        Setting(
             "augmentation",
             "batch",
             ConfigField(

@@ -28,7 +28,7 @@ from crowdtrain.verification import checks, standing
 from .admission import admission
 from .groups import memberships
 from .offloop import offloop
-from .outbox import publish_commits, send_commits, send_outbox
+from .outbox import publish_commits, send_commits, send_outbox, wake
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +42,15 @@ def _stamp_last_seen() -> int:
     return len(ids)
 
 
-def _expire_overdue() -> list[Commit]:
-    """Expire overdue leases; the steps that closed go out to their aggregators from this thread."""
-    _, commits = leasing.expire_all_overdue()
+def _expire_overdue() -> tuple[list[Commit], dict[int, list[str]]]:
+    """Expire overdue leases; the steps that closed go out to their aggregators from this thread.
+
+    Returns:
+        The commits, and per campaign the waiting requests woken because a backup of a late lease is due.
+    """
+    _, commits, woken = leasing.expire_all_overdue()
     publish_commits(commits)
-    return commits
+    return commits, woken
 
 
 class Housekeeping:
@@ -83,7 +87,10 @@ class Housekeeping:
     async def round(self) -> None:
         """One round's work: a few batched calls, whatever the number of connections."""
         await offloop(presence.publish)()
-        await send_commits(await offloop(_expire_overdue)())
+        commits, woken = await offloop(_expire_overdue)()
+        await send_commits(commits)
+        for campaign_id, channels in woken.items():
+            await wake(campaign_id, channels)
         if time.monotonic() - self._last_records > standing.RECORD_REFRESH_AT_S / 2:
             self._last_records = time.monotonic()
             await offloop(standing.refresh_records)()

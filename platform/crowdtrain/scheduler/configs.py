@@ -76,6 +76,7 @@ class CampaignConfig:
     owner_id: int = 0  # the organizer: their own devices are never on probation
     # The most leases of one step a volunteer on probation may hold (``probation_cap``); 0: no limit.
     probation_cap: int = 0
+    mixed_precision: bool = False  # CUDA devices compute in bf16/fp16 autocast (``Lease.mixed_precision``)
 
     @property
     def lease_unit(self) -> int:
@@ -135,6 +136,7 @@ def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
         model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
         flops_per_sample=spec.flops_per_sample(campaign.model_config),
         data=campaign.dataset.data_spec(augment=campaign.augmentation),
+        mixed_precision=campaign.mixed_precision,
         param_count=campaign.param_count,
         num_samples=campaign.dataset.num_samples,
         table=shard_table(campaign.dataset),

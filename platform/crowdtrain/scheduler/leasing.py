@@ -18,7 +18,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from django.conf import settings
 
@@ -289,6 +289,7 @@ def lease_message(lease: Lease, config: CampaignConfig, *, check: bool = False) 
         rebase_to=lease.target_step if config.mode == "local" and lease.target_step > lease.base_version else None,
         model=config.model,
         data=config.data,
+        mixed_precision=config.mixed_precision,
         param_count=config.param_count,
         prefetch=_upcoming_shards(config, lease),
         slices=list(config.slices),
@@ -664,32 +665,46 @@ def release_if_gone(device_id: int, lease_ids: list[int], since: float) -> Relea
     return release_leases(device_id, lease_ids, "agent disconnected")
 
 
-def sweep_campaign(campaign_id: int) -> tuple[int, list[Commit]]:
+class Swept(NamedTuple):
+    """What one sweep of a campaign did: leases expired, steps it closed, and whether a backup is due."""
+
+    expired: int
+    commits: list[Commit]
+    backup_due: bool = False
+
+
+def sweep_campaign(campaign_id: int) -> Swept:
     """Expire leases of gone agents past their deadline, and finish a commit a crashed process left open."""
     config = campaign_config(campaign_id)
     if config is None:
-        return 0, []
+        return Swept(0, [])
     args = {"limit": 1000, "gone_s": settings.CROWDTRAIN_GONE_AFTER_S, "alive_since": committer.alive_since()}
     answer = _run(config, "sweep", args)
     expired = answer.get("expired") or []
     record_retired(expired, config.id)
     commits = commit_full_steps(config, answer["commit"]) if answer.get("commit") else []
-    return len(expired), commits
+    return Swept(len(expired), commits, bool(answer.get("backup_due")))
 
 
 def expire_overdue(campaign: Campaign) -> int:
     """Expire the campaign's leases past their deadline whose agents are gone; returns how many."""
-    return sweep_campaign(campaign.pk)[0]
+    return sweep_campaign(campaign.pk).expired
 
 
-def expire_all_overdue() -> tuple[int, list[Commit]]:
-    """Periodic sweep of every running campaign (its cost grows with campaigns, not volunteers)."""
-    count, commits = 0, []
+def expire_all_overdue() -> tuple[int, list[Commit], dict[int, list[str]]]:
+    """Periodic sweep of every running campaign (its cost grows with campaigns, not volunteers).
+
+    Returns:
+        (leases expired, steps closed, {campaign: waiting requests woken to take a backup that is due}).
+    """
+    count, commits, woken = 0, [], {}
     for campaign_id in running_campaigns():
-        expired, done = sweep_campaign(campaign_id)
-        count += expired
-        commits += done
-    return count, commits
+        swept = sweep_campaign(campaign_id)
+        count += swept.expired
+        commits += swept.commits
+        if swept.backup_due and (channels := pass_on_wake(campaign_id, any_step=True)):
+            woken[campaign_id] = channels
+    return count, commits, woken
 
 
 def step_ranges(step: Step) -> list[tuple[str, int, int]]:

@@ -11,9 +11,11 @@ from .leasing import expire_all_overdue
 @shared_task
 def expire_leases() -> int:
     """Expire leases of gone agents past their deadline in every running campaign; idempotent."""
-    from crowdtrain.gateway.outbox import send_commits
+    from crowdtrain.gateway.outbox import send_commits, wake
 
-    expired, commits = expire_all_overdue()
+    expired, commits, woken = expire_all_overdue()
     if commits:  # a step a crashed process left full: the aggregators still need to hear of it
         async_to_sync(send_commits)(commits)
+    for campaign_id, channels in woken.items():  # requests waiting on a site process: one may take a backup
+        async_to_sync(wake)(campaign_id, channels)
     return expired

@@ -114,9 +114,9 @@ def test_a_step_queued_for_committers_that_all_died_is_taken_over_by_the_sweep_a
     assert entry is not None
 
     clock.advance(ALIVE_S - 1)
-    assert leasing.sweep_campaign(campaign.pk)[1] == []  # it may still be at work: its claim holds
+    assert leasing.sweep_campaign(campaign.pk).commits == []  # it may still be at work: its claim holds
     clock.advance(1.5)  # it has not said it is alive for ALIVE_S, and no other committer is left
-    _, taken_over = leasing.sweep_campaign(campaign.pk)
+    taken_over = leasing.sweep_campaign(campaign.pk).commits
 
     assert [(c.message.step, c.message.lease_ids) for c in taken_over] == [(0, lease_ids)]
     assert dead.commit(*entry) == []  # back from the dead: nothing left to write
@@ -134,7 +134,7 @@ def test_a_step_taken_by_a_committer_that_died_is_taken_over_though_another_comm
 
     clock.advance(ALIVE_S + 0.5)
     alive.announce()
-    _, taken_over = leasing.sweep_campaign(campaign.pk)
+    taken_over = leasing.sweep_campaign(campaign.pk).commits
 
     assert [(c.message.step, c.message.lease_ids) for c in taken_over] == [(0, lease_ids)]
     assert Step.objects.filter(campaign=campaign).count() == 1
@@ -150,9 +150,9 @@ def test_a_step_a_live_committer_is_writing_is_left_to_it_until_the_claim_lapses
     for _ in range(9):  # a long write, the committer saying it is alive every second meanwhile
         clock.advance(1)
         slow.announce()
-        assert leasing.sweep_campaign(campaign.pk)[1] == []
+        assert leasing.sweep_campaign(campaign.pk).commits == []
     clock.advance(1.5)  # past COMMIT_CLAIM_S: a write this long is taken for stuck, whoever holds it
-    _, taken_over = leasing.sweep_campaign(campaign.pk)
+    taken_over = leasing.sweep_campaign(campaign.pk).commits
 
     assert [(c.message.step, c.message.lease_ids) for c in taken_over] == [(0, lease_ids)]
 

@@ -33,7 +33,7 @@ def test_the_step_is_handed_to_one_committer_and_taken_over_when_it_died(clock: 
     claimed = _report_in_redis_only(campaign, device.pk, second.lease_id)  # fills step 0; its process dies
     meanwhile = leasing.report_done(device.pk, done_for(ahead.lease_id))
     clock.advance(11)
-    _, taken_over = leasing.sweep_campaign(campaign.pk)
+    taken_over = leasing.sweep_campaign(campaign.pk).commits
 
     assert claimed["commit"] and claimed["commit"]["step"] == 0  # type: ignore[index]
     assert meanwhile.ack.accepted and not meanwhile.commits  # the step is someone else's to write

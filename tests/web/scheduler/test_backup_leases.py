@@ -15,10 +15,22 @@ from tests.factories import done_for, make_campaign, make_device, redo_samples
 pytestmark = pytest.mark.django_db
 
 
+HARD_DEADLINE_S = leasing.settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S
+
+
+def _measured(clock: FakeClock, device_id: int, seconds: float = 1.0) -> None:
+    """The device takes a whole step and reports it after ``seconds``: the site has measured it (16 samples/s)."""
+    lease = leasing.request_lease(device_id, None, 1000.0)
+    assert isinstance(lease, LeaseMessage)
+    clock.advance(seconds)
+    assert leasing.report_done(device_id, done_for(lease.lease_id)).ack.accepted
+
+
 def _slow_lease_and_backup(clock: FakeClock) -> tuple[LeaseMessage, LeaseMessage]:
     make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
     slow, _ = make_device("slow")
     helper, _ = make_device("helper")
+    _measured(clock, slow.pk)  # a step in 1 s: the next is late at 2 s (BACKUP_FACTOR x its own time)
     original = leasing.request_lease(slow.pk, None, 1000.0)  # a whole step
     clock.advance(leasing.settings.CROWDTRAIN_BACKUP_MIN_S + 1)
     backup = leasing.request_lease(helper.pk, None, 1000.0)
@@ -32,7 +44,7 @@ def test_a_lease_past_its_soft_deadline_is_given_to_another_device_too(clock: Fa
     assert backup.lease_id != original.lease_id
     assert backup.ranges == original.ranges
     rows = {row.pk: row for row in Lease.objects.filter(pk__in=[original.lease_id, backup.lease_id])}
-    assert rows[backup.lease_id].target_step == rows[original.lease_id].target_step == 0
+    assert rows[backup.lease_id].target_step == rows[original.lease_id].target_step
 
 
 def test_the_backup_that_reports_first_commits_the_step_and_the_original_is_released(clock: FakeClock) -> None:
@@ -78,7 +90,8 @@ def test_a_device_that_holds_a_lease_and_never_reports_does_not_stall_the_campai
     committed = 0
     for _ in range(5):
         hot_state().mark_seen([stalls.pk])  # its socket stays open: it is never expired
-        clock.advance(leasing.settings.CROWDTRAIN_BACKUP_MIN_S + 1)
+        # Nobody has finished a lease yet: no history to be late against, so the hard deadline decides.
+        clock.advance(HARD_DEADLINE_S + 1 if not committed else leasing.settings.CROWDTRAIN_BACKUP_MIN_S + 1)
         lease = leasing.request_lease(honest.pk, None, 1000.0)
         if isinstance(lease, LeaseMessage):
             committed += len(leasing.report_done(honest.pk, done_for(lease.lease_id)).commits)
@@ -93,6 +106,7 @@ def test_a_device_that_holds_a_lease_and_never_reports_does_not_stall_the_campai
 def test_a_backup_is_not_given_to_the_device_that_holds_the_original(clock: FakeClock) -> None:
     make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
     device, _ = make_device()
+    _measured(clock, device.pk)
     leasing.request_lease(device.pk, None, 1000.0)
     clock.advance(leasing.settings.CROWDTRAIN_BACKUP_MIN_S + 1)
 
@@ -105,6 +119,7 @@ def test_a_site_that_is_behind_gives_no_backups(clock: FakeClock) -> None:
     make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
     slow, _ = make_device("slow")
     helper, _ = make_device("helper")
+    _measured(clock, slow.pk)
     leasing.request_lease(slow.pk, None, 1000.0)
     clock.advance(leasing.settings.CROWDTRAIN_BACKUP_MIN_S + 1)
 
@@ -118,6 +133,7 @@ def test_a_site_that_is_behind_gives_no_backups(clock: FakeClock) -> None:
 def test_a_late_lease_ahead_of_the_open_step_is_not_backed_up(clock: FakeClock) -> None:
     make_campaign(target_batch_size=16, microbatch_size=4, staleness=1)
     first, second, third, fourth = (make_device(name)[0] for name in ("first", "second", "third", "fourth"))
+    _measured(clock, first.pk)
     holds_open = leasing.request_lease(first.pk, None, 1000.0)  # step 0
     holds_ahead = leasing.request_lease(second.pk, None, 1000.0)  # step 1
     clock.advance(leasing.settings.CROWDTRAIN_BACKUP_MIN_S + 1)  # both are late now
@@ -128,3 +144,71 @@ def test_a_late_lease_ahead_of_the_open_step_is_not_backed_up(clock: FakeClock) 
     assert isinstance(backup, LeaseMessage) and backup.ranges == holds_open.ranges
     assert isinstance(nothing, NoLease)  # step 1's lease holds no commit back yet
     assert holds_ahead.ranges != holds_open.ranges
+
+
+# ------------------------------------------------------------------ no finished work thrown away by design
+
+
+def test_with_no_lease_finished_yet_only_the_hard_deadline_makes_a_lease_late(clock: FakeClock) -> None:
+    make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
+    first, helper = make_device("first")[0], make_device("helper")[0]
+    original = leasing.request_lease(first.pk, None, 1000.0)
+    clock.advance(HARD_DEADLINE_S - 1)  # long, but nobody knows yet how long a lease takes here
+
+    early = leasing.request_lease(helper.pk, None, 1000.0)
+    clock.advance(2)
+    late = leasing.request_lease(helper.pk, None, 1000.0)
+
+    assert isinstance(early, NoLease) and early.reason == "step_full"
+    assert isinstance(late, LeaseMessage) and late.ranges == original.ranges
+
+
+def test_a_lease_is_late_against_its_own_devices_measured_time(clock: FakeClock) -> None:
+    make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
+    steady, helper = make_device("steady")[0], make_device("helper")[0]
+    _measured(clock, steady.pk, seconds=10.0)  # a slow device: a step takes it 10 s
+    _measured(clock, helper.pk, seconds=1.0)
+    original = leasing.request_lease(steady.pk, None, 1000.0)
+    clock.advance(15)  # slower than the swarm's typical lease, not than itself
+
+    within = leasing.request_lease(helper.pk, None, 1000.0)
+    clock.advance(6)  # past twice its own 10 s
+    overdue = leasing.request_lease(helper.pk, None, 1000.0)
+
+    assert isinstance(within, NoLease)
+    assert isinstance(overdue, LeaseMessage) and overdue.ranges == original.ranges
+
+
+def test_no_backup_goes_to_a_device_that_would_finish_after_the_original_has_already_taken(
+    clock: FakeClock,
+) -> None:
+    make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
+    quick, crawler, helper = make_device("quick")[0], make_device("crawler")[0], make_device("helper")[0]
+    _measured(clock, crawler.pk, seconds=20.0)  # 20 s a step
+    _measured(clock, helper.pk, seconds=1.0)
+    _measured(clock, quick.pk, seconds=1.0)
+    original = leasing.request_lease(quick.pk, None, 1000.0)
+    clock.advance(4)  # late against its own 1 s
+
+    too_slow = leasing.request_lease(crawler.pk, None, 1000.0)  # its backup could only lose: its upload wasted
+    useful = leasing.request_lease(helper.pk, None, 1000.0)
+
+    assert isinstance(too_slow, NoLease)
+    assert isinstance(useful, LeaseMessage) and useful.ranges == original.ranges
+
+
+def test_the_sweep_wakes_a_waiting_request_when_a_backup_is_due(clock: FakeClock) -> None:
+    campaign = make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
+    slow, helper = make_device("slow")[0], make_device("helper")[0]
+    _measured(clock, slow.pk)
+    leasing.request_lease(slow.pk, None, 1000.0)
+    refused = leasing.request_lease(helper.pk, None, 1000.0)
+    assert isinstance(refused, NoLease) and refused.reason == "step_full"
+    assert leasing.park(campaign.pk, helper.pk, 1000.0, "channel-of-helper", ready_at=refused.ready_at_step)
+
+    _, _, before = leasing.expire_all_overdue()
+    clock.advance(leasing.settings.CROWDTRAIN_BACKUP_MIN_S + 1)
+    hot_state().mark_seen([slow.pk])
+    _, _, after = leasing.expire_all_overdue()
+
+    assert before == {} and after == {campaign.pk: ["channel-of-helper"]}

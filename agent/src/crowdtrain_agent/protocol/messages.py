@@ -260,11 +260,15 @@ class Lease(Message, tag="lease", frozen=True, kw_only=True):
     # parameters onto the exact one when it is published, and uploads its movement from there.
     # Not advisory: an older agent would upload a movement from ``base_version`` instead.
     rebase_to: Version | None = None
+    # 2.6: a CUDA device may compute in bf16 autocast (fp16 with a loss scale where bf16 is missing); the
+    # gradient is uploaded in fp32 either way (``crowdtrain_agent.precision``). Advisory: an older agent
+    # computes in fp32, the same gradient within verification's tolerance.
+    mixed_precision: bool = False
 
     since: ClassVar[dict[str, int]] = {
-        "codec_block_size": 3, "mode": 3, "inner": 3, "inner_batch_size": 3, "rebase_to": 4,
+        "codec_block_size": 3, "mode": 3, "inner": 3, "inner_batch_size": 3, "rebase_to": 4, "mixed_precision": 6,
     }  # fmt: skip
-    advisory: ClassVar[frozenset[str]] = frozenset({"codec_block_size"})
+    advisory: ClassVar[frozenset[str]] = frozenset({"codec_block_size", "mixed_precision"})
     since_values: ClassVar[dict[str, dict[str, int]]] = {"codec": {"int8": 3}}
 
     @property

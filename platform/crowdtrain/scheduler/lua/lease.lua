@@ -50,18 +50,27 @@ local function issue(l)
     epoch = meta('epoch'), cursor = meta('cursor')})
 end
 
+-- How long n samples take this device, issue to report, as the site measured it (download, compute and
+-- upload alike); a device it has not seen finish a lease is taken for the swarm's typical lease. 0: unknown.
+local function expected_s(d, n)
+  local speed = num(redis.call('HGET', K_SPD, d))
+  if speed > 0 then return n / speed end
+  return meta('lease_s')
+end
+
 -- A lease past its soft deadline holds its step back: its samples go to this device too, and
--- the first valid report wins (MapReduce's backup tasks). Soft deadlines come from the swarm's
--- measured lease time, never from what a device claims. Only a lease of the open step holds a
+-- the first valid report wins (MapReduce's backup tasks). Only a lease of the open step holds a
 -- commit back, and a site that is behind (A.backups == 0) issues none: its own backlog is what
--- makes leases late then, and a backup would only duplicate work.
+-- makes leases late then, and a backup would only duplicate work. Every backup that loses
+-- throws its upload away, so one is issued only where it can win: to a device expected to finish
+-- the whole lease sooner than the original has already taken.
 for _, id in ipairs(A.backups == 1 and redis.call('ZRANGEBYSCORE', K_SOFT, '-inf', now, 'LIMIT', 0, 4) or {}) do
   local slow = lease_get(id)
   if not slow or slow.st ~= 'active' or slow.tw ~= 0 then
     redis.call('ZREM', K_SOFT, id)
   elseif slow.s ~= open then
     redis.call('ZADD', K_SOFT, now + A.backup_min_s, id) -- not holding a commit back yet: look again later
-  elseif slow.d ~= device and not at_cap(slow.s) then
+  elseif slow.d ~= device and not at_cap(slow.s) and expected_s(device, slow.n) < now - slow.t0 then
     redis.call('ZREM', K_SOFT, id)
     slow.tw = A.id
     lease_put(slow)
@@ -117,6 +126,10 @@ while count > 0 do
 end
 redis.call('HSET', K_META, 'cursor', cursor, 'epoch', epoch)
 redis.call('HINCRBY', K_RES, step, n)
-local typical = meta('lease_s')
-redis.call('ZADD', K_SOFT, now + math.max(A.backup_min_s, A.backup_factor * typical), A.id)
+-- Overdue means late against what this device (or, new, the swarm) has shown; with no history at all,
+-- only the hard deadline, which no device's claim can stretch past its cap, makes it overdue.
+local expected = expected_s(device, n)
+local soft = deadline_for(n)
+if expected > 0 then soft = math.min(soft, now + math.max(A.backup_min_s, A.backup_factor * expected)) end
+redis.call('ZADD', K_SOFT, soft, A.id)
 return issue({s = step, n = n, r = ranges, tw = 0, bk = 0})
