@@ -150,6 +150,7 @@ test-browser: $(STAMP) $(CHARTS) $(CHROMIUM)
 HOMELINK_ARGS ?=
 SCALE_ARGS ?=
 FAULT_ARGS ?=
+SIZE_ARGS ?=
 SQLITE_SCALE_ARGS ?= --phases wide,w1like,overload --agents 10,100,300,1000 --cpu-agents 10,100,300,1000 \
 	--cpu-rate 25 --overload-agents 1000
 bench: $(STAMP)
@@ -163,6 +164,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.scale $(SCALE_ARGS)
 	$(BIN)/python -m tests.benchmarks.scale --backend sqlite $(SQLITE_SCALE_ARGS)
 	$(BIN)/python -m tests.benchmarks.faults $(FAULT_ARGS)
+	$(BIN)/python -m tests.benchmarks.sizes $(SIZE_ARGS)
 
 clean:
 	rm -rf $(VENV) var frontend/node_modules frontend/static/build

@@ -84,6 +84,10 @@ def dump_campaign(campaign: Campaign) -> dict[str, Any]:
             for s in campaign.slices.select_related("aggregator").order_by("index")
         ],
         "lease_states": lease_states,
+        # What the agents' done reports say their links carried, over the committed steps (protocol 2.3).
+        "network": campaign.step_network.aggregate(
+            samples=Sum("samples"), bytes_up=Sum("bytes_up"), bytes_down=Sum("bytes_down")
+        ),
         # Leases of steps a rollback undid: each stands for work lost to a failure.
         "rolled_back_leases": campaign.leases.filter(reason__startswith="rolled back").count(),
         "blocked_reason": campaign.blocked_reason,

@@ -1,0 +1,320 @@
+"""The model-size phase: a Llama from the registry at ~10M, ~100M and ~350M parameters, swarm against plain PyTorch.
+
+    python -m tests.benchmarks.sizes                    # or: make bench
+    python -m tests.benchmarks.sizes --sizes 10m,100m --steps 4
+
+Each size runs plain PyTorch (one process, two threads: the machine's two
+cores) and then the swarm on the same model, batch and machine: the embedded
+site, two aggregators and two one-thread CPU agents. Same workload as the
+issue that asked for it: byte-level samples of the standard library's source,
+context 128, global batch 16, microbatch 4, AdamW, fp32, staleness 1.
+
+Lines, per size (``_10m``, ``_100m``, ``_350m``):
+
+- ``size_efficiency``: the swarm's steady samples/s over plain PyTorch's;
+- ``aggregator_bytes_per_param``: the larger aggregator's peak RSS (VmHWM)
+  over the parameters of its slice; ``agent_peak_bytes_per_param`` and
+  ``plain_peak_bytes_per_param``: peak RSS over the model's parameters;
+- ``time_to_first_step_s``: agents started against a ready site and
+  aggregators, to the first committed step;
+- ``bytes_up_per_sample``, ``bytes_down_per_sample``: what the agents'
+  done reports say their links carried, over the committed samples;
+- ``wasted_upload_fraction``: gradient uploads the aggregators accepted that
+  no committed step used (a backup or original that lost, a rolled-back
+  step), over all they accepted.
+
+On a machine with CUDA, ``gpu_size_efficiency_100m`` and ``bf16_speedup_100m``
+compare a CUDA agent with mixed precision on and off; elsewhere they say
+``skipped`` with the reason. A size whose estimated memory exceeds the
+machine's is skipped with its estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+for _folder in (REPO_ROOT / "platform", REPO_ROOT / "agent" / "src"):  # as manage.py does
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+
+from crowdtrain_launcher import Swarm, get_json  # noqa: E402
+
+from .figures import figure_line  # noqa: E402
+from .w1 import steady_rate  # noqa: E402
+
+logger = logging.getLogger("tests.benchmarks.sizes")
+
+BLOCK = 128
+BATCH, MICROBATCH = 16, 4
+CORPUS_BYTES = 4 << 20
+# Llama configs of about the named size on a byte vocabulary (counted by the registry when the bench runs).
+SIZES: dict[str, dict[str, Any]] = {
+    "10m": {"num_hidden_layers": 12, "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 4},
+    "100m": {"num_hidden_layers": 14, "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12},
+    "350m": {"num_hidden_layers": 28, "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16},
+}
+# Peak bytes per parameter the whole phase may need at once here (two agents, two aggregators, the plain loop
+# gone by then), measured at 100M in this run's first version: what decides whether a size fits.
+SWARM_BYTES_PER_PARAM = 2 * 36 + 2 * 40
+
+
+def config_of(size: str) -> dict[str, Any]:
+    c = SIZES[size]
+    return {**c, "num_key_value_heads": c["num_attention_heads"], "block_size": BLOCK, "vocab_size": 256}
+
+
+def param_count(size: str) -> int:
+    from crowdtrain_agent.models import get_model
+
+    return get_model("llama").param_count(config_of(size))
+
+
+def peak_rss(pid: int) -> int:
+    """The process's peak resident set (VmHWM), in bytes; 0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+# ------------------------------------------------------------------ plain PyTorch
+
+PLAIN = textwrap.dedent(
+    """
+    import json, resource, sys, time
+    import torch
+    sys.path[:0] = [{platform!r}, {agent!r}]
+    from crowdtrain_agent.models import get_model
+    torch.set_num_threads(2)
+    config, steps, warmup, device = {config!r}, {steps}, {warmup}, {device!r}
+    entry = get_model("llama")
+    model = entry.build(config, seed=0).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    corpus = torch.tensor(list(open({corpus!r}, "rb").read()), dtype=torch.long)
+    samples = corpus[: (len(corpus) // {sample}) * {sample}].view(-1, {sample}).to(device)
+    times, at = [], 0
+    for step in range(steps + warmup):
+        optimizer.zero_grad(set_to_none=True)
+        for lo in range(0, {batch}, {micro}):
+            rows = samples[at : at + {micro}]
+            at += {micro}
+            with torch.autocast(device, dtype=torch.bfloat16, enabled={autocast}):
+                loss = entry.loss_sum(model, rows[:, :-1], rows[:, 1:]) / {batch}
+            loss.backward()
+        optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter())
+    rate = {batch} * steps / (times[-1] - times[warmup - 1])
+    print(json.dumps({{"samples_per_s": rate, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+    """
+)
+
+
+def corpus_file() -> Path:
+    """The corpus the swarm's dataset is cut from (``seed_run``'s stdlib kind), for the plain loop to read."""
+    path = REPO_ROOT / "var" / "bench" / "sizes-corpus.bin"
+    if not path.exists():
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "crowdtrain.settings")
+        import django
+
+        django.setup()
+        from crowdtrain.campaigns.sharding import stdlib_corpus
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(stdlib_corpus(CORPUS_BYTES))
+    return path
+
+
+def plain_pytorch(size: str, steps: int, warmup: int, device: str = "cpu", autocast: bool = False) -> dict[str, float]:
+    """Samples/s and peak RSS of the same training in one two-thread process, in a child of its own."""
+    code = PLAIN.format(
+        platform=str(REPO_ROOT / "platform"), agent=str(REPO_ROOT / "agent" / "src"), config=config_of(size),
+        steps=steps, warmup=warmup, corpus=str(corpus_file()), sample=BLOCK + 1, batch=BATCH, micro=MICROBATCH,
+        device=device, autocast=autocast,
+    )  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ the swarm
+
+
+@dataclass(frozen=True)
+class SwarmFigures:
+    samples_per_s: float
+    first_step_s: float
+    aggregator_peak: int  # bytes, the larger of the two
+    aggregator_params: int  # parameters of that aggregator's slice
+    agent_peak: int
+    bytes_up_per_sample: float
+    bytes_down_per_sample: float
+    wasted_upload_fraction: float
+
+
+def spec(size: str, steps: int, agents: int = 2, mixed_precision: bool = True) -> dict[str, Any]:
+    return {
+        "campaigns": [{
+            "name": f"llama {size}", "architecture": "llama", "model_config": config_of(size),
+            "dataset": {"kind": "stdlib", "bytes": CORPUS_BYTES, "sample_len": BLOCK + 1, "shard_bytes": 1 << 20},
+            "optimizer": {"name": "adamw", "lr": 1e-4, "weight_decay": 0.0}, "target_batch_size": BATCH,
+            "microbatch_size": MICROBATCH, "codec": "fp32", "staleness": 1, "max_steps": steps,
+            "checkpoint_every": 1000, "validate_every": 0, "num_aggregators": 2, "check_fraction": 0.0, "seed": 0,
+            "mixed_precision": mixed_precision,
+        }],
+        "aggregators": ["agg-1", "agg-2"],
+        "agents": [f"agent-{i + 1}" for i in range(agents)],
+    }  # fmt: skip
+
+
+def _accepted_uploads(aggregator_url: str) -> float:
+    text = subprocess.run(["curl", "-s", f"{aggregator_url}/metrics"], capture_output=True, text=True).stdout
+    for line in text.splitlines():
+        if line.startswith("crowdtrain_backbone_uploads_total") and 'result="accepted"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def run_swarm(
+    run_dir: Path,
+    size: str,
+    steps: int,
+    warmup: int,
+    *,
+    agents: int = 2,
+    device: str = "cpu",
+    mixed_precision: bool = True,
+    site_env: dict[str, str] | None = None,
+) -> SwarmFigures:
+    env = {"CROWDTRAIN_VAR_DIR": str(run_dir / "var"), "CROWDTRAIN_TICKET_KEY": secrets.token_bytes(32).hex(),
+           "CROWDTRAIN_DEBUG": "false", **(site_env or {})}  # fmt: skip
+    with Swarm(run_dir, env=env) as swarm:
+        spec_path = run_dir / "spec.json"
+        spec_path.write_text(json.dumps(spec(size, steps, agents, mixed_precision)))
+        seed = json.loads(swarm.manage("seed_run", "--migrate", "--spec", str(spec_path), timeout_s=600))
+        campaign_id = seed["campaigns"][0]
+        site = swarm.start_site()
+        aggregators = swarm.start_aggregators(site, seed["aggregators"], timeout_s=300)
+        for url in aggregators:
+            swarm.wait_until(lambda url=url: get_json(f"{url}/healthz")["slices"], 300, "an aggregator's slice")
+        time.sleep(0.5)
+        started = time.monotonic()
+        for name, token in seed["agents"].items():
+            swarm.start_agent(site, token=token, name=name, threads=1, campaign_id=campaign_id, device=device)
+        progress = f"{site.url}/api/campaigns/{campaign_id}/progress"
+        swarm.wait_until(lambda: get_json(progress)["committed_steps"] >= 1, 1800, "the first committed step", 0.1)
+        first_step_s = time.monotonic() - started
+        swarm.wait_until(lambda: get_json(progress)["version"] >= steps, 3600, f"{steps} applied steps", 1.0)
+        accepted = sum(_accepted_uploads(url) for url in aggregators)
+        peaks = {child.name: peak_rss(child.pid) for child in swarm.children}
+        dump = json.loads(swarm.manage("dump_run", "--campaign", str(campaign_id)))
+    rate = steady_rate(dump["steps"][:steps], warmup)
+    slices = dump["slices"]
+    aggregator_peaks = [peaks.get(name, 0) for name in seed["aggregators"]]
+    widest = max(s["end"] - s["start"] for s in slices)
+    committed_leases = sum(len(step["leases"]) for step in dump["steps"])
+    network = dump.get("network") or {}
+    samples = max(1, int(network.get("samples") or 0))
+    return SwarmFigures(
+        samples_per_s=rate,
+        first_step_s=first_step_s,
+        aggregator_peak=max(aggregator_peaks),
+        aggregator_params=widest,
+        agent_peak=max(peaks.get(name, 0) for name in seed["agents"]),
+        bytes_up_per_sample=float(network.get("bytes_up") or 0) / samples,
+        bytes_down_per_sample=float(network.get("bytes_down") or 0) / samples,
+        wasted_upload_fraction=max(0.0, 1.0 - committed_leases * len(slices) / accepted) if accepted else 0.0,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.benchmarks.sizes", description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10m,100m,350m", help="comma-separated, of 10m, 100m, 350m")
+    parser.add_argument("--steps", type=int, default=5, help="steps per swarm phase (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="steps left out of the rates (default 1)")
+    parser.add_argument("--site-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="extra site setting, e.g. CROWDTRAIN_LEASE_TARGET_S=30 (repeatable)")  # fmt: skip
+    args = parser.parse_args(argv)
+    site_env = dict(item.split("=", 1) for item in args.site_env if "=" in item)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root = REPO_ROOT / "var" / "bench" / "sizes"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    for size in [s.strip() for s in args.sizes.split(",") if s.strip()]:
+        count = param_count(size)
+        print(figure_line(f"params_{size}", float(count)), flush=True)
+        need, have = count * SWARM_BYTES_PER_PARAM, available_bytes()
+        if need > have:
+            why = (f"the swarm would need about {need / 2**30:.1f} GiB at {SWARM_BYTES_PER_PARAM} bytes per "
+                   f"parameter; {have / 2**30:.1f} GiB available")  # fmt: skip
+            print(f"bench: size_efficiency_{size}=skipped ({why})", flush=True)
+            continue
+        plain = plain_pytorch(size, args.steps, args.warmup)
+        swarm = run_swarm(root / size, size, args.steps, args.warmup, site_env=site_env)
+        lines = [
+            figure_line(f"plain_samples_per_s_{size}", plain["samples_per_s"]),
+            figure_line(f"swarm_samples_per_s_{size}", swarm.samples_per_s),
+            figure_line(f"size_efficiency_{size}", swarm.samples_per_s / plain["samples_per_s"]),
+            figure_line(f"aggregator_bytes_per_param_{size}", swarm.aggregator_peak / swarm.aggregator_params),
+            figure_line(f"agent_peak_bytes_per_param_{size}", swarm.agent_peak / count),
+            figure_line(f"plain_peak_bytes_per_param_{size}", plain["peak"] / count),
+            figure_line(f"time_to_first_step_s_{size}", swarm.first_step_s),
+            figure_line(f"bytes_up_per_sample_{size}", swarm.bytes_up_per_sample),
+            figure_line(f"bytes_down_per_sample_{size}", swarm.bytes_down_per_sample),
+            figure_line(f"wasted_upload_fraction_{size}", swarm.wasted_upload_fraction),
+        ]
+        for line in lines:
+            print(line, flush=True)
+    gpu_lines()
+    return 0
+
+
+def gpu_lines() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        reason = "skipped (PyTorch sees no CUDA device on this machine)"
+        print(f"bench: gpu_size_efficiency_100m={reason}", flush=True)
+        print(f"bench: bf16_speedup_100m={reason}", flush=True)
+        return
+    # One CUDA agent against plain PyTorch on the same GPU, mixed precision on and off.
+    root = REPO_ROOT / "var" / "bench" / "sizes-gpu"
+    shutil.rmtree(root, ignore_errors=True)
+    plain = plain_pytorch("100m", 10, 2, device="cuda", autocast=True)
+    rates = {}
+    for mixed in (True, False):
+        figures = run_swarm(root / ("bf16" if mixed else "fp32"), "100m", 10, 2, agents=1, device="cuda",
+                            mixed_precision=mixed)  # fmt: skip
+        rates[mixed] = figures.samples_per_s
+    print(figure_line("gpu_plain_samples_per_s_100m", plain["samples_per_s"]), flush=True)
+    print(figure_line("gpu_size_efficiency_100m", rates[True] / plain["samples_per_s"]), flush=True)
+    print(figure_line("bf16_speedup_100m", rates[True] / rates[False]), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
