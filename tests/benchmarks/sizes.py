@@ -67,9 +67,9 @@ SIZES: dict[str, dict[str, Any]] = {
     "100m": {"num_hidden_layers": 14, "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12},
     "350m": {"num_hidden_layers": 28, "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16},
 }
-# Peak bytes per parameter the whole phase may need at once here (two agents, two aggregators, the plain loop
-# gone by then), measured at 100M in this run's first version: what decides whether a size fits.
-SWARM_BYTES_PER_PARAM = 2 * 36 + 2 * 40
+# Peak bytes per model parameter the swarm needs at once here, measured at 100M (b79a7f8): two agents at
+# about 45 each, and two aggregators at about 63 per parameter of their half. What decides whether a size fits.
+SWARM_BYTES_PER_PARAM = 2 * 45 + 63
 
 
 def config_of(size: str) -> dict[str, Any]:
@@ -200,6 +200,17 @@ def _accepted_uploads(aggregator_url: str) -> float:
     return 0.0
 
 
+def wasted_fraction(committed_leases: int, slices: int, accepted_uploads: float) -> float:
+    """Uploads the aggregators accepted that no committed step used, over all they accepted (0 with none).
+
+    Each lease of a committed step uploads one gradient per slice; any other accepted upload (a backup or an
+    original that lost, a lease of a step rolled back) was work thrown away.
+    """
+    if accepted_uploads <= 0:
+        return 0.0
+    return max(0.0, 1.0 - committed_leases * slices / accepted_uploads)
+
+
 def run_swarm(
     run_dir: Path,
     size: str,
@@ -248,7 +259,7 @@ def run_swarm(
         agent_peak=max(peaks.get(name, 0) for name in seed["agents"]),
         bytes_up_per_sample=float(network.get("bytes_up") or 0) / samples,
         bytes_down_per_sample=float(network.get("bytes_down") or 0) / samples,
-        wasted_upload_fraction=max(0.0, 1.0 - committed_leases * len(slices) / accepted) if accepted else 0.0,
+        wasted_upload_fraction=wasted_fraction(committed_leases, len(slices), accepted),
     )
 
 

@@ -75,6 +75,21 @@ class Converted:
     labels: list[str]
 
 
+def record_fields(converted: Converted) -> dict[str, Any]:
+    """The ``Pretrained`` row of converted weights, ready to start campaigns from."""
+    return {
+        "status": "ready",
+        "progress": 1.0,
+        "error": "",
+        "architecture": converted.architecture,
+        "model_config": converted.config,
+        "param_count": converted.param_count,
+        "weights_sha256": converted.weights_sha256,
+        "tokenizer_sha256": converted.tokenizer_sha256,
+        "labels": converted.labels,
+    }
+
+
 def weights_storage_name(sha256: str) -> str:
     return f"weights/{sha256[:2]}/{sha256}"
 

@@ -164,17 +164,7 @@ def convert_pretrained_upload(upload_id: str) -> str | None:
         why = f"internal error while converting ({type(exc).__name__}); upload again"
         target.update(status=Pretrained.Status.FAILED, error=why)
         raise
-    target.update(
-        status=Pretrained.Status.READY,
-        progress=1.0,
-        error="",
-        architecture=converted.architecture,
-        model_config=converted.config,
-        param_count=converted.param_count,
-        weights_sha256=converted.weights_sha256,
-        tokenizer_sha256=converted.tokenizer_sha256,
-        labels=converted.labels,
-    )
+    target.update(**pretrained.record_fields(converted))
     uploads.discard_chunks(upload)
     return Pretrained.Status.READY
 

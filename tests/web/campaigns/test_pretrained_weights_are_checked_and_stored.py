@@ -198,11 +198,7 @@ def test_a_refused_upload_says_why_on_its_record(tmp_path: Path) -> None:
 
 def _ready(tmp_path: Path, owner: Any, model: Any = None, **files: bytes) -> Pretrained:
     converted = _convert(_saved(model or _llama(), tmp_path, **files))
-    return Pretrained.objects.create(
-        name="tiny llama", owner=owner, status="ready", architecture=converted.architecture,
-        model_config=converted.config, param_count=converted.param_count,
-        weights_sha256=converted.weights_sha256, tokenizer_sha256=converted.tokenizer_sha256,
-    )  # fmt: skip
+    return Pretrained.objects.create(name="tiny llama", owner=owner, **pretrained.record_fields(converted))
 
 
 def _text(sample_len: int = 33) -> Any:

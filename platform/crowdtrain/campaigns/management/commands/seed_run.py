@@ -42,7 +42,7 @@ from crowdtrain.accounts.models import Device, Profile
 from crowdtrain.accounts.tokens import hash_token, new_token
 from crowdtrain.campaigns.demo import seed_demo_campaign
 from crowdtrain.campaigns.models import Campaign, Dataset, Pretrained
-from crowdtrain.campaigns.pretrained import PretrainedError, convert
+from crowdtrain.campaigns.pretrained import PretrainedError, convert, record_fields
 from crowdtrain.campaigns.settings_table import SETTINGS
 from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign
 from crowdtrain.campaigns.sharding import DatasetError, create_npz_dataset, create_text_dataset, stdlib_corpus
@@ -83,18 +83,7 @@ def _pretrained(spec: dict[str, Any], owner: Any) -> Pretrained:
             converted = convert(fh, lambda fraction: None)
     except (OSError, PretrainedError) as exc:
         raise CommandError(f"pretrained weights {path}: {exc}") from None
-    return Pretrained.objects.create(
-        name=spec.get("name", path.stem),
-        owner=owner,
-        status=Pretrained.Status.READY,
-        progress=1.0,
-        architecture=converted.architecture,
-        model_config=converted.config,
-        param_count=converted.param_count,
-        weights_sha256=converted.weights_sha256,
-        tokenizer_sha256=converted.tokenizer_sha256,
-        labels=converted.labels,
-    )
+    return Pretrained.objects.create(name=spec.get("name", path.stem), owner=owner, **record_fields(converted))
 
 
 def _campaign(spec: dict[str, Any], owner: Any) -> Campaign:
