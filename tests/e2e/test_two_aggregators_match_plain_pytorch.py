@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from crowdtrain_agent.data import read_samples
+from crowdtrain_agent.data import ShardReader
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.optimizers import stored_value
-from crowdtrain_agent.protocol import DataSpec, Ticket, campaign_key, sign_ticket
+from crowdtrain_agent.protocol import DataSpec, SampleRange, Ticket, campaign_key, sign_ticket
+from crowdtrain_agent.protocol.schema import from_dict
+from crowdtrain_agent.trainer import gather_samples
 from tests.e2e.datasets import write_projection_dataset
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
@@ -83,15 +85,14 @@ def rerun_in_pytorch(
         [g for g in groups if g["params"]], lr=opt["lr"], betas=(opt["beta1"], opt["beta2"]), eps=opt["eps"],
         foreach=False,
     )  # fmt: skip
-    data = DataSpec(kind=dump["dataset"]["kind"], sample_len=dump["dataset"]["sample_len"])
+    data = from_dict(DataSpec, dump["dataset"]["spec"], "dataset")
     shards = Path(dump["media_root"]) / "shards"
     losses = []
     for step in dump["steps"][:steps]:
-        batches = [
-            read_samples(data, (shards / sha[:2] / sha).read_bytes(), start, count)
-            for sha, start, count in step["ranges"]
-        ]  # fmt: skip
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        readers = {sha: ShardReader(data, (shards / sha[:2] / sha).read_bytes()) for sha, _, _ in step["ranges"]}
+        ranges = [SampleRange(shard=sha, start=start, count=count) for sha, start, count in step["ranges"]]
+        # Augmented images are seeded by the lease's base version: the step's own index at staleness 0.
+        x, y = gather_samples(ranges, readers, augment=data.augment, version=step["index"])
         assert len(x) == step["num_samples"]
         optimizer.zero_grad()
         loss = entry.loss_sum(model, x, y) / len(x)

@@ -19,6 +19,7 @@ from django.db.models import Count, Sum
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Shard
 from crowdtrain.scheduler.leasing import step_ranges
+from crowdtrain_agent.protocol.schema import to_dict
 
 
 def _iso(value: Any) -> str | None:
@@ -63,6 +64,8 @@ def dump_campaign(campaign: Campaign) -> dict[str, Any]:
         "dataset": {
             "kind": campaign.dataset.kind,
             "sample_len": campaign.dataset.sample_len,
+            # How agents read the shards (``Dataset.data_spec``), with the campaign's augmentation.
+            "spec": to_dict(campaign.dataset.data_spec(augment=campaign.augmentation)),
             # The training shards in the order leases walk them: where a gap in the committed samples lies.
             "shards": [
                 {"sha256": sha, "num_samples": n}

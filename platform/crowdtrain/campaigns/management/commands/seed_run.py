@@ -29,6 +29,8 @@ when an aggregator says hello.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -45,7 +47,13 @@ from crowdtrain.campaigns.models import Campaign, Dataset, Pretrained
 from crowdtrain.campaigns.pretrained import PretrainedError, convert, record_fields
 from crowdtrain.campaigns.settings_table import SETTINGS
 from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign
-from crowdtrain.campaigns.sharding import DatasetError, create_npz_dataset, create_text_dataset, stdlib_corpus
+from crowdtrain.campaigns.sharding import (
+    DatasetError,
+    create_npz_dataset,
+    create_text_dataset,
+    shard_source,
+    stdlib_corpus,
+)
 from crowdtrain.scheduler.models import Aggregator
 
 # Every setting of the table, with the bounds the campaign form enforces (create_campaign checks them).
@@ -63,6 +71,11 @@ def _dataset(spec: dict[str, Any]) -> Dataset:
             shard_bytes,
             validation_fraction=float(spec.get("validation_fraction", 0.0)),
         )
+    if kind == "stdlib" and spec.get("tokenizer") == "train":
+        # Tokenized as an upload with a trained BPE is: token shards, the tokenizer stored beside them.
+        corpus = stdlib_corpus(int(spec.get("bytes", 1 << 20)))
+        return _sharded(spec, Dataset.Format.TEXT, corpus, shard_bytes, kind=Dataset.Kind.TOKENS,
+                        vocab_size=int(spec["vocab_size"]), sample_len=int(spec["sample_len"]))  # fmt: skip
     if kind == "stdlib":
         corpus = stdlib_corpus(int(spec.get("bytes", 1 << 20)))
         return create_text_dataset(
@@ -72,7 +85,23 @@ def _dataset(spec: dict[str, Any]) -> Dataset:
             shard_bytes,
             validation_fraction=float(spec.get("validation_fraction", 0.0)),
         )
-    raise CommandError(f"dataset kind must be 'npz' or 'stdlib', got {kind!r}")
+    if kind == "images":
+        path = Path(spec["path"])
+        return _sharded(spec, Dataset.Format.IMAGES, path.read_bytes(), shard_bytes, kind=Dataset.Kind.TENSORS,
+                        image_size=int(spec.get("image_size", 16)))  # fmt: skip
+    raise CommandError(f"dataset kind must be 'npz', 'stdlib' or 'images', got {kind!r}")
+
+
+def _sharded(spec: dict[str, Any], fmt: str, data: bytes, shard_bytes: int, **fields: Any) -> Dataset:
+    """A dataset made from ``data`` by the upload's own sharding (tokenizing, decoding images)."""
+    dataset = Dataset.objects.create(
+        name=spec.get("name", fmt),
+        source_format=fmt,
+        source_sha256=hashlib.sha256(data).hexdigest(),
+        validation_fraction=float(spec.get("validation_fraction", 0.0)),
+        **fields,
+    )
+    return shard_source(dataset, lambda: io.BytesIO(data), len(data), shard_bytes=shard_bytes)
 
 
 def _pretrained(spec: dict[str, Any], owner: Any) -> Pretrained:
