@@ -22,7 +22,7 @@ from crowdtrain_agent.protocol import VersionPublished
 
 from .models import Campaign, Dataset
 from .settings_table import SETTINGS, check_settings, locked_fields
-from .setup import CampaignConfigError, validate_campaign
+from .setup import CampaignConfigError, prepare_initial_weights, validate_campaign
 from .validation import schedule_validation
 
 logger = logging.getLogger(__name__)
@@ -139,6 +139,7 @@ def apply_move(campaign_id: int, name: str, by: Any) -> Campaign:
                 )
             if campaign.state == State.DRAFT:
                 _check_trainable(campaign)
+                prepare_initial_weights(campaign)
             if campaign.max_steps is not None and campaign.committed_steps >= campaign.max_steps:
                 raise LifecycleError(
                     f"the campaign already made its {campaign.max_steps} max steps; raise max steps before resuming"

@@ -230,6 +230,9 @@ class Campaign(models.Model):
     pretrained = models.ForeignKey(
         Pretrained, null=True, blank=True, on_delete=models.PROTECT, related_name="campaigns"
     )
+    # The sha256 of the flat vector version 0 is when it is not the pretrained weights as uploaded: an image
+    # classifier given a head for the dataset's classes (``pretrained.campaign_weights``); set at the start.
+    initial_weights = models.CharField(max_length=64, blank=True)
     architecture = models.CharField(max_length=64)
     model_config = models.JSONField(default=dict)
     optimizer = models.JSONField(default=default_optimizer)

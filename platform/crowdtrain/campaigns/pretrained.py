@@ -393,6 +393,53 @@ def _folded(tensors: _Tensors, prefix: str, owner: str, leaf: str, value: torch.
     return value - mean * scale
 
 
+# Config fields that size only an image classifier's head: a campaign may give pretrained weights a new one.
+HEAD_FIELDS = ("num_labels",)
+
+
+def campaign_weights(
+    weights_sha256: str, architecture: str, theirs: dict[str, Any], ours: dict[str, Any], seed: int
+) -> str:
+    """Version 0 of a campaign from pretrained weights whose model differs only in its head: every tensor of
+    the same name and shape is the weights', the rest (the classifier for another number of classes) the
+    campaign's seeded initialisation. Stored like the weights; returns its sha256 (the weights' own when
+    nothing differs).
+    """
+    entry = REGISTRY[architecture]
+    with torch.device("meta"):
+        their_model, our_model = entry.build(theirs), entry.build(ours)
+    offsets: dict[str, tuple[int, tuple[int, ...]]] = {}
+    at = 0
+    for name, parameter in their_model.named_parameters():
+        offsets[name] = (at, tuple(parameter.shape))
+        at += parameter.numel()
+    ours_named = list(our_model.named_parameters())
+    if all(offsets.get(name, (0, ()))[1] == tuple(p.shape) for name, p in ours_named) and len(ours_named) == len(
+        offsets
+    ):
+        return weights_sha256
+    fresh = dict(entry.build(ours, seed=seed).named_parameters())
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory(prefix="crowdtrain-head-") as scratch, open_weights(weights_sha256) as source:
+        path = Path(scratch) / "flat.f32"
+        with path.open("wb") as out:
+            for name, parameter in ours_named:
+                place = offsets.get(name)
+                if place is not None and place[1] == tuple(parameter.shape):
+                    source.seek(place[0] * 4)
+                    raw = source.read(parameter.numel() * 4)
+                else:
+                    raw = fresh[name].detach().contiguous().numpy().astype("<f4").tobytes()
+                digest.update(raw)
+                out.write(raw)
+        sha = digest.hexdigest()
+        name = weights_storage_name(sha)
+        if not default_storage.exists(name):
+            with path.open("rb") as stored:
+                default_storage.save(name, File(stored))
+    return sha
+
+
 def open_weights(sha256: str) -> IO[bytes]:
     """The stored flat fp32 weights of ``sha256`` (aggregators stream them from the site)."""
     return default_storage.open(weights_storage_name(sha256), "rb")

@@ -19,6 +19,7 @@ from crowdtrain_agent.protocol import DataSpec, Lease, OptimizerSpec, ProtocolEr
 from crowdtrain_agent.protocol.schema import from_dict, to_dict
 
 from .models import Campaign, Dataset, Pretrained
+from .pretrained import HEAD_FIELDS, campaign_weights
 from .settings_table import check_settings
 
 if TYPE_CHECKING:
@@ -168,10 +169,12 @@ def check_pretrained(
             f"the pretrained weights are a {pretrained.architecture}; choose that architecture", "architecture"
         )
     theirs = entry.validate(pretrained.model_config)
-    same_shapes = entry.param_shapes(config) == entry.param_shapes(theirs)
+    # Shapes apart from the head, which may be new: is a smaller context or image all that differs?
+    headed = {**theirs, **{name: config[name] for name in HEAD_FIELDS if name in theirs}}
+    same_shapes = entry.param_shapes(config) == entry.param_shapes(headed)
     for name in entry.fields:
-        if config[name] == theirs[name] or (name in INPUT_SIZES and same_shapes):
-            continue
+        if config[name] == theirs[name] or (name in INPUT_SIZES and same_shapes) or name in HEAD_FIELDS:
+            continue  # a new head starts from the campaign's seed (``pretrained.campaign_weights``)
         raise CampaignConfigError(
             f"{architecture}.{name} is {config[name]}, but the pretrained weights have {theirs[name]}; a campaign "
             "that starts from them keeps their model",
@@ -183,6 +186,22 @@ def check_pretrained(
             f"the tokenizer of {pretrained.name}, so the ids mean what the weights learned",
             "dataset",
         )
+
+
+def prepare_initial_weights(campaign: Campaign) -> None:
+    """Store version 0 of a campaign starting from pretrained weights with a head of its own; at its start.
+
+    Before any aggregator is assigned a slice, so every one of them fetches the same vector.
+    """
+    weights = campaign.pretrained
+    if weights is None:
+        return
+    sha = campaign_weights(
+        weights.weights_sha256, campaign.architecture, weights.model_config, campaign.model_config, campaign.seed
+    )
+    if sha != campaign.initial_weights:
+        campaign.initial_weights = sha
+        Campaign.objects.filter(pk=campaign.pk).update(initial_weights=sha)
 
 
 def check_images(

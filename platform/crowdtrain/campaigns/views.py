@@ -6,7 +6,7 @@ import re
 from typing import Any
 
 from django.core.files.storage import default_storage
-from django.db.models import QuerySet, Sum
+from django.db.models import Q, QuerySet, Sum
 from django.http import FileResponse, HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
@@ -82,7 +82,10 @@ def initial_weights(request: HttpRequest, sha256: str) -> HttpResponseBase:
     aggregator = Aggregator.authenticate(bearer_token(dict(request.headers)))
     if aggregator is None:
         return _error("invalid backbone token", 401)
-    held = aggregator.slices.filter(campaign__pretrained__weights_sha256=sha256)
+    held = aggregator.slices.filter(
+        Q(campaign__initial_weights=sha256)
+        | Q(campaign__initial_weights="", campaign__pretrained__weights_sha256=sha256)
+    )
     if not _SHA256.match(sha256) or not held.exists():
         return _error("no campaign of yours starts from these weights", 404)
     name = weights_storage_name(sha256)

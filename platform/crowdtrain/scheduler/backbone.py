@@ -113,7 +113,7 @@ def _assign_message(s: SliceAssignment, campaign: Campaign, restore_version: int
         restore_version=restore_version,
         ticket_key=_assign_ticket_key(campaign.pk),
         timeline=campaign.timeline,
-        initial=campaign.pretrained.weights_sha256 if campaign.pretrained is not None else "",
+        initial=campaign.initial_weights or (campaign.pretrained.weights_sha256 if campaign.pretrained else ""),
         **aggregator_settings(campaign),
     )
 

@@ -313,3 +313,31 @@ def test_an_aggregator_keeps_its_slice_of_the_weights_only_if_every_byte_hashes_
 
     with pytest.raises(PretrainedUnavailable, match="cannot download them: connection refused"):
         initial_params(assignment(), unreachable)
+
+
+def test_an_image_classifier_for_other_classes_keeps_the_body_and_gets_a_seeded_head(tmp_path: Path) -> None:
+    from crowdtrain.campaigns.lifecycle import apply_move
+    from crowdtrain.campaigns.setup import create_campaign
+    from tests.web.campaigns.test_an_image_archive_becomes_image_shards import _files, _upload, _zip
+
+    torch.manual_seed(4)
+    config = library("ResNetConfig")(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
+                                     num_labels=5)  # fmt: skip
+    model = library("ResNetForImageClassification")(config)  # "pretrained" on 5 classes
+    owner = make_organizer("olga")
+    weights = _ready(tmp_path, owner, model=model)
+    dataset = _upload(_zip(_files()))  # 3 classes of 16 x 16 images
+    ours = {**weights.model_config, "image_size": 16, "num_labels": 3}
+
+    campaign = create_campaign(name="c", owner=owner, dataset=dataset, architecture="resnet", model_config=ours,
+                               pretrained=weights, seed=9)  # fmt: skip
+    campaign = apply_move(campaign.pk, "start", owner)
+
+    assert campaign.initial_weights and campaign.initial_weights != weights.weights_sha256
+    start = pretrained.flat_weights(campaign.initial_weights)
+    loaded = model_from_flat("resnet", ours, start)
+    theirs = dict(model.named_parameters())
+    seeded = dict(get_model("resnet").build(ours, seed=9).named_parameters())
+    for name, parameter in loaded.named_parameters():
+        expected = seeded[name] if name.startswith("classifier") else theirs[name]
+        assert torch.equal(parameter, expected), name

@@ -46,7 +46,7 @@ from crowdtrain.campaigns.demo import seed_demo_campaign
 from crowdtrain.campaigns.models import Campaign, Dataset, Pretrained
 from crowdtrain.campaigns.pretrained import PretrainedError, convert, record_fields
 from crowdtrain.campaigns.settings_table import SETTINGS
-from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign
+from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign, prepare_initial_weights
 from crowdtrain.campaigns.sharding import (
     DatasetError,
     create_npz_dataset,
@@ -129,6 +129,7 @@ def _campaign(spec: dict[str, Any], owner: Any) -> Campaign:
         fields["model_config"] = {**weights.model_config, **fields.get("model_config", {})}
     fields.setdefault("name", f"{spec.get('architecture', 'model')} campaign")
     campaign = create_campaign(owner=owner, dataset=_dataset(spec.get("dataset", {})), pretrained=weights, **fields)
+    prepare_initial_weights(campaign)  # as starting it does
     campaign.state = Campaign.State.RUNNING
     campaign.save(update_fields=["state", *campaign.stamp_state()])
     return campaign
