@@ -29,6 +29,7 @@ from typing import IO, Any, BinaryIO
 
 import numpy as np
 import torch
+from django.conf import settings
 from django.core.files import File
 from django.core.files.storage import default_storage
 
@@ -227,6 +228,10 @@ class _Folder:
     def has(self, name: str) -> bool:
         return name in self.names
 
+    def size(self, name: str) -> int:
+        """The member's unpacked size as the zip declares it (0 for a member it lacks)."""
+        return self.archive.getinfo(self.names[name]).file_size if name in self.names else 0
+
     def read(self, name: str, limit: int) -> bytes:
         info = self.archive.getinfo(self.names[name])
         if info.file_size > limit:
@@ -243,15 +248,29 @@ class _Folder:
         return target
 
 
-def _weight_files(folder: _Folder, scratch: Path) -> list[Path]:
+def _weight_files(folder: _Folder, scratch: Path, budget: int) -> list[Path]:
+    """The weight files, copied out of the zip; refused unread when they declare more than ``budget`` bytes.
+
+    A zip declares each member's unpacked size and zipfile reads no further, so a small upload that would
+    unpack to far more than the config's model can hold (a zip bomb) never reaches the disk.
+    """
     if folder.has(WEIGHTS):
-        return [folder.extract(WEIGHTS, scratch)]
-    if folder.has(WEIGHTS_INDEX):
+        files = [WEIGHTS]
+    elif folder.has(WEIGHTS_INDEX):
         try:
             index = json.loads(folder.read(WEIGHTS_INDEX, MAX_CONFIG_BYTES))
             files = sorted(set(index["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError):
             raise PretrainedError(f"{WEIGHTS_INDEX} is not a weights index (a weight_map of tensor -> file)") from None
+    else:
+        files = []
+    declared = sum(folder.size(name) for name in files)
+    if declared > budget:
+        raise PretrainedError(
+            f"the weight files unpack to {declared:,} bytes, more than the {budget:,} that config.json's model "
+            "holds in fp32; the weights and the config are of different models"
+        )
+    if files:
         return [folder.extract(name, scratch) for name in files]
     raise PretrainedError(
         f"the folder has no {WEIGHTS} (nor {WEIGHTS_INDEX}); save the model with save_pretrained(..., "
@@ -311,14 +330,16 @@ def convert(fh: BinaryIO, progress: ProgressFn) -> Converted:
     labels = [str(v) for _, v in sorted((int(k), v) for k, v in (hf.get("id2label") or {}).items())]
     tokenizer_sha = ""
     if folder.has("tokenizer.json"):
-        data = folder.read("tokenizer.json", 1 << 30)
+        data = folder.read("tokenizer.json", settings.CROWDTRAIN_MAX_TOKENIZER_BYTES)
         try:
             load_tokenizer(data)
         except TokenizerError as exc:
             raise PretrainedError(f"tokenizer.json: {exc}") from None
         tokenizer_sha = store_object(data)
     with tempfile.TemporaryDirectory(prefix="crowdtrain-pretrained-") as scratch, ExitStack() as stack:
-        tensors = _Tensors(stack, _weight_files(folder, Path(scratch)))
+        # fp32 is the widest dtype a checkpoint has; the headers and the index take little next to it.
+        budget = 4 * get_model(architecture).param_count(config) + (16 << 20)
+        tensors = _Tensors(stack, _weight_files(folder, Path(scratch), budget))
         progress(0.3)
         sha, count = _write_flat(architecture, config, tensors, Path(scratch) / "flat.f32",
                                  lambda f: progress(0.3 + 0.7 * f))  # fmt: skip

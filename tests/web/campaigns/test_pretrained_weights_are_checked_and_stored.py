@@ -341,3 +341,17 @@ def test_an_image_classifier_for_other_classes_keeps_the_body_and_gets_a_seeded_
     for name, parameter in loaded.named_parameters():
         expected = seeded[name] if name.startswith("classifier") else theirs[name]
         assert torch.equal(parameter, expected), name
+
+
+def test_weights_that_would_unpack_past_the_models_size_are_refused_unread(tmp_path: Path) -> None:
+    config = _saved(_llama(), tmp_path)
+    with zipfile.ZipFile(io.BytesIO(config)) as source:
+        config_json = source.read("my-model/config.json")
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("m/config.json", config_json)
+        archive.writestr("m/model.safetensors", b"\0" * (48 << 20))  # 48 MiB of zeros: ~50 KB in the zip
+    assert len(bomb.getvalue()) < 1 << 20
+
+    with pytest.raises(PretrainedError, match="unpack to 50,331,648 bytes, more than the"):
+        _convert(bomb.getvalue())
