@@ -131,3 +131,22 @@ def test_on_cuda_autocast_gives_the_fp32_gradient_within_tolerance() -> None:
     dtype = autocast_dtype(torch.device("cuda"), True)
     _close_to(result.grad, reference, 0.03 if dtype is torch.bfloat16 else 0.005)
     assert result.grad.device.type == "cpu" and result.grad.dtype == torch.float32
+
+
+def test_gradients_accumulate_into_the_leases_flat_vector_without_a_second_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from crowdtrain_agent import trainer
+
+    x, y = _tokens()
+    expected = compute_gradient(_model(), x, y, microbatch_size=4).grad
+
+    def concatenated(params: object) -> torch.Tensor:
+        raise AssertionError("the gradients were gathered into a second vector")
+
+    monkeypatch.setattr(trainer, "_flat_grads", concatenated)
+    cm = _model()
+    result = compute_gradient(cm, x, y, microbatch_size=4)
+
+    torch.testing.assert_close(result.grad, expected, rtol=0, atol=0)
+    assert all(p.grad is None for p in cm.model.parameters())  # the vector is the lease's now, not the model's

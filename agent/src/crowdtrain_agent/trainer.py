@@ -233,6 +233,9 @@ def _summed_gradient(
     scale = cm.loss_scale if dtype is torch.float16 else None
     # fp16: each microbatch's gradient is checked for overflow before it joins the sum, so it gets its own.
     summed = torch.zeros(cm.param_count, device=device) if scale is not None else None
+    # Otherwise the gradients accumulate straight into one flat vector (``_grads_into``): the lease's result,
+    # with no second copy of the model's size made by concatenating them afterwards.
+    flat_grad = _grads_into(params, cm.param_count, device) if scale is None else None
     size, lo = microbatch_size, 0
     while lo < len(x):
         if cancel is not None and cancel.is_set():
@@ -274,10 +277,39 @@ def _summed_gradient(
                 size = fit
         lo += len(xb)
     # .cpu() and .item() are where the CPU waits for the GPU to finish the lease.
-    flat = (summed if summed is not None else _flat_grads(params)).to("cpu", torch.float32)
+    if summed is not None:
+        flat = summed
+    elif flat_grad is not None and _still_views(params, flat_grad):
+        flat = flat_grad
+    else:  # something replaced a gradient tensor instead of adding into it: gather them as they are
+        flat = _flat_grads(params)
+    flat = flat.to("cpu", torch.float32)
     loss_sum = float(total.item())
     model.zero_grad(set_to_none=True)
     return flat, loss_sum
+
+
+def _grads_into(params: list[nn.Parameter], count: int, device: torch.device) -> torch.Tensor:
+    """A zeroed flat vector whose slices are the parameters' ``.grad``: backward adds into them in place."""
+    flat = torch.zeros(count, dtype=torch.float32, device=device)
+    at = 0
+    for p in params:
+        if p.dtype == torch.float32:
+            p.grad = flat[at : at + p.numel()].view_as(p)
+        at += p.numel()
+    return flat
+
+
+def _still_views(params: list[nn.Parameter], flat: torch.Tensor) -> bool:
+    """Whether every gradient is still its slice of ``flat`` (autograd accumulates in place, as it should)."""
+    start = flat.data_ptr()
+    at = 0
+    for p in params:
+        grad = p.grad
+        if grad is None or grad.data_ptr() != start + at * flat.element_size():
+            return False
+        at += p.numel()
+    return True
 
 
 def _flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
