@@ -57,6 +57,29 @@ def test_a_loss_that_overflows_even_unscaled_is_an_error_not_a_silent_nan() -> N
         scale.overflowed()
 
 
+def test_a_device_whose_fp16_overflows_even_unscaled_computes_the_lease_in_fp32(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from crowdtrain_agent import trainer
+
+    x, y = _tokens()
+    reference, _ = _summed_gradient(_model(), x, y, 4, None)
+    cm = _model()
+    monkeypatch.setattr(trainer, "autocast_dtype", lambda device, allowed: torch.float16)  # a GPU without bf16
+    loss_sum = cm.entry.loss_sum
+
+    def overflowing(model: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        loss = loss_sum(model, xb, yb)
+        return loss * float("inf") if torch.is_autocast_enabled("cpu") else loss
+
+    cm.entry = dataclasses.replace(cm.entry, _loss_sum=overflowing)
+
+    result = compute_gradient(cm, x, y, microbatch_size=4, mixed_precision=True)
+
+    assert cm.fp16_failed and cm.loss_scale.scale == 1.0
+    torch.testing.assert_close(result.grad, reference, rtol=1e-5, atol=1e-6)
+
+
 def test_a_cpu_computes_in_fp32_whatever_the_campaign_allows() -> None:
     assert autocast_dtype(torch.device("cpu"), True) is None
     assert autocast_dtype(torch.device("cuda"), False) is None

@@ -164,3 +164,13 @@ def test_a_lease_sees_the_images_another_device_sees_and_another_version_sees_ot
     assert not torch.equal(mine[0], later[0])  # ten coins, all alike in two versions: 1 in 1024
     assert torch.equal(plain[0], x[2:12])
     assert sample_seed("c" * 64, 2, 7) != sample_seed("c" * 64, 3, 7)
+
+
+def test_a_flip_is_a_fair_coin() -> None:
+    image = torch.arange(3 * 8 * 8, dtype=torch.uint8).reshape(1, 3, 8, 8)
+
+    flipped = sum(
+        not torch.equal(augment_images(image, "flip", [sample_seed("d" * 64, i, 0)]), image) for i in range(400)
+    )
+
+    assert 160 <= flipped <= 240  # half of 400, well inside chance's spread

@@ -135,3 +135,15 @@ def test_threads_of_a_fresh_process_build_and_count_a_family_at_once() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=180)
 
     assert done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
+
+
+def test_peers_are_sent_only_the_fields_away_from_their_defaults() -> None:
+    llama = get_model("llama")
+    full = llama.validate({"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 4})
+
+    sent = llama.compact(full)
+
+    # An agent of the release before rms_norm_eps and rope_theta existed can still build this model.
+    assert sent == {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 4}
+    assert llama.validate(sent) == full
+    assert llama.compact({**full, "rope_theta": 5e5})["rope_theta"] == 5e5

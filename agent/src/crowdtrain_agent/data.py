@@ -169,10 +169,12 @@ def augment_images(x: torch.Tensor, mode: str, seeds: Sequence[int]) -> torch.Te
     out = x.clone()
     pad = max(1, x.shape[-1] // 8)
     for i, seed in enumerate(seeds):
-        draws = torch.randint(0, 2 * pad + 1, (3,), generator=torch.Generator().manual_seed(seed)).tolist()
-        image = x[i].flip(-1) if draws[0] % 2 else x[i]
+        generator = torch.Generator().manual_seed(seed)
+        flip = int(torch.randint(0, 2, (1,), generator=generator))  # a fair coin
+        dx, dy = (torch.randint(0, 2 * pad + 1, (2,), generator=generator) - pad).tolist()
+        image = x[i].flip(-1) if flip else x[i]
         if mode == "flip_crop":
-            image = _shifted(image, draws[1] - pad, draws[2] - pad)
+            image = _shifted(image, dx, dy)
         out[i] = image
     return out
 

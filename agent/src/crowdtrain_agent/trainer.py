@@ -41,6 +41,7 @@ class CampaignModel:
     # Set once the first microbatch's peak memory sized this device's microbatches (``precision``).
     memory_measured: bool = False
     loss_scale: LossScale = field(default_factory=LossScale)  # fp16 autocast only
+    fp16_failed: bool = False  # fp16 overflowed even unscaled on this device: it computes in fp32 from then on
 
 
 class ModelCache:
@@ -178,8 +179,15 @@ def compute_gradient(
     probe = probe if probe is not None else memory_probe(device)
     while True:
         size = min(microbatch_size, cm.microbatch_cap or microbatch_size)
+        if dtype is torch.float16 and cm.fp16_failed:
+            dtype = None
         try:
             grad, loss_sum = _summed_gradient(cm, x, y, size, cancel, dtype, probe)
+        except FloatingPointError as exc:  # only fp16's loss scale raises it: the lease is computed in fp32
+            cm.model.zero_grad(set_to_none=True)
+            cm.fp16_failed = True
+            logger.warning("%s; computing this campaign in fp32 on this device from now on", exc)
+            continue
         except torch.OutOfMemoryError:
             cm.model.zero_grad(set_to_none=True)
             if torch.cuda.is_available():

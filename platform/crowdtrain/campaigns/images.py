@@ -20,6 +20,7 @@ import logging
 import tarfile
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import PurePosixPath
 from typing import IO, BinaryIO
@@ -51,7 +52,10 @@ def members(fh: BinaryIO) -> Iterator[tuple[str, int, Callable[[], bytes]]]:
     """
     if zipfile.is_zipfile(fh):
         fh.seek(0)
-        archive = zipfile.ZipFile(fh)
+        try:
+            archive = zipfile.ZipFile(fh)
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise DatasetError(f"the zip archive is damaged ({exc}); upload it again") from None
         for entry in archive.infolist():
             if not entry.is_dir():
                 yield entry.filename, entry.file_size, lambda entry=entry: archive.read(entry)  # type: ignore[misc]
@@ -65,10 +69,15 @@ def members(fh: BinaryIO) -> Iterator[tuple[str, int, Callable[[], bytes]]]:
         ) from None
     try:
         for info in tar:
+            tar.members = []  # type: ignore[attr-defined]  # headers read so far: millions must not pile up
             if info.isfile():
                 yield info.name, info.size, lambda info=info: tar.extractfile(info).read()  # type: ignore[misc, union-attr]
-    except (tarfile.TarError, OSError, EOFError) as exc:
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
         raise DatasetError(f"the archive is damaged ({exc}); upload it again") from None
+
+
+# A member that cannot be read out of its archive: bad CRC, encrypted, an unsupported compression, truncated.
+UNREADABLE = (zipfile.BadZipFile, tarfile.TarError, RuntimeError, NotImplementedError, OSError, EOFError, zlib.error)
 
 
 def decode(data: bytes, side: int, max_pixels: int) -> np.ndarray:
@@ -176,13 +185,21 @@ def shard_images(
         if len(skipped) < SKIPPED_NAMED:
             skipped.append({"name": name[:300], "why": why})
 
+    decoded_cap = settings.CROWDTRAIN_MAX_UPLOAD_BYTES  # what the decoded rows may take, like an upload
     with rows.file, open_source() as fh:
         for name, member_size, read in members(fh):
             progress(0.85 * min(1.0, fh.tell() / max(1, size)))
             if _ignored(name):
                 continue
             if _web_key(name)[1] == LABEL_SUFFIX:
-                text = read()[:32].decode("ascii", "replace").strip()
+                if member_size > 64:
+                    skip(name, f"a .cls file holds one class id; this one is {member_size} bytes")
+                    continue
+                try:
+                    text = read()[:32].decode("ascii", "replace").strip()
+                except UNREADABLE as exc:
+                    skip(name, f"cannot be read from the archive: {str(exc)[:200]}")
+                    continue
                 if not text.isdigit() or int(text) >= MAX_CLASSES:
                     skip(name, f"a .cls file must hold a class id from 0 to {MAX_CLASSES - 1}, not {text[:20]!r}")
                 else:
@@ -191,16 +208,26 @@ def shard_images(
             if member_size > MAX_IMAGE_FILE_BYTES:
                 skip(name, f"{member_size} bytes, over the {MAX_IMAGE_FILE_BYTES} a single image may have")
                 continue
+            if (len(rows) + 1) * rows.row_bytes > decoded_cap:
+                raise DatasetError(
+                    f"the images decode to more than {decoded_cap:,} bytes at {side} x {side} pixels "
+                    "(CROWDTRAIN_MAX_UPLOAD_BYTES); choose a smaller image size or upload fewer images"
+                )
             try:
-                rows.add(name, decode(read(), side, settings.CROWDTRAIN_MAX_IMAGE_PIXELS))
+                data = read()
+            except UNREADABLE as exc:
+                skip(name, f"cannot be read from the archive: {str(exc)[:200]}")
+                continue
+            try:
+                rows.add(name, decode(data, side, settings.CROWDTRAIN_MAX_IMAGE_PIXELS))
             except NotAnImage as exc:
                 skip(name, str(exc))
         chosen, labels, names = _labels(rows, classes, skip)
         if len(chosen) == 0:
             raise DatasetError(_nothing_readable(skipped_count, skipped))
-        if len(names) < 2:
+        if len(set(labels[chosen].tolist())) < 2:
             raise DatasetError(
-                f"every readable image is of one class ({names[0] if names else '?'}); a classifier needs at least "
+                f"every readable image is of one class ({names[int(labels[chosen[0]])]}); a classifier needs at least "
                 "two: put each class's images in a folder of its own"
             )
         num_train, num_validation = split_sizes(len(chosen), dataset.validation_fraction)
@@ -237,7 +264,7 @@ def _labels(
                 labels[index] = classes[key]
             else:
                 skip(rows.names[index], f"no {key}.{LABEL_SUFFIX} file gives this WebDataset sample a class")
-        names = [str(i) for i in range(max(classes.values()) + 1)]
+        names = [str(i) for i in range(max(labels[labels >= 0], default=-1) + 1)]
     else:
         names = sorted({f for f in rows.folders if f})
         ids = {name: i for i, name in enumerate(names)}

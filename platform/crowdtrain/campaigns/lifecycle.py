@@ -139,7 +139,12 @@ def apply_move(campaign_id: int, name: str, by: Any) -> Campaign:
                 )
             if campaign.state == State.DRAFT:
                 _check_trainable(campaign)
-                prepare_initial_weights(campaign)
+                try:
+                    prepare_initial_weights(campaign)
+                except OSError as exc:  # the stored weights gone or unreadable: say so, start nothing
+                    raise LifecycleError(
+                        f"the pretrained weights {campaign.pretrained} cannot be read ({exc}); upload them again"
+                    ) from None
             if campaign.max_steps is not None and campaign.committed_steps >= campaign.max_steps:
                 raise LifecycleError(
                     f"the campaign already made its {campaign.max_steps} max steps; raise max steps before resuming"

@@ -40,7 +40,9 @@ def visible_uploads(user: Any) -> Any:
 
 def data_holders(sha256: str) -> Any:
     """The datasets whose shards, or whose tokenizer, are the stored object ``sha256``."""
-    return Dataset.objects.filter(Q(shards__sha256=sha256) | Q(tokenizer_sha256=sha256)).distinct()
+    # A tokenizer counts only for a dataset it made: a failed upload's name for one proves nothing.
+    made = Q(tokenizer_sha256=sha256, status=Dataset.Status.READY)
+    return Dataset.objects.filter(Q(shards__sha256=sha256) | made).distinct()
 
 
 def can_download_shard(device: Device, sha256: str) -> bool:

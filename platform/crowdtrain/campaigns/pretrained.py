@@ -21,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -242,9 +243,13 @@ class _Folder:
         """A member copied to a file of its own (safetensors maps files, not zip members), streamed."""
         if name not in self.names:
             raise PretrainedError(f"the folder has no {name}, which the weights index names")
-        target = into / PurePosixPath(name).name
-        with self.archive.open(self.names[name]) as source, target.open("wb") as out:
-            shutil.copyfileobj(source, out, 1 << 20)
+        # A name of our own: two parts may share a basename, and none may be the file the vector is written to.
+        target = into / f"part-{len(list(into.iterdir()))}.safetensors"
+        try:
+            with self.archive.open(self.names[name]) as source, target.open("wb") as out:
+                shutil.copyfileobj(source, out, 1 << 20)
+        except (zipfile.BadZipFile, RuntimeError, NotImplementedError, EOFError, zlib.error) as exc:
+            raise PretrainedError(f"{name} cannot be read from the zip ({exc}); zip the folder again") from None
         return target
 
 
@@ -326,8 +331,15 @@ def convert(fh: BinaryIO, progress: ProgressFn) -> Converted:
         raise PretrainedError(f"config.json is not valid JSON: {exc}") from None
     if not isinstance(hf, dict):
         raise PretrainedError("config.json must hold a JSON object")
-    architecture, config = registry_config(hf)
-    labels = [str(v) for _, v in sorted((int(k), v) for k, v in (hf.get("id2label") or {}).items())]
+    try:
+        architecture, config = registry_config(hf)
+        labels = [str(v) for _, v in sorted((int(k), v) for k, v in (hf.get("id2label") or {}).items())]
+    except (ValueError, TypeError, AttributeError) as exc:
+        if isinstance(exc, PretrainedError):
+            raise
+        raise PretrainedError(
+            f"config.json holds a value of the wrong type ({exc}); save it with save_pretrained"
+        ) from None
     tokenizer_sha = ""
     if folder.has("tokenizer.json"):
         data = folder.read("tokenizer.json", settings.CROWDTRAIN_MAX_TOKENIZER_BYTES)
@@ -336,12 +348,16 @@ def convert(fh: BinaryIO, progress: ProgressFn) -> Converted:
         except TokenizerError as exc:
             raise PretrainedError(f"tokenizer.json: {exc}") from None
         tokenizer_sha = store_object(data)
-    with tempfile.TemporaryDirectory(prefix="crowdtrain-pretrained-") as scratch, ExitStack() as stack:
+    with (
+        tempfile.TemporaryDirectory(prefix="crowdtrain-pretrained-") as scratch,
+        tempfile.TemporaryDirectory(prefix="crowdtrain-flat-") as flat_dir,
+        ExitStack() as stack,
+    ):
         # fp32 is the widest dtype a checkpoint has; the headers and the index take little next to it.
         budget = 4 * get_model(architecture).param_count(config) + (16 << 20)
         tensors = _Tensors(stack, _weight_files(folder, Path(scratch), budget))
         progress(0.3)
-        sha, count = _write_flat(architecture, config, tensors, Path(scratch) / "flat.f32",
+        sha, count = _write_flat(architecture, config, tensors, Path(flat_dir) / "flat.f32",
                                  lambda f: progress(0.3 + 0.7 * f))  # fmt: skip
     logger.info("pretrained %s: %d parameters, weights %s", architecture, count, sha[:12])
     return Converted(architecture, config, count, sha, tokenizer_sha, labels)
@@ -406,6 +422,11 @@ def _folded(tensors: _Tensors, prefix: str, owner: str, leaf: str, value: torch.
     mean, var = stats
     if mean is None or var is None:
         return value  # no statistics saved: the fresh ones (0 and 1) are the model's
+    if mean.shape != value.shape or var.shape != value.shape:
+        raise PretrainedError(
+            f"the batch statistics of {owner} are {list(mean.shape)} and {list(var.shape)}, its weights "
+            f"{list(value.shape)}; the weights are damaged"
+        )
     weight_key = tensors.find(f"{owner}.weight", prefix)
     assert weight_key is not None  # found before its bias, in parameter order
     scale = tensors.get(weight_key).to(torch.float32) * torch.rsqrt(var + eps)

@@ -15,7 +15,7 @@ from crowdtrain_agent.optimizers import (
     to_wire,
     validate_config,
 )
-from crowdtrain_agent.protocol import DataSpec, Lease, OptimizerSpec, ProtocolError
+from crowdtrain_agent.protocol import DataSpec, Lease, OptimizerSpec, ProtocolError, SliceAssignment
 from crowdtrain_agent.protocol.schema import from_dict, to_dict
 
 from .models import Campaign, Dataset, Pretrained
@@ -100,6 +100,17 @@ def validate_campaign(
     check_images(architecture, entry, config, dataset, augmentation)
     if pretrained is not None:
         check_pretrained(architecture, entry, config, dataset, pretrained)
+    # Neither is advisory: a peer of an older minor would train something else, so none may be sent them.
+    for what, needs, used in (
+        ("image augmentation", DataSpec.since["augment"], augmentation != Campaign.Augmentation.NONE),
+        ("starting from pretrained weights", SliceAssignment.since["initial"], pretrained is not None),
+    ):
+        if used and needs > django_settings.CROWDTRAIN_PROTOCOL_MINOR:
+            raise CampaignConfigError(
+                f"{what} needs protocol 2.{needs}, and this site is pinned to "
+                f"2.{django_settings.CROWDTRAIN_PROTOCOL_MINOR} (CROWDTRAIN_PROTOCOL_MINOR)",
+                "augmentation" if what == "image augmentation" else "pretrained",
+            )
     if dataset.kind == Dataset.Kind.TOKENS:
         needs = DataSpec.since_values["kind"]["tokens"]
         if needs > django_settings.CROWDTRAIN_PROTOCOL_MINOR:

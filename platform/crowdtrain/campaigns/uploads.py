@@ -195,6 +195,20 @@ def _tokenizer_fields(body: dict[str, Any]) -> tuple[str, int]:
         )
     if not default_storage.exists(shard_storage_name(tokenizer)):
         raise UploadError(f"no tokenizer {tokenizer[:12]}… was uploaded; upload the tokenizer.json first")
+    # Shards live beside tokenizers, under the same kind of name: only a stored tokenizer may be named, or a
+    # dataset could claim another campaign's private shard as its "tokenizer" and open it to every device.
+    from .tokenizing import TokenizerError, load_tokenizer
+
+    with default_storage.open(shard_storage_name(tokenizer), "rb") as stored:
+        data = stored.read(settings.CROWDTRAIN_MAX_TOKENIZER_BYTES + 1)
+    try:
+        if len(data) > settings.CROWDTRAIN_MAX_TOKENIZER_BYTES:
+            raise TokenizerError("too large")
+        load_tokenizer(data)
+    except TokenizerError:
+        raise UploadError(
+            f"{tokenizer[:12]}… is not a tokenizer uploaded here; upload the tokenizer.json first"
+        ) from None
     return tokenizer, 0
 
 

@@ -107,7 +107,10 @@ def _assign_message(s: SliceAssignment, campaign: Campaign, restore_version: int
         start=s.start,
         end=s.end,
         param_count=campaign.param_count,
-        model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
+        model=ModelSpec(
+            architecture=campaign.architecture,
+            config=get_model(campaign.architecture).compact(campaign.model_config),
+        ),
         optimizer=from_dict(OptimizerSpec, campaign.optimizer),
         version=max(s.version, campaign.version),
         restore_version=restore_version,

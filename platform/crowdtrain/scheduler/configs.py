@@ -133,7 +133,7 @@ def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
         max_steps=campaign.max_steps,
         codec=cast(CodecName, campaign.codec),
         codec_block_size=campaign.codec_block_size,
-        model=ModelSpec(architecture=campaign.architecture, config=campaign.model_config),
+        model=ModelSpec(architecture=campaign.architecture, config=spec.compact(campaign.model_config)),
         flops_per_sample=spec.flops_per_sample(campaign.model_config),
         data=campaign.dataset.data_spec(augment=campaign.augmentation),
         mixed_precision=campaign.mixed_precision,

@@ -678,7 +678,8 @@ def sweep_campaign(campaign_id: int) -> Swept:
     config = campaign_config(campaign_id)
     if config is None:
         return Swept(0, [])
-    args = {"limit": 1000, "gone_s": settings.CROWDTRAIN_GONE_AFTER_S, "alive_since": committer.alive_since()}
+    args = {"limit": 1000, "gone_s": settings.CROWDTRAIN_GONE_AFTER_S, "alive_since": committer.alive_since(),
+            "backup_min_s": settings.CROWDTRAIN_BACKUP_MIN_S}  # fmt: skip
     answer = _run(config, "sweep", args)
     expired = answer.get("expired") or []
     record_retired(expired, config.id)

@@ -155,6 +155,17 @@ def test_an_upload_naming_a_bad_tokenizer_is_refused_before_any_byte(olga: Any, 
     assert problem in answer.json()["error"]
 
 
+def test_a_shard_cannot_be_named_as_a_tokenizer(olga: Any) -> None:
+    from tests.factories import make_text_dataset
+
+    shard = make_text_dataset().shards.first()
+    body = {"filename": "c.txt", "size": 100, "format": "text", "sample_len": 33, "tokenizer": shard.sha256}
+
+    answer = logged_in(olga).post("/datasets/uploads", json.dumps(body), content_type="application/json")
+
+    assert answer.status_code == 400 and "is not a tokenizer uploaded here" in answer.json()["error"]
+
+
 def test_agents_fetch_the_tokenizer_beside_the_shards(olga: Any) -> None:
     dataset = _upload(olga, CORPUS, tokenizer="train", vocab_size=300)
     _, token = make_device()

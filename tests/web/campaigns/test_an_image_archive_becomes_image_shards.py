@@ -210,3 +210,29 @@ def test_augmentation_is_refused_for_data_that_is_not_images() -> None:
         create_campaign(name="c", owner=_olga(), dataset=dataset, architecture="gpt",
                         model_config={"n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 8},
                         augmentation="flip")  # fmt: skip
+
+
+def test_a_member_the_archive_cannot_give_back_is_skipped_and_named() -> None:
+    files = _files(per_class=3)
+    data = bytearray(_zip(files))
+    victim = b"photos/dog/001.jpeg"
+    at = data.index(victim) + len(victim) + 40  # inside that member's stored bytes: its CRC no longer holds
+    data[at] ^= 0xFF
+
+    dataset = _upload(bytes(data))
+
+    assert dataset.status == "ready", dataset.error
+    assert [s["name"] for s in dataset.skipped] == ["photos/dog/001.jpeg"]
+    assert "cannot be read from the archive" in dataset.skipped[0]["why"]
+
+
+def test_a_webdataset_whose_samples_all_name_one_class_is_refused() -> None:
+    files = {}
+    for i in range(6):
+        files[f"s/{i:04d}.png"] = _image((1, 2, 3))
+        files[f"s/{i:04d}.cls"] = b"7"
+    files["s/0099.cls"] = b"1" * 1000  # not a class id: a 1,000-byte file is skipped unread
+
+    dataset = _upload(_tar(files, "w"))
+
+    assert dataset.status == "failed" and "every readable image is of one class (7)" in dataset.error

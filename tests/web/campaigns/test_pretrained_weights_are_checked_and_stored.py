@@ -120,8 +120,10 @@ def test_a_tokenizer_beside_the_weights_is_stored_and_named(tmp_path: Path) -> N
         (lambda c: {**c, "rope_scaling": {"type": "linear", "factor": 2.0}}, "scales RoPE"),
         (lambda c: {**c, "hidden_size": 33}, "hidden_size (33) must be divisible by num_attention_heads"),
         (lambda c: {**c, "intermediate_size": 96}, "tensor model.layers.0.mlp.gate_proj.weight is [64, 32]"),
+        (lambda c: {**c, "id2label": {"cat": "a cat"}}, "config.json holds a value of the wrong type"),
+        (lambda c: {**c, "rope_parameters": ["not", "a", "dict"]}, "config.json holds a value of the wrong type"),
     ],
-    ids=["family", "activation", "rope-scaling", "bounds", "shapes"],
+    ids=["family", "activation", "rope-scaling", "bounds", "shapes", "label-ids", "rope-type"],
 )
 def test_a_folder_the_registry_would_build_otherwise_is_refused_by_name(
     tmp_path: Path, change: Any, problem: str

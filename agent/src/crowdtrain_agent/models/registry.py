@@ -71,6 +71,15 @@ class ModelEntry:
         self._check(clean)
         return clean
 
+    def compact(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """``config`` without the fields at their defaults: what peers are sent.
+
+        An older agent or aggregator refuses a field its registry lacks, and fills in a default it knows:
+        a field added later at its default would otherwise stop it from training a model it can build.
+        """
+        clean = self.validate(config)
+        return {name: value for name, value in clean.items() if value != self.fields[name].default}
+
     def build(self, config: Mapping[str, Any], seed: int | None = None) -> nn.Module:
         """Construct the model; with ``seed``, initial weights are the same on every machine."""
         clean = self.validate(config)

@@ -64,7 +64,7 @@ end
 -- makes leases late then, and a backup would only duplicate work. Every backup that loses
 -- throws its upload away, so one is issued only where it can win: to a device expected to finish
 -- the whole lease sooner than the original has already taken.
-for _, id in ipairs(A.backups == 1 and redis.call('ZRANGEBYSCORE', K_SOFT, '-inf', now, 'LIMIT', 0, 4) or {}) do
+for _, id in ipairs(A.backups == 1 and redis.call('ZRANGEBYSCORE', K_SOFT, '-inf', now, 'LIMIT', 0, 16) or {}) do
   local slow = lease_get(id)
   if not slow or slow.st ~= 'active' or slow.tw ~= 0 then
     redis.call('ZREM', K_SOFT, id)
