@@ -379,7 +379,7 @@ CROWDTRAIN_DISCONNECT_GRACE_S = env_float("CROWDTRAIN_DISCONNECT_GRACE_S", 5.0, 
 CROWDTRAIN_SCHEDULER_REDIS_URL = env_str("CROWDTRAIN_SCHEDULER_REDIS_URL", REDIS_URL)
 # Every key the site puts in Redis starts with this, so several sites can share one Redis.
 CROWDTRAIN_REDIS_PREFIX = env_str("CROWDTRAIN_REDIS_PREFIX", "ct")
-# Admission control, per site process (gateway/admission.py): past these, new sockets are closed with 1013
+# Admission control, per site process (gateway/admission.py): past these, new sockets are closed with 4013
 # before any lookup and new lease requests are refused with a growing retry_after_s; done reports,
 # which carry work already uploaded, are never turned away.
 CROWDTRAIN_MAX_SOCKETS = env_int("CROWDTRAIN_MAX_SOCKETS", 20000, minimum=1)

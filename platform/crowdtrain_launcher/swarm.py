@@ -542,7 +542,11 @@ class Swarm:
             except OSError:
                 pass
             time.sleep(poll_s)
-        raise RuntimeError(f"waited {timeout_s:.0f} s for {what}; logs in {self.logs}")
+        # The logs' folder is gone once CI's machine is: the tails say, in the failure itself, who stalled.
+        tails = "".join(
+            f"\n--- {child.name} ({child.log_path.name}) ends with:\n{child.log_tail(8)}" for child in self.children
+        )
+        raise RuntimeError(f"waited {timeout_s:.0f} s for {what}; logs in {self.logs}{tails}")
 
     def check(self) -> None:
         """Raise if any child that should still run has exited.

@@ -25,6 +25,7 @@ from crowdtrain_agent.protocol import (
     Welcome,
     decode_message,
     encode_message,
+    should_reconnect,
 )
 from crowdtrain_launcher import Site, Swarm
 
@@ -57,7 +58,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     with service_database() as services:
         swarm = Swarm(root / "run", env={"CROWDTRAIN_VAR_DIR": str(root / "run" / "var"), **services})
         try:
-            seeded = seed(swarm, {"agents": ["revoked", "twice"]}, root / "spec.json")
+            seeded = seed(swarm, {"agents": ["revoked", "twice", "crowded"]}, root / "spec.json")
             yield Running(swarm, swarm.start_site(), seeded["agents"])
         finally:
             swarm.stop(grace_s=5.0)
@@ -110,6 +111,23 @@ def test_a_second_socket_on_one_token_closes_the_first_with_4012(running: Runnin
 
     assert code == CloseCode.REPLACED
     assert isinstance(welcome, Welcome)
+
+
+def test_a_saturated_site_turns_a_new_socket_away_with_4013_and_keeps_the_one_it_has(running: Running) -> None:
+    # A second site process on the same database, allowed one socket: RFC 6455's 1013 crashed daphne's side.
+    crowded = running.swarm.start_site(name="site-one-socket", env={"CROWDTRAIN_MAX_SOCKETS": "1"}, worker=False)
+    url = crowded.url.replace("http://", "ws://", 1) + "/ws/agent/"
+    headers = {"Authorization": f"Bearer {running.agent_tokens['crowded']}"}
+    with connect(url, additional_headers=headers) as first:
+        assert isinstance(_hello(first), Welcome)
+        with connect(url, additional_headers=headers) as second:
+            code = _close_code(second)
+        still_there = first.ping().wait(timeout=10)  # the socket it kept still answers
+
+    assert code == CloseCode.TRY_AGAIN_LATER
+    assert should_reconnect(code)
+    assert still_there
+    assert "invalid close code" not in crowded.child.log_path.read_text(errors="replace")
 
 
 def test_the_agent_with_an_unknown_token_exits_at_once_saying_to_log_in_again(running: Running) -> None:

@@ -2,7 +2,7 @@
 
 A site process counts what it has in hand: sockets, handshakes still
 authenticating, and scheduler calls in flight. Past its limits it turns away
-*new* work only: a new socket is closed with 1013 (try again later) before
+*new* work only: a new socket is closed with 4013 (try again later) before
 any database lookup, and a lease request is answered at once with a refusal
 whose ``retry_after_s`` grows with the load. Done reports and releases are
 never turned away: they carry work already uploaded, and they are what frees
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-TRY_AGAIN_LATER = 1013  # RFC 6455: the server is overloaded; a client reconnects with backoff
 # A refusal never asks an agent to wait longer than this, however busy the site.
 MAX_RETRY_AFTER_S = 60.0
 LAG_AT_FULL_LOAD_S = 0.5

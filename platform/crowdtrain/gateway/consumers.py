@@ -62,7 +62,7 @@ from crowdtrain_agent.protocol import (
 )
 from crowdtrain_agent.protocol.schema import lost_in
 
-from .admission import TRY_AGAIN_LATER, admission
+from .admission import admission
 from .backbone_lane import subscriber
 from .groups import memberships
 from .housekeeping import LAST_SEEN_DB_EVERY_S, housekeeping
@@ -357,7 +357,7 @@ class AgentConsumer(_ProtocolConsumer):
         await self.accept_protocol()
         if not admission.admit_socket():
             # Too many sockets or handshakes in hand: turned away before any lookup; agents back off and retry.
-            await self.close(code=TRY_AGAIN_LATER)
+            await self.close(code=CloseCode.TRY_AGAIN_LATER)
             return
         self.admitted = True
         self.start_hello_deadline()
@@ -375,7 +375,7 @@ class AgentConsumer(_ProtocolConsumer):
         except DatabaseError as exc:
             # The database is away (restarting, failing over): "come back later", which agents do with backoff.
             logger.warning("cannot check an agent's token, the database is unavailable (%s); asked it to retry", exc)
-            await self.close(code=TRY_AGAIN_LATER)
+            await self.close(code=CloseCode.TRY_AGAIN_LATER)
             return
         if device is None:
             await self.close(code=CloseCode.UNAUTHORIZED)
@@ -717,7 +717,14 @@ class BackboneConsumer(_ProtocolConsumer):
     async def connect(self) -> None:
         await self.accept_protocol()  # before the token lookup, as AgentConsumer.connect explains
         self.start_hello_deadline()
-        aggregator = await database_sync_to_async(Aggregator.authenticate)(bearer_token(self.scope["headers"]))
+        try:
+            aggregator = await database_sync_to_async(Aggregator.authenticate)(bearer_token(self.scope["headers"]))
+        except DatabaseError as exc:  # as for agents: "come back later", and the aggregator does with backoff
+            logger.warning(
+                "cannot check an aggregator's token, the database is unavailable (%s); asked it to retry", exc
+            )
+            await self.close(code=CloseCode.TRY_AGAIN_LATER)
+            return
         if aggregator is None:
             await self.close(code=CloseCode.UNAUTHORIZED)
             return

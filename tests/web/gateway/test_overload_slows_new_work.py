@@ -1,4 +1,4 @@
-"""A saturated site turns away new work only: new sockets get 1013, new lease requests a growing wait."""
+"""A saturated site turns away new work only: new sockets get 4013, new lease requests a growing wait."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import override_settings
 
-from crowdtrain.gateway.admission import TRY_AGAIN_LATER, admission
-from crowdtrain_agent.protocol import DoneAck, LeaseRequest, NoLease, should_reconnect
+from crowdtrain.gateway.admission import admission
+from crowdtrain_agent.protocol import CloseCode, DoneAck, LeaseRequest, NoLease, should_reconnect
 from tests.factories import done_for, make_campaign, make_device
 
 from .conftest import Connect, greeted_agent, receive, send
@@ -25,8 +25,8 @@ async def test_a_new_socket_beyond_the_handshake_limit_is_told_to_try_again_late
     finally:
         admission.handshakes -= 1
 
-    assert output == {"type": "websocket.close", "code": TRY_AGAIN_LATER}
-    assert should_reconnect(TRY_AGAIN_LATER)  # an agent backs off and comes back; it does not quit
+    assert output == {"type": "websocket.close", "code": CloseCode.TRY_AGAIN_LATER}
+    assert should_reconnect(CloseCode.TRY_AGAIN_LATER)  # an agent backs off and comes back; it does not quit
 
 
 @override_settings(CROWDTRAIN_MAX_LEASE_CALLS=1)

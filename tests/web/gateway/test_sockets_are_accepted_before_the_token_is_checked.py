@@ -14,13 +14,14 @@ import threading
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.db import connection
+from django.db import OperationalError, connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
+from crowdtrain.scheduler.models import Aggregator
 from crowdtrain.verification import standing
-from crowdtrain_agent.protocol import CloseCode, Welcome
+from crowdtrain_agent.protocol import CloseCode, Welcome, should_reconnect
 from tests.factories import make_device
 
 from .conftest import HELLO, Connect, receive, send
@@ -102,3 +103,21 @@ async def test_the_token_check_tells_the_process_the_devices_owner_which_its_rep
     await receive(agent)
 
     assert await sync_to_async(_owner_read_without_a_query)(device.pk) == (device.owner_id, 0)
+
+
+@pytest.mark.parametrize(("path", "model"), [("/ws/agent/", Device), ("/ws/backbone/", Aggregator)])
+async def test_a_token_that_cannot_be_checked_gets_4013_and_a_retry_not_a_crash(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch, path: str, model: type[Device] | type[Aggregator]
+) -> None:
+    def database_away(raw: str | None) -> None:
+        raise OperationalError("terminating connection due to unexpected postmaster exit")
+
+    monkeypatch.setattr(model, "authenticate", database_away)
+
+    communicator, connected, _ = await connect(path, "ct_any-token")
+    output = await communicator.receive_output(timeout=5)
+
+    assert connected
+    assert output == {"type": "websocket.close", "code": CloseCode.TRY_AGAIN_LATER}
+    assert type(output["code"]) is int  # daphne (autobahn) refuses anything else, RFC 6455's 1013 included
+    assert should_reconnect(output["code"])

@@ -94,6 +94,10 @@ class CloseCode(enum.IntEnum):
     BAD_TICKET = 4010  # a gradient upload with a ticket that does not verify
     GOING_AWAY = 4011  # server shutting down; reconnect with backoff
     REPLACED = 4012  # the same device connected again elsewhere
+    # The site is saturated or cannot check tokens right now (its database is away): back off and come back.
+    # RFC 6455's 1013 says the same, but daphne (autobahn) sends only 1000 and 3000-4999: 1013 crashed the
+    # consumer, and the client saw 1011.
+    TRY_AGAIN_LATER = 4013
 
 
 _FINAL_CODES = {CloseCode.UNAUTHORIZED, CloseCode.REVOKED, CloseCode.UNSUPPORTED_VERSION, CloseCode.REPLACED}
