@@ -54,6 +54,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--public-host", dest="public_host", help="host agents use to reach this aggregator")
     parser.add_argument("--max-pending-bytes", dest="max_pending_bytes", help="cap on pending gradient bytes")
+    parser.add_argument(
+        "--spool-dir", dest="spool_dir", help="folder for large pending gradients, on a disk (default var/spool)"
+    )
+    parser.add_argument(
+        "--spool-min-bytes",
+        dest="spool_min_bytes",
+        help="uploads from this size go to the spool folder, smaller ones stay in memory (default 4194304)",
+    )
     parser.add_argument("--torch-threads", dest="torch_threads", help="PyTorch intra-op threads (default 1)")
     parser.add_argument(
         "--header-timeout-s",

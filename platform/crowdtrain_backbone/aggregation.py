@@ -8,11 +8,14 @@ by at commit time; the held tensor itself is never changed.
 
 from __future__ import annotations
 
+import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from .spool import release_pages
 
 __all__ = ["AggregationRule", "MeanRule", "PendingUpload"]
 
@@ -23,6 +26,9 @@ class PendingUpload:
 
     ``scale`` (at most 1) is set only on the copy a commit combines, when the
     contribution was clipped: the contribution is then ``grad * scale``.
+    ``pages`` is set when ``grad`` is a mapping of a spooled file
+    (``crowdtrain_backbone.spool``): a pass that read it calls
+    ``release_pages`` so the process does not keep what it read.
     """
 
     lease_id: int
@@ -30,10 +36,15 @@ class PendingUpload:
     num_samples: int
     grad: torch.Tensor
     scale: float = 1.0
+    pages: mmap.mmap | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
         return self.grad.numel() * self.grad.element_size()
+
+    def release_pages(self) -> None:
+        """Done reading for now: a spooled gradient's pages leave the resident set (nothing for one in memory)."""
+        release_pages(self.pages)
 
 
 class AggregationRule(ABC):
@@ -65,16 +76,23 @@ class MeanRule(AggregationRule):
         # lease) makes the new tensor. Pending uploads stay untouched: a commit that fails after this can
         # be sent again and must find them as they were.
         if len(uploads) == 1:
-            return uploads[0].grad / float(num_samples)
+            total = uploads[0].grad / float(num_samples)
+            uploads[0].release_pages()
+            return total
         total = uploads[0].grad + uploads[1].grad
+        uploads[0].release_pages()
+        uploads[1].release_pages()
         for upload in uploads[2:]:  # fixed order: fp32 addition is not associative
             total.add_(upload.grad)
+            upload.release_pages()  # one spooled upload resident at a time, whatever the count
         return total.div_(float(num_samples))
 
 
 def _scaled_sum(uploads: Sequence[PendingUpload]) -> torch.Tensor:
     """Sum of ``grad * scale`` in the given order: the path of a step where clipping cut a contribution."""
     total = uploads[0].grad * uploads[0].scale
+    uploads[0].release_pages()
     for upload in uploads[1:]:
         total.add_(upload.grad, alpha=upload.scale)
+        upload.release_pages()
     return total

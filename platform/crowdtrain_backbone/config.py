@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from .spool import DEFAULT_MIN_BYTES
+
 if TYPE_CHECKING:
     from .checkpoints import CheckpointStore
 
@@ -26,6 +28,8 @@ DEFAULT_FALLBACK_DIR = "var/checkpoints-fallback"
 # Pending gradient slices are kept as fp32 until their step commits; this caps
 # what a burst of uploads (or a hostile agent) can make the process hold.
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
+# Large pending gradients wait in files here, mapped in only while read (``spool``): a folder on a disk.
+DEFAULT_SPOOL_DIR = "var/spool"
 # An upload socket must send its first upload header this soon after connecting: agents send it
 # at once, and a socket that only connects must not hold a connection for ever.
 DEFAULT_HEADER_TIMEOUT_S = 5.0
@@ -62,6 +66,8 @@ class BackboneConfig:
     checkpoint_fallback_dir: Path | None = None
     public_host: str = DEFAULT_HOST
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    spool_dir: Path = Path(DEFAULT_SPOOL_DIR)
+    spool_min_bytes: int = DEFAULT_MIN_BYTES  # uploads below this stay in memory; 0: every upload to the spool
     # One intra-op thread by default: an aggregator's work is elementwise passes over its slice,
     # interleaved with socket I/O, and OpenMP workers that spin between such small ops cost more
     # than they give on a shared machine (torch.isfinite over 1.3 M floats: 8 ms with one thread,
@@ -121,6 +127,16 @@ def _parse_bytes(raw: str, where: str) -> int:
         value = 0
     if value <= 0:
         raise ConfigError(f"{where}={raw!r} must be a positive number of bytes, e.g. {DEFAULT_MAX_PENDING_BYTES}")
+    return value
+
+
+def _parse_byte_count(raw: str, where: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"{where}={raw!r} must be a number of bytes, 0 or more, e.g. {DEFAULT_MIN_BYTES}")
     return value
 
 
@@ -218,6 +234,8 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str]) -> Backbon
         ),
         public_host=get("public_host", _parse_text, default_public),
         max_pending_bytes=get("max_pending_bytes", _parse_bytes, DEFAULT_MAX_PENDING_BYTES),
+        spool_dir=get("spool_dir", _parse_path, Path(DEFAULT_SPOOL_DIR)),
+        spool_min_bytes=get("spool_min_bytes", _parse_byte_count, DEFAULT_MIN_BYTES),
         torch_threads=get("torch_threads", _parse_threads, 1),
         header_timeout_s=get("header_timeout_s", _parse_seconds, DEFAULT_HEADER_TIMEOUT_S),
         metrics_token=get("metrics_token", _parse_optional_text, ""),

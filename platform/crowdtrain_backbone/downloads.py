@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import mmap
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable
 from typing import TYPE_CHECKING, TypeVar
 
 from crowdtrain_agent.deltas import encode_delta
 
+from .spool import Spool, release_pages
+
 if TYPE_CHECKING:
     from .slices import Snapshot
 T = TypeVar("T")
+# A delta body: in memory, or a mapping of a spool file.
+Body = bytes | memoryview | mmap.mmap
 
 # Deltas kept per slice. Most agents hold the version just before the newest, so a few
 # (version, from) pairs serve nearly every download; each costs up to a snapshot's size.
@@ -40,17 +45,18 @@ class DownloadCache:
         deltas_kept: how many delta bodies to keep, least recently used dropped first.
     """
 
-    def __init__(self, deltas_kept: int = DELTAS_KEPT) -> None:
+    def __init__(self, deltas_kept: int = DELTAS_KEPT, spool: Spool | None = None) -> None:
         self.deltas_kept = deltas_kept
+        self.spool = spool  # where delta bodies wait; None: in memory
         self._checksums: dict[str, asyncio.Future[str]] = {}
-        self._deltas: OrderedDict[tuple[str, str], asyncio.Future[bytes]] = OrderedDict()
+        self._deltas: OrderedDict[tuple[str, str], asyncio.Future[Body]] = OrderedDict()
         self.deltas_computed = 0  # how many delta bodies were encoded (tests check that caching works)
 
     async def checksum(self, snapshot: Snapshot) -> str:
         """The sha256 hex of ``snapshot.body``, hashed in a thread the first time it is asked for."""
-        return await self._shared(self._checksums, snapshot.etag, _sha256_hex, snapshot.body)
+        return await self._shared(self._checksums, snapshot.etag, _checksum, snapshot)
 
-    async def delta(self, wanted: Snapshot, held: Snapshot) -> bytes:
+    async def delta(self, wanted: Snapshot, held: Snapshot) -> Body:
         """The delta body that rebuilds ``wanted`` from ``held``, encoded in a thread the first time.
 
         Raises:
@@ -59,12 +65,18 @@ class DownloadCache:
         key = (wanted.etag, held.etag)
         if key not in self._deltas:
             self.deltas_computed += 1
-        body = await self._shared(self._deltas, key, encode_delta, wanted.body, held.body)
+        body = await self._shared(self._deltas, key, _delta, wanted, held, self.spool)
         if key in self._deltas:
             self._deltas.move_to_end(key)
         while len(self._deltas) > self.deltas_kept:
             self._deltas.popitem(last=False)
         return body
+
+    def release_pages(self) -> None:
+        """Spooled delta bodies' pages leave the resident set (``SliceState._publish``, once a step)."""
+        for future in self._deltas.values():
+            if future.done() and not future.cancelled() and future.exception() is None:
+                release_pages(future.result())
 
     def retain_only_(self, etags: Collection[str]) -> None:
         """Forget what was derived from publications no longer kept (``SliceState._publish`` calls this)."""
@@ -94,5 +106,15 @@ def _forget_failure(cache: dict[K, asyncio.Future[T]], key: K, done: asyncio.Fut
             del cache[key]
 
 
-def _sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def _checksum(snapshot: Snapshot) -> str:
+    digest = hashlib.sha256(snapshot.body).hexdigest()
+    snapshot.release_pages()
+    return digest
+
+
+def _delta(wanted: Snapshot, held: Snapshot, spool: Spool | None) -> Body:
+    """The delta body, kept in ``spool`` when it takes it; the snapshots' pages it read are let go."""
+    body = encode_delta(memoryview(wanted.body), memoryview(held.body))
+    wanted.release_pages()
+    held.release_pages()
+    return body if spool is None else spool.hold(body)

@@ -9,7 +9,7 @@ import re
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from websockets.asyncio.server import ServerConnection
@@ -19,6 +19,7 @@ from websockets.http11 import Request, Response
 from crowdtrain_agent import deltas
 from crowdtrain_agent.protocol import ProtocolError, ticket_campaign, verify_ticket
 
+from .downloads import Body
 from .metrics import metrics_refusal
 from .node import AggregatorNode
 
@@ -38,8 +39,9 @@ PARAMS_WAIT_S = 5.0
 
 
 def _response(
-    status: HTTPStatus, body: bytes, content_type: str, extra: list[tuple[str, str]] | None = None
+    status: HTTPStatus, body: Body, content_type: str, extra: list[tuple[str, str]] | None = None
 ) -> Response:
+    """``body`` may be a spooled mapping: websockets joins it to the head as bytes, the one copy it makes."""
     headers = Headers(
         [
             ("Date", email.utils.formatdate(usegmt=True)),
@@ -50,7 +52,7 @@ def _response(
             *(extra or []),
         ]
     )
-    return Response(status.value, status.phrase, headers, body)
+    return Response(status.value, status.phrase, headers, cast(bytes, body))
 
 
 def json_response(status: HTTPStatus, payload: dict[str, Any]) -> Response:

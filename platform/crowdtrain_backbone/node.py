@@ -38,6 +38,7 @@ from .config import BackboneConfig
 from .metrics import BackboneMetrics
 from .robust import ClipHistory
 from .slices import MemoryBudget, PretrainedUnavailable, SliceState, StepRefused, WeightsOpener, initial_params
+from .spool import Spool
 
 logger = logging.getLogger(__name__)
 # The first wait before a refused checkpoint is written again, and the longest (doubled after each refusal).
@@ -188,6 +189,7 @@ class AggregatorNode:
         # version moves on again by itself once storage is back (``retry_checkpoints``).
         self.owed: dict[tuple[int, int], tuple[float, float]] = {}
         self.budget = MemoryBudget(config.max_pending_bytes)
+        self.spool = Spool(config.spool_dir, config.spool_min_bytes)
         self.metrics = BackboneMetrics(self)
         self.slices: dict[tuple[int, int], SliceState] = {}
         self.complete: dict[int, list[int]] = {}  # per campaign: versions every slice has a checkpoint of
@@ -337,6 +339,7 @@ class AggregatorNode:
             self.budget,
             restored.optimizer_state,
             clip_history=restored.clip_history,
+            spool=self.spool,
         )
         # A graceful stop saved the uploads of the step in hand: with them that step commits here.
         taken = state.reinstate_(restored.pending)

@@ -144,7 +144,7 @@ def clip_contributions(uploads: Sequence[PendingUpload], history: ClipHistory, c
     """
     if clip_factor <= 0:
         return Clipping(list(uploads), [], [])
-    norms = [vector_norm(u.grad) * u.scale / u.num_samples for u in uploads]
+    norms = [_norm_then_release(u) * u.scale / u.num_samples for u in uploads]
     window = [*history.norms, *(n for n in norms if n > 0)]
     if not window:
         return Clipping(list(uploads), [], [])
@@ -163,6 +163,12 @@ def clip_contributions(uploads: Sequence[PendingUpload], history: ClipHistory, c
             if norm > 0:
                 recorded.append(norm)
     return Clipping(kept, recorded, clipped, median, bound)
+
+
+def _norm_then_release(upload: PendingUpload) -> float:
+    norm = vector_norm(upload.grad)
+    upload.release_pages()
+    return norm
 
 
 # ------------------------------------------------------------------ robust means
@@ -190,6 +196,7 @@ def _by_blocks(uploads: Sequence[PendingUpload], reduce: Callable[[torch.Tensor]
         rows = block[:, : hi - lo]
         for row, upload, weight in zip(rows, uploads, weights, strict=True):
             torch.mul(upload.grad[lo:hi], weight, out=row)
+            upload.release_pages()  # a block of each spooled upload resident, never all of them
         out[lo:hi] = reduce(rows)
     return out
 
@@ -263,7 +270,7 @@ class CenteredClipRule(AggregationRule):
         center = _by_blocks(uploads, _coordinate_median)
         # One difference at a time: memory is three slices (center, step, difference) whatever the count.
         tau = statistics.median(
-            vector_norm(torch.mul(u.grad, w).sub_(center)) for u, w in zip(uploads, weights, strict=True)
+            _released(u, vector_norm(torch.mul(u.grad, w).sub_(center))) for u, w in zip(uploads, weights, strict=True)
         )
         if tau == 0:
             return center  # most contributions sit on the median: it is the answer
@@ -271,12 +278,19 @@ class CenteredClipRule(AggregationRule):
             step = torch.zeros_like(center)
             for upload, weight in zip(uploads, weights, strict=True):
                 diff = torch.mul(upload.grad, weight).sub_(center)
+                upload.release_pages()
                 distance = vector_norm(diff)
                 if not math.isfinite(distance):
                     continue  # values near the fp32 limit overflowed: no direction to clip along
                 step.add_(diff, alpha=min(1.0, tau / distance) if distance > 0 else 1.0)
             center.add_(step.div_(count))
         return center
+
+
+def _released(upload: PendingUpload, value: float) -> float:
+    """``value``, once ``upload``'s pages (read to compute it) have left the resident set."""
+    upload.release_pages()
+    return value
 
 
 def build_rule(assignment: SliceAssignment) -> AggregationRule:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import mmap
 import secrets
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any, TypeGuard
 
 import numpy as np
@@ -30,6 +31,7 @@ from .aggregation import AggregationRule, MeanRule, PendingUpload
 from .downloads import DownloadCache
 from .optimizers import build_slice_optimizer, slice_segments
 from .robust import ClipHistory, build_rule, clip_contributions
+from .spool import Spool, release_pages
 
 __all__ = [
     "AggregationRule",
@@ -76,11 +78,19 @@ class StepRefused(Exception):
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The published bytes of one version; immutable, so the ETag is a content hash."""
+    """The published bytes of one version; immutable, so the ETag is a content hash.
+
+    ``body`` is a mapping of a spool file for a slice the spool takes
+    (``crowdtrain_backbone.spool``): every download reads it, none changes it.
+    """
 
     version: int
-    body: bytes
+    body: bytes | memoryview | mmap.mmap
     etag: str
+
+    def release_pages(self) -> None:
+        """Downloads done with it for now: a spooled body's pages leave the resident set."""
+        release_pages(self.body)
 
 
 class MemoryBudget:
@@ -189,14 +199,16 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def make_snapshot(campaign_id: int, slice_index: int, version: int, params: torch.Tensor) -> Snapshot:
-    """Encode the params once per version; every HTTP GET then serves the same bytes.
+def make_snapshot(
+    campaign_id: int, slice_index: int, version: int, params: torch.Tensor, spool: Spool | None = None
+) -> Snapshot:
+    """Encode the params once per version; every HTTP GET then serves the same bytes (from ``spool`` if given).
 
     The ETag carries a random nonce rather than a hash of the bytes (hashing
     megabytes per step is on the critical path): the same version republished
     after a rollback or a restart gets a new tag, which is all caches need.
     """
-    body = encode_fp32(params)
+    body = encode_fp32(params) if spool is None else spool.hold(encode_fp32(params))
     return Snapshot(version, body, f'"c{campaign_id}-s{slice_index}-v{version}-{secrets.token_hex(8)}"')
 
 
@@ -217,16 +229,18 @@ class SliceState:
         optimizer_state: dict[str, Any] | None = None,
         rule: AggregationRule | None = None,
         clip_history: ClipHistory | None = None,
+        spool: Spool | None = None,
     ) -> None:
         self.assignment = assignment
         self.budget = budget
+        self.spool = spool  # where its snapshots and delta bodies wait; None: in memory
         self._rule = rule  # None: the campaign's (``assignment.aggregation``), which a re-assignment may change
         self.clipped = 0  # contributions clipped since this process took the slice (``/healthz``)
         self.pending: dict[int, PendingUpload] = {}
         self.receiving: set[int] = set()  # leases whose chunks are still arriving
         self.finished: OrderedDict[int, str] = OrderedDict()  # lease id -> "committed" | "dropped"
         self.snapshots: OrderedDict[int, Snapshot] = OrderedDict()
-        self.downloads = DownloadCache()  # checksums and deltas of the snapshots, for GET /params
+        self.downloads = DownloadCache(spool=spool)  # checksums and deltas of the snapshots, for GET /params
         self._published = asyncio.Event()
         self.install_(params, version, optimizer_state, clip_history)
 
@@ -283,13 +297,17 @@ class SliceState:
         self.clip_history = clip_history if clip_history is not None else ClipHistory()
         for v in [v for v in self.snapshots if v >= version]:
             del self.snapshots[v]
-        self._publish(make_snapshot(self.campaign_id, self.slice_index, version, self.param.detach()))
+        self._publish(make_snapshot(self.campaign_id, self.slice_index, version, self.param.detach(), self.spool))
 
     def _publish(self, snapshot: Snapshot) -> None:
         self.snapshots[snapshot.version] = snapshot
         while len(self.snapshots) > self.retained_versions:
             self.snapshots.popitem(last=False)
         self.downloads.retain_only_({s.etag for s in self.snapshots.values()})
+        # Once a step: what the last one's downloads read of the kept bodies leaves the resident set.
+        for kept in self.snapshots.values():
+            kept.release_pages()
+        self.downloads.release_pages()
         self._published.set()  # wakes downloads waiting for this version
         self._published = asyncio.Event()
 
@@ -363,6 +381,9 @@ class SliceState:
                     upload.lease_id,
                 )
                 continue
+            if self.spool is not None:  # to the spool, as it would have gone on arrival
+                grad, pages = self.spool.keep(upload.grad)
+                upload = replace(upload, grad=grad, pages=pages)
             self.pending[upload.lease_id] = upload
             taken.append(upload.lease_id)
         return taken
@@ -524,7 +545,7 @@ class SliceState:
         # Recorded only once the step is taken: a step that raised before leaves the history as it was.
         self.clip_history.record_(clipping.recorded)
         self.clipped += len(clipping.clipped)
-        return make_snapshot(self.campaign_id, self.slice_index, self.version + 1, self.param.detach())
+        return make_snapshot(self.campaign_id, self.slice_index, self.version + 1, self.param.detach(), self.spool)
 
     def finish_step(self, snapshot: Snapshot, lease_ids: Sequence[int]) -> list[int]:
         """On the loop, after ``apply_step_``: advance the version, publish, forget used and stale uploads.

@@ -17,8 +17,11 @@ the socket (with a ``protocol.CloseCode``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
+import mmap
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -48,6 +51,7 @@ from crowdtrain_agent.sketch import SKETCH_COORDINATES, sketch, sketch_seed, to_
 
 from .node import AggregatorNode
 from .slices import PendingUpload, UploadRefused
+from .spool import Spool, SpoolFile, release_pages
 
 logger = logging.getLogger(__name__)
 
@@ -101,33 +105,43 @@ def decode_and_sketch(
     codec: Codec, data: bytearray, num_elements: int, ticket: Ticket, max_grad_norm: float, seed: int | None
 ) -> tuple[torch.Tensor, bytes]:
     """``decode_gradient``, and the sketch of the result under ``seed`` (none without one) for the receipt."""
-    grad = decode_gradient(codec, data, num_elements, ticket, max_grad_norm)
+    return check_and_sketch(decode_gradient(codec, data, num_elements, ticket), ticket, max_grad_norm, seed)
+
+
+def check_and_sketch(
+    grad: torch.Tensor, ticket: Ticket, max_grad_norm: float, seed: int | None
+) -> tuple[torch.Tensor, bytes]:
+    """``check_gradient``, and the sketch of ``grad`` under ``seed`` (none without one) for the receipt."""
+    check_gradient(grad, ticket, max_grad_norm)
     if seed is None:
         return grad, b""
     return grad, to_bytes(sketch(grad, seed, coordinates=SKETCH_COORDINATES))
 
 
-def decode_gradient(
-    codec: Codec, data: bytearray, num_elements: int, ticket: Ticket, max_grad_norm: float
-) -> torch.Tensor:
-    """Decode one slice and check it is finite and within the per-sample norm bound.
+def decode_gradient(codec: Codec, data: bytearray, num_elements: int, ticket: Ticket) -> torch.Tensor:
+    """One slice's values from its reassembled payload (``data``, this upload's own buffer).
+
+    Raises:
+        Rejected: "bad payload" (bytes no encoder writes: an int8 scale that is NaN, infinite or negative).
+    """
+    try:
+        return codec.adopt(data, num_elements)
+    except ProtocolError as exc:  # the length was checked on arrival; this is about the bytes themselves
+        raise Rejected("bad payload", f"lease {ticket.lease_id}: {exc}", lease_id=ticket.lease_id) from None
+
+
+def check_gradient(grad: torch.Tensor, ticket: Ticket, max_grad_norm: float) -> None:
+    """Check one slice's values are finite and within the per-sample norm bound.
 
     Args:
-        codec: the codec the agent announced.
-        data: the reassembled payload.
-        num_elements: slice length.
+        grad: the decoded slice.
         ticket: the verified ticket (its ``num_samples`` weighs the norm bound).
         max_grad_norm: bound on ||g|| / num_samples; 0 disables it. Checked per
             slice, which is a necessary condition for the whole gradient's bound.
 
     Raises:
-        Rejected: "bad payload" (bytes no encoder writes: an int8 scale that is
-            NaN, infinite or negative), "not finite" or "norm bound".
+        Rejected: "not finite" or "norm bound".
     """
-    try:
-        grad = codec.adopt(data, num_elements)  # ``data`` is this upload's own buffer
-    except ProtocolError as exc:  # the length was checked on arrival; this is about the bytes themselves
-        raise Rejected("bad payload", f"lease {ticket.lease_id}: {exc}", lease_id=ticket.lease_id) from None
     values = grad.numpy()  # numpy's checks are several times faster than torch's on one thread
     if not np.isfinite(values).all():
         bad = int(values.size - np.count_nonzero(np.isfinite(values)))
@@ -149,7 +163,35 @@ def decode_gradient(
                 f"bound {max_grad_norm:.4g}; the gradient is likely corrupt",
                 lease_id=ticket.lease_id,
             )
-    return grad
+
+
+def spooled_check_and_sketch(
+    file: SpoolFile, ticket: Ticket, max_grad_norm: float, seed: int | None
+) -> tuple[torch.Tensor, mmap.mmap, bytes]:
+    """``check_and_sketch`` of an upload written to the spool: its mapping, with the pages read given back."""
+    grad, pages = file.map_fp32()
+    try:
+        _, sketched = check_and_sketch(grad, ticket, max_grad_norm, seed)
+    finally:
+        release_pages(pages)
+    return grad, pages, sketched
+
+
+def decode_check_and_keep(
+    codec: Codec,
+    data: bytearray,
+    num_elements: int,
+    ticket: Ticket,
+    max_grad_norm: float,
+    seed: int | None,
+    spool: Spool | None,
+) -> tuple[torch.Tensor, mmap.mmap | None, bytes]:
+    """``decode_and_sketch``, then the gradient moved to ``spool`` if it takes it (none: kept in memory)."""
+    grad, sketched = decode_and_sketch(codec, data, num_elements, ticket, max_grad_norm, seed)
+    if spool is None:
+        return grad, None, sketched
+    grad, pages = spool.keep(grad)
+    return grad, pages, sketched
 
 
 class UploadSession:
@@ -330,20 +372,26 @@ class UploadSession:
                 f"{self.node.budget.limit}); retry after the next step",
             )
 
-        # 2. the chunks, 3. the gradient checks; any failure gives the reservation back
+        # 2. the chunks, 3. the gradient checks; any failure gives the reservation back. A large fp32
+        # upload goes straight to a spool file as it arrives; others are reassembled here, then decoded.
+        spool = self.node.spool
+        file = spool.open(nbytes) if codec.name == "fp32" and spool.wants(nbytes) else None
         try:
             try:
-                data = await self._receive(ticket, begin, nbytes)
+                data = await self._receive(ticket, begin, nbytes, file)
             except Rejected as exc:
                 raise reject(exc.code, exc.detail, discard=exc.discard) from None
             max_norm = state.assignment.max_grad_norm
             seed = sketch_seed(key, index, ticket.base_version) if self.node.site_minor >= 2 else None
-            if nbytes >= THREAD_DECODE_BYTES:
-                grad, sketched = await asyncio.to_thread(
-                    decode_and_sketch, codec, data, state.numel, ticket, max_norm, seed
-                )
+            keep_in = None if ticket.check else spool  # a verification copy is sketched, then let go
+            work: Callable[[], tuple[torch.Tensor, mmap.mmap | None, bytes]]
+            if file is not None:
+                work = functools.partial(spooled_check_and_sketch, file, ticket, max_norm, seed)
             else:
-                grad, sketched = decode_and_sketch(codec, data, state.numel, ticket, max_norm, seed)
+                work = functools.partial(
+                    decode_check_and_keep, codec, data, state.numel, ticket, max_norm, seed, keep_in
+                )
+            grad, pages, sketched = await asyncio.to_thread(work) if nbytes >= THREAD_DECODE_BYTES else work()
             if self.node.get_slice(ticket.campaign_id, index) is not state:
                 raise reject(
                     "slice not held",
@@ -355,10 +403,12 @@ class UploadSession:
                 self.node.budget.release(held_bytes)  # sketched; the gradient itself is not needed
             else:
                 try:
-                    state.add_pending(PendingUpload(lease, ticket.base_version, ticket.num_samples, grad))
+                    state.add_pending(PendingUpload(lease, ticket.base_version, ticket.num_samples, grad, pages=pages))
                 except UploadRefused as exc:
                     raise reject(exc.code, exc.detail, discard=False) from None
         except BaseException as exc:
+            if file is not None:
+                file.close()  # nothing if it was mapped: the mapping goes with the gradient
             state.abort_upload(lease)
             self.node.budget.release(held_bytes)
             if isinstance(exc, Rejected):
@@ -380,9 +430,12 @@ class UploadSession:
         )
         return UploadReceipt(lease_id=lease, slice_index=index, token=token)
 
-    async def _receive(self, ticket: Ticket, begin: UploadBegin, nbytes: int) -> bytearray:
-        """Reassemble the announced chunks, each ``CHUNK_PAYLOAD_BYTES`` long but the last, in order."""
-        data = bytearray(nbytes)
+    async def _receive(self, ticket: Ticket, begin: UploadBegin, nbytes: int, file: SpoolFile | None) -> bytearray:
+        """Reassemble the announced chunks, each ``CHUNK_PAYLOAD_BYTES`` long but the last, in order.
+
+        Into ``file`` when there is one (the bytes returned are then empty), into memory otherwise.
+        """
+        data = bytearray(nbytes if file is None else 0)
         offset = 0
         lease = ticket.lease_id
         for i in range(begin.num_chunks):
@@ -415,7 +468,10 @@ class UploadSession:
                 raise Rejected(
                     "wrong chunk size", f"lease {lease}: chunk {i} carries {header.payload_len} bytes, expected {want}"
                 )
-            data[offset : offset + want] = payload
+            if file is None:
+                data[offset : offset + want] = payload
+            else:
+                file.write(offset, payload)
             offset += want
         return data
 

@@ -478,6 +478,8 @@ class Swarm:
                 "0",
                 "--checkpoint-dir",
                 str(self.run_dir / "checkpoints" / name),
+                "--spool-dir",
+                str(self.run_dir / "spool" / name),
             ]
             # Tokens travel in the environment: argv is visible to every user in `ps`.
             child_vars = {"CROWDTRAIN_BACKBONE_TOKEN": token, **(env or {})}

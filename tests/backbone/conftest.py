@@ -245,9 +245,12 @@ class Agent:
 
 
 def backbone_config(site_url: str, checkpoint_dir: Path, **overrides: Any) -> BackboneConfig:
+    """Every upload, however small, goes through the spool here (``spool_min_bytes=0``): the tests' slices
+    are far below the default size, and the spool is the path large models take."""
+    settings: dict[str, Any] = {"spool_dir": checkpoint_dir.parent / "spool", "spool_min_bytes": 0, **overrides}
     return BackboneConfig(
         site=site_url, token=SITE_TOKEN, name="agg-test", host="127.0.0.1", port=0,
-        checkpoint_dir=checkpoint_dir, public_host="127.0.0.1", **overrides,
+        checkpoint_dir=checkpoint_dir, public_host="127.0.0.1", **settings,
     )  # fmt: skip
 
 

@@ -13,7 +13,11 @@ Lines, per size (``_10m``, ``_100m``, ``_350m``):
 
 - ``size_efficiency``: the swarm's steady samples/s over plain PyTorch's;
 - ``aggregator_bytes_per_param``: the larger aggregator's peak RSS (VmHWM)
-  over the parameters of its slice; ``agent_peak_bytes_per_param`` and
+  over the parameters of its slice; ``aggregator_steady_bytes_per_param``,
+  the median of its resident set (VmRSS, read once a second while the steps
+  run) over the same, and ``aggregator_anon_bytes_per_param`` of its
+  anonymous part (RssAnon: not the spool's file pages, which the kernel takes
+  back under pressure); ``agent_peak_bytes_per_param`` and
   ``plain_peak_bytes_per_param``: peak RSS over the model's parameters;
 - ``time_to_first_step_s``: agents started against a ready site and
   aggregators, to the first committed step;
@@ -37,6 +41,7 @@ import logging
 import os
 import secrets
 import shutil
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -85,9 +90,22 @@ def param_count(size: str) -> int:
 
 def peak_rss(pid: int) -> int:
     """The process's peak resident set (VmHWM), in bytes; 0 once it is gone."""
+    return _status_bytes(pid, "VmHWM:")
+
+
+def resident(pid: int) -> tuple[int, int]:
+    """The process's resident set now (VmRSS) and its anonymous part (RssAnon), in bytes; 0 once it is gone.
+
+    The rest of the resident set is pages of files (the spool's mapped
+    gradients and versions), which the kernel takes back under pressure.
+    """
+    return _status_bytes(pid, "VmRSS:"), _status_bytes(pid, "RssAnon:")
+
+
+def _status_bytes(pid: int, field: str) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -170,6 +188,8 @@ class SwarmFigures:
     samples_per_s: float
     first_step_s: float
     aggregator_peak: int  # bytes, the larger of the two
+    aggregator_steady: int  # bytes, the median of the larger aggregator's resident set sampled after the first step
+    aggregator_anon: int  # bytes, the same for its anonymous memory (RssAnon)
     aggregator_params: int  # parameters of that aggregator's slice
     agent_peak: int
     bytes_up_per_sample: float
@@ -240,7 +260,15 @@ def run_swarm(
         progress = f"{site.url}/api/campaigns/{campaign_id}/progress"
         swarm.wait_until(lambda: get_json(progress)["committed_steps"] >= 1, 1800, "the first committed step", 0.1)
         first_step_s = time.monotonic() - started
-        swarm.wait_until(lambda: get_json(progress)["version"] >= steps, 3600, f"{steps} applied steps", 1.0)
+        rss: dict[str, list[tuple[int, int]]] = {name: [] for name in seed["aggregators"]}
+        pids = {child.name: child.pid for child in swarm.children if child.name in rss}
+
+        def applied_all() -> bool:
+            for name, pid in pids.items():  # steady state: every step after the first, read once a second
+                rss[name].append(resident(pid))
+            return get_json(progress)["version"] >= steps
+
+        swarm.wait_until(applied_all, 3600, f"{steps} applied steps", 1.0)
         accepted = sum(_accepted_uploads(url) for url in aggregators)
         peaks = {child.name: peak_rss(child.pid) for child in swarm.children}
         dump = json.loads(swarm.manage("dump_run", "--campaign", str(campaign_id)))
@@ -255,6 +283,8 @@ def run_swarm(
         samples_per_s=rate,
         first_step_s=first_step_s,
         aggregator_peak=max(aggregator_peaks),
+        aggregator_steady=max(int(statistics.median(r for r, _ in v)) if v else 0 for v in rss.values()),
+        aggregator_anon=max(int(statistics.median(a for _, a in v)) if v else 0 for v in rss.values()),
         aggregator_params=widest,
         agent_peak=max(peaks.get(name, 0) for name in seed["agents"]),
         bytes_up_per_sample=float(network.get("bytes_up") or 0) / samples,
@@ -292,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             figure_line(f"swarm_samples_per_s_{size}", swarm.samples_per_s),
             figure_line(f"size_efficiency_{size}", swarm.samples_per_s / plain["samples_per_s"]),
             figure_line(f"aggregator_bytes_per_param_{size}", swarm.aggregator_peak / swarm.aggregator_params),
+            figure_line(f"aggregator_steady_bytes_per_param_{size}", swarm.aggregator_steady / swarm.aggregator_params),
+            figure_line(f"aggregator_anon_bytes_per_param_{size}", swarm.aggregator_anon / swarm.aggregator_params),
             figure_line(f"agent_peak_bytes_per_param_{size}", swarm.agent_peak / count),
             figure_line(f"plain_peak_bytes_per_param_{size}", plain["peak"] / count),
             figure_line(f"time_to_first_step_s_{size}", swarm.first_step_s),
