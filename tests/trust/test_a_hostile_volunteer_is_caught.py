@@ -9,7 +9,7 @@ Each run is compared with a run of five honest agents on the same seed:
   (``verification.standing.QUARANTINE_FAILURES``);
 - a NaN gradient never gets past the aggregators, so it is in no step;
 - either way the hostile volunteer ends with no credit, and the validation loss
-  ends within 5% of the honest run's;
+  ends no more than 5% above the honest run's;
 - the same when the hostile agent starts alone, seconds before the honest ones
   (``first``): on probation it holds one lease of a step, which the trimmed mean
   outvotes, and the steps wait for the others (a CI run once started the honest
@@ -117,7 +117,9 @@ def test_a_hostile_volunteer_is_quarantined_uncredited_and_harmless(
 
     # Its checks, with why each ended (a check ended without a verdict releases the lease's credit).
     assert dump["credit"].get(HOSTILE, 0) == 0, [c for c in dump["checks"] if c["volunteer"] == HOSTILE]
-    assert abs(ratio - 1) <= 0.05, f"validation loss {loss:.4f} against {honest_loss['loss']:.4f} honest"
+    # Harm is a higher loss. A lower one is no harm: the leases it got into steps before its quarantine
+    # (up to 3 here) change the run's path, and a CI run once ended 5.2% below the honest run.
+    assert ratio <= 1.05, f"validation loss {loss:.4f} against {honest_loss['loss']:.4f} honest"
     honest_credit = [dump["credit"].get(f"volunteer-agent-{i}", 0) for i in range(1, 5)]
     assert sum(honest_credit) > 0, "honest volunteers must get credit"
     if mode == "nan":
