@@ -31,6 +31,7 @@ PARAMS_PREFIX = "/params/"
 # as f"{params_url}{campaign_id}/{slice_index}/" + version, so keep this layout.
 _PARAMS = re.compile(r"^/params/(\d{1,18})/(\d{1,9})/(\d{1,18})/?$")
 _DIGITS = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() also takes other scripts' digits
+_RANGE = re.compile(r"bytes=([0-9]{0,18})-([0-9]{0,18})")  # one range; a list of them is served whole
 # A version never changes once published, so the fetcher may keep it forever; but only the
 # fetcher: an invite-only campaign's weights are not for shared caches.
 IMMUTABLE = "private, max-age=31536000, immutable"
@@ -99,8 +100,41 @@ async def params_response(
         body = await state.downloads.delta(snapshot, held)
         if len(body) < len(snapshot.body):  # random-looking parameters do not compress: fp32 is then cheaper
             extra += [(deltas.DELTA_FROM_HEADER, str(held.version)), (deltas.ENCODING_HEADER, deltas.ENCODING)]
-            return _response(HTTPStatus.OK, body, "application/octet-stream", extra)
-    return _response(HTTPStatus.OK, snapshot.body, "application/octet-stream", extra)
+            return _part_or_whole(request, body, extra)
+    return _part_or_whole(request, snapshot.body, extra)
+
+
+def _part_or_whole(request: Request, body: Body, extra: list[tuple[str, str]]) -> Response:
+    """``body``, or the one byte range the request asks for (206; 416 for a range past its end).
+
+    websockets answers with a copy of the body, and the event loop buffers
+    what the socket does not take at once: a whole slice per download, per
+    agent downloading. Agents ask for a large slice in parts
+    (``crowdtrain_agent.fetch.PART_BYTES``), so a download holds one part
+    here, whatever the slice's size. Anything but a single ``bytes=`` range
+    is ignored, as RFC 9110 allows: the whole body.
+    """
+    match = _RANGE.fullmatch(request.headers.get("Range") or "")
+    if match is None or not (match[1] or match[2]):
+        return _response(HTTPStatus.OK, body, "application/octet-stream", [*extra, ("Accept-Ranges", "bytes")])
+    total = len(body)
+    first = int(match[1]) if match[1] else None
+    last = int(match[2]) if match[2] else None
+    if first is None:  # "bytes=-N": the last N bytes
+        if last is None or last == 0:
+            return _unsatisfiable(total, extra)
+        first, last = max(0, total - last), total - 1
+    elif last is None or last >= total:
+        last = total - 1
+    if first > last or first >= total:
+        return _unsatisfiable(total, extra)
+    extra = [*extra, ("Content-Range", f"bytes {first}-{last}/{total}")]
+    return _response(HTTPStatus.PARTIAL_CONTENT, memoryview(body)[first : last + 1], "application/octet-stream", extra)
+
+
+def _unsatisfiable(total: int, extra: list[tuple[str, str]]) -> Response:
+    headers = [*extra, ("Content-Range", f"bytes */{total}")]
+    return _response(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, b"", "application/octet-stream", headers)
 
 
 def _held_version(request: Request) -> tuple[int | None, Response | None]:

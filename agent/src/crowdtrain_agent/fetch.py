@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -15,6 +16,7 @@ import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 HTTP_TIMEOUT_S = 60.0
+# A parameter download larger than this is asked for in parts of this size (HTTP Range): an aggregator
+# answers each with a copy of what it sends, so a whole 200 MB slice per downloading agent became one part.
+PART_BYTES = 16 << 20
 
 
 class FetchError(RuntimeError):
@@ -99,22 +104,81 @@ def _read_exactly_into(response: Any, url: str, out: memoryview) -> None:
         raise FetchError(f"cannot download {url}: {exc}") from None
 
 
-def _read_bounded(response: Any, url: str, limit: int) -> bytearray:
-    """The whole body, refused before reading if it announces more than ``limit`` bytes (or nothing)."""
-    announced = response.headers.get("Content-Length")
-    if announced is None or not announced.isdigit() or int(announced) > limit:
-        raise DeltaError(f"{url} announces a delta of {announced or 'unknown'} bytes; at most {limit} are expected")
-    body = bytearray(int(announced))
-    _read_exactly_into(response, url, memoryview(body))
-    return body
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,18})-([0-9]{1,18})/([0-9]{1,18})")
 
 
-def _open(url: str, *, token: str | None = None, timeout: float, etag: str = "") -> Any:
+def _read_parts_into(response: Any, url: str, token: str | None, buffer_for: Callable[[int], memoryview]) -> memoryview:
+    """Read a body that may come in parts: ``response`` is the answer to its first part, or the whole of it.
+
+    ``buffer_for(total)`` gives the buffer the whole body goes into (it may
+    refuse the size by raising). A 206 names the part and the total; each
+    later part is asked for here, and must come from the same publication
+    (ETag) as the first: a version republished meanwhile (a rollback) fails
+    the download rather than mixing two.
+
+    Raises:
+        FetchError: for a part that does not fit, a changed ETag, or a download that fails.
+    """
+    if response.status != HTTPStatus.PARTIAL_CONTENT:
+        announced = response.headers.get("Content-Length")
+        out = buffer_for(int(announced) if announced is not None and announced.isdigit() else -1)
+        _read_exactly_into(response, url, out)
+        return out
+    first, last, total = _part_of(response, url)
+    if first != 0:
+        raise FetchError(f"{url} answered the first part with bytes {first}-{last}")
+    out = buffer_for(total)
+    _read_exactly_into(response, url, out[: last + 1])
+    etag = response.headers.get("ETag")
+    while last + 1 < total:
+        wanted = (last + 1, min(total, last + 1 + PART_BYTES) - 1)
+        with _open(url, token=token, timeout=HTTP_TIMEOUT_S, part=wanted) as more:
+            got = _part_of(more, url) if more.status == HTTPStatus.PARTIAL_CONTENT else None
+            if got != (*wanted, total) or more.headers.get("ETag") != etag:
+                raise FetchError(
+                    f"{url}: asked for bytes {wanted[0]}-{wanted[1]} of {total} of publication {etag}, got "
+                    f"{got or 'the whole body'} of {more.headers.get('ETag')}; the version changed while it "
+                    "downloaded, and will be downloaded again"
+                )
+            _read_exactly_into(more, url, out[wanted[0] : wanted[1] + 1])
+        last = wanted[1]
+    return out
+
+
+def _exactly(out: memoryview, url: str, total: int) -> memoryview:
+    """``out``, for a body of exactly its size."""
+    if total != len(out):
+        raise FetchError(f"{url} sends {total if total >= 0 else 'an unknown number of'} bytes, expected {len(out)}")
+    return out
+
+
+def _bounded(limit: int, url: str, total: int) -> memoryview:
+    """A new buffer for a delta of ``total`` bytes, refused before reading anything past ``limit``."""
+    if not 0 <= total <= limit:
+        size = total if total >= 0 else "unknown"
+        raise DeltaError(f"{url} announces a delta of {size} bytes; at most {limit} are expected")
+    return memoryview(bytearray(total))
+
+
+def _part_of(response: Any, url: str) -> tuple[int, int, int]:
+    """``(first, last, total)`` of a 206's Content-Range."""
+    match = _CONTENT_RANGE.fullmatch(response.headers.get("Content-Range") or "")
+    if match is None or not int(match[1]) <= int(match[2]) < int(match[3]):
+        raise FetchError(f"{url} answered a part with Content-Range {response.headers.get('Content-Range')!r}")
+    return int(match[1]), int(match[2]), int(match[3])
+
+
+def _open(
+    url: str, *, token: str | None = None, timeout: float, etag: str = "", part: tuple[int, int] | None = None
+) -> Any:
+    """``part``: ``(first, last)`` byte of the body wanted (a Range request); a server may answer it whole."""
     request = urllib.request.Request(url, headers={"User-Agent": "crowdtrain-agent"})
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     if etag:
         request.add_header("If-None-Match", etag)
+    if part is not None:
+        request.add_header("Range", f"bytes={part[0]}-{part[1]}")
     try:
         return urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as exc:
@@ -403,11 +467,13 @@ def _get_params(url: str, out: memoryview, ticket: str | None, held: tuple[int, 
         _DeltaUnusable: for a delta that cannot be decoded, or whose result cannot be verified.
     """
     # The ticket, never the device token: the device token is for the site alone.
-    with _open(url if held is None else f"{url}?from={held[0]}", token=ticket, timeout=HTTP_TIMEOUT_S) as response:
+    asked = url if held is None else f"{url}?from={held[0]}"
+    part = (0, PART_BYTES - 1) if len(out) > PART_BYTES else None
+    with _open(asked, token=ticket, timeout=HTTP_TIMEOUT_S, part=part) as response:
         headers = response.headers
         delta_from = headers.get(DELTA_FROM_HEADER)
         if delta_from is None:  # fp32, from an aggregator without the held version or older than deltas
-            _read_exactly_into(response, url, out)
+            _read_parts_into(response, asked, ticket, functools.partial(_exactly, out, url))
         else:
             encoding = headers.get(ENCODING_HEADER)
             if held is None or delta_from != str(held[0]) or encoding != ENCODING:
@@ -416,7 +482,8 @@ def _get_params(url: str, out: memoryview, ticket: str | None, held: tuple[int, 
                     f"where {ENCODING!r} from {held[0] if held else 'no version'} was asked for"
                 )
             try:
-                body = _read_bounded(response, url, max_delta_size(len(out)))
+                buffer_for = functools.partial(_bounded, max_delta_size(len(out)), url)
+                body = _read_parts_into(response, asked, ticket, buffer_for)
                 decode_delta_into(body, held[1], out)
             except DeltaError as exc:
                 raise _DeltaUnusable(str(exc)) from None
