@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import os
 import time
@@ -171,6 +173,22 @@ def restore(
     return restored._replace(pending=[])
 
 
+def _give_back_freed_memory() -> None:
+    """Return to the system what glibc's allocator keeps of memory already freed (``malloc_trim``).
+
+    Building version 0 builds the whole model to keep a slice of it; at 100M
+    parameters its freed pieces stayed in the allocator's per-thread heaps,
+    about 370 MB of an aggregator's resident memory for good. Nothing where
+    the C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 class AggregatorNode:
     """The slices this process holds, keyed by (campaign id, slice index).
 
@@ -331,6 +349,8 @@ class AggregatorNode:
             )
         except SliceLostError as exc:
             return self._lost(assignment, assignment.version, str(exc))
+        finally:
+            _give_back_freed_memory()
         version = restored.version
         state = SliceState(
             assignment,

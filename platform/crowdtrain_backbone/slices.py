@@ -127,14 +127,23 @@ def initial_params(assignment: SliceAssignment, open_weights: WeightsOpener | No
             raise PretrainedUnavailable("this aggregator has no way to fetch pretrained weights")
         return pretrained_slice(assignment, open_weights)
     model = get_model(assignment.model.architecture).build(assignment.model.config, seed=assignment.seed)
-    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
-    if flat.numel() != assignment.param_count:
+    # The slice's elements only, in flat parameter order: a flat copy of the whole model first was
+    # another 4 bytes per parameter of the model at once, on top of the model itself.
+    out = torch.empty(max(0, assignment.end - assignment.start), dtype=torch.float32)
+    offset = 0
+    for param in model.parameters():
+        low, high = max(offset, assignment.start), min(offset + param.numel(), assignment.end)
+        if low < high:
+            flat = param.detach().reshape(-1)
+            out[low - assignment.start : high - assignment.start] = flat[low - offset : high - offset]
+        offset += param.numel()
+    if offset != assignment.param_count:
         raise ValueError(
-            f"campaign {assignment.campaign_id}: model {assignment.model.architecture} has {flat.numel()} "
+            f"campaign {assignment.campaign_id}: model {assignment.model.architecture} has {offset} "
             f"parameters but the assignment says {assignment.param_count}; the site and this aggregator run "
             "different model registries, upgrade crowdtrain-agent on the aggregator"
         )
-    return flat[assignment.start : assignment.end].clone()
+    return out
 
 
 class PretrainedUnavailable(RuntimeError):
@@ -208,7 +217,10 @@ def make_snapshot(
     megabytes per step is on the critical path): the same version republished
     after a rollback or a restart gets a new tag, which is all caches need.
     """
-    body = encode_fp32(params) if spool is None else spool.hold(encode_fp32(params))
+    # Into the spool straight from the tensor, with no bytes copy first; else a copy (never a view: the
+    # parameters change with the next step, a published version never does).
+    held = spool.hold_fp32(params) if spool is not None else None
+    body = held if isinstance(held, mmap.mmap) else encode_fp32(params)
     return Snapshot(version, body, f'"c{campaign_id}-s{slice_index}-v{version}-{secrets.token_hex(8)}"')
 
 

@@ -140,11 +140,15 @@ class Spool:
             return data
         return file.map()
 
+    def hold_fp32(self, values: torch.Tensor) -> bytes | memoryview | mmap.mmap:
+        """``hold`` of an fp32 tensor's bytes, written from the tensor itself; not spooled, a view of the tensor."""
+        return self.hold(values.detach().to(torch.float32).contiguous().numpy().view(np.uint8).data)
+
     def keep(self, grad: torch.Tensor) -> tuple[torch.Tensor, mmap.mmap | None]:
         """``grad`` (fp32, in memory) moved to the spool if it is large enough, with its mapping; else as it was."""
         if grad.dtype != torch.float32:
             return grad, None
-        pages = self.hold(grad.contiguous().numpy().view(np.uint8).data)
+        pages = self.hold_fp32(grad)
         if not isinstance(pages, mmap.mmap):
             return grad, None
         return torch.frombuffer(pages, dtype=torch.float32), pages

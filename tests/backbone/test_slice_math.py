@@ -122,3 +122,12 @@ def test_the_same_seed_gives_every_aggregator_the_same_initial_slice() -> None:
     model = get_model("mlp").build(MLP.config, seed=order.seed)
     torch.testing.assert_close(first, torch.nn.utils.parameters_to_vector(model.parameters())[SLICE1[0] : SLICE1[1]])
     assert torch.equal(first, second)
+
+
+def test_version_zero_of_any_slice_is_those_elements_of_the_seeded_model() -> None:
+    whole = torch.nn.utils.parameters_to_vector(get_model("mlp").build(MLP.config, seed=1234).parameters()).detach()
+
+    # Cuts inside a tensor, on a tensor's edge, one element, the whole vector.
+    for bounds in [(0, MLP_PARAMS), (3, 40), (32, 40), (40, 41), (50, MLP_PARAMS)]:
+        got = initial_params(assignment(bounds=bounds))
+        assert torch.equal(got.view(torch.int32), whole[bounds[0] : bounds[1]].view(torch.int32)), bounds
