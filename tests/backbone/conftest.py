@@ -28,6 +28,7 @@ from crowdtrain_agent.protocol import (
     OptimizerSpec,
     SliceAssignment,
     SliceReady,
+    SliceRoute,
     StepApplied,
     StepCommit,
     Ticket,
@@ -304,3 +305,21 @@ async def take_step(site: FakeSite, agent: Agent, version: int, lease_id: int) -
     if not isinstance(reply, StepApplied):
         raise AssertionError(f"step {version} failed: {reply!r}")
     return reply
+
+
+# Big enough that a step's XOR compresses below fp32 (a 40-element slice is mostly zstd's frame).
+TWO_SLICE_MODEL = ModelSpec(architecture="mlp", config={"in_dim": 16, "hidden": [64], "classes": 10})
+TWO_SLICE_PARAMS = 16 * 64 + 64 + 64 * 10 + 10  # 1738
+TWO_SLICE_BOUNDS = [(0, 1000), (1000, TWO_SLICE_PARAMS)]
+
+
+@pytest.fixture
+async def two_slices(site: FakeSite, backbone: BackboneServer) -> list[SliceRoute]:
+    """Campaign 1's ``TWO_SLICE_MODEL`` in two slices, both on this aggregator, at version 0."""
+    for index, bounds in enumerate(TWO_SLICE_BOUNDS):
+        order = assignment(slice_index=index, bounds=bounds, model=TWO_SLICE_MODEL, param_count=TWO_SLICE_PARAMS)
+        await site.call(order, SliceReady)
+    return [
+        SliceRoute(index=i, start=lo, end=hi, upload_url="ws://unused", params_url=f"{backbone.url}/params/1/{i}/")
+        for i, (lo, hi) in enumerate(TWO_SLICE_BOUNDS)
+    ]

@@ -10,27 +10,12 @@ import torch
 
 from crowdtrain_agent.fetch import FetchError, HeldParams, fetch_params
 from crowdtrain_agent.netmeter import METER
-from crowdtrain_agent.protocol import ModelSpec, SliceReady, SliceRoute, StepApplied, StepCommit, UploadReceipt
+from crowdtrain_agent.protocol import SliceRoute, StepApplied, StepCommit, UploadReceipt
 from crowdtrain_backbone.downloads import DownloadCache
-from crowdtrain_backbone.server import BackboneServer
 
-from .conftest import Agent, FakeSite, assignment, gradient, ticket
+from .conftest import TWO_SLICE_BOUNDS, TWO_SLICE_MODEL, TWO_SLICE_PARAMS, Agent, FakeSite, gradient, ticket
 
-# Big enough that a step's XOR compresses below fp32 (a 40-element slice is mostly zstd's frame).
-MODEL = ModelSpec(architecture="mlp", config={"in_dim": 16, "hidden": [64], "classes": 10})
-PARAMS = 16 * 64 + 64 + 64 * 10 + 10  # 1738
-BOUNDS = [(0, 1000), (1000, PARAMS)]
-
-
-@pytest.fixture
-async def two_slices(site: FakeSite, backbone: BackboneServer) -> list[SliceRoute]:
-    """Campaign 1's model in two slices, both on this aggregator, at version 0."""
-    for index, bounds in enumerate(BOUNDS):
-        await site.call(assignment(slice_index=index, bounds=bounds, model=MODEL, param_count=PARAMS), SliceReady)
-    return [
-        SliceRoute(index=i, start=lo, end=hi, upload_url="ws://unused", params_url=f"{backbone.url}/params/1/{i}/")
-        for i, (lo, hi) in enumerate(BOUNDS)
-    ]
+MODEL, PARAMS, BOUNDS = TWO_SLICE_MODEL, TWO_SLICE_PARAMS, TWO_SLICE_BOUNDS
 
 
 async def _step(site: FakeSite, agent: Agent, version: int, lease_id: int) -> None:

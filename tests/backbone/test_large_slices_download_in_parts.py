@@ -16,27 +16,15 @@ import pytest
 import torch
 
 from crowdtrain_agent import fetch
-from crowdtrain_agent.fetch import FetchError, HeldParams, fetch_params
-from crowdtrain_agent.protocol import ModelSpec, SliceReady, SliceRoute, StepApplied, StepCommit, UploadReceipt
+from crowdtrain_agent.fetch import FetchError, HeldParams
+from crowdtrain_agent.protocol import SliceRoute
 from crowdtrain_backbone.server import BackboneServer
 
-from .conftest import Agent, FakeSite, assignment, gradient, ticket
+from .conftest import Agent, FakeSite, ticket
+from .test_an_agent_rebuilds_a_version_from_the_one_it_holds import _fetch, _step
 from .test_params_http import _get
 
-MODEL = ModelSpec(architecture="mlp", config={"in_dim": 16, "hidden": [64], "classes": 10})
-PARAMS = 16 * 64 + 64 + 64 * 10 + 10  # 1738
-BOUNDS = [(0, 1000), (1000, PARAMS)]
-PART = 1000  # bytes: slice 0 is 4,000 bytes, 4 parts; slice 1 is 2,952, 3 parts
-
-
-@pytest.fixture
-async def routes(site: FakeSite, backbone: BackboneServer) -> list[SliceRoute]:
-    for index, bounds in enumerate(BOUNDS):
-        await site.call(assignment(slice_index=index, bounds=bounds, model=MODEL, param_count=PARAMS), SliceReady)
-    return [
-        SliceRoute(index=i, start=lo, end=hi, upload_url="ws://unused", params_url=f"{backbone.url}/params/1/{i}/")
-        for i, (lo, hi) in enumerate(BOUNDS)
-    ]
+PART = 1000  # bytes: two_slices's slice 0 is 4,000 bytes, 4 parts; its slice 1 is 2,952, 3 parts
 
 
 @pytest.fixture
@@ -54,24 +42,8 @@ def parts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[int, int] | 
     return asked
 
 
-async def _step(site: FakeSite, agent: Agent, version: int, lease_id: int) -> None:
-    for index, (lo, hi) in enumerate(BOUNDS):
-        reply = await agent.upload(ticket(lease_id, base_version=version), gradient(hi - lo, lease_id + index),
-                                   slice_index=index)  # fmt: skip
-        assert isinstance(reply, UploadReceipt), reply
-    await site.send(StepCommit(campaign_id=1, step=version, lease_ids=[lease_id], num_samples=4))
-    for _ in BOUNDS:
-        await site.expect(StepApplied)
-
-
-async def _fetch(routes: list[SliceRoute], version: int, held: HeldParams | None = None) -> torch.Tensor:
-    return await asyncio.to_thread(
-        fetch_params, routes, version, PARAMS, ticket=ticket(50, base_version=version), held=held, campaign_id=1
-    )
-
-
 async def test_the_aggregator_answers_one_byte_range_and_serves_a_list_of_them_whole(
-    routes: list[SliceRoute], backbone: BackboneServer
+    two_slices: list[SliceRoute], backbone: BackboneServer
 ) -> None:
     url = f"{backbone.url}/params/1/0/0"
     _, _, whole = await _get(url)
@@ -94,14 +66,14 @@ async def test_the_aggregator_answers_one_byte_range_and_serves_a_list_of_them_w
 
 
 async def test_a_slice_larger_than_a_part_arrives_in_parts_equal_to_the_whole(
-    site: FakeSite, routes: list[SliceRoute], agent: Agent, parts: list[tuple[str, tuple[int, int] | None]],
+    site: FakeSite, two_slices: list[SliceRoute], agent: Agent, parts: list[tuple[str, tuple[int, int] | None]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    in_parts = await _fetch(routes, 0)
+    in_parts = await _fetch(two_slices, 0)
     asked = list(parts)
     parts.clear()
     monkeypatch.setattr(fetch, "PART_BYTES", 1 << 30)
-    whole = await _fetch(routes, 0)
+    whole = await _fetch(two_slices, 0)
 
     assert torch.equal(in_parts.view(torch.int32), whole.view(torch.int32))
     assert [part for _, part in asked] == [
@@ -112,22 +84,22 @@ async def test_a_slice_larger_than_a_part_arrives_in_parts_equal_to_the_whole(
 
 
 async def test_a_delta_larger_than_a_part_arrives_in_parts_and_rebuilds_the_version(
-    site: FakeSite, routes: list[SliceRoute], agent: Agent, parts: list[tuple[str, tuple[int, int] | None]]
+    site: FakeSite, two_slices: list[SliceRoute], agent: Agent, parts: list[tuple[str, tuple[int, int] | None]]
 ) -> None:
     held = HeldParams()
-    await _fetch(routes, 0, held)
+    await _fetch(two_slices, 0, held)
     await _step(site, agent, version=0, lease_id=1)
     parts.clear()
 
-    rebuilt = await _fetch(routes, 1, held)
+    rebuilt = await _fetch(two_slices, 1, held)
 
-    assert torch.equal(rebuilt.view(torch.int32), (await _fetch(routes, 1)).view(torch.int32))
+    assert torch.equal(rebuilt.view(torch.int32), (await _fetch(two_slices, 1)).view(torch.int32))
     deltas = [(url, part) for url, part in parts[:8] if "?from=0" in url]
     assert deltas and all(part is not None for _, part in deltas)  # the deltas too came in parts
 
 
 async def test_a_version_republished_between_two_parts_fails_the_download_instead_of_mixing_them(
-    site: FakeSite, routes: list[SliceRoute], agent: Agent, parts: list[tuple[str, tuple[int, int] | None]],
+    site: FakeSite, two_slices: list[SliceRoute], agent: Agent, parts: list[tuple[str, tuple[int, int] | None]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     await _step(site, agent, version=0, lease_id=1)
@@ -142,4 +114,4 @@ async def test_a_version_republished_between_two_parts_fails_the_download_instea
     monkeypatch.setattr(fetch, "_open", other_publication_after_the_first_part)
 
     with pytest.raises(FetchError, match="the version changed while it downloaded"):
-        await asyncio.to_thread(fetch.fetch_slice, routes[0], 1, ticket=ticket(50, base_version=1))
+        await asyncio.to_thread(fetch.fetch_slice, two_slices[0], 1, ticket=ticket(50, base_version=1))

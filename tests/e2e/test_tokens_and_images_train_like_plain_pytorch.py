@@ -15,11 +15,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-from tests.e2e.test_aggregator_stops_lose_nothing import samples_committed_once
-from tests.e2e.test_two_aggregators_match_plain_pytorch import SITE_ENV, platform_params, rerun_in_pytorch
+from tests.e2e.replay import trains_like_plain_pytorch
+from tests.e2e.test_two_aggregators_match_plain_pytorch import SITE_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(200)]
 
@@ -29,15 +28,7 @@ COMMON = {"staleness": 0, "max_steps": STEPS, "seed": 3, "codec": "fp32", "num_a
 
 
 def _matches_a_replay(run: Any) -> dict[str, Any]:
-    run.start(agents_first=True)
-    run.wait_for_version(STEPS, timeout_s=150)
-    dump = run.dump()
-    samples_committed_once(dump)
-    reference, _ = rerun_in_pytorch(dump, STEPS)
-    platform = platform_params(dump, STEPS)
-    error = float(torch.linalg.vector_norm(platform - reference) / torch.linalg.vector_norm(reference))
-    assert error <= 1e-5, f"relative error {error:.3g} between the platform's and plain PyTorch's parameters"
-    return dump
+    return trains_like_plain_pytorch(run, STEPS)[0]
 
 
 def test_a_llama_trains_on_text_tokenized_by_a_bpe_trained_on_it(seeded_run: Any) -> None:
