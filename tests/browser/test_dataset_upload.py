@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from playwright.sync_api import Page, Route, expect
@@ -13,6 +14,18 @@ from tests.factories import make_organizer
 CHUNK = 8 << 20  # the site's default CROWDTRAIN_UPLOAD_CHUNK_BYTES
 
 
+def _refuse_chunks_after_the_first(page: Page, error: str) -> None:
+    """The first chunk goes through, the others are refused with ``error``, as by a network in trouble."""
+
+    def refuse(route: Route) -> None:
+        if "offset=0" in route.request.url:
+            route.continue_()
+        else:
+            route.fulfill(status=400, content_type="application/json", body=json.dumps({"error": error}))
+
+    page.route("**/chunk?offset=*", refuse)
+
+
 def test_an_upload_cut_short_resumes_after_a_reload_and_is_sharded(page: Page, shot: Shot, tmp_path: Path) -> None:
     make_organizer("olga")
     corpus = tmp_path / "corpus.txt"
@@ -20,13 +33,7 @@ def test_an_upload_cut_short_resumes_after_a_reload_and_is_sharded(page: Page, s
     log_in(page, "olga@example.org")
 
     # The second chunk is refused on the way: the uploader stops and says why.
-    def refuse_later_chunks(route: Route) -> None:
-        if "offset=0" in route.request.url:
-            route.continue_()
-        else:
-            route.fulfill(status=400, content_type="application/json", body='{"error": "simulated network trouble"}')
-
-    page.route("**/chunk?offset=*", refuse_later_chunks)
+    _refuse_chunks_after_the_first(page, "simulated network trouble")
     page.goto("/datasets/new")
     page.get_by_label("File").set_input_files(corpus)
     page.get_by_label("Name").fill("fox corpus")
@@ -164,3 +171,34 @@ def test_an_image_archive_lists_the_files_it_skipped(page: Page, shot: Shot, tmp
     expect(skipped).to_contain_text("cat/shopping-list.txt")
     expect(page.get_by_text("2 classes: cat, dog")).to_be_visible()
     shot(page, "image dataset")
+
+
+def test_the_same_file_with_another_sample_length_is_a_new_upload_not_the_old_one_resumed(
+    page: Page, shot: Shot, tmp_path: Path
+) -> None:
+    make_organizer("olga")
+    corpus = tmp_path / "fox.txt"
+    corpus.write_bytes((b"The quick brown fox jumps over the lazy dog. " * 250_000)[: CHUNK + 100_000])
+    log_in(page, "olga@example.org")
+
+    # An upload with samples of 17 bytes stops after its first chunk.
+    _refuse_chunks_after_the_first(page, "simulated trouble")
+    page.goto("/datasets/new")
+    page.get_by_label("File").set_input_files(corpus)
+    page.get_by_label("Name").fill("fox 17")
+    page.get_by_label("Sample length (bytes)").fill("17")
+    page.get_by_role("button", name="Upload").click()
+    expect(page.get_by_role("alert")).to_have_text("simulated trouble")
+
+    # The same file with samples of 33 bytes: a dataset of 33-byte samples, sent from the start.
+    page.unroute("**/chunk?offset=*")
+    page.reload()
+    page.get_by_label("File").set_input_files(corpus)
+    page.get_by_label("Name").fill("fox 33")
+    page.get_by_label("Sample length (bytes)").fill("33")
+    page.get_by_role("button", name="Upload").click()
+    expect(page.locator("[data-dataset-status] [data-field=status]")).to_have_text("ready", timeout=60_000)
+    shot(page, "the same file as a new upload")
+
+    assert Upload.objects.count() == 2
+    assert list(Dataset.objects.values_list("name", "sample_len")) == [("fox 33", 33)]

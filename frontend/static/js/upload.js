@@ -1,6 +1,7 @@
 // Dataset uploads in chunks (File.slice), resumable after a reload, and live sharding progress.
-// The upload id is kept in localStorage under the file's name, size and date, so choosing the
-// same file again asks the site how much it already has (GET) and sends only the rest.
+// The upload id is kept in localStorage under the file's name, size and date and the choices that
+// shape the dataset, so choosing the same file with the same choices again asks the site how much it
+// already has (GET) and sends only the rest.
 (function () {
   "use strict";
 
@@ -125,6 +126,26 @@
       bar.setAttribute("aria-valuetext", formatBytes(done) + " of " + formatBytes(total));
     }
 
+    // Every choice that shapes what the site makes of the file: the same file with another sample length,
+    // vocabulary, tokenizer file, JSON field or image size is another upload, never the old one resumed.
+    function shape() {
+      const value = (name) => {
+        const field = form.querySelector("[name=" + name + "]");
+        return field ? field.value : "";
+      };
+      const parts = { format: formatSelect.value };
+      if (textual()) {
+        parts.sample_len = value("sample_len");
+        parts.tokenizer = tokenizerSelect ? tokenizerSelect.value : "";
+        if (parts.tokenizer === "train") parts.vocab_size = value("vocab_size");
+        const chosen = tokenizerFile && tokenizerFile.files[0];
+        if (parts.tokenizer === "file" && chosen) parts.tokenizer_file = [chosen.name, chosen.size, chosen.lastModified].join("/");
+      }
+      if (formatSelect.value === "jsonl") parts.text_field = value("text_field");
+      if (formatSelect.value === "images") parts.image_size = value("image_size");
+      return JSON.stringify(parts);
+    }
+
     // An upload the site still holds for this very file, or null.
     async function resumable(key) {
       const id = localStorage.getItem(key);
@@ -146,8 +167,7 @@
       if (file.size === 0) return fail("The file is empty; choose a file with data in it.");
       if (file.size > maxBytes) return fail("The file is " + formatBytes(file.size) + ", over the limit of " + formatBytes(maxBytes) + ".");
       button.disabled = true;
-      const key = ["crowdtrain-upload", file.name, file.size, file.lastModified, formatSelect.value,
-        textual() && tokenizerSelect ? tokenizerSelect.value : ""].join(":");
+      const key = ["crowdtrain-upload", file.name, file.size, file.lastModified, shape()].join(":");
 
       let upload = await resumable(key);
       if (upload && upload.received > 0) note("Resuming: the site already has " + formatBytes(upload.received) + ".");
