@@ -10,6 +10,8 @@ refusing them.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import mmap
 from pathlib import Path
@@ -31,7 +33,13 @@ MIB = 1 << 20
 
 
 def _rss_anon() -> int:
-    """This process's anonymous resident memory in bytes: what the kernel cannot take back by dropping caches."""
+    """This process's anonymous resident memory in bytes: what the kernel cannot take back by dropping caches.
+
+    Read after the garbage collector and glibc's ``malloc_trim``: memory this process freed (the test's own
+    agent encodes and sends each upload from here) is not memory it holds.
+    """
+    gc.collect()
+    ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
@@ -101,12 +109,10 @@ async def test_pending_uploads_do_not_grow_the_aggregators_memory(site: FakeSite
     async with running_backbone(site, tmp_path / "checkpoints", spool_min_bytes=MIB) as server:
         await site.assign(assignment(model=model, param_count=numel, bounds=(0, numel)))
         async with agent_connection(server) as agent:
-            gc.collect()
             before = _rss_anon()
             for lease in leases:
                 reply = await agent.upload(ticket(lease), gradient(numel, lease))
                 assert isinstance(reply, UploadReceipt), reply
-            gc.collect()
             held = _rss_anon() - before
         state = server.node.get_slice(1, 0)
         pending = dict(state.pending)
