@@ -16,6 +16,7 @@ from typing import cast
 
 import msgspec
 from django.conf import settings
+from django.db import transaction
 from django.db.models import Exists, Q
 
 from crowdtrain.accounts.models import Device
@@ -299,7 +300,16 @@ def publish_state(campaign_id: int) -> None:
 
     Called after a campaign's state, slices or aggregators change. A campaign
     without hot state yet needs nothing: loading it computes the same.
+
+    Inside a transaction it waits for the commit. Published before, it would
+    read rows no other process sees yet; a process rebuilding the hot state in
+    between would then install what it still sees (a slice not ready, say),
+    and nothing would come to correct it: the campaign would wait for ever.
     """
+    transaction.on_commit(lambda: _publish_now(campaign_id))
+
+
+def _publish_now(campaign_id: int) -> None:
     campaign = Campaign.objects.filter(pk=campaign_id).select_related("dataset").first()
     forget(campaign_id)
     if campaign is None:

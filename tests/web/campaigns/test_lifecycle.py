@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
@@ -82,14 +84,15 @@ def test_a_dataset_still_being_sharded_cannot_start(owner_client: Client, owner:
 
 
 def test_pausing_stops_new_leases_but_leases_already_out_still_count(
-    owner_client: Client, owner: AbstractBaseUser
+    owner_client: Client, owner: AbstractBaseUser, django_capture_on_commit_callbacks: Any
 ) -> None:
     campaign = campaign_in(Campaign.State.RUNNING, owner, target_batch_size=4, microbatch_size=4)
     device, _ = make_device("vera")
     out = leasing.request_lease(device.pk, campaign.pk, None)
     assert isinstance(out, LeaseMessage)
 
-    act(owner_client, campaign, "pause")
+    with django_capture_on_commit_callbacks(execute=True):  # the site publishes the pause once it is committed
+        act(owner_client, campaign, "pause")
     refused = leasing.request_lease(device.pk, campaign.pk, None)
     drained = leasing.report_done(device.pk, done_for(out.lease_id))
 
