@@ -19,6 +19,9 @@ from .spool import release_pages
 
 __all__ = ["AggregationRule", "MeanRule", "PendingUpload"]
 
+# Elements of each upload a pass reads between two releases of their pages (16 MiB of fp32).
+PIECE_ELEMENTS = 1 << 22
+
 
 @dataclass(frozen=True)
 class PendingUpload:
@@ -42,9 +45,14 @@ class PendingUpload:
     def nbytes(self) -> int:
         return self.grad.numel() * self.grad.element_size()
 
-    def release_pages(self) -> None:
-        """Done reading for now: a spooled gradient's pages leave the resident set (nothing for one in memory)."""
-        release_pages(self.pages)
+    def release_pages(self, start: int = 0, end: int | None = None) -> None:
+        """Done reading elements ``start:end`` (all by default) for now: a spooled gradient's pages leave the
+        resident set (nothing for one in memory)."""
+        if start == 0 and end is None:
+            release_pages(self.pages)
+        else:
+            stop = self.grad.numel() if end is None else end
+            release_pages(self.pages, start * 4, (stop - start) * 4)
 
 
 class AggregationRule(ABC):
@@ -70,29 +78,26 @@ class MeanRule(AggregationRule):
     name = "mean"
 
     def combine(self, uploads: Sequence[PendingUpload], num_samples: int) -> torch.Tensor:
-        if any(u.scale != 1.0 for u in uploads):
-            return _scaled_sum(uploads).div_(float(num_samples))
-        # One pass per upload and no zero-filled start: the first sum (or the lone upload, a whole-step
-        # lease) makes the new tensor. Pending uploads stay untouched: a commit that fails after this can
-        # be sent again and must find them as they were.
-        if len(uploads) == 1:
-            total = uploads[0].grad / float(num_samples)
-            uploads[0].release_pages()
-            return total
-        total = uploads[0].grad + uploads[1].grad
-        uploads[0].release_pages()
-        uploads[1].release_pages()
-        for upload in uploads[2:]:  # fixed order: fp32 addition is not associative
-            total.add_(upload.grad)
-            upload.release_pages()  # one spooled upload resident at a time, whatever the count
-        return total.div_(float(num_samples))
-
-
-def _scaled_sum(uploads: Sequence[PendingUpload]) -> torch.Tensor:
-    """Sum of ``grad * scale`` in the given order: the path of a step where clipping cut a contribution."""
-    total = uploads[0].grad * uploads[0].scale
-    uploads[0].release_pages()
-    for upload in uploads[1:]:
-        total.add_(upload.grad, alpha=upload.scale)
-        upload.release_pages()
-    return total
+        # Piece by piece: each element is still ((g1 + g2) + g3 ...) / n in lease-id order (fp32 addition is
+        # not associative), but only a piece of each spooled upload is resident at a time, not whole uploads.
+        # Pending uploads stay untouched: a commit that fails after this can be sent again and must find them.
+        numel = uploads[0].grad.numel()
+        total = torch.empty(numel, dtype=torch.float32)
+        scaled = any(u.scale != 1.0 for u in uploads)
+        for start in range(0, numel, PIECE_ELEMENTS):
+            end = min(numel, start + PIECE_ELEMENTS)
+            piece = total[start:end]
+            if scaled:  # a step where clipping cut a contribution
+                torch.mul(uploads[0].grad[start:end], uploads[0].scale, out=piece)
+                for upload in uploads[1:]:
+                    piece.add_(upload.grad[start:end], alpha=upload.scale)
+            elif len(uploads) == 1:
+                piece.copy_(uploads[0].grad[start:end])
+            else:  # no zero-filled start: the first sum makes the piece
+                torch.add(uploads[0].grad[start:end], uploads[1].grad[start:end], out=piece)
+                for upload in uploads[2:]:
+                    piece.add_(upload.grad[start:end])
+            piece.div_(float(num_samples))
+            for upload in uploads:
+                upload.release_pages(start, end)
+        return total

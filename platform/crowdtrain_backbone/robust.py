@@ -196,7 +196,7 @@ def _by_blocks(uploads: Sequence[PendingUpload], reduce: Callable[[torch.Tensor]
         rows = block[:, : hi - lo]
         for row, upload, weight in zip(rows, uploads, weights, strict=True):
             torch.mul(upload.grad[lo:hi], weight, out=row)
-            upload.release_pages()  # a block of each spooled upload resident, never all of them
+            upload.release_pages(lo, hi)  # a block of each spooled upload resident, never all of them
         out[lo:hi] = reduce(rows)
     return out
 

@@ -24,6 +24,7 @@ import mmap
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -38,28 +39,38 @@ logger = logging.getLogger(__name__)
 DEFAULT_MIN_BYTES = 4 << 20
 
 
-def release_pages(pages: object) -> None:
+def release_pages(pages: object, start: int = 0, length: int | None = None) -> None:
     """Drop a spooled mapping's pages from the resident set; the next read takes them from the file again.
 
-    Nothing for anything else (bytes, a tensor in memory, None): advice to
-    drop anonymous memory would zero it.
+    ``start`` and ``length`` (bytes; None: to the end) let a pass give back
+    what it read piece by piece; the range widens to whole pages, and a
+    partial page at either end stays. Nothing for anything else (bytes, a
+    tensor in memory, None): advice to drop anonymous memory would zero it.
     """
-    if isinstance(pages, mmap.mmap) and not pages.closed:
+    if not isinstance(pages, mmap.mmap) or pages.closed:
+        return
+    if start == 0 and length is None:
         pages.madvise(mmap.MADV_DONTNEED)
+        return
+    end = len(pages) if length is None else min(len(pages), start + length)
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # pages wholly inside the range only: a
+    last = end if end == len(pages) else end // mmap.PAGESIZE * mmap.PAGESIZE  # neighbour may be mid-read
+    if first < last:
+        pages.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 class SpoolFile:
     """One upload's bytes on their way into the spool; ``map`` once they are all written."""
 
     def __init__(self, file: IO[bytes], nbytes: int) -> None:
-        self._file = file
+        self.file = file
         self.nbytes = nbytes
 
     def write(self, offset: int, payload: bytes | bytearray | memoryview) -> None:
         """Write one chunk where it belongs (the page cache takes it; the process keeps none of it)."""
         view = memoryview(payload).cast("B")
         while view:  # a regular file takes it all at once, but pwrite may legally write less
-            written = os.pwrite(self._file.fileno(), view, offset)
+            written = os.pwrite(self.file.fileno(), view, offset)
             view, offset = view[written:], offset + written
 
     def map(self) -> mmap.mmap:
@@ -69,7 +80,7 @@ class SpoolFile:
         writes to what the spool holds, so no page is ever copied.
         """
         try:
-            return mmap.mmap(self._file.fileno(), self.nbytes, access=mmap.ACCESS_COPY)
+            return mmap.mmap(self.file.fileno(), self.nbytes, access=mmap.ACCESS_COPY)
         finally:
             self.close()
 
@@ -80,7 +91,7 @@ class SpoolFile:
 
     def close(self) -> None:
         """Give the file up; unmapped, its blocks are freed at once."""
-        self._file.close()
+        self.file.close()
 
 
 class Spool:
@@ -138,6 +149,29 @@ class Spool:
             file.close()
             self._refused(exc)
             return data
+        return file.map()
+
+    def write_with(self, produce: Callable[[IO[bytes]], None]) -> mmap.mmap | None:
+        """What ``produce`` writes into a new spool file, mapped; None if the folder takes none.
+
+        For a body whose size is known only once it is written (a delta): the
+        bytes go from the producer to the file, never whole through memory.
+        On None the caller makes the bytes in memory instead.
+        """
+        file = self.open(0)
+        if file is None:
+            return None
+        try:
+            produce(file.file)
+            file.file.flush()
+            file.nbytes = file.file.tell()
+        except OSError as exc:  # the disk filled up while writing
+            file.close()
+            self._refused(exc)
+            return None
+        if file.nbytes == 0:  # nothing to map; an empty body has no pages to spare anyway
+            file.close()
+            return None
         return file.map()
 
     def hold_fp32(self, values: torch.Tensor) -> bytes | memoryview | mmap.mmap:

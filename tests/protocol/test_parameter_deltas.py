@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import struct
 
 import numpy as np
@@ -11,7 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from crowdtrain_agent.deltas import DeltaError, decode_delta, decode_delta_into, encode_delta, max_delta_size
+from crowdtrain_agent import deltas
+from crowdtrain_agent.deltas import (
+    DeltaError,
+    decode_delta,
+    decode_delta_into,
+    encode_delta,
+    max_delta_size,
+    write_delta,
+)
 from crowdtrain_agent.protocol import ProtocolError
 
 # Any 32-bit pattern read as fp32: NaNs with payloads, infinities, subnormals, negative zero.
@@ -46,6 +55,23 @@ def test_a_delta_is_decoded_into_the_callers_buffer(pair: tuple[bytes, bytes]) -
     decode_delta_into(encode_delta(wanted, held), held, memoryview(out))
 
     assert out == wanted
+
+
+@given(pair=pairs(), piece=st.integers(1, 40))
+def test_a_delta_written_in_pieces_reads_every_input_byte_once_per_plane(pair: tuple[bytes, bytes], piece: int) -> None:
+    # The aggregator writes bodies this way, letting each piece of both versions' pages go once it reported it.
+    wanted, held = pair
+    out = io.BytesIO()
+    read: list[tuple[int, int]] = []
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(deltas, "STREAM_ELEMENTS", piece)
+        write_delta(wanted, held, out, read=lambda start, length: read.append((start, start + length)))
+
+    assert decode_delta(out.getvalue(), held) == wanted
+    elements = len(held) // 4
+    each_plane = [(4 * start, 4 * min(elements, start + piece)) for start in range(0, elements, piece)]
+    assert read == each_plane * 4
 
 
 def test_nan_payloads_and_signed_zeros_survive() -> None:

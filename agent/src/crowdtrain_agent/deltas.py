@@ -24,6 +24,10 @@ aggregator sends with every parameter download.
 
 from __future__ import annotations
 
+import io
+from collections.abc import Callable
+from typing import IO
+
 import numpy as np
 import zstandard
 
@@ -40,6 +44,7 @@ __all__ = [
     "encode_delta",
     "max_delta_size",
     "shuffled_xor",
+    "write_delta",
 ]
 
 # Headers of GET /params/... answers (agent/PROTOCOL.md, "Parameter downloads").
@@ -50,6 +55,8 @@ ENCODING_HEADER = "X-Crowdtrain-Delta-Encoding"  # only on a delta body: how it 
 ENCODING = "xor-shuffle4-zstd"
 ZSTD_LEVEL = 1  # measured: level 3 was no smaller on consecutive training versions, and slower
 PLANES = 4  # bytes per fp32 element
+# Elements read per piece when a body is written as a stream (16 MiB of each input).
+STREAM_ELEMENTS = 1 << 22
 
 Buffer = bytes | bytearray | memoryview
 
@@ -81,8 +88,40 @@ def encode_delta(wanted: Buffer, held: Buffer) -> bytes:
     Raises:
         ValueError: if the lengths differ or are not whole fp32 elements.
     """
-    planes = shuffled_xor(wanted, held)
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(planes.data)
+    out = io.BytesIO()
+    write_delta(wanted, held, out)
+    return out.getvalue()
+
+
+def write_delta(
+    wanted: Buffer, held: Buffer, out: IO[bytes], *, read: Callable[[int, int], None] | None = None
+) -> None:
+    """``encode_delta`` written into ``out`` piece by piece: it holds a piece of the planes, never all of them.
+
+    Each plane is one pass over both inputs, XORing only its byte of every
+    element. That reads the inputs four times, yet it is faster than
+    shuffling the whole slice first (0.51 s against 0.68 s for 200 MB here),
+    and a slice of 100M parameters no longer costs 400 MB of planes and body.
+
+    Args:
+        read: called with (byte offset, length) once a piece of both inputs
+            was read, so a caller whose inputs are mappings of files can let
+            their pages go (``crowdtrain_backbone.spool``).
+
+    Raises:
+        ValueError: if the lengths differ or are not whole fp32 elements.
+    """
+    _check_pair(wanted, held)
+    w = np.frombuffer(wanted, dtype=np.uint8).reshape(-1, PLANES)
+    h = np.frombuffer(held, dtype=np.uint8).reshape(-1, PLANES)
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+    with compressor.stream_writer(out, size=len(wanted), closefd=False) as sink:
+        for plane in range(PLANES):
+            for start in range(0, len(w), STREAM_ELEMENTS):
+                end = min(len(w), start + STREAM_ELEMENTS)
+                sink.write(np.bitwise_xor(w[start:end, plane], h[start:end, plane]).data)
+                if read is not None:
+                    read(start * PLANES, (end - start) * PLANES)
 
 
 def decode_delta_into(body: Buffer, held: Buffer, out: memoryview) -> None:
@@ -156,11 +195,7 @@ def shuffled_xor(wanted: Buffer, held: Buffer) -> np.ndarray:
     Raises:
         ValueError: if the lengths differ or are not whole fp32 elements.
     """
-    if len(wanted) != len(held) or len(wanted) % PLANES:
-        raise ValueError(
-            f"a delta needs two fp32 buffers of one length, got {len(wanted)} and {len(held)} bytes; "
-            "the versions belong to different slices"
-        )
+    _check_pair(wanted, held)
     planes = np.empty((PLANES, len(wanted) // PLANES), dtype=np.uint8)
     np.bitwise_xor(
         np.frombuffer(wanted, dtype=np.uint8).reshape(-1, PLANES).T,
@@ -168,3 +203,11 @@ def shuffled_xor(wanted: Buffer, held: Buffer) -> np.ndarray:
         out=planes,
     )
     return planes
+
+
+def _check_pair(wanted: Buffer, held: Buffer) -> None:
+    if len(wanted) != len(held) or len(wanted) % PLANES:
+        raise ValueError(
+            f"a delta needs two fp32 buffers of one length, got {len(wanted)} and {len(held)} bytes; "
+            "the versions belong to different slices"
+        )
