@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import mmap
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable
 from typing import IO, TYPE_CHECKING, TypeVar
 
 from crowdtrain_agent.deltas import encode_delta, write_delta
 
-from .spool import Spool, release_pages
+from .spool import Body, Spool, release_pages
 
 if TYPE_CHECKING:
     from .slices import Snapshot
 T = TypeVar("T")
-# A delta body: in memory, or a mapping of a spool file.
-Body = bytes | memoryview | mmap.mmap
 
 # Bytes hashed between two releases of a spooled snapshot's pages.
 PIECE_BYTES = 16 << 20

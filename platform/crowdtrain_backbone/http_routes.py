@@ -19,9 +19,9 @@ from websockets.http11 import Request, Response
 from crowdtrain_agent import deltas
 from crowdtrain_agent.protocol import ProtocolError, ticket_campaign, verify_ticket
 
-from .downloads import Body
 from .metrics import metrics_refusal
 from .node import AggregatorNode
+from .spool import Body
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +112,11 @@ def _part_or_whole(request: Request, body: Body, extra: list[tuple[str, str]]) -
     agent downloading. Agents ask for a large slice in parts
     (``crowdtrain_agent.fetch.PART_BYTES``), so a download holds one part
     here, whatever the slice's size. Anything but a single ``bytes=`` range
-    is ignored, as RFC 9110 allows: the whole body.
+    is ignored, as RFC 9110 allows: the whole body; so is an invalid range.
     """
     match = _RANGE.fullmatch(request.headers.get("Range") or "")
-    if match is None or not (match[1] or match[2]):
+    if match is None or not (match[1] or match[2]) or (match[1] and match[2] and int(match[1]) > int(match[2])):
+        # Not one range, or an invalid one ("5-3"): RFC 9110 ignores the header.
         return _response(HTTPStatus.OK, body, "application/octet-stream", [*extra, ("Accept-Ranges", "bytes")])
     total = len(body)
     first = int(match[1]) if match[1] else None

@@ -31,7 +31,7 @@ from .aggregation import AggregationRule, MeanRule, PendingUpload
 from .downloads import DownloadCache
 from .optimizers import build_slice_optimizer, slice_segments
 from .robust import ClipHistory, build_rule, clip_contributions
-from .spool import Spool, release_pages
+from .spool import Body, Spool, release_pages
 
 __all__ = [
     "AggregationRule",
@@ -85,7 +85,7 @@ class Snapshot:
     """
 
     version: int
-    body: bytes | memoryview | mmap.mmap
+    body: Body
     etag: str
 
     def release_pages(self) -> None:

@@ -31,7 +31,10 @@ from typing import IO
 import numpy as np
 import torch
 
-__all__ = ["DEFAULT_MIN_BYTES", "Spool", "SpoolFile", "release_pages"]
+__all__ = ["DEFAULT_MIN_BYTES", "Body", "Spool", "SpoolFile", "release_pages"]
+
+# Bytes an aggregator keeps and serves (a snapshot, a delta body): in memory, or a mapping of a spool file.
+Body = bytes | memoryview | mmap.mmap
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +134,7 @@ class Spool:
             return None
         return spooled
 
-    def hold(self, data: bytes | memoryview) -> bytes | memoryview | mmap.mmap:
+    def hold(self, data: bytes | memoryview) -> Body:
         """``data`` as a private mapping of a spool file if it is large enough; as it was otherwise.
 
         For what an aggregator keeps a while and many read, none change:
@@ -174,7 +177,7 @@ class Spool:
             return None
         return file.map()
 
-    def hold_fp32(self, values: torch.Tensor) -> bytes | memoryview | mmap.mmap:
+    def hold_fp32(self, values: torch.Tensor) -> Body:
         """``hold`` of an fp32 tensor's bytes, written from the tensor itself; not spooled, a view of the tensor."""
         return self.hold(values.detach().to(torch.float32).contiguous().numpy().view(np.uint8).data)
 

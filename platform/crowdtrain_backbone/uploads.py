@@ -101,13 +101,6 @@ def _message_error_code(text: str | bytes, exc: ProtocolError) -> str:
     return "malformed message"
 
 
-def decode_and_sketch(
-    codec: Codec, data: bytearray, num_elements: int, ticket: Ticket, max_grad_norm: float, seed: int | None
-) -> tuple[torch.Tensor, bytes]:
-    """``decode_gradient``, and the sketch of the result under ``seed`` (none without one) for the receipt."""
-    return check_and_sketch(decode_gradient(codec, data, num_elements, ticket), ticket, max_grad_norm, seed)
-
-
 def check_and_sketch(
     grad: torch.Tensor, ticket: Ticket, max_grad_norm: float, seed: int | None
 ) -> tuple[torch.Tensor, bytes]:
@@ -186,8 +179,10 @@ def decode_check_and_keep(
     seed: int | None,
     spool: Spool | None,
 ) -> tuple[torch.Tensor, mmap.mmap | None, bytes]:
-    """``decode_and_sketch``, then the gradient moved to ``spool`` if it takes it (none: kept in memory)."""
-    grad, sketched = decode_and_sketch(codec, data, num_elements, ticket, max_grad_norm, seed)
+    """``decode_gradient`` and ``check_and_sketch``, then the gradient moved to ``spool`` if it takes it (none:
+    kept in memory)."""
+    grad = decode_gradient(codec, data, num_elements, ticket)
+    grad, sketched = check_and_sketch(grad, ticket, max_grad_norm, seed)
     if spool is None:
         return grad, None, sketched
     grad, pages = spool.keep(grad)

@@ -88,6 +88,7 @@ class FakeSite:
     close_code: int | None = None  # close every connection with this code right after the hello
     drop_after_done: bool = False  # drop the TCP connection once, after answering the first done
     shard_delay_s: float = 0.0
+    held_shards: dict[str, asyncio.Event] = field(default_factory=dict)  # answered once their event is set
     refuse_handshakes: list[int] = field(default_factory=list)  # answer the next handshakes with these HTTP statuses
     tries: list[str | None] = field(default_factory=list)  # each handshake's CONNECTION_HEADER, refused ones too
     received: list[Any] = field(default_factory=list)
@@ -131,6 +132,8 @@ class FakeSite:
         self.shard_requests.append(sha)
         if self.shard_delay_s:
             await asyncio.sleep(self.shard_delay_s)
+        if sha in self.held_shards:
+            await self.held_shards[sha].wait()
         if not request.path.startswith("/api/shards/") or sha not in self.shards:
             return _binary(404, b'{"error": "unknown shard"}')
         return _binary(200, self.shards[sha])

@@ -54,6 +54,9 @@ async def test_the_aggregator_answers_one_byte_range_and_serves_a_list_of_them_w
     clipped = await _get(url, {"Range": "bytes=3000-99999"})
     past_the_end = await _get(url, {"Range": "bytes=4000-4100"})
     several = await _get(url, {"Range": "bytes=0-9,20-29"})
+    backwards = await _get(url, {"Range": "bytes=5-3"})
+    nothing_of_the_end = await _get(url, {"Range": "bytes=-0"})
+    not_numbers = await _get(url, {"Range": "bytes=abc"})
 
     assert len(whole) == 4000
     assert middle[0] == 206 and middle[2] == whole[100:1100]
@@ -63,6 +66,9 @@ async def test_the_aggregator_answers_one_byte_range_and_serves_a_list_of_them_w
     assert clipped[0] == 206 and clipped[2] == whole[3000:] and clipped[1]["Content-Range"] == "bytes 3000-3999/4000"
     assert past_the_end[0] == 416 and past_the_end[1]["Content-Range"] == "bytes */4000"
     assert several[0] == 200 and several[2] == whole and several[1]["Accept-Ranges"] == "bytes"
+    assert backwards[0] == 200 and backwards[2] == whole  # an invalid range: the header is ignored
+    assert nothing_of_the_end[0] == 416 and nothing_of_the_end[1]["Content-Range"] == "bytes */4000"
+    assert not_numbers[0] == 200 and not_numbers[2] == whole
 
 
 async def test_a_slice_larger_than_a_part_arrives_in_parts_equal_to_the_whole(

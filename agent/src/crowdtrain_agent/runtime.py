@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import queue
 import signal
@@ -169,6 +170,7 @@ class Prepared:
     etags: list[str] = field(default_factory=list)
     leased_at: float = 0.0  # perf_counter when the lease arrived: later waiting was for its downloads
     round_base: RoundBase | None = None  # an overlapped local lease's round base, downloading meanwhile
+    arriving: trainer.ArrivingSamples | None = None  # x and y, while its later shards still download
 
 
 class LeaseFailed(RuntimeError):
@@ -211,6 +213,7 @@ class Agent:
         self._last_no_lease: str | None = None
         self._reports: set[asyncio.Task[None]] = set()
         self._readers: dict[tuple[str, DataSpec], ShardReader] = {}
+        self._readers_lock = threading.Lock()  # the fetch thread and the arriving-samples thread share them
         self._prefetching: set[str] = set()  # shards a background thread is fetching ahead
         self._tokenizers: set[tuple[str, int]] = set()  # (sha256, vocabulary) of tokenizers checked
         self.leases_taken = 0
@@ -221,6 +224,7 @@ class Agent:
         self._computer = DaemonWorker("crowdtrain-compute")
         self._fetcher = DaemonWorker("crowdtrain-fetch")
         self._prefetcher = DaemonWorker("crowdtrain-prefetch")  # apart: a lease's own fetch never queues behind it
+        self._arriver = DaemonWorker("crowdtrain-arrive")  # a computing lease's later shards
         self._rebaser = DaemonWorker("crowdtrain-rebase")  # long-polls for the versions overlapped leases await
         self._rebasing: set[asyncio.Task[None]] = set()
 
@@ -296,6 +300,7 @@ class Agent:
             self._computer.close()
             self._fetcher.close()
             self._prefetcher.close()
+            self._arriver.close()
             self._rebaser.close()
             for task in self._rebasing:
                 task.cancel()
@@ -363,7 +368,7 @@ class Agent:
                     result = await compute
                 except ComputeCancelled:
                     break
-                except RebaseFailed as exc:
+                except (RebaseFailed, trainer.SamplesUnavailable) as exc:
                     logger.warning("lease %d: %s; giving it back", lease.lease_id, exc)
                     await self._release(lease)
                     continue
@@ -399,8 +404,9 @@ class Agent:
             self._inner.remember(lease.campaign_id, lease.round_base, result.final_params)
             return dataclasses.replace(result, final_params=None)
         return trainer.compute_gradient(
-            work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort, mixed_precision=lease.mixed_precision
-        )
+            work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort, mixed_precision=lease.mixed_precision,
+            arriving=work.arriving,
+        )  # fmt: skip
 
     async def _start_report(
         self, previous: asyncio.Task[None] | None, lease: Lease, result: GradientResult
@@ -510,7 +516,21 @@ class Agent:
                 )
             if lease.data.kind == "tokens":
                 self._check_tokens(lease)
-            readers = {r.shard: self._reader(r.shard, lease.data) for r in lease.ranges}
+            # A lease of sync mode computes once its first range is read; its later shards download meanwhile,
+            # next to its parameters: a volunteer on a slow link starts on what came first.
+            augment, version = lease.data.augment, lease.base_version
+            later = {r.shard for r in lease.ranges[1:]} - {lease.ranges[0].shard}
+            arriving: trainer.ArrivingSamples | None = None
+            if lease.mode == "sync" and any(not self._shards.in_memory(sha) for sha in later):
+                first = lease.ranges[0]
+                reader = self._reader(first.shard, lease.data)
+                rows = trainer.read_range(first, reader, augment=augment, version=version)
+                arriving = trainer.ArrivingSamples(lease.num_samples, rows)
+                self._arriver.post(functools.partial(self._fill, lease, arriving))
+                x, y = arriving.x, arriving.y
+            else:
+                readers = {r.shard: self._reader(r.shard, lease.data) for r in lease.ranges}
+                x, y = trainer.gather_samples(lease.ranges, readers, augment=augment, version=version)
             flat: torch.Tensor | None = None
             etags: list[str] = []
             held = self._models.holds(lease.campaign_id, lease.model, lease.base_version)
@@ -526,8 +546,7 @@ class Agent:
                     lease.base_version,
                     1e3 * (time.perf_counter() - started),
                 )
-            x, y = trainer.gather_samples(lease.ranges, readers, augment=lease.data.augment, version=lease.base_version)
-            return Prepared(lease=lease, cm=cm, flat=flat, x=x, y=y, etags=etags)
+            return Prepared(lease=lease, cm=cm, flat=flat, x=x, y=y, etags=etags, arriving=arriving)
 
         try:
             return await self._fetcher.run(blocking)
@@ -609,13 +628,32 @@ class Agent:
         check_tokenizer(spec, self._shards.get(spec.tokenizer))
         self._tokenizers.add((spec.tokenizer, spec.vocab_size))
 
+    def _fill(self, lease: Lease, arriving: trainer.ArrivingSamples) -> None:
+        """In the arriving-samples thread: read the lease's later ranges into ``arriving``, downloading their shards."""
+        try:
+            for r in lease.ranges[1:]:
+                if self._abort.is_set():
+                    arriving.fail("the agent is stopping")
+                    return
+                reader = self._reader(r.shard, lease.data)
+                arriving.put(*trainer.read_range(r, reader, augment=lease.data.augment, version=lease.base_version))
+        except (FetchError, ProtocolError, ValueError, OSError) as exc:
+            arriving.fail(f"its samples could not be read: {exc}")
+        except Exception as exc:  # nothing may leave the compute waiting for rows that will not come
+            logger.exception("reading the samples of lease %d failed", lease.lease_id)
+            arriving.fail(f"its samples could not be read: {exc!r}")
+
     def _reader(self, sha256: str, spec: DataSpec) -> ShardReader:
         """A decoded shard, kept for the next leases (they mostly read the same few shards)."""
         key = (sha256, spec)
-        reader = self._readers.pop(key, None) or ShardReader(spec, self._shards.get(sha256))
-        self._readers[key] = reader  # most recently used last
-        while len(self._readers) > READER_CACHE_ITEMS:
-            self._readers.pop(next(iter(self._readers)))
+        with self._readers_lock:
+            reader = self._readers.pop(key, None)
+        if reader is None:  # downloaded and decoded outside the lock: another thread's lease goes on meanwhile
+            reader = ShardReader(spec, self._shards.get(sha256))
+        with self._readers_lock:
+            self._readers[key] = reader  # most recently used last
+            while len(self._readers) > READER_CACHE_ITEMS:
+                self._readers.pop(next(iter(self._readers)))
         return reader
 
     def _note_speed(self, lease: Lease, result: GradientResult) -> None:

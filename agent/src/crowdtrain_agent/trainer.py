@@ -101,22 +101,101 @@ def gather_samples(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets of every range of a lease, concatenated in lease order.
 
+    Raises:
+        ProtocolError: if a range lies outside its shard, or samples are not images to augment.
+    """
+    parts = [read_range(r, readers[r.shard], augment=augment, version=version) for r in ranges]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+
+def read_range(
+    r: SampleRange, reader: ShardReader, *, augment: str = "none", version: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of one range of a lease.
+
     With ``augment`` each image is changed as the seed of its sample and the
     lease's base ``version`` say, so a verification copy sees the same images.
 
     Raises:
-        ProtocolError: if a range lies outside its shard, or samples are not images to augment.
+        ProtocolError: if the range lies outside its shard, or its samples are not images to augment.
     """
-    parts = []
-    for r in ranges:
-        x, y = readers[r.shard].read(r.start, r.count)
-        if augment != "none":
-            seeds = [sample_seed(r.shard, r.start + i, version) for i in range(r.count)]
-            x = augment_images(x, augment, seeds)
-        parts.append((x, y))
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+    x, y = reader.read(r.start, r.count)
+    if augment != "none":
+        x = augment_images(x, augment, [sample_seed(r.shard, r.start + i, version) for i in range(r.count)])
+    return x, y
+
+
+class SamplesUnavailable(RuntimeError):
+    """A later range of a lease could not be read (its shard failed to download); the lease is given back."""
+
+
+class ArrivingSamples:
+    """A lease's inputs and targets, filled range by range while the compute reads the rows already there.
+
+    A lease over several shards starts computing once its first range is
+    read; later shards download meanwhile (``put`` from another thread), and
+    a microbatch waits only for the rows it needs (``wait``). The rows are
+    the same, in the same order, as ``gather_samples`` makes them, so the
+    gradient is too.
+
+    Args:
+        num_samples: the lease's samples, every range together.
+        first: the first range's inputs and targets.
+    """
+
+    def __init__(self, num_samples: int, first: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x0, y0 = first
+        self.x = torch.empty((num_samples, *x0.shape[1:]), dtype=x0.dtype)
+        self.y = torch.empty((num_samples, *y0.shape[1:]), dtype=y0.dtype)
+        self.filled = 0
+        self.waited_s = 0.0  # time the compute spent waiting for rows: not the device's compute time
+        self._error: str | None = None
+        self._arrived = threading.Condition()
+        self.put(x0, y0)
+
+    def put(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The next range's rows (any thread).
+
+        Raises:
+            ValueError: rows of another shape than the first range's, or more rows than the lease has.
+        """
+        end = self.filled + len(x)
+        if len(y) != len(x) or end > len(self.x) or x.shape[1:] != self.x.shape[1:] or y.shape[1:] != self.y.shape[1:]:
+            raise ValueError(
+                f"a range of {len(x)} samples shaped {tuple(x.shape[1:])} does not fit rows {self.filled}..{end - 1} "
+                f"of a lease of {len(self.x)} samples shaped {tuple(self.x.shape[1:])}"
+            )
+        self.x[self.filled : end] = x
+        self.y[self.filled : end] = y
+        with self._arrived:
+            self.filled = end
+            self._arrived.notify_all()
+
+    def fail(self, why: str) -> None:
+        """The rest of the rows will not come (any thread): a compute waiting for them raises ``SamplesUnavailable``."""
+        with self._arrived:
+            self._error = why
+            self._arrived.notify_all()
+
+    def wait(self, rows: int, cancel: threading.Event | None = None) -> None:
+        """Return once the first ``rows`` rows are there (the compute thread).
+
+        Raises:
+            SamplesUnavailable: they never will be.
+            ComputeCancelled: ``cancel`` was set meanwhile.
+        """
+        rows = min(rows, len(self.x))
+        started = time.perf_counter()
+        with self._arrived:
+            while self.filled < rows:
+                if self._error is not None:
+                    raise SamplesUnavailable(self._error)
+                if cancel is not None and cancel.is_set():
+                    raise ComputeCancelled("gradient computation abandoned")
+                self._arrived.wait(timeout=0.1)
+        self.waited_s += time.perf_counter() - started
 
 
 @dataclass(frozen=True)
@@ -143,6 +222,7 @@ def compute_gradient(
     cancel: threading.Event | None = None,
     mixed_precision: bool = False,
     probe: MemoryProbe | None = None,
+    arriving: ArrivingSamples | None = None,
 ) -> GradientResult:
     """Gradient of the summed per-sample loss over all samples, in microbatches.
 
@@ -161,6 +241,7 @@ def compute_gradient(
         cancel: set from another thread to abandon the computation between microbatches.
         mixed_precision: the campaign allows autocast (used on CUDA only, see ``precision``).
         probe: measures the device's memory to size its microbatches (default: CUDA's allocator; none on a CPU).
+        arriving: when ``x`` and ``y`` are its rows, still arriving: each microbatch waits for its own.
 
     Returns:
         The flat gradient in parameters_to_vector order, on the CPU.
@@ -182,7 +263,7 @@ def compute_gradient(
         if dtype is torch.float16 and cm.fp16_failed:
             dtype = None
         try:
-            grad, loss_sum = _summed_gradient(cm, x, y, size, cancel, dtype, probe)
+            grad, loss_sum = _summed_gradient(cm, x, y, size, cancel, dtype, probe, arriving)
         except FloatingPointError as exc:  # only fp16's loss scale raises it: the lease is computed in fp32
             cm.model.zero_grad(set_to_none=True)
             cm.fp16_failed = True
@@ -197,8 +278,9 @@ def compute_gradient(
             if not _smaller(cm, size):
                 raise
             continue
+        waited = arriving.waited_s if arriving is not None else 0.0
         return GradientResult(grad=grad, loss_sum=loss_sum, num_samples=len(x),
-                              compute_s=time.perf_counter() - start, out_of_memory=recovered)  # fmt: skip
+                              compute_s=time.perf_counter() - start - waited, out_of_memory=recovered)  # fmt: skip
 
 
 def _smaller(cm: CampaignModel, size: int) -> bool:
@@ -227,6 +309,7 @@ def _summed_gradient(
     cancel: threading.Event | None,
     dtype: torch.dtype | None = None,
     probe: MemoryProbe | None = None,
+    arriving: ArrivingSamples | None = None,
 ) -> tuple[torch.Tensor, float]:
     """The summed gradient, microbatch by microbatch, in autocast ``dtype`` if any (fp16 with a loss scale).
 
@@ -248,6 +331,8 @@ def _summed_gradient(
     while lo < len(x):
         if cancel is not None and cancel.is_set():
             raise ComputeCancelled("gradient computation abandoned")
+        if arriving is not None:
+            arriving.wait(lo + size, cancel)
         xb = x[lo : lo + size].to(device, non_blocking=True)
         yb = y[lo : lo + size].to(device, non_blocking=True)
         measuring = probe is not None and not cm.memory_measured
