@@ -21,7 +21,7 @@ from crowdtrain_agent.protocol import ProtocolError, ticket_campaign, verify_tic
 
 from .metrics import metrics_refusal
 from .node import AggregatorNode
-from .spool import Body
+from .spool import Body, release_pages
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,11 @@ def _part_or_whole(request: Request, body: Body, extra: list[tuple[str, str]]) -
     if first > last or first >= total:
         return _unsatisfiable(total, extra)
     extra = [*extra, ("Content-Range", f"bytes {first}-{last}/{total}")]
-    return _response(HTTPStatus.PARTIAL_CONTENT, memoryview(body)[first : last + 1], "application/octet-stream", extra)
+    # A part of a spooled body is copied out and its pages let go at once: the agents downloading after
+    # a step read every page of it, which stayed resident until the next step otherwise.
+    part = bytes(memoryview(body)[first : last + 1])
+    release_pages(body, first, last + 1 - first)
+    return _response(HTTPStatus.PARTIAL_CONTENT, part, "application/octet-stream", extra)
 
 
 def _unsatisfiable(total: int, extra: list[tuple[str, str]]) -> Response:

@@ -478,11 +478,14 @@ class AggregatorNode:
             ]
         try:
             started = time.perf_counter()
-            if len(uploads) * state.param.numel() <= INLINE_STEP_ELEMENTS:
+            large = len(uploads) * state.param.numel() > INLINE_STEP_ELEMENTS
+            if not large:
                 snapshot = state.apply_step_(uploads, commit.num_samples)
             else:  # off the event loop: uploads and heartbeats keep flowing while the optimizer runs
                 snapshot = await asyncio.to_thread(state.apply_step_, uploads, commit.num_samples)
             dropped = state.finish_step(snapshot, commit.lease_ids)
+            if large:  # what the step's passes, the uploads' chunks and the downloads' parts left in the heaps
+                _give_back_freed_memory()
         except Exception as exc:  # a torch error, out of memory, a bug: the site must hear, or it waits for ever
             return [self._could_not_apply(state, commit.step, exc)]
         self.metrics.step_applied(cid, idx, time.perf_counter() - started)

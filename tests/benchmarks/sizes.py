@@ -20,7 +20,9 @@ Lines, per size (``_10m``, ``_100m``, ``_350m``):
   back under pressure); ``agent_peak_bytes_per_param`` and
   ``plain_peak_bytes_per_param``: peak RSS over the model's parameters;
 - ``time_to_first_step_s``: agents started against a ready site and
-  aggregators, to the first committed step;
+  aggregators, to the first committed step; ``plain_time_to_first_step_s``,
+  the plain loop's process started to its first step (the floor: one step's
+  compute, model build included);
 - ``bytes_up_per_sample``, ``bytes_down_per_sample``: what the agents'
   done reports say their links carried, over the committed samples;
 - ``wasted_upload_fraction``: gradient uploads the aggregators accepted that
@@ -147,8 +149,11 @@ PLAIN = textwrap.dedent(
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter())
+        if step == 0:
+            first_step_s = time.time() - {started!r}
     rate = {batch} * steps / (times[-1] - times[warmup - 1])
-    print(json.dumps({{"samples_per_s": rate, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({{"samples_per_s": rate, "peak": peak, "first_step_s": first_step_s}}))
     """
 )
 
@@ -169,11 +174,12 @@ def corpus_file() -> Path:
 
 
 def plain_pytorch(size: str, steps: int, warmup: int, device: str = "cpu", autocast: bool = False) -> dict[str, float]:
-    """Samples/s and peak RSS of the same training in one two-thread process, in a child of its own."""
+    """Samples/s, peak RSS and the seconds from its start to its first step of the same training in one
+    two-thread process, in a child of its own."""
     code = PLAIN.format(
         platform=str(REPO_ROOT / "platform"), agent=str(REPO_ROOT / "agent" / "src"), config=config_of(size),
         steps=steps, warmup=warmup, corpus=str(corpus_file()), sample=BLOCK + 1, batch=BATCH, micro=MICROBATCH,
-        device=device, autocast=autocast,
+        device=device, autocast=autocast, started=time.time(),
     )  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
@@ -327,6 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             figure_line(f"agent_peak_bytes_per_param_{size}", swarm.agent_peak / count),
             figure_line(f"plain_peak_bytes_per_param_{size}", plain["peak"] / count),
             figure_line(f"time_to_first_step_s_{size}", swarm.first_step_s),
+            figure_line(f"plain_time_to_first_step_s_{size}", plain["first_step_s"]),
             figure_line(f"bytes_up_per_sample_{size}", swarm.bytes_up_per_sample),
             figure_line(f"bytes_down_per_sample_{size}", swarm.bytes_down_per_sample),
             figure_line(f"wasted_upload_fraction_{size}", swarm.wasted_upload_fraction),

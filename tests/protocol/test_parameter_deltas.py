@@ -67,8 +67,9 @@ def test_a_delta_written_in_pieces_reads_every_input_byte_once_per_plane(pair: t
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(deltas, "STREAM_ELEMENTS", piece)
         write_delta(wanted, held, out, read=lambda start, length: read.append((start, start + length)))
+        rebuilt = decode_delta(out.getvalue(), held)  # and decoded in pieces of the body
 
-    assert decode_delta(out.getvalue(), held) == wanted
+    assert rebuilt == wanted
     elements = len(held) // 4
     each_plane = [(4 * start, 4 * min(elements, start + piece)) for start in range(0, elements, piece)]
     assert read == each_plane * 4
@@ -103,12 +104,22 @@ def _sample() -> tuple[bytes, bytes, bytes]:
     return wanted.tobytes(), held.tobytes(), encode_delta(wanted.tobytes(), held.tobytes())
 
 
-@given(cut=st.integers(0, 10_000))
-def test_a_truncated_body_is_refused(cut: int) -> None:
+@given(cut=st.integers(0, 10_000), piece=st.sampled_from([5, 64, deltas.STREAM_ELEMENTS]))
+def test_a_truncated_body_is_refused(cut: int, piece: int) -> None:
     wanted, held, body = _sample()
 
-    with pytest.raises(DeltaError):
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(DeltaError):
+        patch.setattr(deltas, "STREAM_ELEMENTS", piece)  # bytes of the body decompressed at a time
         decode_delta(body[: cut % len(body)], held)
+
+
+@pytest.mark.parametrize("piece", [5, 64, deltas.STREAM_ELEMENTS])
+def test_trailing_bytes_are_refused_whatever_piece_they_arrive_in(piece: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    wanted, held, body = _sample()
+    monkeypatch.setattr(deltas, "STREAM_ELEMENTS", piece)
+
+    with pytest.raises(DeltaError, match="has data after its zstd frame"):
+        decode_delta(body + b"\0" * 70, held)
 
 
 @given(position=st.integers(0, 10_000), flip=st.integers(1, 255))
@@ -130,7 +141,7 @@ def test_a_corrupted_body_is_refused_or_yields_other_bytes_never_an_unchecked_cr
 def test_trailing_bytes_after_the_frame_are_refused() -> None:
     wanted, held, body = _sample()
 
-    with pytest.raises(DeltaError, match="damaged"):
+    with pytest.raises(DeltaError, match="has data after its zstd frame"):
         decode_delta(body + b"\0\0\0\0", held)
 
 

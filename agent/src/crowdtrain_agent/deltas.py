@@ -55,7 +55,8 @@ ENCODING_HEADER = "X-Crowdtrain-Delta-Encoding"  # only on a delta body: how it 
 ENCODING = "xor-shuffle4-zstd"
 ZSTD_LEVEL = 1  # measured: level 3 was no smaller on consecutive training versions, and slower
 PLANES = 4  # bytes per fp32 element
-# Elements read per piece when a body is written as a stream (16 MiB of each input).
+# A piece of a body made or read as a stream: elements of each input when writing (16 MiB of each),
+# bytes of the body when reading (their planes' bytes are rarely more than twice that).
 STREAM_ELEMENTS = 1 << 22
 
 Buffer = bytes | bytearray | memoryview
@@ -158,21 +159,32 @@ def decode_delta_into(body: Buffer, held: Buffer, out: memoryview) -> None:
             f"delta body decompresses to {announced if announced >= 0 else 'an unannounced number of'} bytes, "
             f"the slice has {size}; it is a delta of another slice or version"
         )
-    try:
-        # The header says exactly ``size`` (checked above), so this allocates ``size`` and stops there.
-        planes = zstandard.ZstdDecompressor().decompress(body, max_output_size=size, allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        raise DeltaError(f"delta body of {len(body)} bytes is damaged: {exc}") from None
-    if len(planes) != size:
-        raise DeltaError(f"delta body decompressed to {len(planes)} bytes, expected {size}")
-    target = np.frombuffer(out, dtype=np.uint8)
-    if size:
-        # Undo the shuffle and the XOR in one pass, straight into ``out``.
-        np.bitwise_xor(
-            np.frombuffer(planes, dtype=np.uint8).reshape(PLANES, -1).T,
-            np.frombuffer(held, dtype=np.uint8).reshape(-1, PLANES),
-            out=target.reshape(-1, PLANES),
-        )
+    # Piece by piece, each piece XORed into its plane's place in ``out``: the planes are never whole in
+    # memory (a slice's size more, at the peak of a download). A damaged body may leave ``out`` half
+    # written; the caller then downloads the version whole into it.
+    decompressor = zstandard.ZstdDecompressor().decompressobj()
+    target = np.frombuffer(out, dtype=np.uint8).reshape(-1, PLANES)
+    base = np.frombuffer(held, dtype=np.uint8).reshape(-1, PLANES)
+    elements, done, view = size // PLANES, 0, memoryview(body).cast("B")
+    for start in range(0, len(view), STREAM_ELEMENTS):
+        try:
+            piece = decompressor.decompress(view[start : start + STREAM_ELEMENTS])
+        except zstandard.ZstdError as exc:
+            raise DeltaError(f"delta body of {len(body)} bytes is damaged: {exc}") from None
+        if done + len(piece) > size:
+            raise DeltaError(f"delta body decompressed to more than the {size} bytes its header announced")
+        plain = np.frombuffer(piece, dtype=np.uint8)
+        while len(plain):
+            plane, at = divmod(done, elements)
+            take = min(len(plain), elements - at)
+            np.bitwise_xor(plain[:take], base[at : at + take, plane], out=target[at : at + take, plane])
+            plain, done = plain[take:], done + take
+        if decompressor.eof:
+            if decompressor.unused_data or start + STREAM_ELEMENTS < len(view):
+                raise DeltaError(f"delta body of {len(body)} bytes has data after its zstd frame")
+            break
+    if done != size or not decompressor.eof:
+        raise DeltaError(f"delta body decompressed to {done} bytes, expected {size}: it is truncated")
 
 
 def decode_delta(body: Buffer, held: Buffer) -> bytes:
