@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import json
 import logging
@@ -117,6 +118,7 @@ def _part_or_whole(request: Request, body: Body, extra: list[tuple[str, str]]) -
     match = _RANGE.fullmatch(request.headers.get("Range") or "")
     if match is None or not (match[1] or match[2]) or (match[1] and match[2] and int(match[1]) > int(match[2])):
         # Not one range, or an invalid one ("5-3"): RFC 9110 ignores the header.
+        _let_go_once_sent(body, 0, len(body))
         return _response(HTTPStatus.OK, body, "application/octet-stream", [*extra, ("Accept-Ranges", "bytes")])
     total = len(body)
     first = int(match[1]) if match[1] else None
@@ -130,11 +132,23 @@ def _part_or_whole(request: Request, body: Body, extra: list[tuple[str, str]]) -
     if first > last or first >= total:
         return _unsatisfiable(total, extra)
     extra = [*extra, ("Content-Range", f"bytes {first}-{last}/{total}")]
-    # A part of a spooled body is copied out and its pages let go at once: the agents downloading after
-    # a step read every page of it, which stayed resident until the next step otherwise.
-    part = bytes(memoryview(body)[first : last + 1])
-    release_pages(body, first, last + 1 - first)
-    return _response(HTTPStatus.PARTIAL_CONTENT, part, "application/octet-stream", extra)
+    # A view, not a copy: copied out here, each part in flight cost two copies on the heap (websockets
+    # makes one), and the heap grew by several slices' worth while a crowd downloaded.
+    _let_go_once_sent(body, first, last + 1 - first)
+    return _response(HTTPStatus.PARTIAL_CONTENT, memoryview(body)[first : last + 1], "application/octet-stream", extra)
+
+
+def _let_go_once_sent(body: Body, start: int, length: int) -> None:
+    """A spooled body's pages of bytes ``start:start+length`` leave the resident set once the answer is sent.
+
+    websockets copies the answer into its output as it sends the response,
+    without awaiting between this handler's return and that copy, so by the
+    loop's next turn the pages are read. Let go earlier, they would only be
+    read again from the page cache: never a wrong byte. Without this they
+    stayed resident to the next step, a slice's worth after every step's
+    downloads.
+    """
+    asyncio.get_running_loop().call_soon(release_pages, body, start, length)
 
 
 def _unsatisfiable(total: int, extra: list[tuple[str, str]]) -> Response:

@@ -10,8 +10,12 @@ made small so that the test's slices take several.
 from __future__ import annotations
 
 import asyncio
+import mmap
+import re
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -121,3 +125,36 @@ async def test_a_version_republished_between_two_parts_fails_the_download_instea
 
     with pytest.raises(FetchError, match="the version changed while it downloaded"):
         await asyncio.to_thread(fetch.fetch_slice, two_slices[0], 1, ticket=ticket(50, base_version=1))
+
+
+@pytest.mark.parametrize("asked", [None, "bytes=0-"])
+async def test_the_pages_a_download_read_are_let_go_once_it_is_sent(
+    two_slices: list[SliceRoute], backbone: BackboneServer, asked: str | None
+) -> None:
+    # Without this, every page of a published version that the step's downloads read stayed resident to the
+    # next step: a slice's worth of an aggregator's memory at any time.
+    body = backbone.node.get_slice(1, 0).snapshots[0].body
+    assert isinstance(body, mmap.mmap)
+    body.madvise(mmap.MADV_DONTNEED)
+
+    status, _, got = await _get(f"{backbone.url}/params/1/0/0", {"Range": asked} if asked else None)
+    await asyncio.sleep(0.05)  # the loop's next turns, after the answer went out
+
+    resident = _resident_kib(body)
+
+    assert status in (200, 206) and got == body[:]
+    assert resident == 0
+
+
+def _resident_kib(pages: mmap.mmap) -> int:
+    """The kernel's count of ``pages``'s resident memory in this process (its mapping's Rss in smaps)."""
+    address = np.frombuffer(pages, dtype=np.uint8).ctypes.data
+    rss = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        span = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            inside = int(span[1], 16) <= address < int(span[2], 16)
+        elif inside and line.startswith("Rss:"):
+            rss = int(line.split()[1])
+    assert rss is not None, "the mapping is not in /proc/self/smaps"
+    return rss

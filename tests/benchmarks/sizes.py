@@ -17,7 +17,9 @@ Lines, per size (``_10m``, ``_100m``, ``_350m``):
   the median of its resident set (VmRSS, read once a second while the steps
   run) over the same, and ``aggregator_anon_bytes_per_param`` of its
   anonymous part (RssAnon: not the spool's file pages, which the kernel takes
-  back under pressure); ``agent_peak_bytes_per_param`` and
+  back under pressure); ``aggregator_slice_bytes_per_param``, the steady
+  resident set less an idle aggregator's (what the slice costs, without the
+  fixed cost of PyTorch and the process); ``agent_peak_bytes_per_param`` and
   ``plain_peak_bytes_per_param``: peak RSS over the model's parameters;
 - ``time_to_first_step_s``: agents started against a ready site and
   aggregators, to the first committed step; ``plain_time_to_first_step_s``,
@@ -156,6 +158,21 @@ PLAIN = textwrap.dedent(
     print(json.dumps({{"samples_per_s": rate, "peak": peak, "first_step_s": first_step_s}}))
     """
 )
+
+
+def idle_aggregator_bytes() -> int:
+    """The resident set of a process that imported what an aggregator imports and holds nothing: its fixed cost.
+
+    Mostly PyTorch's own (libraries and the memory its import sets up), the
+    same at any size; what a slice adds is the steady resident set less this.
+    """
+    code = (
+        f"import sys; sys.path[:0] = [{str(REPO_ROOT / 'platform')!r}, {str(REPO_ROOT / 'agent' / 'src')!r}]\n"
+        "import crowdtrain_backbone.__main__, crowdtrain_backbone.server\n"
+        "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS:')][0])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip()) * 1024
 
 
 def corpus_file() -> Path:
@@ -322,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"bench: size_efficiency_{size}=skipped ({why})", flush=True)
             continue
         plain = plain_pytorch(size, args.steps, args.warmup)
+        idle_aggregator = idle_aggregator_bytes()
         swarm = run_swarm(root / size, size, args.steps, args.warmup, site_env=site_env)
         lines = [
             figure_line(f"plain_samples_per_s_{size}", plain["samples_per_s"]),
@@ -330,6 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             figure_line(f"aggregator_bytes_per_param_{size}", swarm.aggregator_peak / swarm.aggregator_params),
             figure_line(f"aggregator_steady_bytes_per_param_{size}", swarm.aggregator_steady / swarm.aggregator_params),
             figure_line(f"aggregator_anon_bytes_per_param_{size}", swarm.aggregator_anon / swarm.aggregator_params),
+            figure_line(
+                f"aggregator_slice_bytes_per_param_{size}",
+                (swarm.aggregator_steady - idle_aggregator) / swarm.aggregator_params,
+            ),
             figure_line(f"agent_peak_bytes_per_param_{size}", swarm.agent_peak / count),
             figure_line(f"plain_peak_bytes_per_param_{size}", plain["peak"] / count),
             figure_line(f"time_to_first_step_s_{size}", swarm.first_step_s),
