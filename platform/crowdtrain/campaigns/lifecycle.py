@@ -22,7 +22,13 @@ from crowdtrain_agent.protocol import VersionPublished
 
 from .models import Campaign, Dataset
 from .settings_table import SETTINGS, check_settings, locked_fields
-from .setup import CampaignConfigError, prepare_initial_weights, validate_campaign
+from .setup import (
+    CampaignConfigError,
+    initial_weights_inputs,
+    initial_weights_sha,
+    prepare_initial_weights,
+    validate_campaign,
+)
 from .validation import schedule_validation
 
 logger = logging.getLogger(__name__)
@@ -113,6 +119,27 @@ def _check_trainable(campaign: Campaign) -> None:
         raise LifecycleError(f"the campaign cannot train as configured: {exc}; fix it in Edit") from None
 
 
+def _prepare_weights(campaign_id: int) -> tuple[tuple[object, ...], str | None] | None:
+    """A draft on pretrained weights: version 0's sha256, with what it was computed from; else None.
+
+    Before the campaign's row is locked: reading the weights (and writing a
+    version with a head of the campaign's own) takes seconds for a large
+    model, and on the embedded database a transaction that long holds every
+    other writer (lease records, heartbeats) back.
+    """
+    draft = Campaign.objects.select_related("pretrained").filter(pk=campaign_id, state=State.DRAFT).first()
+    if draft is None or draft.pretrained_id is None:
+        return None
+    try:
+        return initial_weights_inputs(draft), initial_weights_sha(draft)
+    except OSError as exc:  # the stored weights gone or unreadable: say so, start nothing
+        raise _unreadable(draft, exc) from None
+
+
+def _unreadable(campaign: Campaign, exc: OSError) -> LifecycleError:
+    return LifecycleError(f"the pretrained weights {campaign.pretrained} cannot be read ({exc}); upload them again")
+
+
 def apply_move(campaign_id: int, name: str, by: Any) -> Campaign:
     """Move a campaign, under its row lock so two clicks cannot both succeed.
 
@@ -122,6 +149,7 @@ def apply_move(campaign_id: int, name: str, by: Any) -> Campaign:
     move = MOVES.get(name)
     if move is None:
         raise LifecycleError(f"unknown action {name!r}; use one of {', '.join(MOVES)}")
+    prepared = _prepare_weights(campaign_id) if move.target == State.RUNNING else None
     with transaction.atomic():
         # NO KEY: a state change must not block the foreign-key checks of lease rows being written meanwhile.
         locked = Campaign.objects.select_for_update(of=("self",), no_key=True)
@@ -139,12 +167,11 @@ def apply_move(campaign_id: int, name: str, by: Any) -> Campaign:
                 )
             if campaign.state == State.DRAFT:
                 _check_trainable(campaign)
-                try:
-                    prepare_initial_weights(campaign)
-                except OSError as exc:  # the stored weights gone or unreadable: say so, start nothing
-                    raise LifecycleError(
-                        f"the pretrained weights {campaign.pretrained} cannot be read ({exc}); upload them again"
-                    ) from None
+                sha = prepared[1] if prepared is not None and prepared[0] == initial_weights_inputs(campaign) else None
+                try:  # computed here only if the campaign changed while they were prepared
+                    prepare_initial_weights(campaign, sha)
+                except OSError as exc:
+                    raise _unreadable(campaign, exc) from None
             if campaign.max_steps is not None and campaign.committed_steps >= campaign.max_steps:
                 raise LifecycleError(
                     f"the campaign already made its {campaign.max_steps} max steps; raise max steps before resuming"

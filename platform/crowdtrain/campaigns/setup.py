@@ -199,18 +199,38 @@ def check_pretrained(
         )
 
 
-def prepare_initial_weights(campaign: Campaign) -> None:
-    """Store version 0 of a campaign starting from pretrained weights with a head of its own; at its start.
+def initial_weights_sha(campaign: Campaign) -> str | None:
+    """The sha256 of version 0 of a campaign starting from pretrained weights (None: it starts from its seed).
 
-    Before any aggregator is assigned a slice, so every one of them fetches the same vector.
+    Slow for a large model (it reads the weights and may write a version with
+    a head of the campaign's own), so callers run it outside any transaction.
+
+    Raises:
+        OSError: the stored weights are gone or unreadable.
     """
     weights = campaign.pretrained
     if weights is None:
-        return
-    sha = campaign_weights(
+        return None
+    return campaign_weights(
         weights.weights_sha256, campaign.architecture, weights.model_config, campaign.model_config, campaign.seed
     )
-    if sha != campaign.initial_weights:
+
+
+def initial_weights_inputs(campaign: Campaign) -> tuple[object, ...]:
+    """What ``initial_weights_sha`` depends on: a sha computed for other inputs is not this campaign's."""
+    return (campaign.pretrained_id, campaign.architecture, repr(campaign.model_config), campaign.seed)
+
+
+def prepare_initial_weights(campaign: Campaign, sha: str | None = None) -> None:
+    """Store version 0 of a campaign starting from pretrained weights with a head of its own; at its start.
+
+    Before any aggregator is assigned a slice, so every one of them fetches the same vector.
+    ``sha``: ``initial_weights_sha`` computed beforehand (None: computed here).
+    """
+    if campaign.pretrained_id is None:
+        return
+    sha = sha or initial_weights_sha(campaign)
+    if sha and sha != campaign.initial_weights:
         campaign.initial_weights = sha
         Campaign.objects.filter(pk=campaign.pk).update(initial_weights=sha)
 

@@ -357,3 +357,38 @@ def test_weights_that_would_unpack_past_the_models_size_are_refused_unread(tmp_p
 
     with pytest.raises(PretrainedError, match="unpack to 50,331,648 bytes, more than the"):
         _convert(bomb.getvalue())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_starting_prepares_the_weights_before_the_campaign_is_locked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Seconds of reading and writing weights inside the start's transaction held every other writer of
+    # the embedded database (lease records, heartbeats) back for as long.
+    from django.db import connection
+
+    from crowdtrain.campaigns import setup
+    from crowdtrain.campaigns.lifecycle import apply_move
+    from crowdtrain.campaigns.setup import create_campaign
+    from tests.web.campaigns.test_an_image_archive_becomes_image_shards import _files, _upload, _zip
+
+    config = library("ResNetConfig")(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
+                                     num_labels=5)  # fmt: skip
+    owner = make_organizer("olga")
+    weights = _ready(tmp_path, owner, model=library("ResNetForImageClassification")(config))
+    ours = {**weights.model_config, "image_size": 16, "num_labels": 3}
+    campaign = create_campaign(name="c", owner=owner, dataset=_upload(_zip(_files())), architecture="resnet",
+                               model_config=ours, pretrained=weights, seed=9)  # fmt: skip
+    in_transaction: list[bool] = []
+    made = setup.campaign_weights
+
+    def watched(*args: Any) -> str:
+        in_transaction.append(connection.in_atomic_block)
+        return made(*args)
+
+    monkeypatch.setattr(setup, "campaign_weights", watched)
+
+    started = apply_move(campaign.pk, "start", owner)
+
+    assert in_transaction == [False]
+    assert started.state == "running" and started.initial_weights not in ("", weights.weights_sha256)
