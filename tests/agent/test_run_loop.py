@@ -107,3 +107,20 @@ async def test_each_accepted_done_gets_a_receipt_with_its_flops_and_credit(
     assert len(receipts) == 2
     assert f"{16 * per_sample / 1e9:.3g} GFLOP, {credit_for(16, per_sample):.3g} credit" in receipts[0]
     assert agent.status.credit == pytest.approx(credit_for(16 + 7, per_sample))
+
+
+async def test_a_sync_agent_holds_the_parameters_its_model_reads_once_not_twice(
+    world: World, config: AgentConfig
+) -> None:
+    # The base of the next delta download is the version the model was loaded with. A model in sync mode
+    # only reads its parameters, so the store keeps that very tensor: a copy cost one model's size.
+    lease = world.lease(1, LEASE_2)
+    world.site.replies = [lease]
+    agent = Agent(replace(config, max_leases=1), backoff=FAST_BACKOFF, benchmark_s=0.01)
+
+    assert await agent.run() == 0
+
+    held = agent._downloaded.exactly(7, world.params.numel(), 0)
+    model = agent._models.get(7, lease.model).model
+    assert held is not None and held.flat.data_ptr() == next(model.parameters()).data_ptr()
+    assert torch.equal(held.flat, world.params)  # what the aggregators published, after the lease's compute

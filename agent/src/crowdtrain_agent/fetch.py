@@ -364,11 +364,18 @@ class HeldParams:
             return None
         return held
 
-    def keep_(self, campaign_id: int, version: int, flat: torch.Tensor, etags: Sequence[str] = ()) -> None:
-        """Remember a copy of ``flat``, verified parameters of ``version``, as this campaign's base."""
-        copy = flat.detach().to("cpu", torch.float32, copy=True)
+    def keep_(
+        self, campaign_id: int, version: int, flat: torch.Tensor, etags: Sequence[str] = (), *, shared: bool = False
+    ) -> None:
+        """Remember ``flat``, verified parameters of ``version``, as this campaign's base.
+
+        A copy, unless ``shared``: the caller promises nothing will write into
+        ``flat`` (a model in sync mode only reads its parameters), and the
+        store then holds the very tensor, one model's size less.
+        """
+        kept = flat.detach() if shared else flat.detach().to("cpu", torch.float32, copy=True)
         with self._lock:
-            self._held[campaign_id] = HeldVersion(version, copy, tuple(etags))
+            self._held[campaign_id] = HeldVersion(version, kept, tuple(etags))
             self._held.move_to_end(campaign_id)
             while len(self._held) > self.campaigns:
                 self._held.popitem(last=False)
@@ -516,6 +523,7 @@ def fetch_params(
     held: HeldParams | None = None,
     campaign_id: int | None = None,
     wait_s: float = 10.0,
+    read_only: bool = False,
 ) -> torch.Tensor:
     """Assemble the flat fp32 parameter vector of ``version`` from every aggregator's slice.
 
@@ -528,6 +536,8 @@ def fetch_params(
             downloaded, and two downloads of one version take turns.
         campaign_id: the campaign whose parameters these are (the key into ``held``).
         wait_s: how long to keep asking for a version that is not published yet.
+        read_only: the caller never writes into the result (a model in sync mode), so ``held`` keeps the
+            result itself as the next base instead of a copy of it.
 
     Raises:
         FetchError: if the slices do not tile 0..param_count exactly, or a download fails.
@@ -544,7 +554,7 @@ def fetch_params(
         got: list[str] = []
         base = held.base_for(campaign_id, param_count, version)
         flat = _download_params(routes, version, param_count, ticket, got, base, wait_s)
-        held.keep_(campaign_id, version, flat, got)
+        held.keep_(campaign_id, version, flat, got, shared=read_only)
     if etags is not None:
         etags.extend(got)
     return flat

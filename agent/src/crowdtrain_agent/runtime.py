@@ -536,9 +536,11 @@ class Agent:
             held = self._models.holds(lease.campaign_id, lease.model, lease.base_version)
             if not (held and still_current(lease.slices, lease.base_version, cm.etags, ticket=lease.ticket)):
                 started = time.perf_counter()
+                # A sync lease's model only reads its parameters (views of ``flat`` on a CPU): the store keeps
+                # ``flat`` itself as the next delta's base, not a copy. Local steps write into theirs.
                 flat = fetch_params(
                     lease.slices, lease.base_version, lease.param_count, ticket=lease.ticket, etags=etags,
-                    held=self._downloaded, campaign_id=lease.campaign_id,
+                    held=self._downloaded, campaign_id=lease.campaign_id, read_only=lease.mode == "sync",
                 )  # fmt: skip
                 logger.debug(
                     "lease %d: parameters of version %d in %.1f ms",
