@@ -76,9 +76,9 @@ SIZES: dict[str, dict[str, Any]] = {
     "100m": {"num_hidden_layers": 14, "hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12},
     "350m": {"num_hidden_layers": 28, "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16},
 }
-# Peak bytes per model parameter the swarm needs at once here, measured at 100M (f90958e): two agents at
-# about 41 each, and two aggregators at about 30 per parameter of their half. What decides whether a size fits.
-SWARM_BYTES_PER_PARAM = 2 * 41 + 30
+# Peak bytes per model parameter the swarm needs at once here, measured at 100M (9ea99c9): two agents at
+# about 33 each, and two aggregators at about 30 per parameter of their half. What decides whether a size fits.
+SWARM_BYTES_PER_PARAM = 2 * 33 + 30
 
 
 def config_of(size: str) -> dict[str, Any]:
