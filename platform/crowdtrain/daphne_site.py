@@ -6,17 +6,24 @@ Every way the site is served (``manage.py serve``, the launcher's swarms and
 ``make cluster``, ``deploy/compose.yaml``) starts daphne through here, so they
 share two choices:
 
-- **Keepalive** (``KEEPALIVE_ARGS``): a WebSocket that has sent nothing for
-  ``--ping-interval`` seconds is pinged, and one that has not answered within
-  ``--ping-timeout`` is dropped. So what daphne buffers for a client that
-  neither reads nor sends (a hung machine, a half-open TCP connection) is
-  what the site sent it in those ~40 s at most, and its slot is freed. The
-  interval is longer than the agents' heartbeat (``CROWDTRAIN_AGENT_HEARTBEAT_S``,
-  25 s) and the aggregators' (2 s), so working peers are never pinged: at
-  10,000 idle agents a ping and its pong for each were 7% of the site's CPU.
-  A socket that never says hello is closed sooner, by the consumers
-  (``CROWDTRAIN_HELLO_TIMEOUT_S``); a client that keeps sending but never
-  reads is bounded by what it asks for, one reply per request.
+- **Keepalive** (``SiteWebSocketProtocol``): every WebSocket is pinged
+  every ``CROWDTRAIN_WS_PING_INTERVAL_S`` seconds and dropped when it has not
+  answered within ``CROWDTRAIN_WS_PING_TIMEOUT_S``, busy or not: only a pong
+  counts (autobahn's keepalive, with ``autoPingRestartOnAnyTraffic`` off).
+  daphne's own pings only sockets that have sent nothing for a while, so a
+  client that kept sending but never read (its replies piling up in the
+  site's buffers) was never asked; it is switched off with an interval no
+  socket reaches (``DAPHNE_PINGS_OFF_S``). A socket that never says hello is
+  closed sooner, by the consumers (``CROWDTRAIN_HELLO_TIMEOUT_S``).
+- **Handshakes refused plainly** (``SiteWebSocketProtocol``): the
+  ``Sec-WebSocket-Protocol`` header a stranger sends is checked
+  (``crowdtrain_agent.protocol.choose_subprotocol``) before daphne decodes
+  it, which crashed with HTTP 500 on a non-ASCII byte or a percent-encoded
+  "³": an odd offer gets HTTP 400 with the reason instead, and a header line
+  over twisted's 16 KiB gets 431 (twisted hung up without a word). A close keeps
+  its reason (daphne sends the code alone), and a message for a socket that
+  is closing is dropped with a debug line (autobahn raised "Attempt to send
+  on a closed protocol" into the consumer that sent it).
 - **Walks** (``SiteServer``): daphne walks every connection once a second to
   reap finished application instances, and every 2 s to check timeouts and
   send keepalive pings. With 5,000 idle volunteers on a process those walks
@@ -62,6 +69,7 @@ import functools
 import gc
 import importlib
 import io
+import logging
 import pprint
 import sys
 from collections.abc import Sequence
@@ -69,23 +77,118 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 APPLICATION = "crowdtrain.asgi:application"
-KEEPALIVE_ARGS = ("--ping-interval", "30", "--ping-timeout", "10")
+logger = logging.getLogger(__name__)
+DAPHNE_PINGS_OFF_S = 10**9  # daphne's --ping-interval: no socket is that old, so daphne never pings
 REAP_EVERY_S = 5
 TIMEOUTS_EVERY_S = 4  # a multiple of daphne's 2 s
 
 
+def site_websocket_protocol() -> type:
+    """daphne's WebSocket protocol with the site's handshake checks and keepalive (see the module's docstring)."""
+    from autobahn.websocket.types import ConnectionDeny
+    from daphne.ws_protocol import WebSocketProtocol
+
+    from crowdtrain_agent.protocol import SubprotocolError, choose_subprotocol, subprotocols_in_header
+
+    class SiteWebSocketProtocol(WebSocketProtocol):
+        refused = False  # refused in onConnect: daphne never registered the connection, so it has no close to note
+
+        def onConnect(self, request: Any) -> Any:
+            offered = request.headers.get("sec-websocket-protocol")
+            if offered is not None:
+                try:
+                    choose_subprotocol(subprotocols_in_header(offered))
+                except SubprotocolError as exc:
+                    self.refused = True
+                    logger.info("refused a WebSocket handshake from %s: %s", request.peer, exc)
+                    raise ConnectionDeny(ConnectionDeny.BAD_REQUEST, str(exc)) from None
+            return super().onConnect(request)
+
+        def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:  # noqa: N803 (autobahn's)
+            if not self.refused:
+                super().onClose(wasClean, code, reason)
+
+        def handle_reply(self, message: dict[str, Any]) -> None:
+            if message.get("type") == "websocket.close" and self.state != self.STATE_CONNECTING:
+                # daphne drops a close's reason, where the protocol's refusals say what to do next.
+                code = message.get("code")
+                self.sendClose(code=1000 if code is None else code, reason=message.get("reason") or None)
+                return
+            super().handle_reply(message)
+
+        def serverSend(self, content: str | bytes, binary: bool = False) -> None:  # noqa: FBT001, FBT002 (daphne's)
+            if self.state in (self.STATE_CLOSING, self.STATE_CLOSED):
+                # An order for a peer whose socket closed a moment ago: nothing to tell it any more.
+                logger.debug("not sent to %s: its WebSocket is closing", self.client_addr)
+                return
+            super().serverSend(content, binary)
+
+    return SiteWebSocketProtocol
+
+
+LONG_LINE_ANSWER = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"
+    b"A request line or header line is too long; no client of this site sends one that long.\n"
+)
+
+
+def answer_long_lines(channel: Any) -> None:
+    """Have twisted's HTTP channel answer 431 to a line over its limit (16 KiB), where it just hung up."""
+
+    def refuse(_line: bytes) -> None:
+        channel.transport.write(LONG_LINE_ANSWER)
+        channel.transport.loseConnection()
+
+    channel.lineLengthExceeded = refuse
+
+
 def server_class() -> type:
-    """daphne's ``Server`` with its walks over every connection paced by ``REAP_EVERY_S`` and ``TIMEOUTS_EVERY_S``.
+    """daphne's ``Server`` with the site's WebSocket protocol and its walks paced (module docstring).
 
     Built on call: importing daphne's server installs twisted's asyncio
     reactor, which only a process that is about to serve should do.
     """
     from daphne.server import Server
+    from django.conf import settings
     from twisted.internet import reactor
+
+    protocol = site_websocket_protocol()
 
     class SiteServer(Server):
         _reap_ticks = 0
         _timeout_ticks = 0
+        _ws_factory: Any = None
+        _http_factory: Any = None
+
+        # daphne makes its factory in run() and listens at once: the only moment to give it ours.
+        @property
+        def ws_factory(self) -> Any:
+            return self._ws_factory
+
+        @ws_factory.setter
+        def ws_factory(self, factory: Any) -> None:
+            factory.protocol = protocol
+            factory.setProtocolOptions(
+                autoPingInterval=settings.CROWDTRAIN_WS_PING_INTERVAL_S, autoPingRestartOnAnyTraffic=False
+            )
+            self._ws_factory = factory
+
+        @property
+        def http_factory(self) -> Any:
+            return self._http_factory
+
+        @http_factory.setter
+        def http_factory(self, factory: Any) -> None:
+            build = factory.buildProtocol
+
+            def build_protocol(addr: Any) -> Any:
+                built = build(addr)
+                # twisted wraps its HTTPChannel to negotiate HTTP/2; the line limit is the channel's.
+                answer_long_lines(getattr(built, "_channel", built))
+                return built
+
+            factory.buildProtocol = build_protocol
+            self._http_factory = factory
 
         # daphne's checkers reschedule themselves (1 s and 2 s on); the ticks we skip do the same.
         def application_checker(self) -> None:
@@ -103,6 +206,13 @@ def server_class() -> type:
             super().timeout_checker()
 
     return SiteServer
+
+
+def keepalive_args() -> list[str]:
+    """daphne's keepalive options: its own pings off, autobahn's timeout (which daphne sets) from the settings."""
+    from django.conf import settings
+
+    return ["--ping-interval", str(DAPHNE_PINGS_OFF_S), "--ping-timeout", f"{settings.CROWDTRAIN_WS_PING_TIMEOUT_S:g}"]
 
 
 def refuse_failed_checks() -> None:
@@ -190,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
     cli = CommandLineInterface()
     cli.server_class = server_class()
     args = list(sys.argv[1:] if argv is None else argv)
-    return cli.run([*KEEPALIVE_ARGS, *args, APPLICATION])
+    return cli.run([*keepalive_args(), *args, APPLICATION])
 
 
 if __name__ == "__main__":

@@ -392,6 +392,9 @@ CROWDTRAIN_RECORDS_INLINE = env_bool("CROWDTRAIN_RECORDS_INLINE", False)
 # is closed (4000): idle sockets that never speak must not pile up. Agents and aggregators say
 # hello at once; the time allows for a slow link, not for thinking.
 CROWDTRAIN_HELLO_TIMEOUT_S = env_float("CROWDTRAIN_HELLO_TIMEOUT_S", 5.0, minimum=0.1)
+# Every site WebSocket is pinged this often and dropped when its pong is this late (crowdtrain.daphne_site).
+CROWDTRAIN_WS_PING_INTERVAL_S = env_float("CROWDTRAIN_WS_PING_INTERVAL_S", 30.0, minimum=1.0)
+CROWDTRAIN_WS_PING_TIMEOUT_S = env_float("CROWDTRAIN_WS_PING_TIMEOUT_S", 10.0, minimum=1.0)
 
 # Tickets and receipts are HMAC-signed with a key the site shares only with
 # its aggregators (sent to each one after it authenticates).

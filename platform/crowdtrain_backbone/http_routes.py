@@ -19,8 +19,9 @@ from websockets.http11 import Request, Response
 
 from crowdtrain_agent import deltas
 from crowdtrain_agent.protocol import ProtocolError, ticket_campaign, verify_ticket
+from crowdtrain_agent.scrape_access import scrape_refusal
 
-from .metrics import metrics_refusal
+from .config import ENV_PREFIX
 from .node import AggregatorNode
 from .spool import Body, release_pages
 
@@ -173,10 +174,11 @@ def _held_version(request: Request) -> tuple[int | None, Response | None]:
 def metrics_response(node: AggregatorNode, connection: ServerConnection, request: Request) -> Response:
     """The node's metrics in Prometheus's text format, to a scraper the token rule lets in (``metrics``)."""
     remote = connection.remote_address[0] if connection.remote_address else None
-    refused = metrics_refusal(node.config.metrics_token, request.headers.get("Authorization"), remote)
+    token, authorization = node.config.metrics_token, request.headers.get("Authorization")
+    refused = scrape_refusal(token, authorization, request.headers.keys(), remote, setting=f"{ENV_PREFIX}METRICS_TOKEN")
     if refused is not None:
-        status = HTTPStatus.UNAUTHORIZED if node.config.metrics_token else HTTPStatus.FORBIDDEN
-        return json_response(status, {"error": refused})
+        status, message = refused
+        return json_response(HTTPStatus(status), {"error": message})
     return _response(HTTPStatus.OK, node.metrics.render(), CONTENT_TYPE_LATEST)
 
 

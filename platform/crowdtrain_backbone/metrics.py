@@ -8,8 +8,6 @@ changed where uploads end and steps are applied, with no I/O.
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -118,23 +116,3 @@ class BackboneMetrics:
     def render(self) -> bytes:
         """The exposition text of one scrape."""
         return generate_latest(self.registry)
-
-
-def metrics_refusal(token: str, authorization: str | None, remote_address: str | None) -> str | None:
-    """Why a scrape is refused (None: it may read), by the site's rule.
-
-    With a token configured (``--metrics-token``), only ``Authorization: Bearer <token>``;
-    without one, only loopback and private addresses.
-    """
-    if token:
-        scheme, _, sent = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(sent.strip().encode(), token.encode()):
-            return "send the metrics token as Authorization: Bearer (CROWDTRAIN_BACKBONE_METRICS_TOKEN)"
-        return None
-    try:
-        ip = ipaddress.ip_address(remote_address or "")
-    except ValueError:
-        ip = None
-    if ip is None or not (ip.is_loopback or ip.is_private):
-        return "metrics go to private addresses only; set CROWDTRAIN_BACKBONE_METRICS_TOKEN to scrape from elsewhere"
-    return None

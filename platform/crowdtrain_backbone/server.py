@@ -7,10 +7,11 @@ import logging
 from collections.abc import Callable, Sequence
 
 from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import NegotiationError
 from websockets.typing import Subprotocol
 
 from crowdtrain_agent.backoff import Backoff
-from crowdtrain_agent.protocol import MAX_WS_MESSAGE_BYTES, choose_subprotocol
+from crowdtrain_agent.protocol import MAX_WS_MESSAGE_BYTES, SubprotocolError, choose_subprotocol
 
 from .config import WS_LOGGER_NAME, BackboneConfig
 from .http_routes import PARAMS_PREFIX, UPLOAD_PATH, make_process_request
@@ -42,8 +43,15 @@ def _url_host(host: str) -> str:
 
 
 def _select_subprotocol(_: ServerConnection, offered: Sequence[Subprotocol]) -> Subprotocol | None:
-    """The newest protocol minor the agent offers and this aggregator speaks; none offered is a 2.0 agent."""
-    chosen, _minor = choose_subprotocol(list(offered))
+    """The newest protocol minor the agent offers and this aggregator speaks; none offered is a 2.0 agent.
+
+    Raises:
+        NegotiationError: for an offer no agent makes; websockets answers HTTP 400 with its reason.
+    """
+    try:
+        chosen, _minor = choose_subprotocol(list(offered))
+    except SubprotocolError as exc:
+        raise NegotiationError(str(exc)) from None
     return Subprotocol(chosen) if chosen else None
 
 

@@ -58,3 +58,17 @@ async def test_with_a_token_configured_a_scrape_without_it_is_refused(site: Fake
     assert anonymous[0] == 401 and b"CROWDTRAIN_BACKBONE_METRICS_TOKEN" in anonymous[2]
     assert wrong[0] == 401
     assert right[0] == 200 and b"crowdtrain_backbone_pending_bytes" in right[2]
+
+
+async def test_without_a_token_a_scrape_a_proxy_relayed_is_refused(backbone: BackboneServer) -> None:
+    url = f"http://127.0.0.1:{backbone.port}/metrics"
+
+    direct = await _get(url, token=None)
+    relayed = [
+        await _get(url, {header: value}, token=None)
+        for header, value in [("Forwarded", "for=203.0.113.9"), ("X-Real-IP", "203.0.113.9"), ("Via", "1.1 lb")]
+    ]
+
+    assert direct[0] == 200
+    assert [status for status, _, _ in relayed] == [403, 403, 403]
+    assert b"CROWDTRAIN_BACKBONE_METRICS_TOKEN" in relayed[0][2]

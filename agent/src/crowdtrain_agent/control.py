@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 # ping per heartbeat doubled what every idle volunteer cost the site.
 PING_INTERVAL_S = 60.0
 PING_TIMEOUT_S = 30.0
+REFUSAL_CLOSE_WAIT_S = 5.0  # after an error frame in place of the welcome, for the close that says why
 
 
 class ConnectionLost(ConnectionError):
@@ -57,8 +59,13 @@ class AgentStopped(RuntimeError):
     """The site refused this agent for good (or could not be reached); the message says what to do."""
 
 
-def close_hint(code: int, url: str) -> str:
-    """The message a volunteer sees when the site closed with a code no retry can fix."""
+def close_hint(code: int, url: str, reason: str = "") -> str:
+    """The message a volunteer sees when the site closed with a code no retry can fix, and the site's reason."""
+    hint = _close_hint(code, url)
+    return f"{hint} (the site said: {reason})" if reason else hint
+
+
+def _close_hint(code: int, url: str) -> str:
     if code == CloseCode.UNAUTHORIZED:
         return (
             f"the site at {url} rejected this agent's token (close code {code}); log in again, or check the "
@@ -143,6 +150,7 @@ class ControlChannel:
         self.connections = 0
         self.minor = PROTOCOL_MINOR  # the protocol minor of the current connection
         self._unknown_noted = False
+        self._close_reason = ""  # the reason of the last close frame or refusal, for the volunteer
         self._tries = ConnectionTries()  # so a site acting late on a try given up cannot replace a newer one
 
     # ------------------------------------------------------------ public calls
@@ -227,13 +235,14 @@ class ControlChannel:
                 # too busy to accept in time, and proxies answer 502/503 while the site restarts: try again.
                 self._note_busy(tries, f"HTTP {exc.response.status_code}")
             except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed, ProtocolError) as exc:
-                code = getattr(getattr(exc, "rcvd", None), "code", None)  # a real close frame, if one came
+                rcvd = getattr(exc, "rcvd", None)  # a real close frame, if one came
+                code, self._close_reason = getattr(rcvd, "code", None), getattr(rcvd, "reason", "")
                 if should_reconnect(code):
                     self._note_busy(tries, f"{type(exc).__name__}: {exc}")
             if self._closing:
                 return
             if not should_reconnect(code):
-                self._fail(AgentStopped(close_hint(int(code or 0), self.url)))
+                self._fail(AgentStopped(close_hint(int(code or 0), self.url, self._close_reason)))
                 raise self.fatal  # type: ignore[misc]
             if self.welcome is not None:
                 tries = 0  # that connection worked; a drop starts a fresh count
@@ -281,6 +290,12 @@ class ControlChannel:
             await ws.send(encode_message(self._hello, self.minor))
             raw = await asyncio.wait_for(ws.recv(), 15)
             first = decode_message(raw, allowed=SITE_TO_AGENT, unknown=self._note_unknown)
+            if isinstance(first, ErrorMessage):
+                # A refusal: the site closes next, and its close code says whether another try can help.
+                logger.warning("the site refused this connection: %s (%s)", first.code, first.detail)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ws.wait_closed(), REFUSAL_CLOSE_WAIT_S)
+                return self._closed_with(ws, first.detail)
             if not isinstance(first, Welcome):
                 raise ProtocolError(f"expected a welcome from the site, got {first!r}")
             self.welcome = first
@@ -302,7 +317,12 @@ class ControlChannel:
                 self._fail_waiters(ConnectionLost("control connection lost"))
                 if not self._closing:
                     self._on_state("disconnected from the site")
+        return self._closed_with(ws)
+
+    def _closed_with(self, ws: ClientConnection, said: str = "") -> int | None:
+        """The close code of a connection that ended (None: the TCP connection just dropped); notes its reason."""
         code = ws.close_code
+        self._close_reason = ws.close_reason or said
         logger.debug("control connection closed with code %s", code)
         return None if code in (None, 1006) else code
 

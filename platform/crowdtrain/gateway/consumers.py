@@ -55,8 +55,10 @@ from crowdtrain_agent.protocol import (
     SliceReady,
     StepApplied,
     StepFailed,
+    SubprotocolError,
     Welcome,
     choose_subprotocol,
+    close_reason,
     decode_message,
     encode_message,
 )
@@ -117,6 +119,7 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
     accepts: tuple[type[Message], ...] = ()
     errors = 0
     greeted = False
+    other_major = False  # the hello named another major: refused with the close alone (``reject``)
     minor = 0  # the protocol minor negotiated with the peer (0: it offered none, a 2.0 peer)
     unknown_logged = False
     closed = False  # once we closed: frames still on their way are dropped, events ignored
@@ -169,19 +172,38 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
 
     async def reject(self, exc: ProtocolError) -> None:
         self.errors += 1
+        if exc.fatal and exc.close_code == CloseCode.UNSUPPORTED_VERSION and self.other_major:
+            # The close alone, its reason saying what to do: an agent of an older major (1.x) takes any
+            # frame in place of its welcome for a failed connect and retries for 25 minutes, while every
+            # agent ever released stops on 4004 and prints its upgrade hint (agent/PROTOCOL.md).
+            logger.info("%s: refused: %s", self.__class__.__name__, exc)
+            await self.close(code=exc.close_code, reason=close_reason(str(exc)))
+            return
         code = _ERROR_CODES.get(exc.close_code, "bad message")
         await self.send(text_data=encode_message(ErrorMessage(code=code, detail=str(exc))))
         logger.info("%s: rejected message: %s", self.__class__.__name__, exc)
         if exc.fatal:
-            await self.close(code=exc.close_code)
+            await self.close(code=exc.close_code, reason=close_reason(str(exc)))
         elif self.errors > MAX_ERRORS:
             await self.close(code=CloseCode.TOO_MANY_ERRORS)
 
-    async def accept_protocol(self) -> None:
-        """Accept the socket with the newest protocol minor both sides speak (the WebSocket subprotocol)."""
+    async def accept_protocol(self) -> bool:
+        """Accept the socket with the newest protocol minor both sides speak (the WebSocket subprotocol).
+
+        An offer no client of ours makes is accepted only to be closed with 4004
+        and the reason (daphne refuses most with HTTP 400 before this runs:
+        ``daphne_site.SiteWebSocketProtocol``). Returns whether the socket stays.
+        """
         offered = self.scope.get("subprotocols") or []
-        chosen, self.minor = choose_subprotocol(list(offered), settings.CROWDTRAIN_PROTOCOL_MINOR)
+        try:
+            chosen, self.minor = choose_subprotocol(list(offered), settings.CROWDTRAIN_PROTOCOL_MINOR)
+        except SubprotocolError as exc:
+            logger.info("%s: refused a handshake: %s", self.__class__.__name__, exc)
+            await self.accept()
+            await self.close(code=exc.close_code, reason=close_reason(str(exc)))
+            return False
         await self.accept(subprotocol=chosen)
+        return True
 
     def note_unknown(self, kind: str, fields: list[str]) -> None:
         """Fields of a newer minor are ignored; said once per connection, so an operator knows who is ahead."""
@@ -198,6 +220,9 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
         await self.send(text_data=encode_message(message, self.minor))
 
     async def socket_send(self, event: SendEvent) -> None:
+        if self.closed:
+            logger.debug("%s: not sent, the socket is closing: %.80s", self.__class__.__name__, event.get("text", ""))
+            return
         unsendable = event.get("unsendable")
         if unsendable and str(self.minor) in unsendable:
             # It would read the message without those fields and act on something else (a campaign's
@@ -208,12 +233,13 @@ class _ProtocolConsumer(AsyncWebsocketConsumer):
             )
             logger.error("%s: %s", self.__class__.__name__, detail)
             await self.send_message(ErrorMessage(code="unsupported version", detail=detail))
-            await self.close(code=CloseCode.UNSUPPORTED_VERSION)
+            await self.close(code=CloseCode.UNSUPPORTED_VERSION, reason=close_reason(detail))
             return
         older = event.get("older")
         await self.send(text_data=older.get(str(self.minor), event["text"]) if older else event["text"])
 
     def check_version(self, version: int) -> None:
+        self.other_major = version != PROTOCOL_VERSION
         if version != PROTOCOL_VERSION or self.minor < OLDEST_MINOR:
             speaks = f"{PROTOCOL_VERSION}.{OLDEST_MINOR} to {PROTOCOL_VERSION}.{settings.CROWDTRAIN_PROTOCOL_MINOR}"
             sent = f"{version}" if version != PROTOCOL_VERSION else f"{version}.{self.minor}"
@@ -354,7 +380,8 @@ class AgentConsumer(_ProtocolConsumer):
         # not accepted within its connect timeout (5 s): under load the token lookup waited that long
         # for a database thread, and agents read the 403 as a rejected token and quit. Now a bad token
         # is a close code on an open socket (4001, 4003), and an HTTP error only ever means "busy".
-        await self.accept_protocol()
+        if not await self.accept_protocol():
+            return
         if not admission.admit_socket():
             # Too many sockets or handshakes in hand: turned away before any lookup; agents back off and retry.
             await self.close(code=CloseCode.TRY_AGAIN_LATER)
@@ -715,7 +742,8 @@ class BackboneConsumer(_ProtocolConsumer):
     _upkeep: asyncio.Task[None] | None = None  # the last heartbeat's upkeep
 
     async def connect(self) -> None:
-        await self.accept_protocol()  # before the token lookup, as AgentConsumer.connect explains
+        if not await self.accept_protocol():  # before the token lookup, as AgentConsumer.connect explains
+            return
         self.start_hello_deadline()
         try:
             aggregator = await database_sync_to_async(Aggregator.authenticate)(bearer_token(self.scope["headers"]))

@@ -1,7 +1,7 @@
 """``/metrics`` for a process that serves no HTTP of its own (the committer), by the site's access rule.
 
 prometheus_client's own server answers anyone; this one asks what the site's
-``/metrics`` asks (``access.scrape_refusal``): the bearer token where one is
+``/metrics`` asks (``access.site_scrape_refusal``): the bearer token where one is
 configured, else a private address.
 """
 
@@ -16,7 +16,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import REGISTRY, make_wsgi_app
 
-from .access import scrape_refusal
+from .access import site_scrape_refusal
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -39,9 +39,8 @@ def guarded_app() -> Callable[[dict[str, Any], Callable[..., Any]], Iterable[byt
 
     def app(request: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         """``request``: the WSGI environ of one scrape (its headers, not the process's environment)."""
-        refused = scrape_refusal(
-            request.get("HTTP_AUTHORIZATION"), "HTTP_X_FORWARDED_FOR" in request, request.get("REMOTE_ADDR") or ""
-        )
+        headers = [key for key in request if key.startswith("HTTP_")]
+        refused = site_scrape_refusal(request.get("HTTP_AUTHORIZATION"), headers, request.get("REMOTE_ADDR") or "")
         if refused is None:
             return metrics(request, start_response)
         status, message = refused

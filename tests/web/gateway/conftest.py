@@ -70,7 +70,7 @@ async def lease_asked_by_an_agent_of_minor(minor: int) -> tuple[dict[str, Any], 
     from asgiref.sync import sync_to_async
 
     from crowdtrain_agent.protocol import LeaseRequest
-    from crowdtrain_agent.protocol.frames import subprotocol
+    from crowdtrain_agent.protocol.subprotocols import subprotocol
     from tests.factories import make_device
 
     _, token = await sync_to_async(make_device)()

@@ -42,6 +42,34 @@ def test_without_a_token_only_unproxied_private_addresses_are_answered() -> None
     assert (public.status_code, relayed.status_code) == (403, 403)
 
 
+# However a proxy names the client it relays for; X-Forwarded-For alone let the others through.
+PROXY_FORMS = [
+    ("Forwarded", "for=203.0.113.9;proto=https"), ("X-Real-IP", "203.0.113.9"), ("True-Client-IP", "203.0.113.9"),
+    ("CF-Connecting-IP", "203.0.113.9"), ("X-Client-IP", "203.0.113.9"), ("Via", "1.1 balancer"),
+    ("X-Forwarded-Host", "crowdtrain.example"),
+]  # fmt: skip
+
+
+@override_settings(CROWDTRAIN_METRICS_TOKEN="")
+@pytest.mark.parametrize(("header", "value"), PROXY_FORMS)
+def test_without_a_token_a_request_any_proxy_relayed_is_refused(header: str, value: str) -> None:
+    meta = {"HTTP_" + header.upper().replace("-", "_"): value}
+
+    relayed = Client(REMOTE_ADDR="127.0.0.1").get("/metrics", **meta)
+
+    assert relayed.status_code == 403, header
+    assert "CROWDTRAIN_METRICS_TOKEN" in relayed.json()["error"]
+
+
+@override_settings(CROWDTRAIN_METRICS_TOKEN="s3cret-metrics-token")
+def test_with_the_token_a_relayed_scrape_is_answered() -> None:
+    answer = Client(REMOTE_ADDR="10.0.3.7").get(
+        "/metrics", HTTP_AUTHORIZATION="Bearer s3cret-metrics-token", HTTP_FORWARDED="for=203.0.113.9"
+    )
+
+    assert answer.status_code == 200
+
+
 # A committer serves its own /metrics (manage.py run_committer --metrics-port), by the same rule.
 
 
@@ -75,14 +103,14 @@ def test_a_committers_metrics_want_the_token_too() -> None:
 @pytest.mark.parametrize(
     ("address", "forwarded", "status"),
     [("127.0.0.1", None, "200"), ("10.0.3.7", None, "200"), ("93.184.216.34", None, "403"),
-     ("10.0.3.7", "203.0.113.9", "403")],
+     ("10.0.3.7", "203.0.113.9", "403"), ("127.0.0.1", "for=203.0.113.9", "403")],
 )  # fmt: skip
 def test_without_a_token_a_committer_answers_only_unproxied_private_addresses(
     address: str, forwarded: str | None, status: str
 ) -> None:
     environ: dict[str, Any] = {"REMOTE_ADDR": address, "PATH_INFO": "/metrics"}
-    if forwarded:
-        environ["HTTP_X_FORWARDED_FOR"] = forwarded
+    if forwarded:  # the de facto header, or RFC 7239's
+        environ["HTTP_FORWARDED" if forwarded.startswith("for=") else "HTTP_X_FORWARDED_FOR"] = forwarded
     setup_testing_defaults(environ)
     answered: list[str] = []
 

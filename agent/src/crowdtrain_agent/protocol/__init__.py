@@ -16,18 +16,23 @@ from .frames import (
     CloseCode,
     ConnectionTries,
     ConnectionTry,
-    choose_subprotocol,
     chunk_fragments,
+    close_reason,
     decode_chunk,
     encode_chunk,
-    negotiated_minor,
-    offered_subprotocols,
     parse_connection_try,
     should_reconnect,
     split_payload,
 )
 from .messages import *  # noqa: F403  (messages.__all__ lists the message classes)
 from .messages import MESSAGE_TYPES, decode_message, encode_message
+from .subprotocols import (
+    SubprotocolError,
+    choose_subprotocol,
+    negotiated_minor,
+    offered_subprotocols,
+    subprotocols_in_header,
+)
 from .tickets import (
     Ticket,
     campaign_key,
@@ -55,10 +60,12 @@ __all__ = [
     "ConnectionTries",
     "ConnectionTry",
     "ProtocolError",
+    "SubprotocolError",
     "Ticket",
     "campaign_key",
     "choose_subprotocol",
     "chunk_fragments",
+    "close_reason",
     "decode_chunk",
     "decode_message",
     "encode_chunk",
@@ -71,6 +78,7 @@ __all__ = [
     "sign_receipt",
     "sign_ticket",
     "split_payload",
+    "subprotocols_in_header",
     "ticket_campaign",
     "ticket_is_check",
     "verify_receipt",

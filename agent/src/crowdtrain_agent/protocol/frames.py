@@ -27,7 +27,6 @@ PROTOCOL_MINOR = 6
 # A site serves every minor of its major: volunteers upgrade at their own pace until the next major. An older
 # peer that cannot carry what a campaign needs is refused at that message, with the field to upgrade for.
 OLDEST_MINOR = 0
-SUBPROTOCOL_PREFIX = f"crowdtrain.{PROTOCOL_VERSION}."
 
 # Every WebSocket message either side sends stays under 1 MiB: daphne and the
 # `websockets` client both drop larger ones by default (../shared/STACK.md).
@@ -48,38 +47,15 @@ _CHUNK_HEADER = struct.Struct("!4sIII")
 CHUNK_HEADER_BYTES = _CHUNK_HEADER.size
 
 
-def subprotocol(minor: int) -> str:
-    return f"{SUBPROTOCOL_PREFIX}{minor}"
+MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's payload is at most 125 bytes, 2 of them the code
 
 
-def offered_subprotocols(newest: int = PROTOCOL_MINOR) -> list[str]:
-    """What a client offers, preferred first: its own minor, then the one before (a site not upgraded yet)."""
-    return [subprotocol(m) for m in range(newest, max(0, newest - 1) - 1, -1)]
-
-
-def choose_subprotocol(offered: list[str], newest: int = PROTOCOL_MINOR) -> tuple[str | None, int]:
-    """A server's pick among a client's offered subprotocols: the newest minor both speak.
-
-    Returns:
-        The subprotocol to accept with (None: none offered that we speak; the
-        client then speaks minor 0, a 2.0 peer) and the minor in use.
-    """
-    minors = sorted(
-        (
-            int(m)
-            for m in (o.removeprefix(SUBPROTOCOL_PREFIX) for o in offered if o.startswith(SUBPROTOCOL_PREFIX))
-            if m.isdigit() and int(m) <= newest
-        ),
-        reverse=True,
-    )
-    return (subprotocol(minors[0]), minors[0]) if minors else (None, 0)
-
-
-def negotiated_minor(chosen: str | None) -> int:
-    """The minor a client speaks with a server that accepted ``chosen`` (None: a 2.0 server, minor 0)."""
-    if chosen and chosen.startswith(SUBPROTOCOL_PREFIX) and chosen.removeprefix(SUBPROTOCOL_PREFIX).isdigit():
-        return int(chosen.removeprefix(SUBPROTOCOL_PREFIX))
-    return 0
+def close_reason(text: str) -> str:
+    """``text`` cut to what a close frame carries (123 bytes of UTF-8), at a character boundary."""
+    data = text.encode("utf-8")
+    if len(data) <= MAX_CLOSE_REASON_BYTES:
+        return text
+    return data[: MAX_CLOSE_REASON_BYTES - 3].decode("utf-8", "ignore") + "..."
 
 
 class CloseCode(enum.IntEnum):
