@@ -118,8 +118,8 @@ def _checksum(snapshot: Snapshot) -> str:
 def _delta(wanted: Snapshot, held: Snapshot, spool: Spool | None) -> Body:
     """The delta body, written into ``spool`` as it is made when it takes it; the snapshots' pages it read are let go.
 
-    Neither the shuffled planes nor the body is ever whole in memory then:
-    at 100M parameters that was 400 MB per slice for a moment after every step.
+    Neither the shuffled planes nor the body is ever whole in memory then,
+    which would be twice the slice's size for a moment after every step.
     """
 
     def read(start: int, length: int) -> None:
