@@ -9,13 +9,16 @@ import logging
 import os
 import time
 import urllib.request
+from collections.abc import Callable
 from typing import IO, Any, NamedTuple
 
 import torch
 
 from crowdtrain_agent.protocol import (
+    REFUSALS_THAT_COUNT,
     CheckpointComplete,
     CheckpointSaved,
+    Message,
     Rollback,
     SliceAssignment,
     SliceLost,
@@ -24,6 +27,7 @@ from crowdtrain_agent.protocol import (
     StepApplied,
     StepCommit,
     StepFailed,
+    UploadRefused,
 )
 
 from .checkpoints import (
@@ -219,6 +223,8 @@ class AggregatorNode:
         # The protocol minor of the site connection: receipts carry gradient sketches from 2.2 on (a 2.1
         # site would not recognise such a receipt).
         self.site_minor = 0
+        # How a message reaches the site outside a reply (the site link sets it while connected).
+        self.tell_site: Callable[[Message], None] | None = None
         # Slices whose optimizer step raised, with what the site was told. A step that failed half-way may
         # have changed the params or the moments already: such a slice applies no commit (a retry could apply
         # part of a step twice) until an assignment or a rollback reloads it from a checkpoint.
@@ -242,6 +248,18 @@ class AggregatorNode:
 
     def _note_timeline(self, campaign_id: int, timeline: int) -> None:
         self.timelines[campaign_id] = max(self.timelines.get(campaign_id, 0), timeline)
+
+    def note_refusal(
+        self, campaign_id: int | None, lease_id: int | None, slice_index: int | None, code: str, detail: str
+    ) -> None:
+        """Tell the site of an upload refused for its content (``REFUSALS_THAT_COUNT``): it counts against its agent."""
+        if code not in REFUSALS_THAT_COUNT or campaign_id is None or lease_id is None or slice_index is None:
+            return
+        if self.tell_site is not None:
+            message = UploadRefused(
+                campaign_id=campaign_id, lease_id=lease_id, slice_index=slice_index, code=code, detail=detail[:8192]
+            )
+            self.tell_site(message)
 
     def get_slice(self, campaign_id: int, slice_index: int) -> SliceState | None:
         return self.slices.get((campaign_id, slice_index))

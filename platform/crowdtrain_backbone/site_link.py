@@ -18,13 +18,16 @@ from crowdtrain_agent.protocol import (
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     SITE_TO_BACKBONE,
+    UPLOAD_REFUSED_SINCE,
     BackboneHello,
     BackboneWelcome,
     CloseCode,
     ConnectionTries,
     ErrorMessage,
     Heartbeat,
+    Message,
     ProtocolError,
+    UploadRefused,
     decode_message,
     encode_message,
     negotiated_minor,
@@ -102,6 +105,8 @@ class SiteLink:
         self.minor = PROTOCOL_MINOR  # the protocol minor of the current connection
         self._unknown_noted = False
         self._tries = ConnectionTries()  # so a site acting late on a try given up cannot replace a newer one
+        self._telling: set[asyncio.Task[None]] = set()
+        node.tell_site = self.tell
 
     async def run(self) -> None:
         """Connect, serve, reconnect with backoff, until cancelled.
@@ -285,7 +290,18 @@ class SiteLink:
             await asyncio.sleep(0.05)
         return False
 
-    async def send(self, reply: Reply) -> None:
+    def tell(self, message: Message) -> None:
+        """Send ``message`` soon, from code that cannot wait (``AggregatorNode.tell_site``); lost if not connected.
+
+        Only to a site that takes it: an older one answers a kind it does not know with errors.
+        """
+        if isinstance(message, UploadRefused) and self.minor < UPLOAD_REFUSED_SINCE:
+            return
+        task = asyncio.get_running_loop().create_task(self.send(message))
+        self._telling.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._telling.discard)
+
+    async def send(self, reply: Reply | Message) -> None:
         """Send a reply if connected; a lost reply is recovered by the site's re-sent order."""
         ws = self._ws
         if ws is None:

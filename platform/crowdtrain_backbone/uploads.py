@@ -73,11 +73,13 @@ class Rejected(Exception):
         *,
         lease_id: int | None = None,
         slice_index: int | None = None,
+        campaign_id: int | None = None,
         discard: bool = True,
     ) -> None:
         super().__init__(detail)
         self.code = code
         self.detail = detail
+        self.campaign_id = campaign_id  # known once the ticket verified: then the site may hear of it
         self.lease_id = lease_id
         self.slice_index = slice_index
         self.discard = discard
@@ -120,7 +122,9 @@ def decode_gradient(codec: Codec, data: bytearray, num_elements: int, ticket: Ti
     try:
         return codec.adopt(data, num_elements)
     except ProtocolError as exc:  # the length was checked on arrival; this is about the bytes themselves
-        raise Rejected("bad payload", f"lease {ticket.lease_id}: {exc}", lease_id=ticket.lease_id) from None
+        raise Rejected(
+            "bad payload", f"lease {ticket.lease_id}: {exc}", lease_id=ticket.lease_id, campaign_id=ticket.campaign_id
+        ) from None
 
 
 def check_gradient(grad: torch.Tensor, ticket: Ticket, max_grad_norm: float) -> None:
@@ -143,6 +147,7 @@ def check_gradient(grad: torch.Tensor, ticket: Ticket, max_grad_norm: float) -> 
             f"lease {ticket.lease_id}: {bad} gradient values are NaN or infinite; "
             "lower the learning rate or use fp32 if fp16 overflows",
             lease_id=ticket.lease_id,
+            campaign_id=ticket.campaign_id,
         )
     if max_grad_norm > 0:
         norm = float(torch.linalg.vector_norm(grad))
@@ -240,6 +245,7 @@ class UploadSession:
                 rejections += 1
                 discarding = rej.discard
                 self.node.metrics.upload_rejected(rej.code)
+                self.node.note_refusal(rej.campaign_id, rej.lease_id, rej.slice_index, rej.code, rej.detail)
                 logger.debug(
                     "upload rejected (%s): %s", rej.code, rej.detail,
                     extra={"lease_id": rej.lease_id, "slice_index": rej.slice_index},
@@ -309,7 +315,9 @@ class UploadSession:
         lease = ticket.lease_id
 
         def reject(code: str, detail: str, *, discard: bool = True) -> Rejected:
-            return Rejected(code, detail, lease_id=lease, slice_index=index, discard=discard)
+            return Rejected(
+                code, detail, lease_id=lease, slice_index=index, campaign_id=ticket.campaign_id, discard=discard
+            )
 
         if ticket.num_samples <= 0:
             raise reject("bad ticket", f"ticket for lease {lease} has {ticket.num_samples} samples")

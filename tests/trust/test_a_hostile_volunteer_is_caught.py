@@ -111,6 +111,7 @@ def test_a_hostile_volunteer_is_quarantined_uncredited_and_harmless(
     print(
         f"\ntrust: mode={mode} val_loss honest={honest_loss['loss']:.4f} with_hostile={loss:.4f} ratio={ratio:.3f} "
         f"hostile_state={standing.get('state', 'good')} hostile_checks_failed={standing.get('failed', 0)} "
+        f"hostile_uploads_refused={standing.get('refused', 0)} "
         f"hostile_checks_passed={standing.get('passed', 0)} hostile_leases_in_steps={len(hostile_leases)} "
         f"hostile_credit={dump['credit'].get(HOSTILE, 0)} run_s={took:.0f}"
     )
@@ -122,10 +123,13 @@ def test_a_hostile_volunteer_is_quarantined_uncredited_and_harmless(
     assert ratio <= 1.05, f"validation loss {loss:.4f} against {honest_loss['loss']:.4f} honest"
     honest_credit = [dump["credit"].get(f"volunteer-agent-{i}", 0) for i in range(1, 5)]
     assert sum(honest_credit) > 0, "honest volunteers must get credit"
+    assert standing.get("state") == "quarantined", standing
     if mode == "nan":
         assert not hostile_leases, "a NaN gradient must never reach a step"
+        # Never checked (the aggregators refuse it first), so quarantined for the refusals themselves.
+        refused = re.search(r"the aggregators refused (\d+) of its uploads", standing["reason"])
+        assert refused and int(refused[1]) >= 2, standing["reason"]
         return
-    assert standing.get("state") == "quarantined", standing
     # Quarantined once it crossed the line (2 failed checks), every one of its checked results disagreeing. The
     # count is read when the rule runs: a check settled by another process meanwhile can make it "3 of 3".
     counted = re.match(r"^(\d+) of (\d+) of its results disagreed", standing["reason"])

@@ -368,7 +368,7 @@ class Agent:
                     result = await compute
                 except ComputeCancelled:
                     break
-                except (RebaseFailed, trainer.SamplesUnavailable) as exc:
+                except (RebaseFailed, trainer.SamplesUnavailable, trainer.GradientNotFinite) as exc:
                     logger.warning("lease %d: %s; giving it back", lease.lease_id, exc)
                     await self._release(lease)
                     continue
@@ -402,11 +402,14 @@ class Agent:
                 mixed_precision=lease.mixed_precision,
             )  # fmt: skip
             self._inner.remember(lease.campaign_id, lease.round_base, result.final_params)
-            return dataclasses.replace(result, final_params=None)
-        return trainer.compute_gradient(
-            work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort, mixed_precision=lease.mixed_precision,
-            arriving=work.arriving,
-        )  # fmt: skip
+            result = dataclasses.replace(result, final_params=None)
+        else:
+            result = trainer.compute_gradient(
+                work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort,
+                mixed_precision=lease.mixed_precision, arriving=work.arriving,
+            )  # fmt: skip
+        trainer.finite_or_raise(result.grad)
+        return result
 
     async def _start_report(
         self, previous: asyncio.Task[None] | None, lease: Lease, result: GradientResult

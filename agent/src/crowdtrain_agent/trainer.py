@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -129,6 +130,31 @@ def read_range(
 
 class SamplesUnavailable(RuntimeError):
     """A later range of a lease could not be read (its shard failed to download); the lease is given back."""
+
+
+class GradientNotFinite(RuntimeError):
+    """A lease's gradient holds NaN or infinite values (the model diverged on its samples); it is given back.
+
+    Never uploaded: the aggregators would refuse it, and a refused upload counts
+    against the volunteer's standing, as a made-up one would.
+    """
+
+
+def finite_or_raise(grad: torch.Tensor) -> None:
+    """Raise ``GradientNotFinite`` for a gradient an aggregator would refuse; one pass over it otherwise.
+
+    Raises:
+        GradientNotFinite: naming how many values are NaN or infinite.
+    """
+    if math.isfinite(float(grad.sum(dtype=torch.float64))):
+        return  # a NaN or an infinity anywhere makes the sum one: no mask of the whole gradient needed
+    finite = torch.isfinite(grad)
+    if not bool(finite.all()):
+        bad = int(finite.numel() - int(finite.sum()))
+        raise GradientNotFinite(
+            f"{bad} of {grad.numel()} gradient values are NaN or infinite (the model diverged on these samples, "
+            "or the learning rate is too high); nothing uploaded"
+        )
 
 
 class ArrivingSamples:

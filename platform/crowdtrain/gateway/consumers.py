@@ -29,7 +29,7 @@ from crowdtrain.ops.metrics import LEASE_REQUEST_SECONDS
 from crowdtrain.scheduler import backbone, leasing
 from crowdtrain.scheduler.hotstate import hot_state, presence
 from crowdtrain.scheduler.models import Aggregator
-from crowdtrain.verification import checks, standing
+from crowdtrain.verification import checks, refusals, standing
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
     BACKBONE_TO_SITE,
@@ -56,6 +56,7 @@ from crowdtrain_agent.protocol import (
     StepApplied,
     StepFailed,
     SubprotocolError,
+    UploadRefused,
     Welcome,
     choose_subprotocol,
     close_reason,
@@ -845,6 +846,9 @@ class BackboneConsumer(_ProtocolConsumer):
 
     async def on_slice_lost(self, lost: SliceLost) -> None:
         await database_sync_to_async(backbone.slice_lost)(self.aggregator.pk, lost)
+
+    async def on_upload_refused(self, refused: UploadRefused) -> None:
+        await database_sync_to_async(refusals.note)(self.aggregator.pk, refused)
 
     async def on_checkpoint_saved(self, saved: CheckpointSaved) -> None:
         await send_outbox(await database_sync_to_async(backbone.checkpoint_saved)(self.aggregator.pk, saved))

@@ -33,6 +33,7 @@ class StandingAdmin(ReadOnlyAdmin):
         "state",
         "checks_passed",
         "checks_failed",
+        "uploads_refused",
         "streak",
         "changed_at",
         "appealed_at",

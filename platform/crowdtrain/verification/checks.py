@@ -735,7 +735,11 @@ def clear_caches() -> None:
 
 
 def upkeep() -> None:
-    """Once a minute on every site process: late copies, lost verdicts, credit of checks ended before commit."""
+    """Once a minute on every site process: late copies, lost verdicts, credit of checks ended before commit,
+    refused uploads whose lease rows were not written when they came."""
+    from .refusals import resolve
+
+    resolve()
     expire_copies()
     judge_ripe()
     release_credit()

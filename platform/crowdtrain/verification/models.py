@@ -28,6 +28,8 @@ class Standing(models.Model):
     volunteer = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="standing")
     checks_passed = models.PositiveIntegerField(default=0)
     checks_failed = models.PositiveIntegerField(default=0)
+    # Leases whose uploads the aggregators refused for their content (``Refusal``): failed without a check.
+    uploads_refused = models.PositiveIntegerField(default=0)
     # Passed since the last failure: a long run earns fewer checks (BOINC's adaptive replication).
     streak = models.PositiveIntegerField(default=0)
     state = models.CharField(max_length=12, choices=State.choices, default=State.GOOD, db_index=True)
@@ -124,3 +126,28 @@ class Answer(models.Model):
 
     def __str__(self) -> str:
         return f"{self.role} of check {self.case_id}: lease {self.lease_id}"
+
+
+class Refusal(models.Model):
+    """An upload an aggregator refused for what it held (NaN values, a malformed payload), once per lease.
+
+    The aggregator says so over its trusted channel (``upload_refused``); the
+    volunteer is known once the lease's row is written (rows are batched), and
+    then the refusal counts against their standing (``refusals.resolve``).
+    """
+
+    campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="refusals")
+    lease_id = models.BigIntegerField(unique=True)
+    slice_index = models.PositiveIntegerField()
+    code = models.CharField(max_length=40)
+    detail = models.CharField(max_length=300, blank=True)
+    volunteer = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="refusals"
+    )
+    received_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        indexes = [models.Index(fields=["volunteer", "received_at"])]
+
+    def __str__(self) -> str:
+        return f"lease {self.lease_id} refused ({self.code})"

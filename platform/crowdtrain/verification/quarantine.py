@@ -32,13 +32,22 @@ def consider(volunteer_id: int) -> bool:
     row = Standing.objects.filter(volunteer_id=volunteer_id).first()
     if row is None or row.state != Standing.State.GOOD:
         return False
-    failed, total = row.checks_failed, row.checks
+    # A refused upload is a result that failed without a check: it counts as a failed one.
+    failed, total = row.checks_failed + row.uploads_refused, row.checks + row.uploads_refused
     if failed < standing.QUARANTINE_FAILURES or failed < standing.QUARANTINE_SHARE * total:
         return False
-    reason = (
-        f"{failed} of {total} of its results disagreed with those of other volunteers who computed the same samples"
-    )
-    return quarantine(volunteer_id, reason)
+    reasons = []
+    if row.checks_failed:
+        reasons.append(
+            f"{row.checks_failed} of {row.checks} of its results disagreed with those of other volunteers who "
+            "computed the same samples"
+        )
+    if row.uploads_refused:
+        reasons.append(
+            f"the aggregators refused {row.uploads_refused} of its uploads for what they held (values that are "
+            "not finite, or a malformed payload)"
+        )
+    return quarantine(volunteer_id, "; ".join(reasons))
 
 
 def quarantine(volunteer_id: int, reason: str) -> bool:
@@ -107,7 +116,7 @@ def clear(volunteer_id: int, admin_id: int | None) -> bool:
         if row is None or row.state != Standing.State.QUARANTINED:
             return False
         # The failures were reviewed: counting starts afresh (the answers keep the history).
-        row.state, row.checks_failed, row.streak = Standing.State.GOOD, 0, 0
+        row.state, row.checks_failed, row.uploads_refused, row.streak = Standing.State.GOOD, 0, 0, 0
         row.reason, row.changed_at, row.reviewed_by_id = "", timezone.now(), admin_id
         row.save()
         restored = ledger.restore(volunteer_id, "cleared by an admin")

@@ -23,7 +23,8 @@ PROTOCOL_VERSION = 2
 #   2.5  assign, commit and rollback timeline: an aggregator drops a commit written before a rollback
 #   2.6  token datasets: lease.data kind "tokens" with token_bytes, vocab_size and tokenizer; data.augment;
 #        assign.initial: pretrained weights as version 0
-PROTOCOL_MINOR = 6
+#   2.7  upload_refused: an aggregator tells the site of an upload refused for its content
+PROTOCOL_MINOR = 7
 # A site serves every minor of its major: volunteers upgrade at their own pace until the next major. An older
 # peer that cannot carry what a campaign needs is refused at that message, with the field to upgrade for.
 OLDEST_MINOR = 0

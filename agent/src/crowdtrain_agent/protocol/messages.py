@@ -499,6 +499,21 @@ class SliceLost(Message, tag="slice_lost", frozen=True, kw_only=True):
     detail: Text
 
 
+class UploadRefused(Message, tag="upload_refused", frozen=True, kw_only=True):
+    """An aggregator refused an upload of this lease for what it held (``REFUSALS_THAT_COUNT``), not how it came.
+
+    Since 2.7; sent only to a site that speaks it. The site counts it against
+    the lease's volunteer: a gradient of NaNs is refused, never checked, so
+    without this its sender was never quarantined.
+    """
+
+    campaign_id: Id
+    lease_id: Id
+    slice_index: SliceIndex
+    code: Name
+    detail: Text
+
+
 class CheckpointSaved(Message, tag="checkpoint_saved", frozen=True, kw_only=True):
     """The checkpoint of ``version`` of this slice is written and can be restored from."""
 
@@ -620,6 +635,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     UploadBegin,
     UploadReceipt,
     UploadRejected,
+    UploadRefused,
 )
 
 MESSAGE_TYPES: dict[str, type[Message]] = {str(cls.__struct_config__.tag): cls for cls in ALL_MESSAGES}
@@ -627,7 +643,22 @@ MESSAGE_TYPES: dict[str, type[Message]] = {str(cls.__struct_config__.tag): cls f
 # Which side sends what, once for every receiver: a message of any other kind is refused.
 AGENT_TO_SITE = (AgentHello, Heartbeat, LeaseRequest, LeaseDone, LeaseRelease)
 SITE_TO_AGENT = (Welcome, Lease, NoLease, DoneAck, ReleaseAck, VersionPublished, ErrorMessage)
-BACKBONE_TO_SITE = (BackboneHello, Heartbeat, SliceReady, SliceLost, CheckpointSaved, StepApplied, StepFailed)
+BACKBONE_TO_SITE = (
+    BackboneHello,
+    Heartbeat,
+    SliceReady,
+    SliceLost,
+    CheckpointSaved,
+    StepApplied,
+    StepFailed,
+    UploadRefused,
+)
+# The first minor whose site takes ``upload_refused``: an older one would answer an unknown kind with errors.
+UPLOAD_REFUSED_SINCE = 7
+# Refusals of an upload's content, which an honest agent never sends (it checks its gradient is finite
+# first): they count against its volunteer. Not how it came (a replay, a stale version, a cut connection:
+# an honest agent's retry or bad luck), nor the norm bound, which the organizer may set too tight.
+REFUSALS_THAT_COUNT = frozenset({"not finite", "bad payload", "wrong chunk count", "wrong chunk size"})
 SITE_TO_BACKBONE = (
     BackboneWelcome,
     Heartbeat,
@@ -746,6 +777,8 @@ __all__ = [
     "ALL_MESSAGES",
     "BACKBONE_TO_SITE",
     "MESSAGE_TYPES",
+    "REFUSALS_THAT_COUNT",
+    "UPLOAD_REFUSED_SINCE",
     "SITE_TO_AGENT",
     "SITE_TO_BACKBONE",
     "BlockSize",
@@ -792,6 +825,7 @@ __all__ = [
     "UploadBegin",
     "UploadReceipt",
     "UploadRejected",
+    "UploadRefused",
     "VersionPublished",
     "Welcome",
 ]

@@ -122,6 +122,7 @@ def _verification(campaign: Campaign) -> dict[str, Any]:
             "state": s.state,
             "passed": s.checks_passed,
             "failed": s.checks_failed,
+            "refused": s.uploads_refused,
             "reason": s.reason,
             "changed_at": _iso(s.changed_at),
         }
