@@ -119,6 +119,14 @@ def _check_trainable(campaign: Campaign) -> None:
         raise LifecycleError(f"the campaign cannot train as configured: {exc}; fix it in Edit") from None
 
 
+def _check_dataset_ready(campaign: Campaign) -> None:
+    if campaign.dataset.status != Dataset.Status.READY:
+        raise LifecycleError(
+            f"dataset “{campaign.dataset}” is not ready yet ({campaign.dataset.status}); "
+            "start the campaign once it has been split into shards"
+        )
+
+
 def _prepare_weights(campaign_id: int) -> tuple[tuple[object, ...], str | None] | None:
     """A draft on pretrained weights: version 0's sha256, with what it was computed from; else None.
 
@@ -127,9 +135,13 @@ def _prepare_weights(campaign_id: int) -> tuple[tuple[object, ...], str | None] 
     model, and on the embedded database a transaction that long holds every
     other writer (lease records, heartbeats) back.
     """
-    draft = Campaign.objects.select_related("pretrained").filter(pk=campaign_id, state=State.DRAFT).first()
+    draft = Campaign.objects.select_related("pretrained", "dataset").filter(pk=campaign_id, state=State.DRAFT).first()
     if draft is None or draft.pretrained_id is None:
         return None
+    # The cheap checks first, on the draft as read: no weights are read for a start refused anyway, and
+    # the refusal names what is wrong, not the weights. The checks under the lock still decide.
+    _check_dataset_ready(draft)
+    _check_trainable(draft)
     try:
         return initial_weights_inputs(draft), initial_weights_sha(draft)
     except OSError as exc:  # the stored weights gone or unreadable: say so, start nothing
@@ -160,11 +172,7 @@ def apply_move(campaign_id: int, name: str, by: Any) -> Campaign:
                 f"cannot {name} a {campaign.state} campaign; {move.label} works on {allowed} campaigns"
             )
         if move.target == State.RUNNING:
-            if campaign.dataset.status != Dataset.Status.READY:
-                raise LifecycleError(
-                    f"dataset “{campaign.dataset}” is not ready yet ({campaign.dataset.status}); "
-                    "start the campaign once it has been split into shards"
-                )
+            _check_dataset_ready(campaign)
             if campaign.state == State.DRAFT:
                 _check_trainable(campaign)
                 sha = prepared[1] if prepared is not None and prepared[0] == initial_weights_inputs(campaign) else None

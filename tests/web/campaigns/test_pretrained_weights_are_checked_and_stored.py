@@ -392,3 +392,26 @@ def test_starting_prepares_the_weights_before_the_campaign_is_locked(
 
     assert in_transaction == [False]
     assert started.state == "running" and started.initial_weights not in ("", weights.weights_sha256)
+
+
+@pytest.mark.django_db
+def test_a_start_refused_for_its_dataset_reads_no_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The weights took seconds to read before the refusal, and an unreadable file hid the real problem.
+    from crowdtrain.campaigns import setup
+    from crowdtrain.campaigns.lifecycle import LifecycleError, apply_move
+    from crowdtrain.campaigns.models import Dataset
+    from crowdtrain.campaigns.setup import create_campaign
+
+    owner = make_organizer("omar")
+    weights = _ready(tmp_path, owner)
+    dataset = _text(weights.model_config["block_size"] + 1)
+    campaign = create_campaign(name="c", owner=owner, dataset=dataset, architecture="llama",
+                               model_config=weights.model_config, pretrained=weights)  # fmt: skip
+    Dataset.objects.filter(pk=campaign.dataset_id).update(status=Dataset.Status.SHARDING)
+    read: list[object] = []
+    monkeypatch.setattr(setup, "campaign_weights", lambda *args: read.append(args) or "")
+
+    with pytest.raises(LifecycleError, match="is not ready yet"):
+        apply_move(campaign.pk, "start", owner)
+
+    assert read == []
