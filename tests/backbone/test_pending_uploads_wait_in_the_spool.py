@@ -12,19 +12,24 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import gc
 import mmap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from crowdtrain_agent.deltas import decode_delta
 from crowdtrain_agent.protocol import ModelSpec, SliceReady, StepApplied, UploadReceipt
+from crowdtrain_backbone import downloads
 from crowdtrain_backbone.aggregation import MeanRule, PendingUpload
 from crowdtrain_backbone.config import ConfigError, load_config
 from crowdtrain_backbone.robust import CenteredClipRule, ClipHistory, TrimmedMeanRule, clip_contributions
+from crowdtrain_backbone.slices import Snapshot
 from crowdtrain_backbone.spool import Spool
 
 from .conftest import FakeSite, agent_connection, assignment, gradient, running_backbone, ticket
@@ -156,3 +161,29 @@ def _spooled(spool: Spool, lease_id: int, num_samples: int, grad: torch.Tensor) 
     kept, pages = spool.keep(grad)
     assert pages is not None
     return PendingUpload(lease_id, 0, num_samples, kept, pages=pages)
+
+
+def test_a_delta_whose_spool_file_fills_the_disk_is_made_in_memory_instead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    spool = Spool(tmp_path / "spool", min_bytes=0)
+    held_values, wanted_values = torch.randn(200_000), torch.randn(200_000)
+    held = Snapshot(0, spool.hold_fp32(held_values), "etag-0")
+    wanted = Snapshot(1, spool.hold_fp32(wanted_values), "etag-1")
+    written = 0
+
+    def full_disk(_wanted: Any, _held: Any, out: Any, **kwargs: Any) -> None:
+        nonlocal written
+        out.write(b"\0" * 4096)  # part of the body, then the disk is full
+        written += 4096
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(downloads, "write_delta", full_disk)
+
+    body = downloads._delta(wanted, held, spool)
+
+    assert written == 4096
+    assert isinstance(body, bytes), "made in memory, not a mapping of the half-written file"
+    assert decode_delta(body, held_values.numpy().tobytes()) == wanted_values.numpy().tobytes()
+    assert "cannot write to the spool folder" in caplog.text
+    assert list((tmp_path / "spool").iterdir()) == []
