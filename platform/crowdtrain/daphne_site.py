@@ -70,6 +70,7 @@ import gc
 import importlib
 import io
 import logging
+import math
 import pprint
 import sys
 from collections.abc import Sequence
@@ -212,7 +213,9 @@ def keepalive_args() -> list[str]:
     """daphne's keepalive options: its own pings off, autobahn's timeout (which daphne sets) from the settings."""
     from django.conf import settings
 
-    return ["--ping-interval", str(DAPHNE_PINGS_OFF_S), "--ping-timeout", f"{settings.CROWDTRAIN_WS_PING_TIMEOUT_S:g}"]
+    # daphne takes whole seconds only: a fractional setting is rounded up.
+    timeout = math.ceil(settings.CROWDTRAIN_WS_PING_TIMEOUT_S)
+    return ["--ping-interval", str(DAPHNE_PINGS_OFF_S), "--ping-timeout", str(timeout)]
 
 
 def refuse_failed_checks() -> None:

@@ -9,6 +9,7 @@ import logging
 import os
 import time
 import urllib.request
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import IO, Any, NamedTuple
 
@@ -71,6 +72,10 @@ INLINE_STEP_ELEMENTS = 1 << 22
 
 def _same_layout(a: SliceAssignment, b: SliceAssignment) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in _LAYOUT_FIELDS)
+
+
+# Leases whose refusal this aggregator reported, remembered so each is reported once (newest kept).
+REFUSED_LEASES_KEPT = 4096
 
 
 class SliceLostError(RuntimeError):
@@ -225,6 +230,7 @@ class AggregatorNode:
         self.site_minor = 0
         # How a message reaches the site outside a reply (the site link sets it while connected).
         self.tell_site: Callable[[Message], None] | None = None
+        self._refused_leases: OrderedDict[int, None] = OrderedDict()  # the newest leases reported refused
         # Slices whose optimizer step raised, with what the site was told. A step that failed half-way may
         # have changed the params or the moments already: such a slice applies no commit (a retry could apply
         # part of a step twice) until an assignment or a rollback reloads it from a checkpoint.
@@ -255,6 +261,11 @@ class AggregatorNode:
         """Tell the site of an upload refused for its content (``REFUSALS_THAT_COUNT``): it counts against its agent."""
         if code not in REFUSALS_THAT_COUNT or campaign_id is None or lease_id is None or slice_index is None:
             return
+        if lease_id in self._refused_leases:
+            return  # a lease's refusals count once on the site: a retried header need not cost it a message
+        self._refused_leases[lease_id] = None
+        if len(self._refused_leases) > REFUSED_LEASES_KEPT:
+            self._refused_leases.popitem(last=False)
         if self.tell_site is not None:
             message = UploadRefused(
                 campaign_id=campaign_id, lease_id=lease_id, slice_index=slice_index, code=code, detail=detail[:8192]

@@ -33,6 +33,7 @@ from crowdtrain_agent.codec import CODECS, Codec, get_codec
 from crowdtrain_agent.protocol import (
     AGENT_TO_AGGREGATOR,
     CHUNK_PAYLOAD_BYTES,
+    UPLOAD_REFUSED_SINCE,
     CloseCode,
     ProtocolError,
     Ticket,
@@ -245,7 +246,8 @@ class UploadSession:
                 rejections += 1
                 discarding = rej.discard
                 self.node.metrics.upload_rejected(rej.code)
-                self.node.note_refusal(rej.campaign_id, rej.lease_id, rej.slice_index, rej.code, rej.detail)
+                if self.minor >= UPLOAD_REFUSED_SINCE:  # an older agent does not check its gradient first
+                    self.node.note_refusal(rej.campaign_id, rej.lease_id, rej.slice_index, rej.code, rej.detail)
                 logger.debug(
                     "upload rejected (%s): %s", rej.code, rej.detail,
                     extra={"lease_id": rej.lease_id, "slice_index": rej.slice_index},

@@ -61,3 +61,12 @@ def test_the_finiteness_check_names_how_many_values_are_bad() -> None:
 
     with pytest.raises(trainer.GradientNotFinite, match="2 of 10 gradient values are NaN or infinite"):
         trainer.finite_or_raise(grad)
+
+
+def test_a_gradient_past_the_fp16_range_is_refused_for_an_fp16_lease_only() -> None:
+    grad = torch.ones(10)
+    grad[4] = 70_000.0  # finite in fp32, infinite once sent as fp16
+
+    trainer.finite_or_raise(grad)  # fp32 carries it
+    with pytest.raises(trainer.GradientNotFinite, match="past the 6.55e\\+04 the fp16 codec carries"):
+        trainer.finite_or_raise(grad, "fp16")

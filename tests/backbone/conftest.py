@@ -16,6 +16,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
 
 from crowdtrain_agent.backoff import Backoff
 from crowdtrain_agent.codec import CODECS, get_codec
@@ -281,8 +282,10 @@ async def backbone(site: FakeSite, tmp_path: Path) -> AsyncIterator[BackboneServ
 
 
 @asynccontextmanager
-async def agent_connection(server: BackboneServer) -> AsyncIterator[Agent]:
-    async with connect(f"ws://127.0.0.1:{server.port}/upload", max_size=None) as ws:
+async def agent_connection(server: BackboneServer, subprotocols: list[str] | None = None) -> AsyncIterator[Agent]:
+    """An agent's upload connection; ``subprotocols``: what it offers (none: a 2.0 agent)."""
+    offered = [Subprotocol(p) for p in subprotocols] if subprotocols else None
+    async with connect(f"ws://127.0.0.1:{server.port}/upload", max_size=None, subprotocols=offered) as ws:
         yield Agent(ws)
 
 

@@ -401,14 +401,18 @@ class Agent:
                 rebase_wait_s=max(0.0, work.leased_at + lease.deadline_s - time.perf_counter()),
                 mixed_precision=lease.mixed_precision,
             )  # fmt: skip
+            try:
+                trainer.finite_or_raise(result.grad, lease.codec)
+            except trainer.GradientNotFinite:
+                self._inner.drop(lease.campaign_id)  # its moments took the NaNs too: the next round starts afresh
+                raise
             self._inner.remember(lease.campaign_id, lease.round_base, result.final_params)
-            result = dataclasses.replace(result, final_params=None)
-        else:
-            result = trainer.compute_gradient(
-                work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort,
-                mixed_precision=lease.mixed_precision, arriving=work.arriving,
-            )  # fmt: skip
-        trainer.finite_or_raise(result.grad)
+            return dataclasses.replace(result, final_params=None)
+        result = trainer.compute_gradient(
+            work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort, mixed_precision=lease.mixed_precision,
+            arriving=work.arriving,
+        )  # fmt: skip
+        trainer.finite_or_raise(result.grad, lease.codec)
         return result
 
     async def _start_report(

@@ -140,14 +140,28 @@ class GradientNotFinite(RuntimeError):
     """
 
 
-def finite_or_raise(grad: torch.Tensor) -> None:
-    """Raise ``GradientNotFinite`` for a gradient an aggregator would refuse; one pass over it otherwise.
+# The largest magnitude a codec carries; past it the value arrives infinite (fp16 overflows to inf).
+CODEC_RANGE = {"fp16": float(torch.finfo(torch.float16).max)}
+
+
+def finite_or_raise(grad: torch.Tensor, codec: str = "fp32") -> None:
+    """Raise ``GradientNotFinite`` for a gradient an aggregator would refuse as sent in ``codec``; one pass otherwise.
 
     Raises:
-        GradientNotFinite: naming how many values are NaN or infinite.
+        GradientNotFinite: naming how many values are NaN or infinite, or how large they got for the codec.
     """
+    limit = CODEC_RANGE.get(codec)
     if math.isfinite(float(grad.sum(dtype=torch.float64))):
-        return  # a NaN or an infinity anywhere makes the sum one: no mask of the whole gradient needed
+        # A NaN or an infinity anywhere makes the sum one: no mask of the whole gradient needed.
+        if limit is not None:
+            low, high = torch.aminmax(grad)
+            largest = max(-float(low), float(high))
+            if largest > limit:
+                raise GradientNotFinite(
+                    f"gradient values reach {largest:.4g}, past the {limit:.4g} the {codec} codec carries (they "
+                    "would arrive infinite; the model is diverging, or the learning rate is too high); nothing uploaded"
+                )
+        return
     finite = torch.isfinite(grad)
     if not bool(finite.all()):
         bad = int(finite.numel() - int(finite.sum()))

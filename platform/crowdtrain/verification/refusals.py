@@ -75,14 +75,29 @@ def resolve(rows: list[Refusal] | None = None) -> int:
     if not pending:
         return 0
     ids = [row.lease_id for row in pending]
-    owners = dict(Lease.objects.filter(pk__in=ids).values_list("pk", "device__owner_id"))
+    # (campaign, volunteer) of each lease: an aggregator is believed only about its own campaign's leases.
+    owners = {
+        pk: (c, v) for pk, c, v in Lease.objects.filter(pk__in=ids).values_list("pk", "campaign_id", "device__owner_id")
+    }
     missing = [lease_id for lease_id in ids if lease_id not in owners]
     if missing:  # a verification copy's answer row names its volunteer too
-        owners.update(Answer.objects.filter(lease_id__in=missing).values_list("lease_id", "volunteer_id"))
+        answers = Answer.objects.filter(lease_id__in=missing).values_list(
+            "lease_id", "case__campaign_id", "volunteer_id"
+        )
+        owners.update({lease_id: (c, v) for lease_id, c, v in answers})
     counted: list[int] = []
     for row in pending:
-        volunteer_id = owners.get(row.lease_id)
+        campaign_id, volunteer_id = owners.get(row.lease_id, (None, None))
         if volunteer_id is None:
+            continue
+        if campaign_id != row.campaign_id:
+            logger.warning(
+                "refusal of lease %s names campaign %s, but the lease is of %s; dropped",
+                row.lease_id,
+                row.campaign_id,
+                campaign_id,
+            )
+            row.delete()
             continue
         with transaction.atomic():
             if not Refusal.objects.filter(pk=row.pk, volunteer__isnull=True).update(volunteer_id=volunteer_id):

@@ -117,3 +117,14 @@ def test_clearing_a_volunteer_forgets_their_refusals() -> None:
 
     row = Standing.objects.get(volunteer=device.owner)
     assert (row.state, row.uploads_refused) == (Standing.State.GOOD, 0)
+
+
+def test_an_aggregator_of_one_campaign_cannot_count_a_lease_of_another() -> None:
+    campaign, other = make_campaign(), make_campaign()
+    device, _ = make_device("bystander")
+    lease = _lease(other, device)  # a lease of ``other``, reported as if it were ``campaign``'s
+
+    refusals.note(_aggregator_of(campaign), _refused(campaign, lease.pk))
+
+    assert not Standing.objects.filter(volunteer=device.owner, uploads_refused__gt=0).exists()
+    assert not Refusal.objects.exists()

@@ -53,8 +53,10 @@ def subprotocols_in_header(value: str) -> list[str]:
             f"the Sec-WebSocket-Protocol header holds {len(value)} characters, more than the "
             f"{MAX_SUBPROTOCOL_HEADER_CHARS} any client needs; offer at most {MAX_OFFERED_SUBPROTOCOLS} subprotocols"
         )
-    if not value.isascii() or not value.isprintable():
+    if not value.isascii() or not value.replace("\t", " ").isprintable():
         raise SubprotocolError("the Sec-WebSocket-Protocol header holds characters other than printable ASCII")
+    if "%" in value:  # a server that percent-decodes offers (daphne) would see other ones than we checked
+        raise SubprotocolError("the Sec-WebSocket-Protocol header holds a percent sign; offer plain tokens")
     return [item for item in (part.strip(" \t") for part in value.split(",")) if item]
 
 
