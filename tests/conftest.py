@@ -112,6 +112,20 @@ def fresh_scheduler_state() -> Iterator[None]:
         checks.clear_caches()
 
 
+@pytest.fixture(autouse=True)
+def referee_at_once(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The referee's work runs in the calling thread, where the test's database transaction is.
+
+    No version is kept unless a test asks for it (``CROWDTRAIN_REFEREE_VERSIONS_KEPT``): keeping one
+    fetches it from the aggregators, which most tests do not run.
+    """
+    from crowdtrain.verification import referee
+
+    monkeypatch.setattr(referee, "in_background", lambda task, *args: task.run(*args))
+    with override_settings(CROWDTRAIN_REFEREE_VERSIONS_KEPT=0):
+        yield
+
+
 def redis_lost_its_keys() -> None:
     """A Redis restarted without persistence, as the scheduler sees it: every key of its namespace gone.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from allauth.account.models import EmailAddress
@@ -23,8 +24,14 @@ from crowdtrain_agent.protocol import LeaseDone, Receipt, sign_receipt
 TINY_GPT = {"n_layer": 1, "n_head": 1, "n_embd": 8, "block_size": 8}
 
 
-def make_user(username: str = "volunteer") -> AbstractBaseUser:
-    return get_user_model().objects.get_or_create(username=username)[0]
+def make_user(username: str = "volunteer", *, joined_hours_ago: float | None = None) -> AbstractBaseUser:
+    """A volunteer; each new one joined a day after the one before unless told (``verification.affinity``
+    takes accounts that joined within minutes of each other for one person's)."""
+    users = get_user_model().objects
+    if joined_hours_ago is None:
+        joined_hours_ago = 24.0 * (1000 - users.count())
+    joined = timezone.now() - timedelta(hours=joined_hours_ago)
+    return users.get_or_create(username=username, defaults={"date_joined": joined})[0]
 
 
 def make_device(username: str = "volunteer", name: str = "laptop") -> tuple[Device, str]:

@@ -30,6 +30,7 @@ from crowdtrain.scheduler import backbone, leasing
 from crowdtrain.scheduler.hotstate import hot_state, presence
 from crowdtrain.scheduler.models import Aggregator
 from crowdtrain.verification import checks, refusals, standing
+from crowdtrain.verification.affinity import network_prefix
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
     BACKBONE_TO_SITE,
@@ -442,7 +443,11 @@ class AgentConsumer(_ProtocolConsumer):
     async def on_hello(self, hello: AgentHello) -> None:
         self.check_version(hello.protocol_version)
         leasing.note_hardware(self.device.pk, hello.device.flops_per_s)
-        await offloop(_record_hello)(self.device, msgspec.structs.asdict(hello.device))
+        hardware = msgspec.structs.asdict(hello.device)
+        client = self.scope.get("client") or ("", 0)
+        if network := network_prefix(str(client[0])):  # for copies that go to someone else (``affinity``)
+            hardware["network"] = network
+        await offloop(_record_hello)(self.device, hardware)
         self.greeted = True
         await self.send_message(
             Welcome(

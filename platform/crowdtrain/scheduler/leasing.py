@@ -204,6 +204,7 @@ def _try_lease(
             "backups": int(backups),
             "owner": owner or 0,
             "cap": standing.probation(config.probation_cap, config.owner_id, owner),
+            "relief_s": settings.CROWDTRAIN_PROBATION_RELIEF_S,
         },
     )
     record_retired(answer.get("expired") or [], config.id)

@@ -2,13 +2,16 @@
 
 A share of reported leases (``standing.check_rate``) becomes a *check*. Its
 copy waits in a short Redis queue per campaign and is served, before new
-work, to the next agent of another volunteer that asks, and one request of
-such a volunteer waiting for a commit is woken to take it; the copy trains on the
-original's samples and base version and uploads as any lease does, but its
-ticket says ``check``, so the aggregators only sketch it. Two sketches that
-agree pass the check; two that disagree call a third copy from a third
-volunteer, and the one the other two outvote fails. A lease's credit waits for
-its check; a volunteer with failed checks is quarantined (``quarantine``).
+work, to the next agent of another volunteer that asks, one unlike the
+original's for a while (``affinity``), and one request of such a volunteer
+waiting for a commit is woken to take it; the copy trains on the original's
+samples and base version and uploads as any lease does, but its ticket says
+``check``, so the aggregators only sketch it. Two sketches of unlike
+volunteers that agree pass the check. A disagreement, an agreement with a
+similar volunteer, and a check nobody copied in time go to the referee, the
+operator's own recomputation (``referee``), which judges each answer: a vote
+among volunteers decides nothing against anyone. A lease's credit waits for
+its check; a volunteer who loses rulings is quarantined (``quarantine``).
 
 Nothing here runs unless a lease is picked, except one random draw per report
 and one short Redis call per lease request while copies wait: the cost of the
@@ -45,7 +48,7 @@ from crowdtrain_agent.protocol import Lease as LeaseMessage
 from crowdtrain_agent.protocol import LeaseDone, receipt_sketch, retained_versions
 from crowdtrain_agent.sketch import SKETCH_SIZE, Agreement, compare, from_bytes
 
-from . import standing
+from . import affinity, referee, standing
 from .models import Answer, Check, Standing
 
 M = TypeVar("M", bound=Model)
@@ -60,13 +63,17 @@ SCAN = 16
 EMPTY_RECHECK_S = 0.25
 _empty_until: dict[int, float] = {}
 # Looks through the first ARGV[3] waiting copies: drops those past their wait (stale) and those whose base
-# version aggregators no longer keep (gone), and takes the first one volunteer ARGV[2] may compute. A copy
-# taken is recorded at once as lease ARGV[5] of device ARGV[7] in the lease-to-campaign map (KEYS[2]), with
-# all its report needs (``copy_marker``); entries written before 2.9 carry too little for that.
+# version aggregators no longer keep (gone), and takes the first one volunteer ARGV[2] may compute: never
+# their own (``x``), and one of a volunteer sharing a tag with them (ARGV[8], a JSON list; the original's
+# are ``a``) only after ``w``, marked similar. A copy taken is recorded at once as lease ARGV[5] of device
+# ARGV[7] in the lease-to-campaign map (KEYS[2]), with all its report needs (``copy_marker``); entries
+# written before 2.9 carry too little for that.
 _TAKE = """
 local raws = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
 local now, me, chosen, stale, gone = tonumber(ARGV[1]), tonumber(ARGV[2]), false, {}, {}
 local oldest = tonumber(ARGV[4])
+local mytags = {}
+for _, t in ipairs(cjson.decode(ARGV[8])) do mytags[t] = true end
 for _, raw in ipairs(raws) do
   local e = cjson.decode(raw)
   if e.u < now then
@@ -76,16 +83,20 @@ for _, raw in ipairs(raws) do
     gone[#gone + 1] = e.c
     redis.call('LREM', KEYS[1], 1, raw)
   elseif not chosen then
-    local mine = false
+    local mine, alike = false, false
     for _, v in ipairs(e.x) do if v == me then mine = true end end
-    if not mine then
+    if e.a ~= nil then
+      for _, t in ipairs(e.a) do if mytags[t] then alike = true end end
+    end
+    if not mine and not (alike and e.w ~= nil and now < e.w) then
       chosen = raw
       redis.call('LREM', KEYS[1], 1, raw)
       if e.n ~= nil and e.r ~= nil then
         redis.call('HSET', KEYS[2], ARGV[5],
           ARGV[6] .. ':check:' .. string.format('%d', e.c) .. ':' .. e.r .. ':' .. ARGV[2] .. ':' .. ARGV[7]
-          .. ':' .. string.format('%d', e.n))
+          .. ':' .. string.format('%d', e.n) .. (alike and ':1' or ''))
       end
+      if alike then chosen = string.sub(raw, 1, -2) .. ',"s":1}' end
     end
   end
 end
@@ -102,10 +113,11 @@ class CopyHolder:
     """Who computes a copy, and of which check: what its report or release needs, read from Redis, not a row."""
 
     check_id: int
-    role: str  # Answer.Role: copy or tiebreak
+    role: str  # Answer.Role: copy (tiebreak for queue entries written before the referee)
     volunteer_id: int
     device_id: int
     num_samples: int
+    similar: bool = False  # its volunteer shares a trait with the original's (``affinity``)
 
     def answer(self, lease_id: int, **reported: Any) -> Answer:
         """The copy's answer row (``reported``: the fields of its report, if it came)."""
@@ -115,6 +127,7 @@ class CopyHolder:
             role=self.role,
             volunteer_id=self.volunteer_id,
             device_id=self.device_id,
+            similar=self.similar,
             **reported,
         )
 
@@ -128,7 +141,7 @@ def copy_marker(campaign_id: int, holder: CopyHolder | None = None) -> str:
     if holder is None:
         return f"{campaign_id}:check"
     who = f"{holder.check_id}:{holder.role}:{holder.volunteer_id}:{holder.device_id}:{holder.num_samples}"
-    return f"{campaign_id}:check:{who}"
+    return f"{campaign_id}:check:{who}" + (":1" if holder.similar else "")
 
 
 def is_copy_marker(text: str) -> bool:
@@ -138,13 +151,13 @@ def is_copy_marker(text: str) -> bool:
 def _holder(marker: str) -> CopyHolder | None:
     """The holder a copy marker names; None for a bare (pre-2.9) or malformed one."""
     parts = marker.split(":")
-    if len(parts) != 7 or parts[3] not in (Answer.Role.COPY, Answer.Role.TIEBREAK):
+    if len(parts) not in (7, 8) or parts[3] not in (Answer.Role.COPY, Answer.Role.TIEBREAK):
         return None
     numbers = [parts[k] for k in (2, 4, 5, 6)]
     if not all(part.isascii() and part.isdigit() for part in numbers):
         return None
     check_id, volunteer_id, device_id, num_samples = (int(part) for part in numbers)
-    return CopyHolder(check_id, parts[3], volunteer_id, device_id, num_samples)
+    return CopyHolder(check_id, parts[3], volunteer_id, device_id, num_samples, similar=parts[7:] == ["1"])
 
 
 def _holder_on_record(lease_id: int) -> CopyHolder | None:
@@ -152,7 +165,7 @@ def _holder_on_record(lease_id: int) -> CopyHolder | None:
     row = (
         Answer.objects.filter(lease_id=lease_id, reported_at__isnull=True)
         .exclude(role=Answer.Role.ORIGINAL)
-        .values_list("case_id", "role", "volunteer_id", "device_id", "case__num_samples")[:1]
+        .values_list("case_id", "role", "volunteer_id", "device_id", "case__num_samples", "similar")[:1]
     )
     found = next(iter(row), None)
     if found is None or found[3] is None:
@@ -212,6 +225,7 @@ def maybe_pick(config: CampaignConfig, device_id: int, done: LeaseDone, record: 
             case.save(force_insert=True)
             original.case = case
             original.save(force_insert=True)
+    referee.keep(config.id, case.base_version)  # until the check closes: a dispute may come after the aggregators
     _enqueue(case, [owner])
     logger.info("campaign %s: lease %s picked for verification (check %s)", config.id, done.lease_id, case.pk)
     return True
@@ -221,7 +235,9 @@ _CHECK_COLUMNS = (
     *("campaign", "lease_id", "volunteer", "base_version", "ranges", "num_samples", "state", "detail"),
     *("created_at", "credited"),
 )
-_ANSWER_COLUMNS = ("lease_id", "role", "volunteer", "device", "sketch", "reported_at", "verdict", "issued_at")
+_ANSWER_COLUMNS = (
+    *("lease_id", "role", "volunteer", "device", "sketch", "reported_at", "verdict", "issued_at", "similar"),
+)
 
 
 @functools.cache
@@ -274,10 +290,13 @@ def _enqueue(case: Check, excluded: list[int]) -> None:
     it out reads no row: that took two queries per copy, and copies were a fifth of a site
     process's time at a newcomer's check rate.
     """
-    until = hot_state().clock() + settings.CROWDTRAIN_CHECK_WAIT_S
+    now = hot_state().clock()
     role = Answer.Role.TIEBREAK if case.state == Check.State.TIEBREAK else Answer.Role.COPY
-    fields = {"c": case.pk, "x": excluded, "u": until, "v": case.base_version}
+    fields = {"c": case.pk, "x": excluded, "u": now + settings.CROWDTRAIN_CHECK_WAIT_S, "v": case.base_version}
     fields |= {"n": case.num_samples, "r": str(role), "g": case.ranges}
+    # Who the original's volunteer is like, and from when such a volunteer may take the copy anyway.
+    fields |= {"a": affinity.tags_of(case.volunteer_id, widen=True)}
+    fields |= {"w": now + settings.CROWDTRAIN_CHECK_SIMILAR_WAIT_S}
     entry = json.dumps(fields, separators=(",", ":"))
     hot_state().client.rpush(_queue_key(case.campaign_id), entry)
     _empty_until.pop(case.campaign_id, None)
@@ -347,12 +366,13 @@ def take_copy(config: CampaignConfig, device_id: int) -> LeaseMessage | None:
         str(copy_id),
         str(config.id),
         str(device_id),
+        json.dumps(affinity.tags_of(owner)),
     )
     answer = json.loads(cast(str, raw))
     for check_id in answer.get("stale") or []:
-        settle(int(check_id), Check.State.ABANDONED, "no volunteer of another account took its copy in time")
+        unanswered(int(check_id), "no volunteer of another account took its copy in time")
     for check_id in answer.get("gone") or []:
-        settle(int(check_id), Check.State.ABANDONED, "its base version left the aggregators' window before a copy")
+        unanswered(int(check_id), "its base version left the aggregators' window before a copy")
     entry = json.loads(answer["chosen"]) if answer.get("chosen") else None
     taken = None if entry is None else _taken(config, entry, owner, device_id, copy_id)
     if taken is None:
@@ -386,7 +406,7 @@ def _taken(
     may take it, as the entry's list of excluded volunteers might disagree with it.
     """
     if "n" in entry and "r" in entry and "g" in entry:
-        holder = CopyHolder(int(entry["c"]), str(entry["r"]), owner, device_id, int(entry["n"]))
+        holder = CopyHolder(int(entry["c"]), str(entry["r"]), owner, device_id, int(entry["n"]), bool(entry.get("s")))
         return holder, int(entry["v"]), list(entry["g"])
     case = _only(Check.objects.filter(pk=entry["c"]))
     if case is None or not case.open:
@@ -439,7 +459,10 @@ def _write_report(answer: Answer) -> None:
     """A copy's report over its answer row, or as the row where it is not written yet (the process that
     issued the copy writes it with its next batch of records, and then leaves this one as it is)."""
     Answer.objects.bulk_create(
-        [answer], update_conflicts=True, unique_fields=["lease_id"], update_fields=["reported_at", "sketch", "verdict"]
+        [answer],
+        update_conflicts=True,
+        unique_fields=["lease_id"],
+        update_fields=["reported_at", "sketch", "verdict", "similar"],
     )
 
 
@@ -514,43 +537,34 @@ def _requeue_or_abandon(check_id: int, volunteer_id: int, lease_id: int, why: st
     if case is None:
         return
     others = case.answers.exclude(lease_id=lease_id)
+    if case.state == Check.State.REFEREE:
+        return  # decided without this copy
     if case.open and others.count() + 1 < MAX_COPIES:
         excluded = set(others.values_list("volunteer_id", flat=True)) | {volunteer_id}
         _enqueue(case, sorted(excluded))
     else:
-        settle(case.pk, Check.State.ABANDONED, why)
+        unanswered(case.pk, why)
+
+
+def unanswered(check_id: int, why: str) -> None:
+    """A check no copy will answer (none taken in time, its version gone, its copies failed): the referee rules
+    on the original alone, or, over its bounds, the check ends with no verdict as it did before the referee."""
+    to_referee(check_id, why)
+
+
+def to_referee(check_id: int, why: str) -> None:
+    """Send an open check to the referee (``referee.rule`` decides it with ``decide``)."""
+    with transaction.atomic():
+        case = _only(Check.objects.select_for_update().filter(pk=check_id))
+        if case is None or case.state not in (Check.State.OPEN, Check.State.TIEBREAK):
+            return
+        case.state, case.detail, case.disputed_at = Check.State.REFEREE, why[:300], timezone.now()
+        case.save(update_fields=["state", "detail", "disputed_at"])
+        referee.call(case.pk)
+    logger.info("check %s of lease %s goes to the referee: %s", case.pk, case.lease_id, why)
 
 
 # ------------------------------------------------------------------ judging
-
-
-@dataclass(frozen=True)
-class Outcome:
-    state: str
-    agreed: list[int]  # answer ids that agree with the verdict
-    disagreed: list[int]
-    detail: str = ""
-
-
-def _verdict(original: Answer, others: list[Answer]) -> Outcome | None:
-    """The check's outcome from its reported answers, or None while a third copy is needed."""
-    if not others:
-        return None
-    first = compare(original.sketch, others[0].sketch)
-    if first.agrees():
-        return Outcome(Check.State.PASSED, [original.pk, others[0].pk], [], _figures(first))
-    if len(others) < 2:
-        return None  # disagreement: a third volunteer breaks the tie
-    third = others[1]
-    with_original = compare(original.sketch, third.sketch)
-    with_copy = compare(others[0].sketch, third.sketch)
-    if with_original.agrees():
-        return Outcome(
-            Check.State.PASSED, [original.pk, third.pk], [] if with_copy.agrees() else [others[0].pk], "tie broken"
-        )
-    if with_copy.agrees():
-        return Outcome(Check.State.FAILED, [others[0].pk, third.pk], [original.pk], f"outvoted, {_figures(first)}")
-    return Outcome(Check.State.INCONCLUSIVE, [], [], "no two of three copies agree")
 
 
 def _figures(agreement: Agreement) -> str:
@@ -558,41 +572,67 @@ def _figures(agreement: Agreement) -> str:
 
 
 def judge(check_id: int) -> None:
-    """Decide a check whose answers are in, or ask for a tie-break; update standings and credit."""
+    """Decide a check whose copy is in: passed if it agrees and comes from an unlike volunteer, else the referee's."""
+    with transaction.atomic():
+        case = _only(Check.objects.select_for_update().filter(pk=check_id))
+        if case is None or case.state not in (Check.State.OPEN, Check.State.TIEBREAK):
+            return  # closed, or with the referee already
+        answers = list(case.answers.filter(verdict=Answer.Verdict.PENDING).exclude(sketch=[]).order_by("issued_at"))
+        original = next((a for a in answers if a.role == Answer.Role.ORIGINAL), None)
+        copy = next((a for a in answers if a.role != Answer.Role.ORIGINAL), None)
+        if original is None or copy is None:
+            return
+        agreement = compare(original.sketch, copy.sketch)
+        if not agreement.agrees() or copy.similar:
+            why = "the copy disagrees" if not agreement.agrees() else "the copy's volunteer is like the original's"
+            to_referee(check_id, f"{why} ({_figures(agreement)})")
+            return
+        for answer, other in ((original, copy), (copy, original)):
+            _mark(answer, Answer.Verdict.AGREED, other)
+            _record(answer.volunteer_id, passed=True)
+        case.answers.filter(verdict=Answer.Verdict.PENDING).update(verdict=Answer.Verdict.NONE)
+        _close(case, Check.State.PASSED, _figures(agreement))
+    logger.info("check %s of lease %s: passed (%s)", case.pk, case.lease_id, case.detail)
+
+
+def decide(check_id: int, ruling: list[float]) -> None:
+    """Judge each answer of a check against the referee's sketch of the lease (``referee.recompute``).
+
+    An answer that agrees with it wins its ruling, one that does not loses it, whoever agreed with whom;
+    the check passes if the original agrees.
+    """
     failed_volunteers: list[int] = []
     with transaction.atomic():
         case = _only(Check.objects.select_for_update().filter(pk=check_id))
-        if case is None or not case.open:
+        if case is None or case.state != Check.State.REFEREE:
             return
         answers = list(case.answers.filter(verdict=Answer.Verdict.PENDING).exclude(sketch=[]).order_by("issued_at"))
         original = next((a for a in answers if a.role == Answer.Role.ORIGINAL), None)
-        if original is None:
+        if original is None or any(len(a.sketch) != len(ruling) for a in answers):
+            why = "no original answer" if original is None else "the campaign's slices changed since"
+            case.answers.filter(verdict=Answer.Verdict.PENDING).update(verdict=Answer.Verdict.NONE)
+            _close(case, Check.State.INCONCLUSIVE, f"{case.detail}; the referee cannot judge it: {why}")
             return
-        outcome = _verdict(original, [a for a in answers if a is not original])
-        if outcome is None:
-            if case.state == Check.State.OPEN and len(answers) >= 2:
-                case.state = Check.State.TIEBREAK
-                case.detail = _figures(compare(original.sketch, answers[1].sketch))
-                case.save(update_fields=["state", "detail"])
-                _enqueue(case, list({a.volunteer_id for a in answers}))
-                logger.info("check %s: the copy disagrees (%s); asking a third volunteer", case.pk, case.detail)
-            return
-        by_id = {a.pk: a for a in answers}
-        if outcome.agreed:  # none when no two of three agree (inconclusive): nobody is judged then
-            first, second = by_id[outcome.agreed[0]], by_id[outcome.agreed[1]]
-            for answer_id in outcome.agreed:
-                _mark(by_id[answer_id], Answer.Verdict.AGREED, second if answer_id == first.pk else first)
-                _record(by_id[answer_id].volunteer_id, passed=True)
-            for answer_id in outcome.disagreed:
-                _mark(by_id[answer_id], Answer.Verdict.DISAGREED, first)
-                _record(by_id[answer_id].volunteer_id, passed=False)
-                failed_volunteers.append(by_id[answer_id].volunteer_id)
-        case.answers.filter(verdict=Answer.Verdict.PENDING).update(verdict=Answer.Verdict.NONE)
-        _close(case, outcome.state, outcome.detail)
-    logger.info("check %s of lease %s: %s (%s)", case.pk, case.lease_id, outcome.state, outcome.detail)
+        figures, upheld = [], False
+        for answer in answers:
+            agreement = compare(answer.sketch, ruling)
+            won = agreement.agrees()
+            Answer.objects.filter(pk=answer.pk).update(
+                verdict=Answer.Verdict.AGREED if won else Answer.Verdict.DISAGREED,
+                cosine=agreement.cosine,
+                norm_ratio=agreement.norm_ratio,
+            )
+            _record(answer.volunteer_id, passed=won, ruled=True)
+            if not won:
+                failed_volunteers.append(answer.volunteer_id)
+            upheld = upheld or (won and answer is original)
+            figures.append(f"{answer.role} {_figures(agreement)}")
+        state = Check.State.PASSED if upheld else Check.State.FAILED
+        _close(case, state, f"referee: {'; '.join(figures)} ({case.detail})")
+    logger.info("check %s of lease %s: %s by the referee (%s)", case.pk, case.lease_id, state, "; ".join(figures))
     from .quarantine import consider
 
-    for volunteer_id in failed_volunteers:
+    for volunteer_id in sorted(set(failed_volunteers)):
         consider(volunteer_id)
 
 
@@ -604,15 +644,18 @@ def _mark(answer: Answer, verdict: str, against: Answer) -> None:
     )
 
 
-def _record(volunteer_id: int, *, passed: bool) -> None:
+def _record(volunteer_id: int, *, passed: bool, ruled: bool = False) -> None:
+    """Count a check for or against a volunteer; ``ruled``: the referee decided it."""
     row, _ = Standing.objects.select_for_update().get_or_create(volunteer_id=volunteer_id)
     if passed:
         row.checks_passed += 1
         row.streak += 1
+        row.rulings_won += ruled
     else:
         row.checks_failed += 1
         row.streak = 0
-    row.save(update_fields=["checks_passed", "checks_failed", "streak"])
+        row.rulings_lost += ruled
+    row.save(update_fields=["checks_passed", "checks_failed", "streak", "rulings_won", "rulings_lost"])
     # The new record, not a reload: a check changes no one's refusal (a quarantine, in ``quarantine``,
     # forgets those), and reading every refusal again after each check cost the lease path a query.
     record = standing.Record(row.checks_passed, row.streak)
@@ -644,8 +687,8 @@ def _close(case: Check, state: str, detail: str) -> None:
 
 # ------------------------------------------------------------------ credit
 
-WITHHOLDING = (Check.State.OPEN, Check.State.TIEBREAK, Check.State.FAILED)
-# Checks that ended deciding nothing (nobody took a copy in time, no two of three agreed). Their lease is
+WITHHOLDING = (Check.State.OPEN, Check.State.TIEBREAK, Check.State.REFEREE, Check.State.FAILED)
+# Checks that ended deciding nothing (nobody copied it and the referee could not rule). Their lease is
 # credited on its volunteer's record: once one of their checks has passed. A newcomer who is alone, or
 # first, has every check abandoned, and would otherwise be paid for work nobody could vouch for.
 UNDECIDED = (Check.State.ABANDONED, Check.State.INCONCLUSIVE)
@@ -730,16 +773,21 @@ def expire_copies() -> int:
 
 
 def clear_caches() -> None:
-    """Forget which campaigns had no copies waiting (tests, whose campaign ids come back)."""
+    """Forget which campaigns had no copies waiting, volunteers' tags, versions asked for (tests, whose ids
+    come back)."""
     _empty_until.clear()
+    affinity.clear_caches()
+    referee.clear_caches()
 
 
 def upkeep() -> None:
-    """Once a minute on every site process: late copies, lost verdicts, credit of checks ended before commit,
-    refused uploads whose lease rows were not written when they came."""
+    """Once a minute on every site process: late copies, lost verdicts and rulings, credit of checks ended before
+    commit, refused uploads whose lease rows were not written when they came, versions no check needs."""
     from .refusals import resolve
 
     resolve()
     expire_copies()
     judge_ripe()
+    referee.waiting()
     release_credit()
+    referee.prune()

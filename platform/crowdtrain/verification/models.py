@@ -3,8 +3,10 @@
 A *check* is one lease picked for verification (the original) and the copies of
 it given to agents of other volunteers. The aggregators sketch every upload and
 sign the sketch into its receipt, so each *answer* holds a sketch of what an
-aggregator really received. Two answers that agree settle the check; two that
-disagree call a third, and the odd one out fails.
+aggregator really received. Two answers of unrelated volunteers that agree settle
+the check; anything else (a disagreement, a copy by a volunteer much like the
+original's, a check nobody copied in time) goes to the referee, the operator's
+own recomputation (``referee``), which judges each answer on its own.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ class Standing(models.Model):
     checks_failed = models.PositiveIntegerField(default=0)
     # Leases whose uploads the aggregators refused for their content (``Refusal``): failed without a check.
     uploads_refused = models.PositiveIntegerField(default=0)
+    # Checks the referee decided: an answer that disagreed with the operator's own recomputation lost its ruling.
+    rulings_won = models.PositiveIntegerField(default=0)
+    rulings_lost = models.PositiveIntegerField(default=0)
     # Passed since the last failure: a long run earns fewer checks (BOINC's adaptive replication).
     streak = models.PositiveIntegerField(default=0)
     state = models.CharField(max_length=12, choices=State.choices, default=State.GOOD, db_index=True)
@@ -63,7 +68,8 @@ class Check(models.Model):
 
     class State(models.TextChoices):
         OPEN = "open", "waiting for a copy"
-        TIEBREAK = "tiebreak", "waiting for a third copy"
+        TIEBREAK = "tiebreak", "waiting for a third copy"  # before the referee (protocol 2.7); none are opened now
+        REFEREE = "referee", "waiting for the referee"
         PASSED = "passed", "passed"
         FAILED = "failed", "failed"
         INCONCLUSIVE = "inconclusive", "inconclusive"
@@ -82,16 +88,26 @@ class Check(models.Model):
     decided_at = models.DateTimeField(null=True, blank=True)
     # The lease's credit was granted once the check ended (the commit grants it when the check ended first).
     credited = models.BooleanField(default=False)
+    # Sent to the referee (``referee``), and when its recomputation began: the bounds per hour count these.
+    disputed_at = models.DateTimeField(null=True, blank=True)
+    refereed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        indexes = [models.Index(fields=["campaign", "state"]), models.Index(fields=["state", "credited"])]
+        indexes = [
+            models.Index(fields=["campaign", "state"]),
+            models.Index(fields=["state", "credited"]),
+            models.Index(fields=["campaign", "refereed_at"]),
+        ]
 
     def __str__(self) -> str:
         return f"check of lease {self.lease_id} ({self.state})"
 
     @property
     def open(self) -> bool:
-        return self.state in (self.State.OPEN, self.State.TIEBREAK)
+        return self.state in OPEN_STATES
+
+
+OPEN_STATES = (Check.State.OPEN, Check.State.TIEBREAK, Check.State.REFEREE)
 
 
 class Answer(models.Model):
@@ -120,6 +136,9 @@ class Answer(models.Model):
     cosine = models.FloatField(null=True, blank=True, help_text="against the answer it was judged by")
     norm_ratio = models.FloatField(null=True, blank=True)
     issued_at = models.DateTimeField(default=timezone.now)
+    # A copy computed by a volunteer who shares something with the original's (``affinity``): its agreement
+    # proves nothing, so the referee decides the check.
+    similar = models.BooleanField(default=False)
 
     class Meta:
         ordering = ["case", "issued_at"]
@@ -151,3 +170,23 @@ class Refusal(models.Model):
 
     def __str__(self) -> str:
         return f"lease {self.lease_id} refused ({self.code})"
+
+
+class KeptVersion(models.Model):
+    """A campaign's parameters at a version some open check trained on, kept by the site for the referee.
+
+    The aggregators keep a few versions only; a dispute can come after its base
+    version left them. Kept from the moment a check opens, deleted once no open
+    check needs it (``referee.prune``).
+    """
+
+    campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="kept_versions")
+    version = models.PositiveIntegerField()
+    name = models.CharField(max_length=200, help_text="storage name of the flat parameters (safetensors)")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["campaign", "version"], name="verification_kept_version_once")]
+
+    def __str__(self) -> str:
+        return f"campaign {self.campaign_id} version {self.version}"

@@ -28,19 +28,31 @@ logger = logging.getLogger(__name__)
 
 
 def consider(volunteer_id: int) -> bool:
-    """Quarantine a volunteer whose failed checks crossed the line; whether this call did."""
+    """Quarantine a volunteer whose failed checks or lost rulings crossed the line; whether this call did.
+
+    Lost rulings are counted among rulings only: passes that two colluding accounts give each other's
+    work do not thin them out.
+    """
     row = Standing.objects.filter(volunteer_id=volunteer_id).first()
     if row is None or row.state != Standing.State.GOOD:
         return False
     # A refused upload is a result that failed without a check: it counts as a failed one.
     failed, total = row.checks_failed + row.uploads_refused, row.checks + row.uploads_refused
-    if failed < standing.QUARANTINE_FAILURES or failed < standing.QUARANTINE_SHARE * total:
+    lost, rulings = row.rulings_lost, row.rulings_won + row.rulings_lost
+    by_checks = failed >= standing.QUARANTINE_FAILURES and failed >= standing.QUARANTINE_SHARE * total
+    by_rulings = lost >= standing.QUARANTINE_FAILURES and lost >= standing.QUARANTINE_SHARE * rulings
+    if not (by_checks or by_rulings):
         return False
     reasons = []
-    if row.checks_failed:
+    if lost:
         reasons.append(
-            f"{row.checks_failed} of {row.checks} of its results disagreed with those of other volunteers who "
-            "computed the same samples"
+            f"{lost} of {rulings} of its results the site recomputed disagreed with the site's own result for "
+            "the same samples"
+        )
+    if row.checks_failed > lost:
+        reasons.append(
+            f"{row.checks_failed - lost} of {row.checks} of its results disagreed with those of other volunteers "
+            "who computed the same samples"
         )
     if row.uploads_refused:
         reasons.append(
@@ -117,6 +129,7 @@ def clear(volunteer_id: int, admin_id: int | None) -> bool:
             return False
         # The failures were reviewed: counting starts afresh (the answers keep the history).
         row.state, row.checks_failed, row.uploads_refused, row.streak = Standing.State.GOOD, 0, 0, 0
+        row.rulings_lost = 0
         row.reason, row.changed_at, row.reviewed_by_id = "", timezone.now(), admin_id
         row.save()
         restored = ledger.restore(volunteer_id, "cleared by an admin")

@@ -26,13 +26,15 @@ if MODE:
         grad = result.grad
         if MODE == "flip":  # scaled and sign-flipped: undoes ten honest contributions
             grad.mul_(-10.0)
+        elif MODE == "collude":  # made up the same way by every account of one person, so they agree
+            grad.mul_(-5.0)
         elif MODE == "noise":  # as large as an honest gradient, pointing anywhere
             scale = float(grad.norm()) / math.sqrt(max(grad.numel(), 1))
             grad.copy_(torch.randn(grad.shape, generator=torch.Generator().manual_seed(grad.numel())) * scale)
         elif MODE == "nan":
             grad[::7] = math.nan
         else:
-            raise SystemExit(f"CROWDTRAIN_TEST_HOSTILE={MODE!r}: use flip, noise or nan")
+            raise SystemExit(f"CROWDTRAIN_TEST_HOSTILE={MODE!r}: use flip, collude, noise or nan")
         return result
 
     trainer.compute_gradient = tampered

@@ -189,3 +189,29 @@ def test_anonymous_visitors_are_sent_to_log_in(client: Client) -> None:
     response = client.get("/devices/")
 
     assert response.status_code == 302 and "next=/devices/" in response["Location"]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(("address", "network"), [("8.8.4.77", "8.8.4.0/24"), ("127.0.0.1", None)])
+async def test_hello_notes_the_public_network_a_device_connects_from(
+    owner: AbstractBaseUser, address: str, network: str | None
+) -> None:
+    # Copies go to volunteers on other networks first (verification.affinity); an address says nothing
+    # of who is behind it when it is loopback or private, so none is noted then.
+    from tests.web.gateway.conftest import offered_subprotocols
+
+    device, token = await sync_to_async(_device_through_login)(owner)
+    socket = WebsocketCommunicator(
+        application, "/ws/agent/", headers=[(b"authorization", f"Bearer {token}".encode())],
+        subprotocols=offered_subprotocols(),
+    )  # fmt: skip
+    socket.scope["client"] = (address, 50000)
+    assert (await socket.connect())[0]
+    try:
+        await send(socket, HELLO)
+        await receive(socket)
+    finally:
+        await socket.disconnect()
+
+    hardware = (await sync_to_async(Device.objects.get)(pk=device.pk)).hardware
+    assert hardware.get("network") == network and hardware["name"] == "test cpu"

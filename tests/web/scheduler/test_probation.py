@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.conf import settings
 
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler import configs, leasing
@@ -20,7 +21,7 @@ from crowdtrain.verification import standing
 from crowdtrain.verification.models import Standing
 from crowdtrain_agent.protocol import Lease as LeaseMessage
 from crowdtrain_agent.protocol import NoLease
-from tests.conftest import redis_lost_its_keys
+from tests.conftest import FakeClock, redis_lost_its_keys
 from tests.factories import done_for, make_campaign, make_device
 
 pytestmark = pytest.mark.django_db
@@ -91,6 +92,33 @@ def test_other_volunteers_fill_the_rest_of_the_step_and_it_commits() -> None:
     campaign.refresh_from_db()
     assert campaign.committed_steps == 1
     assert _leases(campaign, volunteers[0].pk, asks=1)[0], "the next step has room for them again"
+
+
+def test_newcomers_fewer_than_a_steps_leases_fill_it_after_it_waited_and_one_alone_never_does(
+    clock: FakeClock,
+) -> None:
+    # Issue 33: a campaign with fewer volunteers than leases per step must not stall on probation.
+    campaign = _trimmed(staleness=0)
+    alone, _ = make_device("alone")
+    assert len(_leases(campaign, alone.pk)[0]) == 1
+    clock.advance(settings.CROWDTRAIN_PROBATION_RELIEF_S + 1)
+    got, refused = _leases(campaign, alone.pk)
+    assert not got and refused is not None and "at most 1" in refused.detail, "one account never fills a step"
+
+    others = [make_device(f"v{i}")[0] for i in range(2)]
+    held = [len(_leases(campaign, device.pk)[0]) for device in others]
+    # The step waited one relief period with two volunteers in it: each may hold twice the cap of it, not more.
+    assert sorted(held) == [1, 2], held
+    assert Lease.objects.filter(campaign=campaign, target_step=0).count() == 4, "the step is full: it can commit"
+
+
+def test_the_cap_holds_until_the_step_has_waited(clock: FakeClock) -> None:
+    campaign = _trimmed(staleness=0)
+    devices = [make_device(f"v{i}")[0] for i in range(3)]
+    for device in devices:
+        assert len(_leases(campaign, device.pk)[0]) == 1
+    clock.advance(settings.CROWDTRAIN_PROBATION_RELIEF_S / 2)
+    assert not _leases(campaign, devices[0].pk, asks=1)[0]
 
 
 def test_a_lease_given_back_frees_its_place_in_the_step() -> None:

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from django.conf import settings
 from django.db.models import Sum
 from django.utils import timezone
 from kombu.exceptions import OperationalError
@@ -28,12 +29,12 @@ from crowdtrain.scheduler import leasing, records
 from crowdtrain.scheduler.configs import campaign_config, ticket_key
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
-from crowdtrain.verification import checks, quarantine, standing, tasks
+from crowdtrain.verification import affinity, checks, quarantine, referee, standing, tasks
 from crowdtrain.verification.models import Answer, Check, Standing
 from crowdtrain_agent.protocol import Lease as LeaseMessage
 from crowdtrain_agent.protocol import LeaseDone, NoLease, Receipt, sign_receipt, verify_ticket
 from crowdtrain_agent.sketch import SKETCH_SIZE, to_bytes
-from tests.factories import make_campaign, make_device, redo_samples
+from tests.factories import make_campaign, make_device, make_user, redo_samples
 
 pytestmark = pytest.mark.django_db
 
@@ -164,9 +165,11 @@ def test_a_check_that_passes_after_its_step_was_committed_grants_the_withheld_cr
     assert _granted(original.lease_id) == original.num_samples
 
 
-def test_a_disagreement_asks_a_third_volunteer_and_the_outvoted_original_gets_no_credit(
-    campaign: Campaign, django_capture_on_commit_callbacks
+def test_a_disagreement_goes_to_the_referee_who_fails_the_made_up_original_and_passes_the_honest_copy(
+    campaign: Campaign, django_capture_on_commit_callbacks, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The referee's recomputation of the lease (a real one: tests/web/verification/test_referee.py).
+    monkeypatch.setattr(referee, "recompute", lambda case: [x * (1 - 1e-4) for x in HONEST])
     mallory, _ = make_device("mallory")
     bob, _ = make_device("bob")
     carol, _ = make_device("carol")
@@ -175,27 +178,68 @@ def test_a_disagreement_asks_a_third_volunteer_and_the_outvoted_original_gets_no
         original, _ = _work(campaign, mallory.pk, FLIPPED)
         copy = _lease(campaign, bob.pk)
         assert leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
-        case = Check.objects.get(lease_id=original.lease_id)
-        assert case.state == Check.State.TIEBREAK
-
-        # Neither side of the disagreement may break the tie.
-        assert not verify_ticket(_lease(campaign, bob.pk).ticket, ticket_key(campaign.pk)).check
-        tiebreak = _lease(campaign, carol.pk)
-        assert verify_ticket(tiebreak.ticket, ticket_key(campaign.pk)).check
-        assert leasing.report_done(carol.pk, _done(campaign, tiebreak, HONEST)).ack.accepted
+        # No third volunteer is asked: a vote among volunteers decides nothing.
+        assert not verify_ticket(_lease(campaign, carol.pk).ticket, ticket_key(campaign.pk)).check
         checks.release_credit()
 
-    case.refresh_from_db()
-    assert case.state == Check.State.FAILED
+    case = Check.objects.get(lease_id=original.lease_id)
+    assert case.state == Check.State.FAILED and case.detail.startswith("referee: original cosine -1.000")
+    assert case.disputed_at is not None and case.refereed_at is not None
     verdicts = dict(Answer.objects.filter(case=case).values_list("volunteer_id", "verdict"))
-    assert verdicts == {
-        mallory.owner_id: Answer.Verdict.DISAGREED,
-        bob.owner_id: Answer.Verdict.AGREED,
-        carol.owner_id: Answer.Verdict.AGREED,
-    }
-    assert Standing.objects.get(volunteer_id=mallory.owner_id).checks_failed == 1
+    assert verdicts == {mallory.owner_id: Answer.Verdict.DISAGREED, bob.owner_id: Answer.Verdict.AGREED}
+    rows = {row.volunteer_id: row for row in Standing.objects.all()}
+    assert (rows[mallory.owner_id].rulings_lost, rows[mallory.owner_id].checks_failed) == (1, 1)
+    assert (rows[bob.owner_id].rulings_won, rows[bob.owner_id].checks_passed) == (1, 1)
     assert _granted(original.lease_id) == 0
     assert checks.withheld([original.lease_id]) == {original.lease_id}
+
+
+def test_the_referee_sides_with_a_lone_honest_volunteer_against_two_that_agree_on_a_made_up_gradient(
+    campaign: Campaign, django_capture_on_commit_callbacks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 33's collusion: two accounts uploading the same made-up gradient outvoted the honest newcomer.
+    monkeypatch.setattr(referee, "recompute", lambda case: HONEST)
+    honest, _ = make_device("newcomer")
+    mallory, _ = make_device("mallory")
+    trudy, _ = make_device("trudy")
+    with django_capture_on_commit_callbacks(execute=True):
+        original, _ = _work(campaign, honest.pk, HONEST)
+        for colluder in (mallory, trudy):  # both copy it; the second copy comes after the referee's ruling
+            copy = leasing.request_lease(colluder.pk, campaign.pk, None)
+            if isinstance(copy, LeaseMessage) and verify_ticket(copy.ticket, ticket_key(campaign.pk)).check:
+                assert leasing.report_done(colluder.pk, _done(campaign, copy, FLIPPED)).ack.accepted
+
+    case = Check.objects.get(lease_id=original.lease_id)
+    assert case.state == Check.State.PASSED
+    rows = {row.volunteer_id: row for row in Standing.objects.all()}
+    assert rows[honest.owner_id].rulings_won == 1 and rows[honest.owner_id].checks_failed == 0
+    assert rows[mallory.owner_id].rulings_lost == 1
+
+
+def test_a_copy_by_a_volunteer_like_the_original_goes_to_the_referee_even_when_it_agrees(
+    campaign: Campaign, django_capture_on_commit_callbacks, monkeypatch: pytest.MonkeyPatch, clock
+) -> None:
+    # Two accounts that joined minutes apart: their agreement is worth nothing; the referee finds it made up.
+    monkeypatch.setattr(referee, "recompute", lambda case: HONEST)
+    mallory, _ = make_device("mallory")
+    trudy_user = make_user("trudy", joined_hours_ago=24.0 * (1000 - 1) + 0.05)  # three minutes after mallory
+    trudy = Device.issue(trudy_user, "laptop")[0]
+    assert affinity.similar(affinity.tags_of(mallory.owner_id, widen=True), affinity.tags_of(trudy.owner_id))
+    with django_capture_on_commit_callbacks(execute=True):
+        original, _ = _work(campaign, mallory.pk, FLIPPED)
+        early = leasing.request_lease(trudy.pk, campaign.pk, None)
+        assert not (isinstance(early, LeaseMessage) and verify_ticket(early.ticket, ticket_key(campaign.pk)).check)
+        if isinstance(early, LeaseMessage):
+            leasing.release_lease(trudy.pk, early.lease_id)
+        clock.advance(settings.CROWDTRAIN_CHECK_SIMILAR_WAIT_S + 1)
+        copy = _lease(campaign, trudy.pk)
+        assert verify_ticket(copy.ticket, ticket_key(campaign.pk)).check, "after the wait a similar volunteer may"
+        assert leasing.report_done(trudy.pk, _done(campaign, copy, FLIPPED)).ack.accepted
+
+    case = Check.objects.get(lease_id=original.lease_id)
+    assert Answer.objects.get(lease_id=copy.lease_id).similar
+    assert case.state == Check.State.FAILED and "like the original's" in case.detail
+    assert Standing.objects.get(volunteer_id=trudy.owner_id).rulings_lost == 1
 
 
 def test_a_decided_check_leaves_both_volunteers_new_records_in_this_process(
@@ -218,27 +262,24 @@ def test_a_decided_check_leaves_both_volunteers_new_records_in_this_process(
     assert Check.objects.get(lease_id=original.lease_id).state == Check.State.PASSED
 
 
-def test_three_answers_that_all_differ_end_the_check_without_a_verdict_on_anyone(
+def test_a_dispute_the_referee_cannot_recompute_ends_without_a_verdict_on_anyone(
     campaign: Campaign, django_capture_on_commit_callbacks
 ) -> None:
-    # Seen in the scale bench while its agents uploaded zero gradients (a zero sketch agrees with nothing):
-    # the third report raised IndexError, the consumer died and the reporting agent's socket with it.
+    # No version was kept (CROWDTRAIN_REFEREE_VERSIONS_KEPT is 0 here): nobody can say who is right.
     alice, _ = make_device("alice")
     bob, _ = make_device("bob")
-    carol, _ = make_device("carol")
 
     with django_capture_on_commit_callbacks(execute=True):
         original, _ = _work(campaign, alice.pk, HONEST)
         copy = _lease(campaign, bob.pk)
-        assert leasing.report_done(bob.pk, _done(campaign, copy, FLIPPED)).ack.accepted
-        tiebreak = _lease(campaign, carol.pk)
-        ack = leasing.report_done(carol.pk, _done(campaign, tiebreak, NOISE)).ack
+        ack = leasing.report_done(bob.pk, _done(campaign, copy, FLIPPED)).ack
         while Campaign.objects.get(pk=campaign.pk).committed_steps < 1:
-            _work(campaign, carol.pk, HONEST)
+            _work(campaign, bob.pk, HONEST)
         checks.release_credit()
 
     case = Check.objects.get(lease_id=original.lease_id)
     assert ack.accepted and (ack.verification, case.state) == ("check", Check.State.INCONCLUSIVE)
+    assert "the referee could not recompute it: version 0 was not kept" in case.detail
     assert set(Answer.objects.filter(case=case).values_list("verdict", flat=True)) == {Answer.Verdict.NONE}
     assert not Standing.objects.filter(checks_failed__gt=0).exists(), "nobody failed a check"
     # Nobody could decide: the lease is credited on Alice's record, and she has no check passed yet.
@@ -286,7 +327,7 @@ def test_an_abandoned_check_of_a_volunteer_nobody_verified_is_credited_only_afte
 
 
 def test_a_second_failed_check_quarantines_drops_pending_work_takes_credit_back_and_refuses_leases(
-    django_capture_on_commit_callbacks,
+    django_capture_on_commit_callbacks, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tests.factories import done_for
 
@@ -294,6 +335,7 @@ def test_a_second_failed_check_quarantines_drops_pending_work_takes_credit_back_
     mallory, _ = make_device("mallory")
     bob, _ = make_device("bob")
     carol, _ = make_device("carol")
+    monkeypatch.setattr(referee, "recompute", lambda case: HONEST)
     with django_capture_on_commit_callbacks(execute=True):
         # Credit from before (granted outright, as if checked long ago), and work accepted but not committed
         # (reported without sketches, so not picked).
@@ -304,14 +346,14 @@ def test_a_second_failed_check_quarantines_drops_pending_work_takes_credit_back_
         redo_before = redo_samples(campaign)
         for _ in range(2):
             original, _ = _work(campaign, mallory.pk, NOISE)
-            for device in (bob, carol):  # the copy, then the tie-break
-                copy = _lease(campaign, device.pk)
-                assert verify_ticket(copy.ticket, ticket_key(campaign.pk)).check
-                assert leasing.report_done(device.pk, _done(campaign, copy, HONEST)).ack.accepted
+            copy = _lease(campaign, bob.pk)
+            assert verify_ticket(copy.ticket, ticket_key(campaign.pk)).check
+            assert leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
 
     standing = Standing.objects.get(volunteer_id=mallory.owner_id)
-    assert standing.checks_failed == 2, list(Check.objects.values_list("state", flat=True))
-    assert standing.state == Standing.State.QUARANTINED and "disagreed" in standing.reason
+    assert (standing.checks_failed, standing.rulings_lost) == (2, 2), list(Check.objects.values_list("state", "detail"))
+    assert standing.state == Standing.State.QUARANTINED
+    assert standing.reason.startswith("2 of 2 of its results the site recomputed disagreed"), standing.reason
     assert CreditEntry.objects.filter(volunteer_id=mallory.owner_id).aggregate(n=Sum("samples"))["n"] == 0
     # The accepted, uncommitted work is out of the step, and its samples wait for someone else.
     assert redo_samples(campaign) >= redo_before + pending.num_samples
@@ -558,6 +600,7 @@ def test_a_copy_is_handed_out_without_a_query_and_reported_with_one_write(
     config = campaign_config(campaign.pk)
     assert config is not None
     standing.owner_of(bob.pk)  # known once a device has asked for anything: its first request reads it
+    affinity.tags_of(bob.owner_id)  # read once a minute per volunteer
 
     with django_assert_num_queries(0):
         copy = checks.take_copy(config, bob.pk)

@@ -16,7 +16,7 @@ if open == s and (A.line or 0) == meta('line') then
   redis.call('HDEL', K_RES, s)
   redis.call('DEL', share_key(s))
   open = s + 1
-  redis.call('HSET', K_META, 'open', open)
+  redis.call('HSET', K_META, 'open', open, 'opened_at', now)
   -- A commit makes room for one global batch: wake that many samples' worth of waiting requests.
   local room, target = 0, meta('target')
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', K_WAIT, '-inf', open)) do

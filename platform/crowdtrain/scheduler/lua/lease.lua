@@ -1,7 +1,9 @@
 -- Give one device a lease, or say why not. A: device, want, claimed (samples/s, 0 unknown),
 -- id (a fresh lease id), cid, rid (the request's id, '' for none), min_dl, max_dl, idle_s, gone_s,
 -- backup_min_s, backup_factor, backups (0: issue none now), sweep, owner (the device's volunteer),
--- cap (the most leases of one step that volunteer may hold, 0 for no limit: verification.standing.probation).
+-- cap (the most leases of one step that volunteer may hold, 0 for no limit: verification.standing.probation),
+-- relief_s (for every relief_s the open step waited holding leases of two or more capped volunteers, their cap
+-- in it grows by itself, so a campaign with fewer volunteers than leases per step still commits; 0: never).
 if redis.call('EXISTS', K_META) == 0 then return cjson.encode({missing = true}) end
 local out = {}
 redis.call('ZADD', SEEN, now, A.device) -- a device that asks or reports is alive
@@ -18,8 +20,22 @@ end
 
 local device = A.device
 local owner, cap = num(A.owner), num(A.cap)
-local function at_cap(s) return cap > 0 and num(redis.call('HGET', share_key(s), owner)) >= cap end
 local open, target, stale, max_steps = meta('open'), meta('target'), meta('stale'), meta('max')
+local opened = tonumber(redis.call('HGET', K_META, 'opened_at'))
+if not opened then
+  opened = now
+  redis.call('HSET', K_META, 'opened_at', now)
+end
+-- One account alone never fills a step; several newcomers who are all there is may, once it has waited: their
+-- cap in the open step grows by itself for every relief_s it waited.
+local relief = 0
+if cap > 0 and num(A.relief_s) > 0 and redis.call('HLEN', share_key(open)) >= 2 then
+  relief = math.floor((now - opened) / num(A.relief_s))
+end
+local function at_cap(s)
+  local limit = (s == open) and cap * (1 + relief) or cap
+  return cap > 0 and num(redis.call('HGET', share_key(s), owner)) >= limit
+end
 local held = num(redis.call('HGET', K_HOLD, device))
 redis.call('ZREMRANGEBYSCORE', K_IDLE, '-inf', now - A.idle_s)
 if held == 0 then redis.call('ZADD', K_IDLE, now, device) end

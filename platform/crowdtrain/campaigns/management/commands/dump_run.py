@@ -123,6 +123,8 @@ def _verification(campaign: Campaign) -> dict[str, Any]:
             "passed": s.checks_passed,
             "failed": s.checks_failed,
             "refused": s.uploads_refused,
+            "rulings_won": s.rulings_won,
+            "rulings_lost": s.rulings_lost,
             "reason": s.reason,
             "changed_at": _iso(s.changed_at),
         }

@@ -16,7 +16,11 @@ Spec (every key optional)::
          "target_batch_size": 1024, "microbatch_size": 64, "staleness": 1, "max_steps": 40},
         {"dataset": {"kind": "stdlib", "bytes": 1048576, "sample_len": 33}, "architecture": "gpt", ...},
         {"dataset": {...}, "pretrained": {"path": "llama.zip"}, "model_config": {"block_size": 32}, ...}],
-     "aggregators": ["agg-1"], "agents": ["agent-1", "agent-2"], "bulk_agents": 10000}
+     "aggregators": ["agg-1"], "agents": ["agent-1", "agent-2"], "bulk_agents": 10000,
+     "joined_s_ago": {"agent-2": 0}}
+
+``joined_s_ago`` says how long ago an agent's volunteer signed up (default: the
+n-th agent's n half-hours ago, so seeded volunteers do not look alike).
 
 ``bulk_agents`` creates that many more volunteers, each with one device
 (``sim-1``, ``sim-2``, ...), in a few bulk inserts instead of one at a time:
@@ -32,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +44,7 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
+from django.utils import timezone
 
 from crowdtrain.accounts.models import Device, Profile
 from crowdtrain.accounts.tokens import hash_token, new_token
@@ -166,8 +172,14 @@ class Command(BaseCommand):
             Aggregator.objects.update_or_create(name=name, defaults={"token_hash": hash_token(token)})
             aggregators[name] = token
         agents: dict[str, str] = {}
-        for name in spec.get("agents", []):
-            volunteer, _ = users.get_or_create(username=f"volunteer-{name}")  # one volunteer per agent
+        joined = spec.get("joined_s_ago", {})
+        now = timezone.now()
+        for i, name in enumerate(spec.get("agents", [])):
+            # One volunteer per agent, each joined at another time (default: half an hour apart), as strangers
+            # do: volunteers who joined within minutes of each other check each other's work only through the
+            # referee (``verification.affinity``).
+            when = now - timedelta(seconds=float(joined.get(name, JOINED_APART_S * (i + 1))))
+            volunteer, _ = users.get_or_create(username=f"volunteer-{name}", defaults={"date_joined": when})
             agents[name] = Device.issue(volunteer, name)[1]
         result = {"campaigns": campaigns, "aggregators": aggregators, "agents": agents}
         if "bulk_agents" in spec:
@@ -175,6 +187,7 @@ class Command(BaseCommand):
         return result
 
 
+JOINED_APART_S = 1800.0
 BULK_BATCH = 2000  # rows per INSERT: large enough to be quick, small enough for SQLite's variable limit
 
 
@@ -187,8 +200,13 @@ def _bulk_agents(count: int) -> list[str]:
     if count < 0:
         raise CommandError(f"bulk_agents must be a count >= 0, got {count}")
     user_model = get_user_model()
+    now = timezone.now()
     users = user_model.objects.bulk_create(
-        [user_model(username=f"volunteer-sim-{i + 1}") for i in range(count)], batch_size=BULK_BATCH
+        [
+            user_model(username=f"volunteer-sim-{i + 1}", date_joined=now - timedelta(seconds=JOINED_APART_S * i))
+            for i in range(count)
+        ],
+        batch_size=BULK_BATCH,
     )
     Profile.objects.bulk_create([Profile(user=user) for user in users], batch_size=BULK_BATCH)
     tokens = [new_token("ctd") for _ in range(count)]
