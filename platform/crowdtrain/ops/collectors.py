@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any, cast
 
 from django.conf import settings
 from django.db.models import Count, OuterRef, Subquery, Sum
 from django.db.models.fields.json import KT
+from django.utils import timezone
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -23,7 +25,7 @@ from crowdtrain.campaigns.models import Campaign, Step, ValidationResult
 from crowdtrain.scheduler.durability import durability
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Aggregator, Lease, SliceAssignment
-from crowdtrain.verification.models import Check, Standing
+from crowdtrain.verification.models import Check, KeptVersion, Standing
 
 from . import health, heartbeats, task_failures
 
@@ -157,6 +159,11 @@ def _verification() -> Iterator[Metric]:
     for state in Check.State.values:
         checks.add_metric([state], counted.get(state, 0))
     yield checks
+    hour_ago = timezone.now() - timedelta(hours=1)
+    ruled = Check.objects.filter(refereed_at__gte=hour_ago).count()
+    yield _gauge_value("crowdtrain_referee_rulings_last_hour", "Leases the referee recomputed in the last hour", ruled)
+    kept = KeptVersion.objects.count()
+    yield _gauge_value("crowdtrain_referee_kept_versions", "Parameter versions the site keeps for open checks", kept)
 
 
 def _alerts() -> Iterator[Metric]:

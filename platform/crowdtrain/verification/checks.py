@@ -637,7 +637,7 @@ def decide(check_id: int, ruling: list[float]) -> None:
 
 
 def _mark(answer: Answer, verdict: str, against: Answer) -> None:
-    """Store an answer's verdict with its figures against an answer of the majority."""
+    """Store an answer's verdict with its figures against the answer it agreed with."""
     agreement = compare(answer.sketch, against.sketch)
     Answer.objects.filter(pk=answer.pk).update(
         verdict=verdict, cosine=agreement.cosine, norm_ratio=agreement.norm_ratio

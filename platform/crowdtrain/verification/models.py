@@ -120,8 +120,8 @@ class Answer(models.Model):
 
     class Verdict(models.TextChoices):
         PENDING = "pending"
-        AGREED = "agreed", "agreed with the majority"
-        DISAGREED = "disagreed", "disagreed with the majority"
+        AGREED = "agreed", "agreed with the verdict"
+        DISAGREED = "disagreed", "disagreed with the verdict"
         NONE = "none", "no verdict"
 
     case = models.ForeignKey(Check, on_delete=models.CASCADE, related_name="answers")  # ("check" is Model.check)

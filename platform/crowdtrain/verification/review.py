@@ -34,7 +34,7 @@ def _public_names(user_ids: list[int]) -> dict[int, str]:
 
 
 def _recent_failures(user_ids: list[int]) -> dict[int, list[Answer]]:
-    """Each volunteer's latest answers that disagreed with the majority, newest first, in one query."""
+    """Each volunteer's latest answers that lost their check, newest first, in one query."""
     latest_first = Window(RowNumber(), partition_by=F("volunteer_id"), order_by=F("reported_at").desc(nulls_last=True))
     answers = (
         Answer.objects.filter(volunteer_id__in=user_ids, verdict=Answer.Verdict.DISAGREED)

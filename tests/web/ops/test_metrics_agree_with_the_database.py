@@ -136,3 +136,25 @@ def test_only_aggregators_holding_slices_of_running_campaigns_count_for_the_sile
     assert value(running, "crowdtrain_aggregator_running_slices", aggregator="spare") == 0
     assert value(running, "crowdtrain_aggregator_connected", aggregator="spare") == 0
     assert value(paused, "crowdtrain_aggregator_running_slices", aggregator=holder) == 0
+
+
+def test_the_referees_rulings_and_kept_versions_are_counted() -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from crowdtrain.verification.models import Check, KeptVersion
+
+    campaign = make_campaign()
+    volunteer = make_user("ruled")
+    now = timezone.now()
+    for lease_id, ruled_at in ((1, now - timedelta(minutes=5)), (2, now - timedelta(hours=2)), (3, None)):
+        Check.objects.create(campaign=campaign, lease_id=lease_id, volunteer=volunteer, base_version=0,
+                             ranges=[[0, 0, 0, 4]], num_samples=4, refereed_at=ruled_at)  # fmt: skip
+    KeptVersion.objects.create(campaign=campaign, version=0, name="referee/x")
+
+    samples = scrape(Client())
+
+    assert value(samples, "crowdtrain_referee_rulings_last_hour") == 1
+    assert value(samples, "crowdtrain_referee_kept_versions") == KeptVersion.objects.count() == 1
+    assert value(samples, "crowdtrain_verification_checks", state="referee") == 0
