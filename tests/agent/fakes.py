@@ -87,6 +87,7 @@ class FakeSite:
     shards: dict[str, bytes] = field(default_factory=dict)
     close_code: int | None = None  # close every connection with this code right after the hello
     drop_after_done: bool = False  # drop the TCP connection once, after answering the first done
+    verification: str = ""  # what each done_ack says of verification ("pending", "check")
     shard_delay_s: float = 0.0
     held_shards: dict[str, asyncio.Event] = field(default_factory=dict)  # answered once their event is set
     refuse_handshakes: list[int] = field(default_factory=list)  # answer the next handshakes with these HTTP statuses
@@ -168,7 +169,8 @@ class FakeSite:
                 if isinstance(reply, Lease):
                     self.lease_sent.set()
             elif isinstance(message, LeaseDone):
-                await ws.send(encode_message(DoneAck(lease_id=message.lease_id, accepted=True, step=0)))
+                ack = DoneAck(lease_id=message.lease_id, accepted=True, step=0, verification=self.verification)
+                await ws.send(encode_message(ack))
                 if self.drop_after_done:
                     self.drop_after_done = False
                     ws.transport.abort()  # a crash, not a close: no close frame at all

@@ -109,6 +109,25 @@ async def test_each_accepted_done_gets_a_receipt_with_its_flops_and_credit(
     assert agent.status.credit == pytest.approx(credit_for(16 + 7, per_sample))
 
 
+@pytest.mark.parametrize(
+    ("verification", "says"),
+    [("pending", "credit pending verification (another"), ("check", "0 credit (copies are not credited)")],
+)
+async def test_a_receipt_says_credit_once_whatever_verification_says(
+    world: World, config: AgentConfig, caplog: pytest.LogCaptureFixture, verification: str, says: str
+) -> None:
+    # It read "43.5 credit credit pending verification".
+    world.site.replies = [world.lease(1, LEASE_1)]
+    world.site.verification = verification
+    agent = Agent(replace(config, max_leases=1), backoff=FAST_BACKOFF, benchmark_s=0.01)
+
+    with caplog.at_level(logging.INFO, logger="crowdtrain_agent"):
+        assert await agent.run() == 0
+
+    (receipt,) = [r.getMessage() for r in caplog.records if " done: " in r.getMessage()]
+    assert says in receipt and "credit credit" not in receipt, receipt
+
+
 async def test_a_sync_agent_holds_the_parameters_its_model_reads_once_not_twice(
     world: World, config: AgentConfig
 ) -> None:

@@ -717,11 +717,11 @@ class Agent:
             flops = result.num_samples * get_model(lease.model.architecture).flops_per_sample(lease.model.config)
             credit = credit_for(result.num_samples, flops / max(result.num_samples, 1))
             if ack.verification == "check":
-                counted, granted = "a copy to verify another volunteer's work", "no credit (copies are not credited)"
+                counted, granted = "a copy to verify another volunteer's work", "(copies are not credited)"
                 credit = 0.0
             elif ack.verification == "pending":
                 counted = f"counted in step {ack.step}"
-                granted = "credit pending verification (another volunteer computes the same samples)"
+                granted = "pending verification (another volunteer computes the same samples)"
             else:
                 counted, granted = f"counted in step {ack.step}", f"granted when step {ack.step} commits"
             self.status.credit += credit

@@ -14,6 +14,7 @@ import tempfile
 import zipfile
 from typing import IO, Any
 
+from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.core.files.storage import default_storage
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse, JsonResponse
@@ -23,11 +24,12 @@ from django.views.decorators.http import require_GET
 
 from crowdtrain_agent.models.hf import CONFIGS, pretrained_files
 
+from .agent_wheel import wheel_url
 from .models import Campaign, ValidationResult, shard_storage_name
 from .organizers import is_organizer, managed_campaigns
 
 SNIPPET = (
-    "# pip install crowdtrain-agent\n"
+    "# pip install {pip_spec}\n"
     "from crowdtrain_agent.models import load_exported\n"
     'model = load_exported("model.safetensors", "config.json")'
 )
@@ -94,8 +96,12 @@ def export_config(campaign: Campaign, result: ValidationResult) -> dict[str, Any
     }
 
 
-def export_context(campaign: Campaign) -> dict[str, Any]:
-    """For the campaign page's export card (``campaigns/_export.html``)."""
+def export_context(campaign: Campaign, request: HttpRequest) -> dict[str, Any]:
+    """For the campaign page's export card (``campaigns/_export.html``).
+
+    The snippet installs the agent from where the join page does (no package index serves it).
+    """
+    pip_spec = settings.CROWDTRAIN_AGENT_PIP_SPEC or wheel_url(request)
     return {
         "versions": [
             {
@@ -109,7 +115,7 @@ def export_context(campaign: Campaign) -> dict[str, Any]:
             }
             for r in exports(campaign)
         ],
-        "snippet": SNIPPET,
+        "snippet": SNIPPET.format(pip_spec=pip_spec),
         "transformers_snippet": (LM_SNIPPET if campaign.dataset.kind in ("text", "tokens") else IMAGE_SNIPPET)
         if pretrained_files_known(campaign)
         else "",

@@ -121,7 +121,7 @@ def campaign_detail(request: HttpRequest, campaign_id: int) -> HttpResponse:
             else None
         ),
         "invited_count": campaign.invited.count(),
-        "export": export_context(campaign),
+        "export": export_context(campaign, request),
         "complete_versions": complete_versions(campaign) if campaign.blocked_reason else [],
     }
     return render(request, "campaigns/detail.html", context)

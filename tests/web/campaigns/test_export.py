@@ -11,6 +11,7 @@ from django.test import Client
 from django.urls import reverse
 
 from crowdtrain.campaigns import validation
+from crowdtrain.campaigns.agent_wheel import agent_version
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.sharding import create_text_dataset
 from crowdtrain.campaigns.tasks import compute_validation_loss
@@ -125,5 +126,8 @@ def test_the_campaign_page_shows_the_snippet_and_the_download_links(campaign: Ca
     html = page.content.decode()
     assert page.status_code == 200
     assert "from crowdtrain_agent.models import load_exported" in html
+    # Installed as the join page installs it: no package index serves crowdtrain-agent.
+    assert "pip install crowdtrain-agent" not in html
+    assert f"# pip install http://testserver/agent/crowdtrain_agent-{agent_version()}-py3-none-any.whl" in html
     assert f"{reverse('campaign-export', args=[campaign.pk])}?version=10" in html
     assert f"{reverse('campaign-export-config', args=[campaign.pk])}?version=20" in html
