@@ -375,13 +375,13 @@ CROWDTRAIN_CHECK_WAIT_S = env_float("CROWDTRAIN_CHECK_WAIT_S", 120.0, minimum=1.
 # ...and a volunteer like the original's (same team, machine, network or sign-up time) may take it after this
 # long; the referee then decides the check, as their agreement proves nothing.
 CROWDTRAIN_CHECK_SIMILAR_WAIT_S = env_float("CROWDTRAIN_CHECK_SIMILAR_WAIT_S", 30.0, minimum=0.0)
-# A step of a campaign whose volunteers are all on probation (each capped at a few leases of a step) that has
-# waited this long without a commit, holding leases of two or more of them, takes more leases from them: a
+# When a campaign issued no lease for this long while its open step holds leases of two or more volunteers on
+# probation (each capped at a few leases of a step), their cap in that step grows by itself, up to 4x: a
 # campaign with fewer volunteers than leases per step does not stall (one account alone never fills a step).
 CROWDTRAIN_PROBATION_RELIEF_S = env_float("CROWDTRAIN_PROBATION_RELIEF_S", 10.0, minimum=0.0)
 # The referee (verification/referee.py): versions kept per campaign for open checks (0: no referee; disputes
-# then end with no verdict), rulings per campaign and per volunteer per hour, and how long a dispute over
-# those bounds waits before it ends with no verdict.
+# then judge nobody and withhold the original's credit), rulings per campaign and per volunteer per hour, and
+# how long a dispute over those bounds waits before it ends unruled.
 CROWDTRAIN_REFEREE_VERSIONS_KEPT = env_int("CROWDTRAIN_REFEREE_VERSIONS_KEPT", 32, minimum=0)
 CROWDTRAIN_REFEREE_RULINGS_PER_HOUR = env_int("CROWDTRAIN_REFEREE_RULINGS_PER_HOUR", 600, minimum=1)
 CROWDTRAIN_REFEREE_VOLUNTEER_RULINGS_PER_HOUR = env_int("CROWDTRAIN_REFEREE_VOLUNTEER_RULINGS_PER_HOUR", 60, minimum=1)

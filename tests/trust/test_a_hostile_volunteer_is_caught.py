@@ -183,9 +183,11 @@ def test_colluding_volunteers_cannot_outvote_an_honest_one(
     standings = {v: dump["standings"].get(v, {}) for v in volunteers}
     checks = dump["checks"]
     by_referee = [c for c in checks if c["detail"].startswith("referee:")]
+    hostile_devices = {dump.get("devices", {}).get(v) for v in hostile}
+    in_steps = sum(lease["device"] in hostile_devices for step in dump["steps"] for lease in step["leases"])
     print(
         f"\ntrust: scenario={scenario.replace(' ', '_')} val_loss honest={honest_loss['loss']:.4f} "
-        f"with_hostile={loss:.4f} ratio={ratio:.3f} rulings={len(by_referee)} "
+        f"with_hostile={loss:.4f} ratio={ratio:.3f} rulings={len(by_referee)} hostile_leases_in_steps={in_steps} "
         + " ".join(
             f"{v.removeprefix('volunteer-')}={hostile.get(v, 'honest')}:{standings[v].get('state', 'good')}"
             f":won={standings[v].get('rulings_won', 0)}:lost={standings[v].get('rulings_lost', 0)}"

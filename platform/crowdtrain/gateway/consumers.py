@@ -30,7 +30,7 @@ from crowdtrain.scheduler import backbone, leasing
 from crowdtrain.scheduler.hotstate import hot_state, presence
 from crowdtrain.scheduler.models import Aggregator
 from crowdtrain.verification import checks, refusals, standing
-from crowdtrain.verification.affinity import network_prefix
+from crowdtrain.verification.affinity import client_address, network_prefix
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
     BACKBONE_TO_SITE,
@@ -444,8 +444,7 @@ class AgentConsumer(_ProtocolConsumer):
         self.check_version(hello.protocol_version)
         leasing.note_hardware(self.device.pk, hello.device.flops_per_s)
         hardware = msgspec.structs.asdict(hello.device)
-        client = self.scope.get("client") or ("", 0)
-        if network := network_prefix(str(client[0])):  # for copies that go to someone else (``affinity``)
+        if network := network_prefix(client_address(self.scope)):  # copies go to someone else (``affinity``)
             hardware["network"] = network
         await offloop(_record_hello)(self.device, hardware)
         self.greeted = True

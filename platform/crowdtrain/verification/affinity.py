@@ -13,9 +13,11 @@ The traits, each only where known:
 - each device's fingerprint: the host name the agent gave at login with the
   kind, name, memory and threads it reports (without a host name the rest
   describes a model of machine, not a machine, and counts as unknown);
-- each device's network: the /24 (IPv4) or /48 (IPv6) it last connected from;
-  loopback, private and link-local addresses say nothing (every agent behind
-  one proxy, or on one test machine, would look like one person);
+- each device's network: the /24 (IPv4) or /48 (IPv6) it last connected from
+  (behind ``CROWDTRAIN_TRUSTED_PROXY_COUNT`` proxies, the address the nearest
+  one appended to X-Forwarded-For; ``client_address``); loopback, private, link-local and carrier-grade NAT
+  addresses say nothing (every agent behind one proxy, one carrier or on one
+  test machine would look like one person);
 - when the account joined: ten-minute buckets, a neighbouring bucket counting.
 
 A volunteer who spoofs all of these still meets the referee whenever an honest
@@ -30,11 +32,13 @@ import threading
 import time
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 
 from crowdtrain.accounts.models import Device
 
 JOIN_BUCKET_S = 600
+SHARED_SPACE = ipaddress.ip_network("100.64.0.0/10")
 TAGS_TTL_S = 60.0
 # Hardware fields that describe one machine once its host name is known (``collect_hardware``, hello).
 FINGERPRINT_FIELDS = ("hostname", "kind", "name", "memory_bytes", "threads")
@@ -49,10 +53,30 @@ def network_prefix(address: str | None) -> str:
         ip = ipaddress.ip_address((address or "").strip())
     except ValueError:
         return ""
-    if ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_unspecified or ip.is_multicast:
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # a dual-stack socket's view of an IPv4 client
+    if ip.is_loopback or ip.is_private or ip.is_link_local or ip.is_unspecified or ip.is_multicast or ip.is_reserved:
+        return ""
+    if ip in SHARED_SPACE:  # carrier-grade NAT: strangers behind one carrier share it
         return ""
     bits = 24 if ip.version == 4 else 48
     return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
+
+
+def client_address(scope: dict[str, Any]) -> str:
+    """The address a socket came from: behind ``CROWDTRAIN_TRUSTED_PROXY_COUNT`` proxies, the one the
+    nearest of them appended to X-Forwarded-For (addresses to its left are whatever the client said)."""
+    trusted = settings.ALLAUTH_TRUSTED_PROXY_COUNT
+    if trusted > 0:
+        forwarded = [
+            part.strip()
+            for name, value in scope.get("headers") or []
+            if name.lower() == b"x-forwarded-for"
+            for part in value.decode("latin-1").split(",")
+        ]
+        return forwarded[-trusted] if len(forwarded) >= trusted else ""
+    client = scope.get("client") or ("", 0)
+    return str(client[0])
 
 
 def fingerprint(hardware: Any) -> str:

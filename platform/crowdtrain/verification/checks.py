@@ -14,7 +14,8 @@ among volunteers decides nothing against anyone. A lease's credit waits for
 its check; a volunteer who loses rulings is quarantined (``quarantine``).
 
 Nothing here runs unless a lease is picked, except one random draw per report
-and one short Redis call per lease request while copies wait: the cost of the
+and, per lease request while copies wait, one short Redis call and the asking
+volunteer's tags (``affinity``, read once a minute per volunteer): the cost of the
 hot paths does not grow with volunteers or leases in flight. Handing out a
 copy and taking its report read no row: the queue entry carries the copy's
 samples, the lease-to-campaign map carries who holds it (``copy_marker``), and
@@ -587,7 +588,7 @@ def judge(check_id: int) -> None:
             why = "the copy disagrees" if not agreement.agrees() else "the copy's volunteer is like the original's"
             to_referee(check_id, f"{why} ({_figures(agreement)})")
             return
-        for answer, other in ((original, copy), (copy, original)):
+        for answer, other in sorted(((original, copy), (copy, original)), key=lambda pair: pair[0].volunteer_id):
             _mark(answer, Answer.Verdict.AGREED, other)
             _record(answer.volunteer_id, passed=True)
         case.answers.filter(verdict=Answer.Verdict.PENDING).update(verdict=Answer.Verdict.NONE)
@@ -611,10 +612,11 @@ def decide(check_id: int, ruling: list[float]) -> None:
         if original is None or any(len(a.sketch) != len(ruling) for a in answers):
             why = "no original answer" if original is None else "the campaign's slices changed since"
             case.answers.filter(verdict=Answer.Verdict.PENDING).update(verdict=Answer.Verdict.NONE)
-            _close(case, Check.State.INCONCLUSIVE, f"{case.detail}; the referee cannot judge it: {why}")
+            _close(case, Check.State.UNRULED, f"{case.detail}; the referee cannot judge it: {why}")
             return
         figures, upheld = [], False
-        for answer in answers:
+        # Standing rows are locked in volunteer order: two rulings over the same two volunteers never deadlock.
+        for answer in sorted(answers, key=lambda a: (a.volunteer_id, a.pk)):
             agreement = compare(answer.sketch, ruling)
             won = agreement.agrees()
             Answer.objects.filter(pk=answer.pk).update(
@@ -687,7 +689,7 @@ def _close(case: Check, state: str, detail: str) -> None:
 
 # ------------------------------------------------------------------ credit
 
-WITHHOLDING = (Check.State.OPEN, Check.State.TIEBREAK, Check.State.REFEREE, Check.State.FAILED)
+WITHHOLDING = (Check.State.OPEN, Check.State.TIEBREAK, Check.State.REFEREE, Check.State.FAILED, Check.State.UNRULED)
 # Checks that ended deciding nothing (nobody copied it and the referee could not rule). Their lease is
 # credited on its volunteer's record: once one of their checks has passed. A newcomer who is alone, or
 # first, has every check abandoned, and would otherwise be paid for work nobody could vouch for.

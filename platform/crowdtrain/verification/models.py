@@ -73,6 +73,9 @@ class Check(models.Model):
         PASSED = "passed", "passed"
         FAILED = "failed", "failed"
         INCONCLUSIVE = "inconclusive", "inconclusive"
+        # A dispute the referee could not rule on (its version was not kept, it waited too long): nobody is
+        # judged, and the original's credit stays withheld, as one of the two answers was wrong.
+        UNRULED = "unruled", "disputed, not ruled"
         ABANDONED = "abandoned", "abandoned"
 
     campaign = models.ForeignKey(Campaign, on_delete=models.CASCADE, related_name="checks")
@@ -97,6 +100,7 @@ class Check(models.Model):
             models.Index(fields=["campaign", "state"]),
             models.Index(fields=["state", "credited"]),
             models.Index(fields=["campaign", "refereed_at"]),
+            models.Index(fields=["refereed_at"]),
         ]
 
     def __str__(self) -> str:

@@ -16,9 +16,12 @@ The aggregators keep a few versions only and a dispute may come after its base
 version left them: when a check opens the site keeps its base version
 (``keep``), once per version, until no open check needs it (``prune``), at
 most ``CROWDTRAIN_REFEREE_VERSIONS_KEPT`` per campaign. Rulings are bounded per
-campaign and per volunteer per hour: a dispute over a bound waits, oldest
-first, and ends with no verdict after ``CROWDTRAIN_REFEREE_WAIT_S``; a check
-that merely went uncopied is given up at once instead.
+campaign and per volunteer per hour: a dispute over a bound waits, and after
+``CROWDTRAIN_REFEREE_WAIT_S`` ends *unruled* (nobody judged, the original's
+credit withheld, as one of two answers was wrong); a check that merely went
+uncopied is given up at once instead. With eager Celery the work runs on one
+thread of the site process, one ruling at a time, so a burst of disputes
+queues instead of taking the sockets' CPU.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -56,13 +60,15 @@ logger = logging.getLogger(__name__)
 # A process asks for a version to be kept once in this long (each check of a step would ask again).
 KEEP_ASKED_S = 300.0
 # A ruling whose recomputation began this long ago and never ended (its worker died) is started again.
-RULING_STUCK_S = 600.0
-# A kept version younger than this is not pruned: a check of it may be opening right now.
-PRUNE_GRACE_S = 60.0
+RULING_STUCK_S = 1800.0
+# A kept version is pruned only once no check on it opened for this long: a process that asked to keep it
+# asks again only after KEEP_ASKED_S, so a check opening meanwhile must find it still there.
+PRUNE_GRACE_S = KEEP_ASKED_S + 60.0
 HOUR = timedelta(hours=1)
 
 _asked: dict[tuple[int, int], float] = {}
 _asked_lock = threading.Lock()
+_executor: ThreadPoolExecutor | None = None
 
 
 class CannotRule(RuntimeError):
@@ -88,9 +94,16 @@ def keep(campaign_id: int, version: int) -> None:
             for key in [k for k, until in _asked.items() if until <= now]:
                 del _asked[key]
         _asked[(campaign_id, version)] = now + KEEP_ASKED_S
+    from crowdtrain.scheduler.hotstate import hot_state
+
     from .tasks import keep_version
 
-    transaction.on_commit(lambda: in_background(keep_version, campaign_id, version))
+    def ask() -> None:
+        state = hot_state()  # one process of all asks for it, not every one whose check opened on it
+        if state.client.set(f"{state.prefix}:keep:{campaign_id}:{version}", 1, nx=True, ex=int(KEEP_ASKED_S)):
+            in_background(keep_version, campaign_id, version)
+
+    transaction.on_commit(ask)
 
 
 def store(campaign_id: int, version: int) -> bool:
@@ -127,10 +140,10 @@ def store(campaign_id: int, version: int) -> bool:
 
 def prune() -> int:
     """Delete kept versions no open check needs any more; returns how many."""
-    needed = Check.objects.filter(
-        state__in=OPEN_STATES, campaign_id=OuterRef("campaign_id"), base_version=OuterRef("version")
-    )
-    old = KeptVersion.objects.filter(created_at__lt=timezone.now() - timedelta(seconds=PRUNE_GRACE_S))
+    recent = timezone.now() - timedelta(seconds=PRUNE_GRACE_S)
+    on_it = Check.objects.filter(campaign_id=OuterRef("campaign_id"), base_version=OuterRef("version"))
+    needed = on_it.filter(state__in=OPEN_STATES) | on_it.filter(created_at__gte=recent)
+    old = KeptVersion.objects.filter(created_at__lt=recent)
     done = 0
     for kept in old.exclude(Exists(needed))[:500]:
         default_storage.delete(kept.name)
@@ -146,7 +159,7 @@ def _params(case: Check) -> torch.Tensor:
     try:
         with default_storage.open(kept.name, "rb") as fh:
             return load_tensors(fh.read())["params"]
-    except (OSError, KeyError) as exc:
+    except Exception as exc:  # a lost or damaged file (safetensors raises its own error type)
         raise CannotRule(f"version {case.base_version} could not be read back: {exc}") from None
 
 
@@ -172,8 +185,8 @@ def recompute(case: Check) -> list[float]:
     try:
         trainer.load_params_(cm, flat, case.base_version)
         x, y = _samples(config, case)
-    except (ValueError, ProtocolError, OSError) as exc:
-        raise CannotRule(str(exc)) from None
+    except (ValueError, ProtocolError, OSError, IndexError) as exc:  # IndexError: a shard the table lost
+        raise CannotRule(f"the lease's samples or parameters cannot be read: {exc}") from None
     grad = trainer.compute_gradient(cm, x, y, config.microbatch_size).grad
     codec = get_codec(config.codec, config.codec_block_size)
     values: list[float] = []
@@ -208,12 +221,17 @@ def call(check_id: int) -> None:
 
 
 def in_background(task: Any, *args: Any) -> None:
-    """Send ``task`` to the Celery worker; with eager Celery (no broker) run it in a daemon thread.
+    """Send ``task`` to the Celery worker; with eager Celery (no broker) queue it for this process's one
+    referee thread.
 
     Never inline: a recomputation takes as long as a lease, and the caller holds an agent's socket.
     """
+    global _executor
     if settings.CELERY_TASK_ALWAYS_EAGER:
-        threading.Thread(target=_run_closing, args=(task.run, *args), name=f"{task.name}-{args}", daemon=True).start()
+        with _asked_lock:
+            if _executor is None:
+                _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crowdtrain-referee")
+            _executor.submit(_run_closing, task.run, *args)
         return
     try:
         task.delay(*args)
@@ -269,7 +287,7 @@ def rule(check_id: int) -> None:
     try:
         ruling = recompute(case)
     except CannotRule as exc:
-        ended = Check.State.INCONCLUSIVE if copied else Check.State.ABANDONED
+        ended = Check.State.UNRULED if copied else Check.State.ABANDONED
         checks.settle(case.pk, ended, f"{case.detail}; the referee could not recompute it: {exc}")
         return
     took = time.perf_counter() - started
@@ -289,7 +307,9 @@ def waiting() -> int:
         state=Check.State.REFEREE, disputed_at__lt=now - timedelta(seconds=settings.CROWDTRAIN_REFEREE_WAIT_S)
     )
     for case in late[:200]:
-        checks.settle(case.pk, Check.State.INCONCLUSIVE, f"{case.detail}; waited too long for the referee")
+        copied = case.answers.exclude(role=Answer.Role.ORIGINAL).exclude(sketch=[]).exists()
+        ended = Check.State.UNRULED if copied else Check.State.ABANDONED
+        checks.settle(case.pk, ended, f"{case.detail}; waited too long for the referee")
     due = Check.objects.filter(state=Check.State.REFEREE).exclude(
         refereed_at__gt=now - timedelta(seconds=RULING_STUCK_S)
     )

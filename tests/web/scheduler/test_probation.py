@@ -106,9 +106,12 @@ def test_newcomers_fewer_than_a_steps_leases_fill_it_after_it_waited_and_one_alo
     assert not got and refused is not None and "at most 1" in refused.detail, "one account never fills a step"
 
     others = [make_device(f"v{i}")[0] for i in range(2)]
-    held = [len(_leases(campaign, device.pk)[0]) for device in others]
-    # The step waited one relief period with two volunteers in it: each may hold twice the cap of it, not more.
-    assert sorted(held) == [1, 2], held
+    assert [len(_leases(campaign, device.pk)[0]) for device in others] == [1, 1]
+    assert not _leases(campaign, alone.pk, asks=1)[0], "leases were just taken: others may still come"
+    clock.advance(settings.CROWDTRAIN_PROBATION_RELIEF_S + 1)
+    # Nobody took a lease for a relief period, three volunteers in the step: each may hold twice the cap of it.
+    extra, _ = _leases(campaign, alone.pk)
+    assert len(extra) == 1 and _steps(extra) == [0], "a step of four leases, three volunteers: one takes two"
     assert Lease.objects.filter(campaign=campaign, target_step=0).count() == 4, "the step is full: it can commit"
 
 

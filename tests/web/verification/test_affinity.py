@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -17,6 +19,8 @@ pytestmark = pytest.mark.django_db
     ("address", "prefix"),
     [
         ("8.8.4.77", "8.8.4.0/24"),
+        ("::ffff:8.8.4.77", "8.8.4.0/24"),
+        ("100.72.1.2", ""),
         ("2001:db8:1234:5678::1", ""),  # documentation range: private to Python
         ("2a00:1450:4001:81c::200e", "2a00:1450:4001::/48"),
         ("127.0.0.1", ""),
@@ -35,6 +39,16 @@ def test_a_network_prefix_is_known_only_for_public_addresses(address: str, prefi
 @given(st.text(max_size=80))
 def test_any_text_as_an_address_gives_a_prefix_or_nothing(text: str) -> None:
     assert isinstance(affinity.network_prefix(text), str)
+
+
+def test_behind_trusted_proxies_the_address_is_the_one_the_nearest_proxy_appended(settings: Any) -> None:
+    scope = {"client": ("10.0.0.5", 40000), "headers": [(b"x-forwarded-for", b"6.6.6.6, 8.8.4.77")]}
+    settings.ALLAUTH_TRUSTED_PROXY_COUNT = 0
+    assert affinity.client_address(scope) == "10.0.0.5"
+    settings.ALLAUTH_TRUSTED_PROXY_COUNT = 1
+    assert affinity.client_address(scope) == "8.8.4.77", "not 6.6.6.6: the client wrote that one"
+    settings.ALLAUTH_TRUSTED_PROXY_COUNT = 3
+    assert affinity.client_address(scope) == "", "fewer addresses than proxies: unknown"
 
 
 def test_a_fingerprint_needs_a_host_name_and_tells_machines_apart() -> None:

@@ -262,7 +262,7 @@ def test_a_decided_check_leaves_both_volunteers_new_records_in_this_process(
     assert Check.objects.get(lease_id=original.lease_id).state == Check.State.PASSED
 
 
-def test_a_dispute_the_referee_cannot_recompute_ends_without_a_verdict_on_anyone(
+def test_a_dispute_the_referee_cannot_recompute_judges_nobody_and_withholds_the_originals_credit(
     campaign: Campaign, django_capture_on_commit_callbacks
 ) -> None:
     # No version was kept (CROWDTRAIN_REFEREE_VERSIONS_KEPT is 0 here): nobody can say who is right.
@@ -278,16 +278,16 @@ def test_a_dispute_the_referee_cannot_recompute_ends_without_a_verdict_on_anyone
         checks.release_credit()
 
     case = Check.objects.get(lease_id=original.lease_id)
-    assert ack.accepted and (ack.verification, case.state) == ("check", Check.State.INCONCLUSIVE)
+    assert ack.accepted and (ack.verification, case.state) == ("check", Check.State.UNRULED)
     assert "the referee could not recompute it: version 0 was not kept" in case.detail
     assert set(Answer.objects.filter(case=case).values_list("verdict", flat=True)) == {Answer.Verdict.NONE}
     assert not Standing.objects.filter(checks_failed__gt=0).exists(), "nobody failed a check"
-    # Nobody could decide: the lease is credited on Alice's record, and she has no check passed yet.
+    # One of the two answers was wrong and nobody can say which: the original's credit stays withheld, even
+    # once Alice is verified (a verified volunteer's made-up lease would be paid otherwise).
     assert _granted(original.lease_id) == 0
-
     with django_capture_on_commit_callbacks(execute=True):
         _until_passed(campaign, alice.owner_id, [alice.pk, bob.pk])
-    assert _granted(original.lease_id) == original.num_samples, "her first passed check vouches for it"
+    assert _granted(original.lease_id) == 0 and checks.withheld([original.lease_id]) == {original.lease_id}
 
 
 def _until_passed(campaign: Campaign, volunteer_id: int, devices: list[int]) -> None:

@@ -179,9 +179,12 @@ def test_a_version_is_fetched_once_for_all_its_checks_and_pruned_once_none_needs
     name = KeptVersion.objects.get(campaign=campaign, version=0).name
     assert default_storage.exists(name)
 
-    KeptVersion.objects.update(created_at=timezone.now() - timedelta(minutes=5))
+    long_ago = timezone.now() - timedelta(seconds=referee.PRUNE_GRACE_S + 60)
+    KeptVersion.objects.update(created_at=long_ago)
     assert referee.prune() == 0, "open checks still need it"
     Check.objects.update(state=Check.State.PASSED)
+    assert referee.prune() == 0, "a check opened on it lately: another may be opening, its process asked already"
+    Check.objects.update(created_at=long_ago)
     assert referee.prune() == 1
     assert not KeptVersion.objects.exists() and not default_storage.exists(name)
 
@@ -199,7 +202,7 @@ def test_a_version_the_aggregators_no_longer_serve_leaves_its_disputes_without_a
         copy = _first_lease(campaign, bob.pk)
         leasing.report_done(bob.pk, _done(campaign, copy, _upload_sketches(campaign, copy, flat, tamper=-1.0)))
     case = Check.objects.get(lease_id=original.lease_id)
-    assert case.state == Check.State.INCONCLUSIVE and "was not kept" in case.detail
+    assert case.state == Check.State.UNRULED and "was not kept" in case.detail
     assert not Standing.objects.filter(checks_failed__gt=0).exists()
 
 
@@ -253,4 +256,4 @@ def test_a_dispute_that_waits_past_its_time_ends_without_a_verdict(kept: dict[st
                                 refereed_at=timezone.now())  # fmt: skip
     referee.waiting()
     case.refresh_from_db()
-    assert case.state == Check.State.INCONCLUSIVE and "waited too long for the referee" in case.detail
+    assert case.state == Check.State.ABANDONED and "waited too long for the referee" in case.detail

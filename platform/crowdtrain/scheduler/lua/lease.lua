@@ -2,8 +2,9 @@
 -- id (a fresh lease id), cid, rid (the request's id, '' for none), min_dl, max_dl, idle_s, gone_s,
 -- backup_min_s, backup_factor, backups (0: issue none now), sweep, owner (the device's volunteer),
 -- cap (the most leases of one step that volunteer may hold, 0 for no limit: verification.standing.probation),
--- relief_s (for every relief_s the open step waited holding leases of two or more capped volunteers, their cap
--- in it grows by itself, so a campaign with fewer volunteers than leases per step still commits; 0: never).
+-- relief_s (for every relief_s in which the open step took no lease while it held leases of two or more capped
+-- volunteers, their cap in it grows by itself, up to RELIEF_MAX times, so a campaign with fewer volunteers than
+-- leases per step still commits; 0: never).
 if redis.call('EXISTS', K_META) == 0 then return cjson.encode({missing = true}) end
 local out = {}
 redis.call('ZADD', SEEN, now, A.device) -- a device that asks or reports is alive
@@ -26,11 +27,13 @@ if not opened then
   opened = now
   redis.call('HSET', K_META, 'opened_at', now)
 end
--- One account alone never fills a step; several newcomers who are all there is may, once it has waited: their
--- cap in the open step grows by itself for every relief_s it waited.
+-- One account alone never fills a step; several newcomers who are all there is may, once nobody else came:
+-- their cap in the open step grows by itself for every relief_s in which the campaign issued no lease.
+local RELIEF_MAX = 3
 local relief = 0
 if cap > 0 and num(A.relief_s) > 0 and redis.call('HLEN', share_key(open)) >= 2 then
-  relief = math.floor((now - opened) / num(A.relief_s))
+  local quiet = now - math.max(opened, num(redis.call('HGET', K_META, 'issued_at')))
+  relief = math.min(RELIEF_MAX, math.floor(quiet / num(A.relief_s)))
 end
 local function at_cap(s)
   local limit = (s == open) and cap * (1 + relief) or cap
@@ -57,6 +60,7 @@ local function issue(l)
     redis.call('HINCRBY', share_key(l.s), owner, 1)
   end
   lease_put(l)
+  redis.call('HSET', K_META, 'issued_at', now)
   redis.call('HSET', LC, l.id, A.cid)
   if A.rid ~= '' then redis.call('HSET', RID, device, A.cid .. ':' .. l.id .. ':' .. A.rid) end
   redis.call('ZADD', K_DL, l.dl, l.id)

@@ -32,7 +32,7 @@ end
 for _, r in ipairs(A.ranges) do redis.call('RPUSH', K_RET, r[1] .. ':' .. r[2] .. ':' .. r[3]) end
 redis.call('DEL', K_RES, K_FILL, K_ACC, K_DL, K_SOFT, K_HOLD, K_WAIT)
 forget_shares(meta('open'), meta('open') + meta('stale'))
-redis.call('HSET', K_META, 'open', A.version, 'line', math.max(meta('line'), A.line or 0))
+redis.call('HSET', K_META, 'open', A.version, 'line', math.max(meta('line'), A.line or 0), 'opened_at', now)
 -- A claim on a step of the old timeline must not hold the redone step of that index back.
 redis.call('HDEL', K_META, 'claimed', 'claimed_at', 'claimed_by')
 redis.call('HINCRBY', K_META, 'gen', 1)

@@ -188,6 +188,7 @@ class Command(BaseCommand):
 
 
 JOINED_APART_S = 1800.0
+BULK_JOINED_S = 10**7  # bulk volunteers joined before the named agents' volunteers, none at the same time
 BULK_BATCH = 2000  # rows per INSERT: large enough to be quick, small enough for SQLite's variable limit
 
 
@@ -203,7 +204,10 @@ def _bulk_agents(count: int) -> list[str]:
     now = timezone.now()
     users = user_model.objects.bulk_create(
         [
-            user_model(username=f"volunteer-sim-{i + 1}", date_joined=now - timedelta(seconds=JOINED_APART_S * i))
+            user_model(
+                username=f"volunteer-sim-{i + 1}",
+                date_joined=now - timedelta(seconds=BULK_JOINED_S + JOINED_APART_S * i),
+            )
             for i in range(count)
         ],
         batch_size=BULK_BATCH,
