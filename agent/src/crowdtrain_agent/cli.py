@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 from . import __version__
 from .allocator import keep_freed_memory
@@ -306,5 +307,30 @@ def _run(config: AgentConfig, *, live: bool) -> int:
         return 130
 
 
+def console_main() -> NoReturn:
+    """The ``crowdtrain-agent`` command: ``main``, then the process ends at once with its code.
+
+    Once the agent has stopped (leases given back, logs written) nothing is left to clean up, and
+    interpreter shutdown is where CUDA builds of PyTorch abort ("terminate called without an active
+    exception", SIGABRT) while one of their thread pools is still alive, and where a library's
+    non-daemon thread would keep the process waiting: Ctrl-C must end with the code the agent chose.
+    """
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse: --help, --version, usage errors (it printed them already)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        code = 130
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()
