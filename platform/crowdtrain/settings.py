@@ -106,6 +106,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "crowdtrain.campaigns.navigation.navigation",
+                "crowdtrain.campaigns.navigation.contact",
             ],
         },
     },
@@ -454,6 +455,9 @@ ALLAUTH_TRUSTED_PROXY_COUNT = env_int("CROWDTRAIN_TRUSTED_PROXY_COUNT", 0, minim
 
 # E-mail: the console unless CROWDTRAIN_EMAIL_URL, or EMAIL_HOST and friends, name an SMTP server.
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "Crowdtrain <noreply@localhost>")
+# Where the pages tell people to write for help (a lost verification e-mail, a password reset that fails);
+# unset, they say what to do instead and promise no contact.
+CROWDTRAIN_CONTACT_EMAIL = env_str("CROWDTRAIN_CONTACT_EMAIL", "")
 SERVER_EMAIL = DEFAULT_FROM_EMAIL
 _EMAIL = env_email_url("CROWDTRAIN_EMAIL_URL")
 if _EMAIL is not None:

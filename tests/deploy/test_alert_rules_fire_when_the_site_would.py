@@ -97,6 +97,20 @@ CASES: list[dict[str, Any]] = [
                   firing("CampaignStalled", campaign="9")),
         ],
     },
+    {   # Nobody has joined campaign 7 (the site's warning says so): no step, but not the critical stall.
+        "interval": "1m",
+        "input_series": [
+            {"series": 'crowdtrain_campaign_info{campaign="7",name="seven",state="running"}', "values": "1x30"},
+            {"series": 'crowdtrain_campaign_committed_steps{campaign="7"}', "values": "0x30"},
+            {"series": 'crowdtrain_alert{code="campaign_waiting_for_volunteers",campaign="7",severity="warning"}',
+             "values": "_x10 1x20"},
+        ],
+        "alert_rule_test": [
+            check("CampaignStalled", "20m"),
+            check("CrowdtrainSiteAlert", "20m", firing("CrowdtrainSiteAlert", code="campaign_waiting_for_volunteers",
+                                                       campaign="7", severity="warning")),
+        ],
+    },
     {   # Stalled because its aggregator is silent: that alert says what to do, and the campaign's does not fire.
         "interval": "1m",
         "input_series": [

@@ -118,6 +118,13 @@
       condition.className = `condition condition-${snapshot.condition.level}`;
       condition.dataset.code = snapshot.condition.code;
     }
+    // The header's state badge follows the condition's colour (never green beside a red condition).
+    const badge = document.querySelector('[data-testid="state"]');
+    if (badge) {
+      const level = snapshot.condition.level;
+      badge.classList.toggle("state-trouble", level === "critical");
+      badge.classList.toggle("state-caution", level === "warning");
+    }
     const p = snapshot.progress;
     const set = (name, value) => {
       for (const node of page.querySelectorAll(`[data-stat="${name}"]`)) node.textContent = value;

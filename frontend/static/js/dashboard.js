@@ -81,7 +81,9 @@
     );
     list.replaceChildren(...items);
     testid("no-alerts").hidden = items.length > 0;
-    field("status", snapshot.status);
+    // The badge says what is wrong ("aggregator down", "no volunteers"), coloured by how bad it is.
+    field("status", snapshot.summary || snapshot.status);
+    testid("status").dataset.status = snapshot.status;
   }
 
   function showSwarm(snapshot) {

@@ -16,6 +16,12 @@ from .agent_wheel import agent_version, wheel_url
 from .models import Campaign
 from .views import can_watch
 
+# PyTorch's own wheels, as pip downloads them for Linux x86-64 (torch 2.x): the CPU build from its CPU index, and
+# the default CUDA build with the NVIDIA libraries it pulls in.
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+TORCH_CPU_MB = 200
+TORCH_CUDA_GB = 3
+
 
 @dataclass(frozen=True)
 class Platform:
@@ -34,25 +40,42 @@ def _powershell_quote(text: str) -> str:
 def _platforms(server: str, campaign_id: int, pip_spec: str) -> list[Platform]:
     login = f"login --server {server}"
     run = f"run --campaign {campaign_id}"
+    # On a machine without a browser (a server, over SSH) the agent prints a link and a code: any device will do.
+    log_in = "Log this machine in (opens your browser; without one, open the link it prints on any device)"
     # A virtual environment keeps the agent's PyTorch apart from anything else on the machine,
     # and calling its programs by path needs no activation (PowerShell's policy often forbids it).
-    posix = [
-        ("Make a private Python environment for the agent", "python3 -m venv ~/crowdtrain-agent"),
+    venv = ("Make a private Python environment for the agent", "python3 -m venv ~/crowdtrain-agent")
+    rest = [
         ("Install the agent", f"~/crowdtrain-agent/bin/pip install {shlex.quote(pip_spec)}"),
-        ("Log this machine in (opens your browser)", f"~/crowdtrain-agent/bin/crowdtrain-agent {login}"),
+        (log_in, f"~/crowdtrain-agent/bin/crowdtrain-agent {login}"),
         ("Start computing for this campaign", f"~/crowdtrain-agent/bin/crowdtrain-agent {run}"),
     ]
+    # pip's default PyTorch on Linux is the CUDA build, some 3 GB with NVIDIA's libraries: a volunteer without
+    # an NVIDIA GPU (or with a slow link) wants the CPU build, about 200 MB, installed first.
+    linux = [
+        venv,
+        (
+            f"Choose PyTorch: the CPU build (about {TORCH_CPU_MB} MB) for a machine without an NVIDIA GPU",
+            f"~/crowdtrain-agent/bin/pip install torch --index-url {TORCH_CPU_INDEX}",
+        ),
+        (
+            f"…or the CUDA build for an NVIDIA GPU (about {TORCH_CUDA_GB} GB with its libraries; pip's default)",
+            "~/crowdtrain-agent/bin/pip install torch",
+        ),
+        *rest,
+    ]
+    posix = [venv, *rest]
     scripts = r"& $HOME\crowdtrain-agent\Scripts"
     windows = [
         ("Make a private Python environment for the agent", r"py -m venv $HOME\crowdtrain-agent"),
         ("Install the agent", rf"{scripts}\pip.exe install {_powershell_quote(pip_spec)}"),
-        ("Log this machine in (opens your browser)", rf"{scripts}\crowdtrain-agent.exe {login}"),
+        (log_in, rf"{scripts}\crowdtrain-agent.exe {login}"),
         ("Start computing for this campaign", rf"{scripts}\crowdtrain-agent.exe {run}"),
     ]
     from_source_posix = "~/crowdtrain-agent/bin/pip install ./agent"
     from_source_windows = rf"{scripts}\pip.exe install .\agent"
     return [
-        Platform("linux", "Linux", "bash", posix, from_source_posix),
+        Platform("linux", "Linux", "bash", linux, from_source_posix),
         Platform("mac", "macOS", "Terminal (zsh or bash)", posix, from_source_posix),
         Platform("win", "Windows", "PowerShell", windows, from_source_windows),
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.http import HttpRequest
 
 from .models import OrganizerRequest
@@ -23,3 +24,8 @@ def navigation(request: HttpRequest) -> dict[str, Any]:
     if user.is_staff:
         pending = OrganizerRequest.objects.filter(decision=OrganizerRequest.Decision.PENDING).count()
     return {"nav_is_organizer": is_organizer(user), "nav_pending_organizer_requests": pending}
+
+
+def contact(request: HttpRequest) -> dict[str, Any]:
+    """The operator's address for pages that promise help (``CROWDTRAIN_CONTACT_EMAIL``; "" for none)."""
+    return {"contact_email": settings.CROWDTRAIN_CONTACT_EMAIL}

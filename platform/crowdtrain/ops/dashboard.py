@@ -145,6 +145,7 @@ def build() -> dict[str, Any]:
         "at": now.timestamp(),
         "push_s": settings.CROWDTRAIN_DASHBOARD_PUSH_S,
         "status": health.status_of(alerts),
+        "summary": health.summary(alerts),
         "alerts": [a.as_dict() for a in alerts],
         "agents": {
             "online": online.count,

@@ -3,7 +3,8 @@
 One evaluation feeds the health check, the ``crowdtrain_alert`` gauge of
 ``/metrics`` and the admin dashboard, so they never disagree. Its cost grows
 with running campaigns and aggregators, never with volunteers or leases: a few
-aggregate queries and two Redis reads. deploy/prometheus/alerts.yml states the
+aggregate queries, two Redis reads, and two more per campaign that stepped no
+step for a while (are volunteers there?). deploy/prometheus/alerts.yml states the
 same conditions in PromQL; keep the two in step.
 """
 
@@ -35,6 +36,7 @@ AGGREGATOR_SILENT = "aggregator_silent"
 CAMPAIGN_WAITING = "campaign_waiting_for_aggregators"
 CAMPAIGN_BLOCKED = "campaign_blocked"
 CAMPAIGN_STALLED = "campaign_stalled"
+CAMPAIGN_NO_VOLUNTEERS = "campaign_waiting_for_volunteers"
 CHECKPOINTS_BEHIND = "campaign_checkpoints_behind"
 LEASE_FAILURES = "lease_failures_spike"
 TASK_FAILING = "celery_task_failing"
@@ -44,9 +46,21 @@ CODES = (
     CAMPAIGN_BLOCKED,
     CHECKPOINTS_BEHIND,
     CAMPAIGN_STALLED,
+    CAMPAIGN_NO_VOLUNTEERS,
     LEASE_FAILURES,
     TASK_FAILING,
 )
+# What each alert means in a few words, for badges: the first of an evaluation's alerts, in this order, names it.
+SUMMARIES = {
+    AGGREGATOR_SILENT: "aggregator down",
+    CAMPAIGN_BLOCKED: "campaign blocked",
+    CAMPAIGN_WAITING: "waiting for aggregators",
+    CHECKPOINTS_BEHIND: "checkpoints behind",
+    CAMPAIGN_STALLED: "stalled with volunteers present",
+    CAMPAIGN_NO_VOLUNTEERS: "no volunteers",
+    LEASE_FAILURES: "many failed leases",
+    TASK_FAILING: "a background task failing",
+}
 
 
 @dataclass(frozen=True)
@@ -190,17 +204,57 @@ def _checkpoints_behind(running: list[_Running]) -> list[Alert]:
     return alerts
 
 
+def volunteers_present(running: list[_Running]) -> dict[int, int]:
+    """Devices working on, or asking for work of, each running campaign now: two Redis reads per campaign.
+
+    A device holding a lease, or one that asked within CROWDTRAIN_GONE_AFTER_S and got none, is present.
+    """
+    from crowdtrain.scheduler.configs import campaign_config
+
+    state = hot_state()
+    now = state.clock()
+    ids, pipe = [], state.client.pipeline(transaction=False)
+    for campaign in running:
+        config = campaign_config(campaign.id)
+        if config is None:
+            continue
+        key = state.campaign_key(config.hot_key)
+        pipe.hlen(f"{key}hold")
+        pipe.zcount(f"{key}idle", now - settings.CROWDTRAIN_GONE_AFTER_S, "+inf")
+        ids.append(campaign.id)
+    counts = pipe.execute() if ids else []
+    return {campaign_id: int(counts[2 * i]) + int(counts[2 * i + 1]) for i, campaign_id in enumerate(ids)}
+
+
 def _stalled(running: list[_Running], now: datetime, excused: set[int]) -> list[Alert]:
+    """A running campaign that committed no step for a while: critical with volunteers present (something is
+    broken), only a warning without any (nothing is wrong but the want of volunteers)."""
     after = timedelta(minutes=settings.CROWDTRAIN_STALLED_AFTER_MIN)
     alerts = []
+    quiet = []
     for c in running:
         # Counted from the newest step, or from the start or resume when no step came since: a paused
         # campaign that was just resumed is not stalled for the time it spent paused.
         since = max((t for t in (c.last_step_at, c.running_since) if t is not None), default=None)
         if c.id in excused or since is None or now - since <= after:
             continue
+        quiet.append((c, since))
+    present = volunteers_present([c for c, _ in quiet]) if quiet else {}
+    for c, since in quiet:
         minutes = (now - since).total_seconds() / 60
         what = "committed no step for" if since == c.last_step_at else "committed no step since it started running"
+        if not present.get(c.id):
+            alerts.append(
+                Alert(
+                    CAMPAIGN_NO_VOLUNTEERS,
+                    "warning",
+                    c.id,
+                    f"campaign {c.id} ({c.name!r}) is running but no volunteer's agent is working on it or asking "
+                    f"for its work; it {what} {minutes:.0f} minutes",
+                    "invite volunteers (the campaign's join page), or pause it until some come; nothing is broken",
+                )
+            )
+            continue
         alerts.append(
             Alert(
                 CAMPAIGN_STALLED,
@@ -208,9 +262,9 @@ def _stalled(running: list[_Running], now: datetime, excused: set[int]) -> list[
                 c.id,
                 f"campaign {c.id} ({c.name!r}) is running but {what} {minutes:.0f} minutes "
                 f"(limit {settings.CROWDTRAIN_STALLED_AFTER_MIN:g})",
-                "look at the agents online and the lease outcomes on the dashboard: no agents means no "
-                "volunteers (pause it, or invite some); leases that all expire or are rejected point at a "
-                "broken agent version or dataset; otherwise read the site's log for the campaign's id",
+                "volunteers' agents are there but no step completes: leases that all expire or are rejected "
+                "(the dashboard's lease outcomes) point at a broken agent version or dataset; otherwise read "
+                "the site's log for the campaign's id",
             )
         )
     return alerts
@@ -296,3 +350,12 @@ def status_of(alerts: list[Alert]) -> Literal["ok", "warning", "degraded"]:
     if any(a.severity == "critical" for a in alerts):
         return "degraded"
     return "warning" if alerts else "ok"
+
+
+def summary(alerts: list[Alert]) -> str:
+    """The most urgent of the alerts in a few words ("aggregator down", "no volunteers"), or "ok": for badges,
+    which must tell a dead aggregator from a campaign nobody has joined yet."""
+    if not alerts:
+        return "ok"
+    worst = min(alerts, key=lambda a: (a.severity != "critical", CODES.index(a.code)))
+    return SUMMARIES[worst.code]

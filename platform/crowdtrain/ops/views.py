@@ -6,11 +6,14 @@ HAProxy asks "does this process answer?" (``/livez``, every second, no
 database): a campaign whose aggregator is gone is no reason to take a site
 process out of rotation, and taking every process out would leave volunteers
 and organizers with nothing at all. A monitor asks "is the service doing its
-job?" (``/healthz``): 503 with ``{"status": "degraded", "alerts": [...]}``
-while any critical alert fires (a silent aggregator, a campaign waiting for
-aggregators, blocked or stalled), 200 with ``"warning"`` for warnings only (a
-spike of failed leases, a failing Celery task), 200 ``"ok"`` otherwise. Each
-alert names its campaign and what to do.
+job?" (``/healthz``): ``{"status": ..., "summary": ..., "alerts": [...]}``,
+``"degraded"`` while any critical alert fires (a silent aggregator, a campaign
+waiting for aggregators, blocked, or stalled with volunteers present),
+``"warning"`` for warnings only (a campaign nobody works on, a spike of failed
+leases, a failing Celery task), ``"ok"`` otherwise; each alert names its
+campaign and what to do. The answer is 200 whatever the campaigns do, and 503
+only when this site cannot serve (its database or Redis do not answer): a
+campaign's trouble is for the alerts, not a reason to call the site down.
 """
 
 from __future__ import annotations
@@ -50,11 +53,8 @@ def healthz(request: HttpRequest) -> JsonResponse:
             {"status": "down", "error": f"cannot read the database or Redis ({type(exc).__name__}); see the log"},
             status=503,
         )
-    status = health.status_of(alerts)
-    return JsonResponse(
-        {"status": status, "running_campaigns": running, "alerts": [a.as_dict() for a in alerts]},
-        status=503 if status == "degraded" else 200,
-    )
+    body = {"status": health.status_of(alerts), "summary": health.summary(alerts), "running_campaigns": running}
+    return JsonResponse({**body, "alerts": [a.as_dict() for a in alerts]})
 
 
 @require_GET

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 from django.core import mail
@@ -50,6 +51,32 @@ def test_login_is_refused_until_the_address_is_verified(client: Client) -> None:
 
     assert _logged_in_user_id(client) is None
     assert response.url == "/accounts/confirm-email/"  # "we sent you a verification mail"
+
+
+@pytest.mark.parametrize("contact", ["", "help@crowdtrain.example"])
+def test_pages_that_promise_help_name_the_contact_address_or_what_to_do_instead(
+    client: Client, settings: Any, contact: str
+) -> None:
+    # Issue 34: "contact us if you do not receive the verification email", with no contact anywhere.
+    settings.CROWDTRAIN_CONTACT_EMAIL = contact
+    _sign_up(client, "ada@example.org")
+    client.logout()
+
+    pages = [client.get("/accounts/confirm-email/"), client.get("/accounts/password/reset/")]
+
+    for page in pages:
+        html = page.content.decode()
+        assert page.status_code == 200 and "contact us" not in html.lower()
+        if contact:
+            assert f'href="mailto:{contact}"' in html
+        else:
+            assert "mailto:" not in html
+    if not contact:
+        assert "sign in with your address and password: the site sends a new link" in pages[0].content.decode()
+
+
+def test_the_footer_says_cpus_and_gpus(client: Client) -> None:
+    assert "spare CPUs and GPUs" in client.get("/").content.decode()
 
 
 def test_a_forgotten_password_is_reset_by_mail(client: Client) -> None:

@@ -26,7 +26,20 @@ def test_it_shows_install_login_and_run_commands_for_this_site_and_campaign(clie
     wheel = f"http://testserver/agent/crowdtrain_agent-{__version__}-py3-none-any.whl<"
     assert html.count(f"pip install {wheel}") == 2 and f"pip.exe install {wheel}" in html
     assert f"serves crowdtrain-agent {__version__}," in html
-    assert html.count('data-copy="cmd-') == 12
+    assert html.count('data-copy="cmd-') == 14  # Linux has two more: the CPU or the CUDA build of PyTorch
+
+
+def test_linux_volunteers_choose_the_cpu_or_cuda_pytorch_knowing_its_size_and_headless_machines_can_log_in(
+    client: Client,
+) -> None:
+    # Issue 34: pip pulled a multi-GB CUDA build with no word of its size; "opens your browser" on a server.
+    campaign = make_campaign()
+
+    html = client.get(f"/campaigns/{campaign.pk}/join").content.decode()
+
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in html
+    assert "the CPU build (about 200 MB)" in html and "CUDA build for an NVIDIA GPU (about 3 GB" in html
+    assert "(opens your browser)" not in html and html.count("without one, open the link it prints on any device") >= 3
 
 
 def test_it_is_public_but_only_for_published_campaigns(client: Client) -> None:
