@@ -438,6 +438,9 @@ ACCOUNT_LOGIN_METHODS = {"email"}
 ACCOUNT_SIGNUP_FIELDS = ["email*", "password1*", "password2*"]
 ACCOUNT_UNIQUE_EMAIL = True
 ACCOUNT_EMAIL_VERIFICATION = "mandatory"
+# Confirming the address in the browser that signed up logs the volunteer in and returns them where they started
+# (the ``next`` of the sign-up: a campaign's join page, say), instead of to a login form and then the home page.
+ACCOUNT_LOGIN_ON_EMAIL_CONFIRMATION = True
 ACCOUNT_EMAIL_SUBJECT_PREFIX = "[Crowdtrain] "
 # Links in e-mails: a production site sits behind TLS.
 ACCOUNT_DEFAULT_HTTP_PROTOCOL = "https" if SERVED_OVER_HTTPS else "http"

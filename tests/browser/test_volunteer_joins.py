@@ -167,9 +167,9 @@ def test_a_newcomer_signs_up_founds_a_team_and_logs_her_agent_in(
     shot(page, "confirm e-mail")
     page.get_by_role("button", name="Confirm").click()
 
-    # Confirmed, she is sent to log in, and lands on the home page.
-    expect(page.get_by_role("status")).to_contain_text("You have confirmed grace@example.org")
-    log_in(page, "grace@example.org", PASSWORD)
+    # Confirmed in the browser she signed up in, she is logged in and back where she started (the home page).
+    expect(page.get_by_role("status").first).to_contain_text("You have confirmed grace@example.org")
+    expect(page.get_by_role("button", name="Log out")).to_be_visible()
     expect(page).to_have_url(f"{live_site.url}/")
     expect(page.get_by_role("link", name="My devices")).to_be_visible()
     shot(page, "logged-in home")

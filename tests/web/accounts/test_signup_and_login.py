@@ -75,6 +75,24 @@ def test_pages_that_promise_help_name_the_contact_address_or_what_to_do_instead(
         assert "sign in with your address and password: the site sends a new link" in pages[0].content.decode()
 
 
+def test_signing_up_from_a_join_page_comes_back_to_it_logged_in_after_confirming(client: Client) -> None:
+    # Issue 34: after confirming she was logged out on Sign In, and after signing in she landed on Home.
+    from tests.factories import make_campaign
+
+    campaign = make_campaign()
+    join = f"/campaigns/{campaign.pk}/join"
+    html = client.get(join).content.decode()
+    assert f'href="/accounts/signup/?next={join}"' in html, "the Sign up link keeps the page"
+
+    client.post(f"/accounts/signup/?next={join}", {"email": "ada@example.org", "password1": PASSWORD,
+                                                  "password2": PASSWORD, "next": join})  # fmt: skip
+    assert _logged_in_user_id(client) is None, "not before the address is confirmed"
+    confirmed = client.post(_link_in_last_mail())
+
+    assert _logged_in_user_id(client) is not None
+    assert confirmed.status_code == 302 and confirmed.url == join
+
+
 def test_the_footer_says_cpus_and_gpus(client: Client) -> None:
     assert "spare CPUs and GPUs" in client.get("/").content.decode()
 
