@@ -1,0 +1,32 @@
+"""The home page's campaign cards update from their progress feed; the page never reloads itself.
+
+Seen in issue 34: a ``<meta http-equiv="refresh" content="5">`` reloaded the
+whole page every 5 s, and its charts flashed while a person read.
+"""
+
+from __future__ import annotations
+
+import pytest
+from playwright.sync_api import Page, expect
+
+from crowdtrain.campaigns.models import Campaign
+from tests.browser.live_site import LiveSite, Shot
+from tests.factories import make_campaign
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_a_campaign_card_moves_on_without_a_reload(page: Page, shot: Shot, live_site: LiveSite) -> None:
+    campaign = make_campaign()
+    page.goto(f"{live_site.url}/")
+    card = page.locator(f"#campaign-{campaign.pk}")
+    expect(card.locator('[data-field="committed_steps"]')).to_have_text("0")
+    assert page.locator('meta[http-equiv="refresh"]').count() == 0
+    page.evaluate("window.__sameHomePage = true")  # gone if the page reloads
+
+    Campaign.objects.filter(pk=campaign.pk).update(committed_steps=7, version=7)
+
+    expect(card.locator('[data-field="committed_steps"]')).to_have_text("7", timeout=15_000)
+    expect(card.locator('[data-field="version"]')).to_have_text("7")
+    assert page.evaluate("window.__sameHomePage === true"), "the page reloaded instead of updating its cards"
+    shot(page, "home page updated in place")
