@@ -60,7 +60,8 @@ def test_every_page_fits_390_px(page: Page, shot: Shot, live_site: LiveSite) -> 
                              f"/campaigns/{c}/join", "/campaigns/new", "/organizers/request", "/device"],
         "olga@example.org": ["/campaigns/", f"/campaigns/{c}/", f"/campaigns/{c}/edit", "/campaigns/new",
                              "/datasets/", "/datasets/new", f"/datasets/{d}/"],
-        "ada@example.org": ["/staff/review/", "/organizers/requests", f"/campaigns/{c}/", "/leaderboards/"],
+        "ada@example.org": ["/staff/review/", "/organizers/requests", f"/campaigns/{c}/", "/leaderboards/",
+                            "/dashboard/"],
     }  # fmt: skip
     too_wide = []
 
@@ -71,6 +72,25 @@ def test_every_page_fits_390_px(page: Page, shot: Shot, live_site: LiveSite) -> 
         too_wide += [found for path in paths if (found := _overflow(page, shot, who, path))]
 
     assert not too_wide, "pages wider than a 390 px phone:\n" + "\n".join(too_wide)
+
+
+# Install commands whose text is cut off inside their box, as "command (shown of full px)".
+CUT_COMMANDS = """() => Array.from(document.querySelectorAll(".command pre"))
+  .filter(pre => pre.scrollWidth > pre.clientWidth + 1 && pre.closest("details[open]"))
+  .map(pre => `${pre.textContent.trim().slice(0, 60)} (${pre.clientWidth} of ${pre.scrollWidth} px)`)"""
+
+
+def test_install_commands_are_shown_whole_on_a_phone_and_a_desktop(page: Page, shot: Shot) -> None:
+    # Issue 34: at 390 px each command box showed some 20 characters; on a desktop the pip command was cut off.
+    campaign = make_campaign()
+    for width, height in ((390, 844), (1280, 800)):
+        page.set_viewport_size({"width": width, "height": height})
+        page.goto(f"/campaigns/{campaign.pk}/join")
+        for details in page.locator("details.join-platform").all():
+            details.evaluate("node => { node.open = true; }")
+        shot(page, f"join page at {width} px")
+        assert page.evaluate(CUT_COMMANDS) == [], f"commands cut off at {width} px"
+        assert page.evaluate("document.documentElement.scrollWidth") <= width
 
 
 def test_a_newcomer_reaches_the_join_instructions_in_one_click(page: Page, shot: Shot) -> None:
