@@ -88,6 +88,7 @@ class FakeSite:
     close_code: int | None = None  # close every connection with this code right after the hello
     drop_after_done: bool = False  # drop the TCP connection once, after answering the first done
     verification: str = ""  # what each done_ack says of verification ("pending", "check")
+    negotiates: bool = False  # pick this code's minor from the agent's offers (else: a 2.0 site, minor 0)
     shard_delay_s: float = 0.0
     held_shards: dict[str, asyncio.Event] = field(default_factory=dict)  # answered once their event is set
     refuse_handshakes: list[int] = field(default_factory=list)  # answer the next handshakes with these HTTP statuses
@@ -105,8 +106,13 @@ class FakeSite:
     def url(self) -> str:
         return f"http://127.0.0.1:{_port(self.server)}"  # type: ignore[arg-type]
 
+    def _select_subprotocol(self, ws: ServerConnection, offered: Sequence[Subprotocol]) -> Subprotocol | None:
+        return _select_subprotocol(ws, offered) if self.negotiates else None
+
     async def start(self) -> None:
-        self.server = await serve(self._handle, "127.0.0.1", 0, process_request=self._http)
+        self.server = await serve(
+            self._handle, "127.0.0.1", 0, process_request=self._http, select_subprotocol=self._select_subprotocol
+        )
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -28,8 +28,8 @@ from tests.factories import make_campaign, make_volunteer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-# The Linux install step of the join page (campaigns/join.py).
-INSTALL = re.compile(r"~/crowdtrain-agent/bin/pip install (\S+?)</code>")
+# The Linux step of the join page that installs the agent (campaigns/join.py; the lines before it install PyTorch).
+INSTALL = re.compile(r"~/crowdtrain-agent/bin/pip install (\S+?\.whl)</code>")
 STEP_TIMEOUT_S = 60
 
 

@@ -104,6 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="log plain lines instead of the live panel (automatic when stdout is not a terminal)",
     )
+    controls = run.add_argument_group(
+        "your controls",
+        "When the agent may work and what it may use. Each may also be set as CROWDTRAIN_AGENT_<NAME> or in a "
+        "JSON file (--controls FILE, default: controls.json beside the saved login) with the keys idle_minutes, "
+        "max_other_cpu_percent, schedule, pause_on_battery, gpus, gpu_memory_gb, upload_kbps, download_kbps. "
+        "When one stops work, the lease in hand is given back at once and the panel says why.",
+    )
+    controls.add_argument("--idle-minutes", metavar="N", help="work only after N minutes without keyboard or mouse")
+    controls.add_argument(
+        "--max-other-cpu", metavar="PERCENT", help="pause while other programs use more than this share of the CPUs"
+    )
+    controls.add_argument(
+        "--schedule", metavar="TEXT", help="when it may work, e.g. 'mon-fri 18:00-08:00; sat,sun 00:00-24:00'"
+    )
+    controls.add_argument("--pause-on-battery", action="store_true", default=None, help="pause while on battery")
+    controls.add_argument("--gpus", metavar="0,1", help="the CUDA GPUs it may use, by index (it computes on the first)")
+    controls.add_argument("--gpu-memory-gb", metavar="GB", help="use at most this much of the GPU's memory")
+    controls.add_argument("--upload-kbps", metavar="KBIT/S", help="upload at most this fast (kilobits per second)")
+    controls.add_argument("--download-kbps", metavar="KBIT/S", help="download at most this fast (kilobits per second)")
+    controls.add_argument("--controls", metavar="FILE", dest="controls_file", help="the controls file to read")
     run.add_argument("-v", "--verbose", action="count", default=0, help="more detail: -v debug lines from the agent")
     run.add_argument(
         "--log-format",
@@ -289,6 +309,8 @@ def _run(config: AgentConfig, *, live: bool) -> int:
     from .runtime import Agent  # imports torch: keep --help and --version fast
 
     keep_freed_memory()  # a process-wide setting: here, not when the agent is imported as a library
+    if config.gpus:  # before PyTorch starts CUDA: the GPUs the volunteer named are the only ones it sees
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in config.gpus)
     status = AgentStatus()
     # Signal handlers can only be installed from the main thread; elsewhere (tests) stop programmatically.
     agent = Agent(config, status=status, handle_signals=threading.current_thread() is threading.main_thread())

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import platformdirs
+
+from .controls import ControlError, Controls, parse_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,12 @@ class AgentConfig:
     cache_dir: Path = Path(platformdirs.user_cache_dir(APP_NAME))
     max_leases: int | None = None  # stop after this many leases (tests, benchmarks)
     progress: bool = True  # rich live panel; False logs plain lines
+    # The volunteer's controls (``controls``, ``ratelimit``): when it may work, and what it may use.
+    controls: Controls = field(default_factory=Controls)
+    gpus: tuple[int, ...] = ()  # CUDA devices by index it may use (none: all); it computes on the first
+    gpu_memory_gb: float | None = None  # at most this much of the GPU's memory
+    upload_kbps: float | None = None
+    download_kbps: float | None = None
 
     @property
     def control_url(self) -> str:
@@ -211,7 +220,106 @@ def load_config(
         cache_dir=Path(cache_src[1]).expanduser() if cache_src else Path(platformdirs.user_cache_dir(APP_NAME)),
         max_leases=_positive_int(*max_leases_src) if max_leases_src else None,
         progress=bool(flags.get("progress", True)),
+        **read_controls(flags, env, controls_path(flags, env)),
     )
+
+
+# The volunteer's controls: (field, flag, environment variable suffix, key in the controls file).
+CONTROL_SOURCES = (
+    ("idle_minutes", "--idle-minutes", "IDLE_MINUTES", "idle_minutes"),
+    ("max_other_cpu", "--max-other-cpu", "MAX_OTHER_CPU", "max_other_cpu_percent"),
+    ("schedule", "--schedule", "SCHEDULE", "schedule"),
+    ("pause_on_battery", "--pause-on-battery", "PAUSE_ON_BATTERY", "pause_on_battery"),
+    ("gpus", "--gpus", "GPUS", "gpus"),
+    ("gpu_memory_gb", "--gpu-memory-gb", "GPU_MEMORY_GB", "gpu_memory_gb"),
+    ("upload_kbps", "--upload-kbps", "UPLOAD_KBPS", "upload_kbps"),
+    ("download_kbps", "--download-kbps", "DOWNLOAD_KBPS", "download_kbps"),
+)
+
+
+def controls_path(flags: Mapping[str, Any], env: Mapping[str, str]) -> Path:
+    """The controls file: --controls, CROWDTRAIN_AGENT_CONTROLS, or controls.json beside the login file."""
+    chosen = flags.get("controls_file") or env.get(ENV_PREFIX + "CONTROLS", "").strip()
+    return Path(chosen).expanduser() if chosen else default_config_path().with_name("controls.json")
+
+
+def read_controls(flags: Mapping[str, Any], env: Mapping[str, str], path: Path) -> dict[str, Any]:
+    """The controls' AgentConfig fields: each from its flag, else its variable, else the controls file.
+
+    Raises:
+        ConfigError: naming the flag, variable or file key and what it accepts.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        saved: dict[str, Any] = {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read the controls file {path}: {exc}") from None
+    else:
+        try:
+            saved = json.loads(text)
+        except ValueError:
+            saved = None  # type: ignore[assignment]
+        if not isinstance(saved, dict):
+            raise ConfigError(f"the controls file {path} is not a JSON object; see crowdtrain-agent run --help")
+        unknown = sorted(set(saved) - {key for *_, key in CONTROL_SOURCES})
+        if unknown:
+            known = ", ".join(key for *_, key in CONTROL_SOURCES)
+            raise ConfigError(f"the controls file {path} has unknown keys {unknown}; it may hold {known}")
+    values: dict[str, tuple[str, Any]] = {}
+    for field_name, flag, var, key in CONTROL_SOURCES:
+        if flags.get(field_name) not in (None, False):
+            values[field_name] = (flag, flags[field_name])
+        elif env.get(ENV_PREFIX + var):
+            values[field_name] = (ENV_PREFIX + var, env[ENV_PREFIX + var])
+        elif key in saved:
+            values[field_name] = (f"{key} in {path}", saved[key])
+    try:
+        controls = Controls(
+            idle_after_min=_number(*values["idle_minutes"], low=0, high=1440) if "idle_minutes" in values else None,
+            max_other_cpu=_number(*values["max_other_cpu"], low=1, high=100) / 100
+            if "max_other_cpu" in values
+            else None,
+            schedule=parse_schedule(str(values["schedule"][1])) if "schedule" in values else (),
+            pause_on_battery=_flag(*values["pause_on_battery"]) if "pause_on_battery" in values else False,
+        )
+    except ControlError as exc:
+        raise ConfigError(str(exc)) from None
+    return {
+        "controls": controls,
+        "gpus": _indices(*values["gpus"]) if "gpus" in values else (),
+        "gpu_memory_gb": _number(*values["gpu_memory_gb"], low=0.1, high=4096) if "gpu_memory_gb" in values else None,
+        "upload_kbps": _number(*values["upload_kbps"], low=8, high=1e8) if "upload_kbps" in values else None,
+        "download_kbps": _number(*values["download_kbps"], low=8, high=1e8) if "download_kbps" in values else None,
+    }
+
+
+def _number(name: str, value: Any, *, low: float, high: float) -> float:
+    try:
+        number = float(str(value).strip())
+    except ValueError:
+        number = math.nan
+    if not low <= number <= high:
+        raise ConfigError(f"{name} must be a number from {low:g} to {high:g}, got {value!r}")
+    return number
+
+
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def _indices(name: str, value: Any) -> tuple[int, ...]:
+    parts = [p.strip() for p in str(value).split(",") if p.strip()]
+    if not parts or not all(p.isascii() and p.isdigit() and len(p) <= 3 for p in parts):
+        raise ConfigError(f"{name} must be GPU indices separated by commas, like 0 or 0,1, got {value!r}")
+    return tuple(dict.fromkeys(int(p) for p in parts))
 
 
 def _check_server(name: str, value: Any) -> str:

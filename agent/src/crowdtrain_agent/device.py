@@ -122,3 +122,18 @@ def _system_memory() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def cap_gpu_memory(device: torch.device, gigabytes: float) -> None:
+    """Keep this process within ``gigabytes`` of a CUDA device's memory (the volunteer's ``--gpu-memory-gb``).
+
+    PyTorch's allocator raises out-of-memory past the cap, which the trainer meets like any memory wall
+    (checkpointing, then smaller microbatches). Other devices have no such cap: it is logged and ignored.
+    """
+    if device.type != "cuda":
+        logger.warning("--gpu-memory-gb applies to CUDA GPUs only; this agent computes on %s", device)
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, gigabytes * (1 << 30) / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    logger.info("using at most %.1f GB of the GPU's %.1f GB", fraction * total / (1 << 30), total / (1 << 30))

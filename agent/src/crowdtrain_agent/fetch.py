@@ -34,6 +34,7 @@ from .deltas import (
 )
 from .netmeter import METER
 from .protocol import SliceRoute
+from .ratelimit import LimitedResponse, Limits
 
 logger = logging.getLogger(__name__)
 
@@ -180,12 +181,14 @@ def _open(
     if part is not None:
         request.add_header("Range", f"bytes={part[0]}-{part[1]}")
     try:
-        return urllib.request.urlopen(request, timeout=timeout)
+        response = urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as exc:
         exc.close()  # an HTTPError holds the socket open until it is garbage-collected
         raise HttpStatusError(f"HTTP {exc.code} from {url}", exc.code) from None
     except (urllib.error.URLError, OSError) as exc:
         raise FetchError(f"cannot download {url}: {getattr(exc, 'reason', exc)}") from None
+    # The volunteer's download limit, if they set one (``--download-kbps``): every body is read through it.
+    return response if Limits.download is None else LimitedResponse(response, Limits.download)
 
 
 class ShardCache:

@@ -21,9 +21,10 @@ from . import __version__, trainer
 from .codec import Codec, get_codec
 from .config import AgentConfig
 from .control import AgentStopped, Backoff, ConnectionLost, ControlChannel
+from .controls import Gate, Signals
 from .credit import credit_for
 from .data import ShardReader, check_tokenizer
-from .device import describe_device, select_device
+from .device import cap_gpu_memory, describe_device, select_device
 from .feedback import ErrorFeedback, SliceKey
 from .fetch import FetchError, HeldParams, ShardCache, fetch_params, still_current
 from .local_steps import InnerOptimizers, RebaseFailed, RoundBase, compute_pseudo_gradient, local_lease_problem
@@ -32,6 +33,7 @@ from .netmeter import METER, LeaseCost
 from .precision import autocast_dtype
 from .progress import AgentStatus
 from .protocol import (
+    PAUSED_SINCE,
     PROTOCOL_VERSION,
     AgentHello,
     DataSpec,
@@ -39,6 +41,7 @@ from .protocol import (
     LeaseDone,
     LeaseRelease,
     LeaseRequest,
+    Paused,
     ProtocolError,
     Receipt,
     SliceRoute,
@@ -49,6 +52,7 @@ from .protocol import (
     no_lease_why,
     ticket_is_check,
 )
+from .ratelimit import Limits
 from .trainer import CampaignModel, ComputeCancelled, GradientResult, ModelCache, model_device
 from .uploader import Uploader, UploadError
 
@@ -59,6 +63,7 @@ T = TypeVar("T")
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130  # second Ctrl-C: the shell convention for "killed by SIGINT"
 LEASE_ERROR_PAUSE_S = 2.0  # after a lease that could not be prepared, before asking for another
+CONTROL_CHECK_S = 2.0  # how often the volunteer's controls are read while paused or computing
 # How long the site may hold a lease request while the steps this agent may work on are full: a
 # pipelined agent asks during its compute, and the commit that makes room answers at once.
 LEASE_WAIT_S = 10.0
@@ -186,6 +191,7 @@ class Agent:
         backoff: reconnect policy of the control channel.
         handle_signals: install SIGINT/SIGTERM handlers (only from the main thread).
         benchmark_s: time budget of the start-up matmul benchmark.
+        signals: where the volunteer's controls read the clock, idle time, CPU use and battery (tests).
     """
 
     def __init__(
@@ -196,6 +202,7 @@ class Agent:
         backoff: Backoff | None = None,
         handle_signals: bool = False,
         benchmark_s: float = 0.2,
+        signals: Signals | None = None,
     ) -> None:
         self.config = config
         self.status = status or AgentStatus()
@@ -206,6 +213,13 @@ class Agent:
         self._stopping = asyncio.Event()  # first Ctrl-C: finish the lease in progress, then exit
         self._stop_now = asyncio.Event()  # second Ctrl-C: give everything back and exit
         self._abort = threading.Event()  # tells the compute thread to give up between microbatches
+        # Ends the compute in flight between microbatches: a second Ctrl-C (with _abort), or a control.
+        self._cancel = threading.Event()
+        # The volunteer's controls (``controls``): whether it may work now, read before each lease and while
+        # computing; why it is paused ("" while it works), as the panel and the site were told.
+        self._gate = Gate(config.controls, signals or Signals()) if config.controls.any else None
+        self._paused_why = ""
+        Limits.set(download_kbps=config.download_kbps, upload_kbps=config.upload_kbps)
         self._version_pushed = asyncio.Event()
         self._held: dict[int, Lease] = {}  # leases taken and not yet reported or released
         self._speed: dict[int, float] = {}  # samples/s per campaign, smoothed
@@ -237,6 +251,7 @@ class Agent:
         else:
             logger.warning("stopping now; giving unfinished leases back")
             self._abort.set()
+            self._cancel.set()
             self._stop_now.set()
 
     async def run(self) -> int:
@@ -253,6 +268,8 @@ class Agent:
         device = select_device(self.config.device)
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
+        if self.config.gpu_memory_gb is not None:
+            cap_gpu_memory(device, self.config.gpu_memory_gb)
         info = await in_daemon_thread(describe_device, device, benchmark_s=self._benchmark_s)
         self.status.device = f"{info.kind}: {info.name}"
         self._models = ModelCache(device)
@@ -291,6 +308,7 @@ class Agent:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
             self._abort.set()
+            self._cancel.set()
             for pending in (work, stop_now, *self._reports):
                 pending.cancel()
             await self._control.close()
@@ -341,6 +359,13 @@ class Agent:
                     # Ctrl-C came before this lease started: the site can give it to someone else now.
                     await self._release(lease)
                     break
+                why = await self._why_paused()
+                if why:  # a control stopped work while this lease downloaded: nobody waits on it
+                    await self._note_pause(why)
+                    logger.warning("lease %d: paused (%s); giving it back unstarted", lease.lease_id, why)
+                    await self._release(lease)
+                    following = asyncio.create_task(self._next_work()) if self._may_take_more() else None
+                    continue
                 if work.flat is not None:  # between computes, so the running one never sees new weights
                     if work.flat.device == trainer.model_device(work.cm):
                         trainer.load_params_(work.cm, work.flat, lease.base_version, work.etags)  # views: instant
@@ -359,7 +384,10 @@ class Agent:
                     logger.debug(
                         "lease %d: %.1f ms idle between computes", lease.lease_id, 1e3 * (compute_start - compute_end)
                     )
+                if not self._abort.is_set():
+                    self._cancel.clear()
                 compute = asyncio.ensure_future(self._computer.run(self._compute, work))
+                watcher = asyncio.create_task(self._watch_controls()) if self._gate is not None else None
                 if unsent is not None:
                     # Sent once this compute runs: the upload's CPU then overlaps it instead of delaying its start.
                     report = await self._start_report(report, *unsent)
@@ -367,11 +395,19 @@ class Agent:
                 try:
                     result = await compute
                 except ComputeCancelled:
-                    break
+                    if self._abort.is_set():
+                        break
+                    # A control stopped work: the lease goes back at once, and nothing waits on it.
+                    logger.warning("lease %d: paused (%s); giving it back unfinished", lease.lease_id, self._paused_why)
+                    await self._release(lease)
+                    continue
                 except (RebaseFailed, trainer.SamplesUnavailable, trainer.GradientNotFinite) as exc:
                     logger.warning("lease %d: %s; giving it back", lease.lease_id, exc)
                     await self._release(lease)
                     continue
+                finally:
+                    if watcher is not None:
+                        watcher.cancel()
                 compute_end = time.perf_counter()
                 if result.rebase_wait_s:
                     METER.waited(result.rebase_wait_s)  # the round's base was still on its way
@@ -397,7 +433,7 @@ class Agent:
             start = None if work.round_base is None else self._inner.estimate(lease.campaign_id, lease.round_base)
             result = compute_pseudo_gradient(
                 work.cm, optimizer, lease.inner.lr, work.x, work.y, lease.microbatch_size,
-                inner_batch_size=lease.inner_batch_size, cancel=self._abort, start=start, rebase=work.round_base,
+                inner_batch_size=lease.inner_batch_size, cancel=self._cancel, start=start, rebase=work.round_base,
                 rebase_wait_s=max(0.0, work.leased_at + lease.deadline_s - time.perf_counter()),
                 mixed_precision=lease.mixed_precision,
             )  # fmt: skip
@@ -409,7 +445,7 @@ class Agent:
             self._inner.remember(lease.campaign_id, lease.round_base, result.final_params)
             return dataclasses.replace(result, final_params=None)
         result = trainer.compute_gradient(
-            work.cm, work.x, work.y, lease.microbatch_size, cancel=self._abort, mixed_precision=lease.mixed_precision,
+            work.cm, work.x, work.y, lease.microbatch_size, cancel=self._cancel, mixed_precision=lease.mixed_precision,
             arriving=work.arriving,
         )  # fmt: skip
         trainer.finite_or_raise(result.grad, lease.codec)
@@ -457,6 +493,9 @@ class Agent:
         # site hands back the lease it may already have issued instead of reserving a second one.
         request_id = uuid.uuid4().hex
         while not self._stopping.is_set():
+            await self._wait_while_paused()
+            if self._stopping.is_set():
+                break
             self._version_pushed.clear()  # before asking, so a push during the request still wakes us
             campaign = self.config.campaign_id
             speed = self._speed.get(campaign if campaign is not None else self._last_campaign or -1)
@@ -813,6 +852,53 @@ class Agent:
     async def _pause(self, seconds: float) -> None:
         await _wait_any((self._stopping,), timeout=seconds)
 
+    # ------------------------------------------------------------------ the volunteer's controls
+
+    async def _why_paused(self) -> str:
+        """Why the volunteer's controls stop work now ("": they allow it); read off the loop (it may run a program)."""
+        if self._gate is None:
+            return ""
+        return await in_daemon_thread(self._gate.why_not)
+
+    async def _note_pause(self, why: str) -> None:
+        """Say a change of pause in the log, the panel and to the site (a site of 2.8 on; older ones cannot hear it)."""
+        if why == self._paused_why:
+            return
+        self._paused_why = why
+        if why:
+            logger.warning("paused: %s; no work is taken until that changes", why)
+            self.status.set_status(f"paused: {why}")
+        else:
+            logger.info("your controls allow work again")
+        await self._tell_pause()
+
+    async def _tell_pause(self) -> None:
+        if self._control.minor < PAUSED_SINCE:
+            return
+        try:
+            await self._control.send(Paused(why=self._paused_why))
+        except (ConnectionLost, AgentStopped):
+            pass  # told again on the next connection (``_on_connection_state``)
+
+    async def _wait_while_paused(self) -> None:
+        """Return once the controls allow work (at once if they do), or the agent stops."""
+        while not self._stopping.is_set():
+            why = await self._why_paused()
+            await self._note_pause(why)
+            if not why:
+                return
+            await self._pause(CONTROL_CHECK_S)
+
+    async def _watch_controls(self) -> None:
+        """While a lease computes: once a control stops work, end the compute between two microbatches."""
+        while True:
+            await asyncio.sleep(CONTROL_CHECK_S)
+            why = await self._why_paused()
+            if why:
+                await self._note_pause(why)
+                self._cancel.set()
+                return
+
     def _on_push(self, message: Any) -> None:
         if isinstance(message, VersionPublished):
             wanted = self.config.campaign_id
@@ -828,7 +914,11 @@ class Agent:
     def _on_connection_state(self, text: str) -> None:
         # "connected" only replaces a connection status; it must not hide "computing lease 7".
         if text != "connected" or self.status.status.startswith(("starting", "reconnecting", "disconnected")):
-            self.status.set_status(text)
+            self.status.set_status(f"paused: {self._paused_why}" if text == "connected" and self._paused_why else text)
+        if text == "connected" and self._paused_why:  # a new connection, maybe a new site process: tell it again
+            task = asyncio.get_running_loop().create_task(self._tell_pause())
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
 
 
 def _drop(task: asyncio.Future[Any]) -> None:

@@ -25,6 +25,7 @@ from .protocol import (
     negotiated_minor,
     offered_subprotocols,
 )
+from .ratelimit import Limits
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class Uploader:
                         await ws.send(list(chunk))
                         sent = sum(len(part) for part in chunk)
                         METER.sent(sent)
+                        if Limits.upload is not None:  # the volunteer's upload limit (``--upload-kbps``)
+                            await Limits.upload.take_async(sent)
                         if cost is not None:
                             cost.bytes_up += sent
                     raw = await asyncio.wait_for(ws.recv(), self._reply_timeout_s)

@@ -22,7 +22,7 @@ from crowdtrain_agent.protocol import DoneAck, Lease, NoLease, ReleaseAck, no_le
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["connected", "training", "idle", "queued", "reported", "released"]
+Kind = Literal["connected", "training", "idle", "queued", "reported", "released", "paused"]
 KINDS: frozenset[str] = frozenset(get_args(Kind))
 MAX_HELD = 8  # leases a connection remembers for the page; an agent holds one or two at a time
 
@@ -174,6 +174,11 @@ class Tracker:
                 )
             )
 
+    def paused(self, why: str) -> None:
+        """The agent's volunteer stopped it with one of their controls (``why``), or let it work again ("")."""
+        now = hot_state().clock()
+        self._note(Activity(kind="paused", at=now, detail=why) if why else Activity(kind="connected", at=now))
+
     def queued(self, campaign_id: int, ready_at_step: int) -> None:
         """The device's request waits at the site for the commit that makes room in a step."""
         self._queued = Activity(
@@ -246,6 +251,8 @@ def describe(activity: Activity, campaign_names: dict[int, str], now: float) -> 
         text = f"reported lease {activity.lease_id}{of}: {outcome}"
     elif activity.kind == "released":
         text = f"gave back lease {activity.lease_id}{of} unfinished"
+    elif activity.kind == "paused":
+        text = f"paused: {activity.detail}"
     else:
         text = "connected, has not asked for work yet"
     return {

@@ -50,6 +50,7 @@ from crowdtrain_agent.protocol import (
     LeaseRequest,
     Message,
     NoLease,
+    Paused,
     ProtocolError,
     ReleaseAck,
     SliceLost,
@@ -465,6 +466,11 @@ class AgentConsumer(_ProtocolConsumer):
 
     async def on_heartbeat(self, _: Heartbeat) -> None:
         """Nothing to do: the open socket is the liveness (``hotstate.Presence`` publishes it in batches)."""
+
+    async def on_paused(self, message: Paused) -> None:
+        """The volunteer's controls stopped their agent (or let it go on): My devices says so, nothing else changes."""
+        if self.activity is not None:
+            self.activity.paused(message.why)
 
     async def on_lease_request(self, request: LeaseRequest) -> None:
         # request_id (at most 64 characters, the column that stores it) and wait_s (seconds >= 0) are

@@ -80,6 +80,19 @@ def test_a_lease_given_back_unfinished_says_so(presence: Presence) -> None:
     assert describe(released, {}, released.at)["text"] == "gave back lease 10 of campaign 2 unfinished"
 
 
+def test_a_device_its_volunteer_paused_says_why_until_it_works_again(presence: Presence) -> None:
+    # Issue 34: "paused: outside your schedule" on My devices, as in the agent's panel.
+    tracker = Tracker(5)
+
+    tracker.paused("outside your schedule")
+    paused = _now(presence)
+    tracker.paused("")
+    resumed = _now(presence)
+
+    assert describe(paused, {}, paused.at)["text"] == "paused: outside your schedule"
+    assert resumed.kind == "connected"
+
+
 def test_leases_never_reported_are_forgotten_beyond_a_few(presence: Presence) -> None:
     tracker = Tracker(5)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
 import pytest
@@ -215,3 +216,27 @@ async def test_hello_notes_the_public_network_a_device_connects_from(
 
     hardware = (await sync_to_async(Device.objects.get)(pk=device.pk)).hardware
     assert hardware.get("network") == network and hardware["name"] == "test cpu"
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_an_agent_its_volunteer_paused_shows_paused_and_why(
+    owner: AbstractBaseUser,
+    connect: Connect,  # noqa: F811
+) -> None:
+    from crowdtrain.accounts.activity import decode_activity, describe
+    from crowdtrain.scheduler.hotstate import presence
+    from crowdtrain_agent.protocol import Paused
+
+    device, token = await sync_to_async(_device_through_login)(owner)
+    socket, _, _ = await connect("/ws/agent/", token)
+    await send(socket, HELLO)
+    await receive(socket)
+
+    await send(socket, Paused(why="outside your schedule"))
+    for _ in range(100):
+        found = decode_activity(presence.newest(device.pk))
+        if found is not None and found.kind == "paused":
+            break
+        await asyncio.sleep(0.02)
+
+    assert found is not None and describe(found, {}, found.at)["text"] == "paused: outside your schedule"

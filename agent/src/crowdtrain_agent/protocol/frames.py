@@ -24,7 +24,8 @@ PROTOCOL_VERSION = 2
 #   2.6  token datasets: lease.data kind "tokens" with token_bytes, vocab_size and tokenizer; data.augment;
 #        assign.initial: pretrained weights as version 0
 #   2.7  upload_refused: an aggregator tells the site of an upload refused for its content
-PROTOCOL_MINOR = 7
+#   2.8  paused: an agent tells the site its volunteer's controls stopped work, and why
+PROTOCOL_MINOR = 8
 # A site serves every minor of its major: volunteers upgrade at their own pace until the next major. An older
 # peer that cannot carry what a campaign needs is refused at that message, with the field to upgrade for.
 OLDEST_MINOR = 0

@@ -212,6 +212,13 @@ class Heartbeat(Message, tag="heartbeat", frozen=True, kw_only=True):
     """Sent every HEARTBEAT_INTERVAL_S by agents and aggregators; no reply."""
 
 
+class Paused(Message, tag="paused", frozen=True, kw_only=True):
+    """Agent to site (2.8): the volunteer's controls stopped work (``why``, in words: "outside your schedule"),
+    or, with ``why`` empty, allow it again. Shown on My devices; nothing else changes at the site."""
+
+    why: Name = ""
+
+
 class LeaseRequest(Message, tag="lease_request", frozen=True, kw_only=True):
     campaign_id: Id | None = None  # None: any running campaign
     samples_per_s: Rate | None = None  # measured on that campaign's model; None until known
@@ -636,12 +643,15 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     UploadReceipt,
     UploadRejected,
     UploadRefused,
+    Paused,
 )
 
 MESSAGE_TYPES: dict[str, type[Message]] = {str(cls.__struct_config__.tag): cls for cls in ALL_MESSAGES}
 
 # Which side sends what, once for every receiver: a message of any other kind is refused.
-AGENT_TO_SITE = (AgentHello, Heartbeat, LeaseRequest, LeaseDone, LeaseRelease)
+AGENT_TO_SITE = (AgentHello, Heartbeat, LeaseRequest, LeaseDone, LeaseRelease, Paused)
+# The first minor whose site takes ``paused``.
+PAUSED_SINCE = 8
 SITE_TO_AGENT = (Welcome, Lease, NoLease, DoneAck, ReleaseAck, VersionPublished, ErrorMessage)
 BACKBONE_TO_SITE = (
     BackboneHello,
@@ -779,6 +789,8 @@ __all__ = [
     "MESSAGE_TYPES",
     "REFUSALS_THAT_COUNT",
     "UPLOAD_REFUSED_SINCE",
+    "PAUSED_SINCE",
+    "Paused",
     "SITE_TO_AGENT",
     "SITE_TO_BACKBONE",
     "BlockSize",
