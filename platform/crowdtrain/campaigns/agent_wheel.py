@@ -93,6 +93,28 @@ def build_wheel(into: Path, source: Path = AGENT_SOURCE) -> Path:
     return into / expected
 
 
+def wheel_ready() -> bool:
+    """Whether this site has the wheel its join pages link (an operator's CROWDTRAIN_AGENT_PIP_SPEC needs none)."""
+    return bool(settings.CROWDTRAIN_AGENT_PIP_SPEC) or wheel_path().is_file()
+
+
+def ensure_wheel() -> Path | None:
+    """Build the wheel the join pages link if it is missing (``manage.py serve`` at start); its path, or None when
+    the operator names another source.
+
+    Raises:
+        WheelBuildError: if it cannot be built (the join pages then say so and show the alternative).
+    """
+    if settings.CROWDTRAIN_AGENT_PIP_SPEC:
+        return None
+    path = wheel_path()
+    if path.is_file():
+        return path
+    if not (AGENT_SOURCE / "pyproject.toml").is_file():
+        raise WheelBuildError(f"the agent's source is not at {AGENT_SOURCE}: build the wheel where it is")
+    return build_wheel(path.parent)
+
+
 @require_GET
 def agent_wheel(request: HttpRequest, filename: str) -> HttpResponseBase:
     """The wheel, at a URL that names its version (pip reads name and version from it)."""

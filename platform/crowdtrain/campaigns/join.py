@@ -12,7 +12,7 @@ from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
 from . import monitor
-from .agent_wheel import agent_version, wheel_url
+from .agent_wheel import agent_version, wheel_ready, wheel_url
 from .models import Campaign
 from .views import can_watch
 
@@ -37,16 +37,25 @@ def _powershell_quote(text: str) -> str:
     return text if re.fullmatch(r"[\w@%+=:,./-]+", text) else "'" + text.replace("'", "''") + "'"
 
 
-def _platforms(server: str, campaign_id: int, pip_spec: str) -> list[Platform]:
+def _platforms(server: str, campaign_id: int, pip_spec: str, *, from_source: bool = False) -> list[Platform]:
+    """Each platform's commands; ``from_source``: this site has no agent package to link, so the install step
+    installs from a checkout of the source instead."""
     login = f"login --server {server}"
     run = f"run --campaign {campaign_id}"
     # On a machine without a browser (a server, over SSH) the agent prints a link and a code: any device will do.
     log_in = "Log this machine in (opens your browser; without one, open the link it prints on any device)"
     # A virtual environment keeps the agent's PyTorch apart from anything else on the machine,
     # and calling its programs by path needs no activation (PowerShell's policy often forbids it).
+    from_source_posix = "~/crowdtrain-agent/bin/pip install ./agent"
+    scripts = r"& $HOME\crowdtrain-agent\Scripts"
+    from_source_windows = rf"{scripts}\pip.exe install .\agent"
     venv = ("Make a private Python environment for the agent", "python3 -m venv ~/crowdtrain-agent")
+    install_posix = from_source_posix if from_source else f"~/crowdtrain-agent/bin/pip install {shlex.quote(pip_spec)}"
+    install_windows = (
+        from_source_windows if from_source else rf"{scripts}\pip.exe install {_powershell_quote(pip_spec)}"
+    )
     rest = [
-        ("Install the agent", f"~/crowdtrain-agent/bin/pip install {shlex.quote(pip_spec)}"),
+        ("Install the agent", install_posix),
         (log_in, f"~/crowdtrain-agent/bin/crowdtrain-agent {login}"),
         ("Start computing for this campaign", f"~/crowdtrain-agent/bin/crowdtrain-agent {run}"),
     ]
@@ -65,15 +74,12 @@ def _platforms(server: str, campaign_id: int, pip_spec: str) -> list[Platform]:
         *rest,
     ]
     posix = [venv, *rest]
-    scripts = r"& $HOME\crowdtrain-agent\Scripts"
     windows = [
         ("Make a private Python environment for the agent", r"py -m venv $HOME\crowdtrain-agent"),
-        ("Install the agent", rf"{scripts}\pip.exe install {_powershell_quote(pip_spec)}"),
+        ("Install the agent", install_windows),
         (log_in, rf"{scripts}\crowdtrain-agent.exe {login}"),
         ("Start computing for this campaign", rf"{scripts}\crowdtrain-agent.exe {run}"),
     ]
-    from_source_posix = "~/crowdtrain-agent/bin/pip install ./agent"
-    from_source_windows = rf"{scripts}\pip.exe install .\agent"
     return [
         Platform("linux", "Linux", "bash", linux, from_source_posix),
         Platform("mac", "macOS", "Terminal (zsh or bash)", posix, from_source_posix),
@@ -93,9 +99,11 @@ def join(request: HttpRequest, campaign_id: int) -> HttpResponse:
     context = {
         "campaign": campaign,
         "server": server,
-        "platforms": _platforms(server, campaign.pk, pip_spec),
+        "platforms": _platforms(server, campaign.pk, pip_spec, from_source=not wheel_ready()),
         "pip_spec": pip_spec,
         "own_wheel": not settings.CROWDTRAIN_AGENT_PIP_SPEC,
+        # A link that would answer 503 is not shown as the way in: the page says so and gives the alternative.
+        "wheel_missing": not wheel_ready(),
         "agent_version": agent_version(),
         "finished": campaign.state == Campaign.State.FINISHED,
         # What the campaign costs a volunteer's link, measured by the agents already in it.

@@ -20,6 +20,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from crowdtrain import daphne_site
+from crowdtrain.campaigns.agent_wheel import WheelBuildError, ensure_wheel, wheel_ready
 
 
 def free_port(host: str) -> int:
@@ -47,6 +48,15 @@ class Command(BaseCommand):
         host = options["host"]
         if port == 0:
             port = free_port(host)
+        # The join pages link the agent wheel this site serves: build it now if it is missing, not at a
+        # volunteer's first pip install (which would get a 503).
+        if not wheel_ready():
+            self.stdout.write("crowdtrain: building the agent wheel the join pages link (once; about 10 s)")
+            self.stdout.flush()
+            try:
+                ensure_wheel()
+            except WheelBuildError as exc:
+                self.stderr.write(f"crowdtrain: cannot build the agent wheel ({exc}); join pages will say so")
         self.stdout.write(f"crowdtrain: serving http://{host}:{port}/ (Ctrl-C stops)")
         self.stdout.flush()
         daphne_site.main(["-b", host, "-p", str(port)])
