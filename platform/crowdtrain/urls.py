@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 from django.contrib import admin
+from django.templatetags.static import static
 from django.urls import include, path
+from django.views.generic import RedirectView
 
 from crowdtrain.accounts import profile_views, team_views
 from crowdtrain.campaigns import agent_wheel, dataset_views, organizer_views, pretrained_views, role_views, uploads
@@ -14,6 +16,8 @@ from crowdtrain.ops import views as ops_views
 from crowdtrain.verification import review_views, standing_views
 
 urlpatterns = [
+    # Browsers and tools ask for /favicon.ico whatever the page links: the site's icon, not a 404 in every log.
+    path("favicon.ico", RedirectView.as_view(url=static("img/favicon.svg"), permanent=True)),
     path("", campaign_views.index, name="index"),
     # Balancers check /livez (the process answers); monitors /healthz (alerts); Prometheus scrapes /metrics.
     path("livez", ops_views.livez, name="livez"),

@@ -114,6 +114,13 @@ def _attr(bound: float) -> str:
     return str(int(bound)) if float(bound).is_integer() and abs(bound) < 1e15 else f"{bound:g}"
 
 
+def readable_label(spec: Any, name: str) -> str:
+    """A model setting's label for people, its config name kept for those who know it: "Transformer blocks
+    (n_layer)", from the first clause of its help; the bare name when it has no help."""
+    words = (spec.label or spec.help.split(";")[0]).strip()
+    return f"{words[:1].upper()}{words[1:]} ({name})" if words else name
+
+
 class DatasetChoiceField(forms.ModelChoiceField):
     def label_from_instance(self, obj: Dataset) -> str:
         # The sample length is what a text model's block_size must match (block_size + 1 bytes per sample).
@@ -219,7 +226,7 @@ class CampaignForm(forms.Form):
             for name, spec in entry.fields.items():
                 self.fields[config_field_name(architecture, name)] = spec_field(
                     spec,
-                    name,
+                    readable_label(spec, name),
                     required=False,
                     attrs={"data-architecture": architecture},
                     named=f"{architecture}.{name}",

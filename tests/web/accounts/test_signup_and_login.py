@@ -93,6 +93,17 @@ def test_signing_up_from_a_join_page_comes_back_to_it_logged_in_after_confirming
     assert confirmed.status_code == 302 and confirmed.url == join
 
 
+def test_the_confirmation_page_names_the_address_not_a_made_up_username(client: Client) -> None:
+    from django.contrib.auth import get_user_model
+
+    _sign_up(client, "ada@example.org")
+    page = client.get(_link_in_last_mail()).content.decode()
+
+    username = get_user_model().objects.get(email="ada@example.org").username
+    assert "Please confirm that" in page and "ada@example.org" in page
+    assert username not in page.replace("ada@example.org", ""), "the username the site made up is not shown"
+
+
 def test_the_footer_says_cpus_and_gpus(client: Client) -> None:
     assert "spare CPUs and GPUs" in client.get("/").content.decode()
 
@@ -151,3 +162,10 @@ def test_the_login_page_wears_the_site_layout(client: Client) -> None:
     assert 'class="site-nav"' in page
     assert "css/site.css" in page
     assert 'href="/accounts/signup/"' in page
+
+
+def test_the_site_has_an_icon(client: Client) -> None:
+    # Issue 34: /favicon.ico was 404 on every page.
+    response = client.get("/favicon.ico")
+    assert response.status_code == 301 and response.url.endswith("img/favicon.svg")
+    assert 'rel="icon"' in client.get("/").content.decode()

@@ -267,3 +267,13 @@ def test_max_steps_cannot_drop_below_the_steps_already_made(organizer_client: Cl
     assert "Max steps must be more than the 30 steps already made" in response.context["form"].errors["max_steps"][0]
     campaign.refresh_from_db()
     assert campaign.max_steps == 100
+
+
+def test_model_settings_are_labelled_in_words_with_their_config_names(client: Client) -> None:
+    # Issue 34: the form showed bare n_layer, n_head, n_embd.
+    from tests.factories import logged_in, make_organizer
+
+    html = logged_in(make_organizer("olga")).get("/campaigns/new").content.decode()
+
+    assert "Transformer blocks (n_layer)" in html and "Attention heads per block (n_head)" in html
+    assert "Embedding width (n_embd)" in html
