@@ -106,6 +106,7 @@ def live_site_process(django_db_setup: None, tmp_path_factory: pytest.TempPathFa
         env["REDIS_URL"] = redis_url
     swarm = Swarm(folder, env=env)
     try:
+        swarm.manage("build_agent_wheel")  # as manage.py serve does at start: the join pages link it
         site = swarm.start_site()
         yield LiveSite(url=site.url, outbox=Outbox(outbox), swarm=swarm, redis_url=redis_url)
     finally:
