@@ -30,6 +30,12 @@ class BarChart:
     label: str  # the whole chart in one sentence, for aria-label
     first: str  # the first and last day, printed under the chart
     last: str
+    top: str = ""  # the value of the chart's top (the best day), printed beside it as its y-axis; "" when empty
+
+    @property
+    def empty(self) -> bool:
+        """No credit on any day: the page says so instead of drawing an empty box."""
+        return not self.top
 
 
 def daily_credit(days: Sequence[Day]) -> BarChart:
@@ -57,7 +63,8 @@ def daily_credit(days: Sequence[Day]) -> BarChart:
         f"most on {_long(best)}, {best.credit:,.3f} credit" if best.credit > 0 else "no credit on any of these days"
     )
     label = f"Daily credit for the last {len(days)} days, {_long(days[0])} to {_long(days[-1])}: {summary}."
-    return BarChart(WIDTH, HEIGHT, bars, label, _short(days[0]), _short(days[-1]))
+    top_text = f"{top:,.3g} credit" if top > 0 else ""
+    return BarChart(WIDTH, HEIGHT, bars, label, _short(days[0]), _short(days[-1]), top_text)
 
 
 def _long(d: Day) -> str:

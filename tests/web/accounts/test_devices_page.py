@@ -240,3 +240,15 @@ async def test_an_agent_its_volunteer_paused_shows_paused_and_why(
         await asyncio.sleep(0.02)
 
     assert found is not None and describe(found, {}, found.at)["text"] == "paused: outside your schedule"
+
+
+def test_every_text_input_of_the_device_pages_says_its_type_so_the_site_styles_it() -> None:
+    # Issue 34: small unstyled "Name it" inputs (the site's CSS styles inputs by type).
+    import re
+
+    from crowdtrain_launcher import REPO_ROOT
+
+    for name in ("confirm.html", "verify.html", "list.html"):
+        html = (REPO_ROOT / "frontend" / "templates" / "devices" / name).read_text()
+        untyped = [tag for tag in re.findall(r"<input\b[^>]*>", html, re.S) if "type=" not in tag]
+        assert not untyped, (name, untyped)

@@ -127,6 +127,18 @@ def test_the_chart_has_a_bar_for_each_of_the_last_30_days(client: Client) -> Non
     assert len(bars) == 30
     assert bars[29][1] == f"{today:%b} {today.day}, {today.year}: 2.000 credit"
     assert [float(h) for h, _ in bars].count(0.0) == 27 and float(bars[26][0]) == 100.0  # the best day is full height
+    # Its y-axis: the best day's credit at the top, so a bar's height reads as a number (issue 34).
+    assert re.search(r'data-testid="credit-chart-top">8 credit<', page.content.decode())
+
+
+def test_before_any_credit_the_chart_says_so_instead_of_an_empty_box(client: Client) -> None:
+    alice = make_volunteer("alice")
+    client.force_login(alice)
+
+    html = client.get("/me/").content.decode()
+
+    assert 'data-testid="credit-chart-empty"' in html and "<svg" not in html.split("credit-chart-empty")[1][:400]
+    assert 'data-testid="credit-chart"' not in html
 
 
 def _team_with_work(capture: Capture) -> tuple[Team, dict[str, AbstractBaseUser]]:
