@@ -30,7 +30,7 @@ def test_a_count_of_one_contributor_is_singular(client: Client) -> None:
 
     html = client.get("/").content.decode()
 
-    assert "<b>1</b> contributor</span>" in html
+    assert '<b data-field="contributors">1</b> contributor</span>' in html
 
 
 def test_an_empty_my_devices_page_offers_the_open_campaigns() -> None:

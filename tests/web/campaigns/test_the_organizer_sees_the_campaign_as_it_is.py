@@ -18,6 +18,7 @@ from crowdtrain.campaigns import monitor
 from crowdtrain.campaigns.lifecycle import apply_move
 from crowdtrain.campaigns.models import Campaign, Step, ValidationResult
 from crowdtrain.ops import health
+from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.models import Aggregator, Lease, SliceAssignment
 from tests.factories import commit_leases, logged_in, make_admin, make_campaign, make_device, make_organizer, make_user
 
@@ -114,11 +115,13 @@ def test_a_campaign_with_no_step_for_too_long_is_stalled_counted_from_its_resume
 ) -> None:
     campaign, client = owned()
     device, _ = make_device("vera")
-    active_lease(campaign, device.pk)
     long_ago = timezone.now() - timedelta(minutes=settings.CROWDTRAIN_STALLED_AFTER_MIN + 5)
     add_steps(campaign, [3.0, 2.0], every_s=10, end=long_ago)
     Campaign.objects.filter(pk=campaign.pk).update(running_since=long_ago)
+    # Nobody works on it: it waits for volunteers, which is no emergency (issue 34).
+    assert feed(client, campaign)["condition"]["code"] == "waiting_for_volunteers"
 
+    leasing.request_lease(device.pk, campaign.pk, None)  # a volunteer holds a lease, and still no step comes
     assert feed(client, campaign)["condition"]["code"] == "stalled"
 
     # Paused for an hour, resumed a minute ago: not stalled, whatever the age of its last step.
@@ -319,7 +322,7 @@ def test_the_public_feed_and_the_campaign_list_count_contributors_as_the_organiz
     listing = Client().get("/").content.decode()
 
     assert public["contributors"] == feed(client, campaign)["contributors"]["count"] == 2
-    assert "<b>2</b> contributors" in listing
+    assert '<b data-field="contributors">2</b> contributors' in listing
 
 
 def test_the_public_feed_and_the_list_draw_a_long_run_from_the_bounded_series() -> None:

@@ -33,7 +33,7 @@ def test_the_built_wheel_is_served_at_its_versioned_url(client: Client, wheel_di
         names = wheel.namelist()
         entry_points = wheel.read(f"crowdtrain_agent-{__version__}.dist-info/entry_points.txt").decode()
     assert "crowdtrain_agent/cli.py" in names and "crowdtrain_agent/protocol/__init__.py" in names
-    assert "crowdtrain-agent = crowdtrain_agent.cli:main" in entry_points
+    assert "crowdtrain-agent = crowdtrain_agent.cli:console_main" in entry_points
     assert not [name for name in names if name.endswith(".pyc")]
 
 
