@@ -31,6 +31,7 @@ from crowdtrain_agent.protocol import (
     AgentHello,
     CodecName,
     DataSpec,
+    DeviceControls,
     DoneAck,
     Heartbeat,
     Lease,
@@ -89,6 +90,7 @@ class FakeSite:
     drop_after_done: bool = False  # drop the TCP connection once, after answering the first done
     verification: str = ""  # what each done_ack says of verification ("pending", "check")
     negotiates: bool = False  # pick this code's minor from the agent's offers (else: a 2.0 site, minor 0)
+    controls: DeviceControls | None = None  # what the welcome says of the volunteer's controls (2.8)
     shard_delay_s: float = 0.0
     held_shards: dict[str, asyncio.Event] = field(default_factory=dict)  # answered once their event is set
     refuse_handshakes: list[int] = field(default_factory=list)  # answer the next handshakes with these HTTP statuses
@@ -155,7 +157,12 @@ class FakeSite:
             await ws.close(self.close_code, "go away")
             return
         welcome = Welcome(
-            device_id=1, device_name="laptop", volunteer="ada", heartbeat_s=self.heartbeat_s, gone_after_s=10
+            device_id=1,
+            device_name="laptop",
+            volunteer="ada",
+            heartbeat_s=self.heartbeat_s,
+            gone_after_s=10,
+            controls=self.controls,
         )
         await ws.send(encode_message(welcome))
         self.current = ws

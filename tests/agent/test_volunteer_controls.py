@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from crowdtrain_agent import runtime, trainer
 from crowdtrain_agent.config import AgentConfig, ConfigError, load_config
 from crowdtrain_agent.controls import ControlError, Controls, Gate, Signals, Window, parse_schedule
-from crowdtrain_agent.protocol import LeaseDone, LeaseRelease, LeaseRequest, Paused
+from crowdtrain_agent.protocol import DeviceControls, LeaseDone, LeaseRelease, LeaseRequest, Paused
 from crowdtrain_agent.runtime import Agent
 
 from .conftest import FAST_BACKOFF
@@ -249,3 +249,30 @@ def test_the_other_programs_share_of_the_cpus_is_read_from_proc() -> None:
     meter = OtherCpu()
     readings = [meter(), meter()]
     assert all(r is not None and 0.0 <= r <= 1.0 for r in readings), readings
+
+
+async def test_controls_set_on_my_devices_come_with_the_welcome_and_the_machines_own_come_first(
+    world: World, config: AgentConfig, quick_controls: None
+) -> None:
+    readings = Readings()
+    world.site.negotiates = True
+    world.site.controls = DeviceControls(schedule="mon-fri 18:00-08:00", pause_on_battery=True)
+    world.site.replies = [world.lease(1, [(0, 8)])]
+    agent = Agent(replace(config, max_leases=1), backoff=FAST_BACKOFF, benchmark_s=0.01, signals=readings.signals())
+    running = asyncio.create_task(agent.run())
+
+    await _until(lambda: Paused(why="outside your schedule") in world.site.of_kind(Paused))
+    assert not world.site.of_kind(LeaseRequest), "the site's schedule holds it at noon"
+    readings.now = MONDAY_EVENING
+    assert await asyncio.wait_for(running, 30) == 0
+
+    # The machine's own schedule (a flag, say) wins over the site's: noon is allowed here.
+    own = replace(config, max_leases=1, controls=Controls(schedule=parse_schedule("mon 11:00-13:00")),
+                  local_controls=frozenset({"schedule"}))  # fmt: skip
+    world.site.replies = [world.lease(2, [(8, 8)])]
+    readings.now = MONDAY_NOON
+    assert (
+        await asyncio.wait_for(Agent(own, backoff=FAST_BACKOFF, benchmark_s=0.01, signals=readings.signals()).run(), 30)
+        == 0
+    )
+    assert [d.lease_id for d in world.site.of_kind(LeaseDone)] == [1, 2]

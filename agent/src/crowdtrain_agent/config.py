@@ -47,6 +47,8 @@ class AgentConfig:
     gpu_memory_gb: float | None = None  # at most this much of the GPU's memory
     upload_kbps: float | None = None
     download_kbps: float | None = None
+    # The controls set here (flag, variable or file): they win over those set on the site's My devices page.
+    local_controls: frozenset[str] = frozenset()
 
     @property
     def control_url(self) -> str:
@@ -291,6 +293,7 @@ def read_controls(flags: Mapping[str, Any], env: Mapping[str, str], path: Path) 
         "gpu_memory_gb": _number(*values["gpu_memory_gb"], low=0.1, high=4096) if "gpu_memory_gb" in values else None,
         "upload_kbps": _number(*values["upload_kbps"], low=8, high=1e8) if "upload_kbps" in values else None,
         "download_kbps": _number(*values["download_kbps"], low=8, high=1e8) if "download_kbps" in values else None,
+        "local_controls": frozenset(values),
     }
 
 

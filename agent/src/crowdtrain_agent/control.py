@@ -366,6 +366,14 @@ class ControlChannel:
             except ConnectionClosed:
                 return
 
+    async def welcomed(self) -> None:
+        """Return once connected and welcomed (the welcome carries the device's settings).
+
+        Raises:
+            AgentStopped: if the site closed for good.
+        """
+        await self._connected()
+
     async def _connected(self) -> ClientConnection:
         while True:
             if self.fatal is not None:

@@ -113,6 +113,20 @@ class Controls:
                     or self.pause_on_battery)  # fmt: skip
 
 
+def describe_controls(controls: Controls) -> str:
+    """The controls in words, for the log ("after 5 idle minutes; mon-fri 18:00-08:00; not on battery")."""
+    parts = []
+    if controls.idle_after_min is not None:
+        parts.append(f"after {controls.idle_after_min:g} idle minutes")
+    if controls.max_other_cpu is not None:
+        parts.append(f"while other programs use at most {controls.max_other_cpu:.0%} of the CPUs")
+    if controls.schedule:
+        parts.append(f"{len(controls.schedule)} scheduled window{'s' if len(controls.schedule) > 1 else ''}")
+    if controls.pause_on_battery:
+        parts.append("not on battery")
+    return "; ".join(parts)
+
+
 @dataclass
 class Signals:
     """Where the controls' readings come from; each returns None where this OS cannot tell."""

@@ -21,7 +21,7 @@ from . import __version__, trainer
 from .codec import Codec, get_codec
 from .config import AgentConfig
 from .control import AgentStopped, Backoff, ConnectionLost, ControlChannel
-from .controls import Gate, Signals
+from .controls import ControlError, Controls, Gate, Signals, describe_controls, parse_schedule
 from .credit import credit_for
 from .data import ShardReader, check_tokenizer
 from .device import cap_gpu_memory, describe_device, select_device
@@ -37,6 +37,7 @@ from .protocol import (
     PROTOCOL_VERSION,
     AgentHello,
     DataSpec,
+    DeviceControls,
     Lease,
     LeaseDone,
     LeaseRelease,
@@ -217,7 +218,8 @@ class Agent:
         self._cancel = threading.Event()
         # The volunteer's controls (``controls``): whether it may work now, read before each lease and while
         # computing; why it is paused ("" while it works), as the panel and the site were told.
-        self._gate = Gate(config.controls, signals or Signals()) if config.controls.any else None
+        self._signals = signals or Signals()
+        self._gate = Gate(config.controls, self._signals) if config.controls.any else None
         self._paused_why = ""
         Limits.set(download_kbps=config.download_kbps, upload_kbps=config.upload_kbps)
         self._version_pushed = asyncio.Event()
@@ -880,8 +882,53 @@ class Agent:
         except (ConnectionLost, AgentStopped):
             pass  # told again on the next connection (``_on_connection_state``)
 
+    def _apply_site_controls(self, site: DeviceControls | None) -> None:
+        """Take the controls set on My devices (each welcome brings them), under those set here, which win."""
+        own = self.config.controls
+        # Set here: named by a flag, variable or the file, or given in this agent's config at all.
+        local = set(self.config.local_controls)
+        local |= {"idle_minutes"} if own.idle_after_min is not None else set()
+        local |= {"max_other_cpu"} if own.max_other_cpu is not None else set()
+        local |= {"schedule"} if own.schedule else set()
+        local |= {"pause_on_battery"} if own.pause_on_battery else set()
+        local |= {"upload_kbps"} if self.config.upload_kbps else set()
+        local |= {"download_kbps"} if self.config.download_kbps else set()
+        given = site or DeviceControls()
+        try:
+            controls = Controls(
+                idle_after_min=own.idle_after_min if "idle_minutes" in local else given.idle_minutes,
+                max_other_cpu=own.max_other_cpu
+                if "max_other_cpu" in local
+                else (given.max_other_cpu_percent / 100 if given.max_other_cpu_percent else None),
+                schedule=own.schedule if "schedule" in local else parse_schedule(given.schedule),
+                pause_on_battery=own.pause_on_battery if "pause_on_battery" in local else given.pause_on_battery,
+            )
+        except ControlError as exc:
+            logger.warning("the controls set on the site cannot be used (%s); this agent keeps its own", exc)
+            return
+        upload = self.config.upload_kbps if "upload_kbps" in local else given.upload_kbps
+        download = self.config.download_kbps if "download_kbps" in local else given.download_kbps
+        current = self._gate.controls if self._gate is not None else Controls()
+        if controls != current:
+            logger.info("your controls now: %s", describe_controls(controls) or "none (work at any time)")
+            self._gate = Gate(controls, self._signals) if controls.any else None
+        Limits.set(download_kbps=download, upload_kbps=upload)
+
     async def _wait_while_paused(self) -> None:
-        """Return once the controls allow work (at once if they do), or the agent stops."""
+        """Return once the controls allow work (at once if they do), or the agent stops.
+
+        The first time, after the site's welcome: it brings the controls set on My devices.
+        """
+        if self._control.welcome is None:
+            welcomed = asyncio.create_task(self._control.welcomed())
+            stopping = asyncio.create_task(self._stopping.wait())
+            try:
+                await asyncio.wait({welcomed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also when this coroutine is cancelled: neither task is left unread
+                _drop(stopping)
+                _drop(welcomed)
+            if not welcomed.done() or welcomed.cancelled() or welcomed.exception() is not None:
+                return  # stopping, or the site closed for good: the control task ends the agent with its reason
         while not self._stopping.is_set():
             why = await self._why_paused()
             await self._note_pause(why)
@@ -915,6 +962,8 @@ class Agent:
         # "connected" only replaces a connection status; it must not hide "computing lease 7".
         if text != "connected" or self.status.status.startswith(("starting", "reconnecting", "disconnected")):
             self.status.set_status(f"paused: {self._paused_why}" if text == "connected" and self._paused_why else text)
+        if text == "connected" and self._control.welcome is not None:
+            self._apply_site_controls(self._control.welcome.controls)
         if text == "connected" and self._paused_why:  # a new connection, maybe a new site process: tell it again
             task = asyncio.get_running_loop().create_task(self._tell_pause())
             self._reports.add(task)

@@ -134,6 +134,23 @@ def rename(request: HttpRequest, device_id: int) -> HttpResponse:
 
 @login_required
 @require_POST
+def set_controls(request: HttpRequest, device_id: int) -> HttpResponse:
+    """The volunteer's controls for one device; its agent takes them when it next connects (its own flags win)."""
+    device = _own_device(request, device_id)
+    try:
+        controls = devices.clean_controls(request.POST)
+    except ValueError as exc:
+        messages.error(request, f"The controls of {device.name} were not changed: {exc}.")
+        return redirect("devices")
+    Device.objects.filter(pk=device.pk).update(controls=controls)
+    messages.success(
+        request, f"Saved the controls of {device.name}; its agent takes them when it next connects to the site."
+    )
+    return redirect("devices")
+
+
+@login_required
+@require_POST
 def revoke(request: HttpRequest, device_id: int) -> HttpResponse:
     device = _own_device(request, device_id)
     if devices.revoke(device, "revoked by its owner on the devices page"):

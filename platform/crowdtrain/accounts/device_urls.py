@@ -18,5 +18,6 @@ urlpatterns = [
     path("devices/", device_pages.device_list, name="devices"),
     path("devices/status", device_status.device_status, name="devices-status"),
     path("devices/<int:device_id>/rename", device_pages.rename, name="device-rename"),
+    path("devices/<int:device_id>/controls", device_pages.set_controls, name="device-controls"),
     path("devices/<int:device_id>/revoke", device_pages.revoke, name="device-revoke"),
 ]

@@ -1,16 +1,19 @@
-"""What volunteers do with their devices: name them, read their hardware, revoke them."""
+"""What volunteers do with their devices: name them, read their hardware, set their controls, revoke them."""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.utils import timezone
 
 from crowdtrain.gateway.outbox import revoke_device
+from crowdtrain_agent.protocol import DeviceControls
 
 from .models import Device
 
@@ -104,3 +107,58 @@ def hardware_summary(hardware: dict[str, Any]) -> list[tuple[str, str]]:
         ("Agent", hardware.get("agent_version")),
     ]
     return [(label, str(value)) for label, value in rows if value not in (None, "")]
+
+
+# The controls a volunteer may set on My devices, as the agent's controls file names them, with their bounds.
+CONTROL_NUMBERS = {
+    "idle_minutes": (0.0, 1440.0, "minutes without keyboard or mouse input"),
+    "max_other_cpu_percent": (1.0, 100.0, "percent of the CPUs other programs may use"),
+    "upload_kbps": (8.0, 1e8, "kilobits per second"),
+    "download_kbps": (8.0, 1e8, "kilobits per second"),
+}
+
+
+def clean_controls(form: Mapping[str, str]) -> dict[str, Any]:
+    """The controls a My devices form sets (blank: not set), checked as the agent checks its own.
+
+    Raises:
+        ValueError: naming the control and what it accepts.
+    """
+    from crowdtrain_agent.controls import ControlError, parse_schedule
+
+    controls: dict[str, Any] = {}
+    for name, (low, high, unit) in CONTROL_NUMBERS.items():
+        raw = (form.get(name) or "").strip()
+        if not raw:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not low <= value <= high:
+            raise ValueError(f"{name.replace('_', ' ')} must be a number from {low:g} to {high:g} ({unit})")
+        controls[name] = value
+    schedule = " ".join((form.get("schedule") or "").split())
+    if schedule:
+        if len(schedule) > 200:
+            raise ValueError("the schedule is over 200 characters")
+        try:
+            parse_schedule(schedule)
+        except ControlError as exc:
+            raise ValueError(str(exc)) from None
+        controls["schedule"] = schedule
+    if form.get("pause_on_battery") in ("on", "true", "1"):
+        controls["pause_on_battery"] = True
+    return controls
+
+
+def device_controls(device: Device) -> DeviceControls | None:
+    """What the welcome tells the device's agent of its controls; None when none is set (or the stored ones
+    no longer read: the agent then keeps its own)."""
+    stored = device.controls if isinstance(device.controls, dict) else {}
+    if not stored:
+        return None
+    try:
+        return msgspec.convert(stored, DeviceControls)
+    except msgspec.ValidationError:
+        return None

@@ -34,6 +34,8 @@ class Device(models.Model):
     last_seen_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     hardware = models.JSONField(default=dict, blank=True)
+    # The volunteer's controls set on My devices (``devices.clean_controls``), sent with each welcome (2.8).
+    controls = models.JSONField(default=dict, blank=True)
     samples_per_s = models.FloatField(default=0.0)
     samples_accepted = models.BigIntegerField(default=0)
 

@@ -21,6 +21,7 @@ from django.utils import timezone
 from redis.exceptions import RedisError
 
 from crowdtrain.accounts.activity import Tracker
+from crowdtrain.accounts.devices import device_controls
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.names import account_name
 from crowdtrain.accounts.tokens import bearer_token
@@ -456,6 +457,7 @@ class AgentConsumer(_ProtocolConsumer):
                 volunteer=account_name(self.device.owner),
                 heartbeat_s=settings.CROWDTRAIN_AGENT_HEARTBEAT_S,
                 gone_after_s=settings.CROWDTRAIN_GONE_AFTER_S,
+                controls=device_controls(self.device),  # left out for an agent older than 2.8 (advisory)
             )
         )
 

@@ -18,7 +18,7 @@ from crowdtrain.accounts.models import Device
 from crowdtrain.asgi import application
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain_agent.protocol import CloseCode, Welcome
-from tests.factories import logged_in
+from tests.factories import logged_in, make_user
 from tests.web.gateway.conftest import HELLO, Connect, connect, receive, send  # noqa: F401  (connect: a fixture)
 
 H100 = {"kind": "cuda", "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85_520_809_984, "threads": 16,
@@ -252,3 +252,42 @@ def test_every_text_input_of_the_device_pages_says_its_type_so_the_site_styles_i
         html = (REPO_ROOT / "frontend" / "templates" / "devices" / name).read_text()
         untyped = [tag for tag in re.findall(r"<input\b[^>]*>", html, re.S) if "type=" not in tag]
         assert not untyped, (name, untyped)
+
+
+@pytest.mark.django_db
+def test_a_volunteer_sets_a_devices_controls_and_bad_ones_are_refused_by_name(owner: AbstractBaseUser) -> None:
+    # Issue 34: the controls on My devices, sent to the agent with the device's settings.
+    device = _device(owner, "desk gpu")
+    client = logged_in(owner)
+    url = f"/devices/{device.pk}/controls"
+
+    saved = client.post(url, {"idle_minutes": "5", "schedule": "mon-fri  18:00-08:00", "pause_on_battery": "on",
+                              "upload_kbps": "", "download_kbps": "20000"}, follow=True)  # fmt: skip
+    refused = client.post(url, {"schedule": "weekends"}, follow=True)
+    other = Client()
+    other.force_login(make_user("mallory"))
+
+    device.refresh_from_db()
+    assert device.controls == {"idle_minutes": 5.0, "schedule": "mon-fri 18:00-08:00", "pause_on_battery": True,
+                               "download_kbps": 20000.0}  # fmt: skip
+    assert "Saved the controls of desk gpu" in saved.content.decode()
+    assert "were not changed: schedule part &#x27;weekends&#x27;" in refused.content.decode()
+    assert other.post(url, {"idle_minutes": "1"}).status_code == 404, "nobody else's device"
+    page = client.get("/devices/").content.decode()
+    assert 'value="mon-fri 18:00-08:00"' in page and 'name="pause_on_battery" checked' in page
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_the_welcome_carries_the_devices_controls(
+    owner: AbstractBaseUser,
+    connect: Connect,  # noqa: F811
+) -> None:
+    device, token = await sync_to_async(_device_through_login)(owner)
+    await sync_to_async(Device.objects.filter(pk=device.pk).update)(controls={"schedule": "sat,sun 00:00-24:00"})
+    socket, _, _ = await connect("/ws/agent/", token)
+
+    await send(socket, HELLO)
+    welcome = await receive(socket)
+
+    assert isinstance(welcome, Welcome) and welcome.controls is not None
+    assert welcome.controls.schedule == "sat,sun 00:00-24:00" and welcome.controls.idle_minutes is None

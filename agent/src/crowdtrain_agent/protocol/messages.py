@@ -200,12 +200,28 @@ class AgentHello(Message, tag="hello", frozen=True, kw_only=True):
     device: DeviceInfo
 
 
+class DeviceControls(Part, frozen=True, kw_only=True):
+    """The volunteer's controls for one device, set on My devices (2.8); what the agent is given locally (flags,
+    variables, its controls file) comes first. None or "": not set. The agent checks them as it checks its own."""
+
+    idle_minutes: Annotated[float, msgspec.Meta(ge=0, le=1440)] | None = None
+    max_other_cpu_percent: Annotated[float, msgspec.Meta(ge=1, le=100)] | None = None
+    schedule: Name = ""  # "mon-fri 18:00-08:00; sat,sun 00:00-24:00" (``controls.parse_schedule``)
+    pause_on_battery: bool = False
+    upload_kbps: Annotated[float, msgspec.Meta(ge=8, le=1e8)] | None = None
+    download_kbps: Annotated[float, msgspec.Meta(ge=8, le=1e8)] | None = None
+
+
 class Welcome(Message, tag="welcome", frozen=True, kw_only=True):
     device_id: Id
     device_name: Name
     volunteer: Name
     heartbeat_s: Seconds
     gone_after_s: Seconds
+    controls: DeviceControls | None = None  # 2.8: set on My devices; an older agent has its own flags only
+
+    since: ClassVar[dict[str, int]] = {"controls": 8}
+    advisory: ClassVar[frozenset[str]] = frozenset({"controls"})
 
 
 class Heartbeat(Message, tag="heartbeat", frozen=True, kw_only=True):
@@ -790,6 +806,7 @@ __all__ = [
     "REFUSALS_THAT_COUNT",
     "UPLOAD_REFUSED_SINCE",
     "PAUSED_SINCE",
+    "DeviceControls",
     "Paused",
     "SITE_TO_AGENT",
     "SITE_TO_BACKBONE",
