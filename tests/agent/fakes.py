@@ -129,6 +129,11 @@ class FakeSite:
             pushed = VersionPublished(campaign_id=campaign_id, version=version, loss=1.5)
             await self.current.send(encode_message(pushed))
 
+    async def push(self, message: Any) -> None:
+        """Send ``message`` to the connected agent, as the site pushes a new version or changed controls."""
+        if self.current is not None:
+            await self.current.send(encode_message(message))
+
     async def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         if request.path.startswith("/ws/"):
             self.tries.append(request.headers.get(CONNECTION_HEADER))

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from crowdtrain_agent import runtime, trainer
 from crowdtrain_agent.config import AgentConfig, ConfigError, load_config
 from crowdtrain_agent.controls import ControlError, Controls, Gate, Signals, Window, parse_schedule
-from crowdtrain_agent.protocol import DeviceControls, LeaseDone, LeaseRelease, LeaseRequest, Paused
+from crowdtrain_agent.protocol import ControlsChanged, DeviceControls, LeaseDone, LeaseRelease, LeaseRequest, Paused
 from crowdtrain_agent.runtime import Agent
 
 from .conftest import FAST_BACKOFF
@@ -276,3 +276,37 @@ async def test_controls_set_on_my_devices_come_with_the_welcome_and_the_machines
         == 0
     )
     assert [d.lease_id for d in world.site.of_kind(LeaseDone)] == [1, 2]
+
+
+async def test_controls_changed_on_my_devices_stop_a_running_lease_and_clearing_them_allows_work(
+    world: World, config: AgentConfig, quick_controls: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 2.9: the site pushes the change; the volunteer does not restart her agent for it.
+    readings = Readings()
+    readings.battery = True  # on battery all along: only the pushed control makes that matter
+    started = threading.Event()
+    honest = trainer.compute_gradient
+
+    def long_compute(*args: Any, cancel: threading.Event | None = None, **kwargs: Any) -> Any:
+        started.set()
+        assert cancel is not None
+        if cancel.wait(20):
+            raise trainer.ComputeCancelled("cancelled between microbatches")
+        return honest(*args, cancel=cancel, **kwargs)
+
+    monkeypatch.setattr(trainer, "compute_gradient", long_compute)
+    world.site.negotiates = True
+    world.site.replies = [world.lease(1, [(0, 8)])]
+    agent = Agent(replace(config, max_leases=None), backoff=FAST_BACKOFF, benchmark_s=0.01, signals=readings.signals())
+    running = asyncio.create_task(agent.run())
+
+    await _until(started.is_set)
+    await world.site.push(ControlsChanged(controls=DeviceControls(pause_on_battery=True)))
+    await _until(lambda: world.site.of_kind(LeaseRelease))
+    assert world.site.of_kind(LeaseRelease)[0].lease_id == 1 and not world.site.of_kind(LeaseDone)
+    assert Paused(why="on battery") in world.site.of_kind(Paused)
+
+    await world.site.push(ControlsChanged(controls=None))  # cleared on My devices
+    await _until(lambda: world.site.of_kind(Paused)[-1] == Paused(why=""))
+    agent.request_stop()
+    assert await asyncio.wait_for(running, 30) == 0

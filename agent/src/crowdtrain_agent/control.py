@@ -22,6 +22,7 @@ from .protocol import (
     AgentHello,
     CloseCode,
     ConnectionTries,
+    ControlsChanged,
     DoneAck,
     ErrorMessage,
     Heartbeat,
@@ -89,7 +90,7 @@ def _close_hint(code: int, url: str) -> str:
 # How the channel takes each kind the site sends (SITE_TO_AGENT): the welcome ends the handshake,
 # replies go to the request that waits for them, pushes to the agent's on_push.
 REPLIES = (Lease, NoLease, DoneAck, ReleaseAck)
-PUSHES = (VersionPublished, ErrorMessage)
+PUSHES = (VersionPublished, ErrorMessage, ControlsChanged)
 
 
 def _reply_slot(message: Any) -> str | None:
@@ -119,7 +120,7 @@ class ControlChannel:
         url: ws:// or wss:// URL of the control endpoint.
         token: device API token, sent as a Bearer header on every connect.
         hello: the AgentHello sent first on every connection.
-        on_push: called on the event loop for VersionPublished and ErrorMessage.
+        on_push: called on the event loop for VersionPublished, ErrorMessage and ControlsChanged.
         on_state: called with a short status text when the connection goes up or down.
         backoff: reconnect policy.
     """

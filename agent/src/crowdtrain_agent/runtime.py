@@ -36,6 +36,7 @@ from .protocol import (
     PAUSED_SINCE,
     PROTOCOL_VERSION,
     AgentHello,
+    ControlsChanged,
     DataSpec,
     DeviceControls,
     Lease,
@@ -389,7 +390,8 @@ class Agent:
                 if not self._abort.is_set():
                     self._cancel.clear()
                 compute = asyncio.ensure_future(self._computer.run(self._compute, work))
-                watcher = asyncio.create_task(self._watch_controls()) if self._gate is not None else None
+                # Watched even with no controls: the site may push some while this lease computes (2.9).
+                watcher = asyncio.create_task(self._watch_controls())
                 if unsent is not None:
                     # Sent once this compute runs: the upload's CPU then overlaps it instead of delaying its start.
                     report = await self._start_report(report, *unsent)
@@ -408,8 +410,7 @@ class Agent:
                     await self._release(lease)
                     continue
                 finally:
-                    if watcher is not None:
-                        watcher.cancel()
+                    watcher.cancel()
                 compute_end = time.perf_counter()
                 if result.rebase_wait_s:
                     METER.waited(result.rebase_wait_s)  # the round's base was still on its way
@@ -936,6 +937,14 @@ class Agent:
                 return
             await self._pause(CONTROL_CHECK_S)
 
+    async def _recheck_controls(self) -> None:
+        await self._note_pause(await self._why_paused())
+
+    def _background(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._reports.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._reports.discard)
+
     async def _watch_controls(self) -> None:
         """While a lease computes: once a control stops work, end the compute between two microbatches."""
         while True:
@@ -947,6 +956,10 @@ class Agent:
                 return
 
     def _on_push(self, message: Any) -> None:
+        if isinstance(message, ControlsChanged):  # changed on My devices while connected
+            self._apply_site_controls(message.controls)
+            self._background(self._recheck_controls())  # My devices shows the new state without waiting
+            return
         if isinstance(message, VersionPublished):
             wanted = self.config.campaign_id
             if wanted is not None and message.campaign_id != wanted:
@@ -965,9 +978,7 @@ class Agent:
         if text == "connected" and self._control.welcome is not None:
             self._apply_site_controls(self._control.welcome.controls)
         if text == "connected" and self._paused_why:  # a new connection, maybe a new site process: tell it again
-            task = asyncio.get_running_loop().create_task(self._tell_pause())
-            self._reports.add(task)
-            task.add_done_callback(self._reports.discard)
+            self._background(self._tell_pause())
 
 
 def _drop(task: asyncio.Future[Any]) -> None:

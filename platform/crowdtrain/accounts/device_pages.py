@@ -135,16 +135,19 @@ def rename(request: HttpRequest, device_id: int) -> HttpResponse:
 @login_required
 @require_POST
 def set_controls(request: HttpRequest, device_id: int) -> HttpResponse:
-    """The volunteer's controls for one device; its agent takes them when it next connects (its own flags win)."""
+    """The volunteer's controls for one device; a connected agent takes them at once, another when it connects
+    (its own flags win)."""
     device = _own_device(request, device_id)
     try:
         controls = devices.clean_controls(request.POST)
     except ValueError as exc:
         messages.error(request, f"The controls of {device.name} were not changed: {exc}.")
         return redirect("devices")
-    Device.objects.filter(pk=device.pk).update(controls=controls)
+    devices.set_controls(device, controls)
     messages.success(
-        request, f"Saved the controls of {device.name}; its agent takes them when it next connects to the site."
+        request,
+        f"Saved the controls of {device.name}; its agent takes them now if it is connected, or when it next "
+        "connects (settings made on that machine itself come first).",
     )
     return redirect("devices")
 

@@ -12,7 +12,7 @@ from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.utils import timezone
 
-from crowdtrain.gateway.outbox import revoke_device
+from crowdtrain.gateway.outbox import push_controls, revoke_device
 from crowdtrain_agent.protocol import DeviceControls
 
 from .models import Device
@@ -64,6 +64,12 @@ def revoke(device: Device, reason: str) -> bool:
     if revoked:
         logger.info("device %s of %s revoked: %s", device.pk, device.owner_id, reason)
     return revoked
+
+
+def set_controls(device: Device, controls: dict[str, Any]) -> None:
+    """Store a device's controls (as ``clean_controls`` gives them) and hand them to its agent if it is connected."""
+    Device.objects.filter(pk=device.pk).update(controls=controls)
+    async_to_sync(push_controls)(device.pk, controls)
 
 
 def _bytes(value: Any) -> str | None:
@@ -155,8 +161,12 @@ def clean_controls(form: Mapping[str, str]) -> dict[str, Any]:
 def device_controls(device: Device) -> DeviceControls | None:
     """What the welcome tells the device's agent of its controls; None when none is set (or the stored ones
     no longer read: the agent then keeps its own)."""
-    stored = device.controls if isinstance(device.controls, dict) else {}
-    if not stored:
+    return stored_controls(device.controls)
+
+
+def stored_controls(stored: Any) -> DeviceControls | None:
+    """A device's stored controls as the protocol carries them; None when none is set or they no longer read."""
+    if not isinstance(stored, dict) or not stored:
         return None
     try:
         return msgspec.convert(stored, DeviceControls)

@@ -21,7 +21,7 @@ from django.utils import timezone
 from redis.exceptions import RedisError
 
 from crowdtrain.accounts.activity import Tracker
-from crowdtrain.accounts.devices import device_controls
+from crowdtrain.accounts.devices import device_controls, stored_controls
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.names import account_name
 from crowdtrain.accounts.tokens import bearer_token
@@ -35,6 +35,7 @@ from crowdtrain.verification.affinity import client_address, network_prefix
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
     BACKBONE_TO_SITE,
+    CONTROLS_PUSHED_SINCE,
     OLDEST_MINOR,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
@@ -43,6 +44,7 @@ from crowdtrain_agent.protocol import (
     BackboneWelcome,
     CheckpointSaved,
     CloseCode,
+    ControlsChanged,
     ErrorMessage,
     Heartbeat,
     Lease,
@@ -74,6 +76,7 @@ from .groups import memberships
 from .housekeeping import LAST_SEEN_DB_EVERY_S, housekeeping
 from .offloop import offloop
 from .outbox import (
+    ControlsEvent,
     ReplacedEvent,
     RevokedEvent,
     SendEvent,
@@ -683,6 +686,13 @@ class AgentConsumer(_ProtocolConsumer):
         await self.send_message(ReleaseAck(lease_id=release.lease_id))
         for campaign_id, channels in released.woken.items():
             await wake(campaign_id, channels)
+
+    async def device_controls(self, event: ControlsEvent) -> None:
+        """Controls changed on My devices reach the connected agent; an agent older than 2.9 takes them when it
+        next connects (its welcome carries them)."""
+        if self.minor < CONTROLS_PUSHED_SINCE:
+            return
+        await self.send_message(ControlsChanged(controls=stored_controls(event["controls"])))
 
     async def device_revoked(self, event: RevokedEvent) -> None:
         logger.info("device %s revoked: %s", self.device.pk, event["reason"])

@@ -2,7 +2,7 @@
 
 Groups: ``backbone.<aggregator id>`` (one aggregator's socket),
 ``campaign.<id>.agents`` (every agent working on a campaign),
-``device.<id>`` (one agent's socket, for revocation). A device or an
+``device.<id>`` (one agent's socket, for revocation and its controls). A device or an
 aggregator has one socket at a time: a newer one sends ``connection.replaced``
 to the group before it joins, and the older one closes with 4012. Waiting lease
 requests are woken one by one on their own channels (``send_commits``).
@@ -58,6 +58,11 @@ def send_event(message: Any) -> SendEvent:
 class RevokedEvent(TypedDict):
     type: str  # "device.revoked"
     reason: str
+
+
+class ControlsEvent(TypedDict):
+    type: str  # "device.controls": the volunteer changed the device's controls on My devices
+    controls: dict[str, Any]  # as stored on the device ({}: none set)
 
 
 class ReplacedEvent(TypedDict):
@@ -136,6 +141,12 @@ async def wake(campaign_id: int, channels: Iterable[str], *, copy: bool = False)
 async def revoke_device(device_id: int, reason: str) -> None:
     """Disconnect a device's agent at once; it is told why by the close code."""
     event: RevokedEvent = {"type": "device.revoked", "reason": reason}
+    await get_channel_layer().group_send(device_group(device_id), event)
+
+
+async def push_controls(device_id: int, controls: dict[str, Any]) -> None:
+    """Hand a device's new controls to its connected agent, if any (an agent of 2.9 or newer takes them at once)."""
+    event: ControlsEvent = {"type": "device.controls", "controls": controls}
     await get_channel_layer().group_send(device_group(device_id), event)
 
 

@@ -17,7 +17,7 @@ from crowdtrain.accounts.device_grant import GRANT_TYPE
 from crowdtrain.accounts.models import Device
 from crowdtrain.asgi import application
 from crowdtrain.scheduler.hotstate import hot_state
-from crowdtrain_agent.protocol import CloseCode, Welcome
+from crowdtrain_agent.protocol import CloseCode, ControlsChanged, Welcome
 from tests.factories import logged_in, make_user
 from tests.web.gateway.conftest import HELLO, Connect, connect, receive, send  # noqa: F401  (connect: a fixture)
 
@@ -291,3 +291,46 @@ async def test_the_welcome_carries_the_devices_controls(
 
     assert isinstance(welcome, Welcome) and welcome.controls is not None
     assert welcome.controls.schedule == "sat,sun 00:00-24:00" and welcome.controls.idle_minutes is None
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_controls_saved_on_my_devices_reach_the_connected_agent_at_once(
+    owner: AbstractBaseUser,
+    connect: Connect,  # noqa: F811
+) -> None:
+    # Issue 34: a volunteer who sets a schedule while her agent runs should not have to restart it.
+    device, token = await sync_to_async(_device_through_login)(owner)
+    socket, _, _ = await connect("/ws/agent/", token)
+    await send(socket, HELLO)
+    welcome = await receive(socket)
+    assert isinstance(welcome, Welcome) and welcome.controls is None
+
+    client = await sync_to_async(logged_in)(owner)
+    url = f"/devices/{device.pk}/controls"
+    await sync_to_async(client.post)(url, {"schedule": "sat,sun 00:00-24:00", "upload_kbps": "512"})
+    pushed = await receive(socket)
+    await sync_to_async(client.post)(url, {"schedule": "weekends"})  # refused: nothing is pushed
+    await sync_to_async(client.post)(url, {})  # every control cleared
+    cleared = await receive(socket)
+
+    assert isinstance(pushed, ControlsChanged) and pushed.controls is not None
+    assert pushed.controls.schedule == "sat,sun 00:00-24:00" and pushed.controls.upload_kbps == 512.0
+    assert isinstance(cleared, ControlsChanged) and cleared.controls is None
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_an_agent_older_than_2_9_is_not_sent_controls_it_cannot_read(owner: AbstractBaseUser) -> None:
+    from crowdtrain_agent.protocol import encode_message
+    from crowdtrain_agent.protocol.subprotocols import subprotocol
+
+    device, token = await sync_to_async(_device_through_login)(owner)
+    old = WebsocketCommunicator(application, "/ws/agent/", headers=[(b"authorization", f"Bearer {token}".encode())],
+                                subprotocols=[subprotocol(8)])  # fmt: skip
+    assert (await old.connect())[0]
+    await old.send_to(text_data=encode_message(HELLO, 8))
+    await old.receive_from(timeout=5)  # the welcome
+    client = await sync_to_async(logged_in)(owner)
+    await sync_to_async(client.post)(f"/devices/{device.pk}/controls", {"schedule": "sat,sun 00:00-24:00"})
+
+    assert await old.receive_nothing(timeout=0.5), "a 2.8 agent takes its controls with its next welcome"
+    await old.disconnect()

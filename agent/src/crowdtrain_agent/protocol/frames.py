@@ -25,7 +25,8 @@ PROTOCOL_VERSION = 2
 #        assign.initial: pretrained weights as version 0
 #   2.7  upload_refused: an aggregator tells the site of an upload refused for its content
 #   2.8  paused: an agent tells the site its volunteer's controls stopped work, and why
-PROTOCOL_MINOR = 8
+#   2.9  controls: the site pushes controls changed on My devices to a connected agent
+PROTOCOL_MINOR = 9
 # A site serves every minor of its major: volunteers upgrade at their own pace until the next major. An older
 # peer that cannot carry what a campaign needs is refused at that message, with the field to upgrade for.
 OLDEST_MINOR = 0

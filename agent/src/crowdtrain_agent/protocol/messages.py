@@ -224,6 +224,14 @@ class Welcome(Message, tag="welcome", frozen=True, kw_only=True):
     advisory: ClassVar[frozenset[str]] = frozenset({"controls"})
 
 
+class ControlsChanged(Message, tag="controls", frozen=True, kw_only=True):
+    """Site to agent (2.9): the volunteer changed the device's controls on My devices while its agent was
+    connected; the agent takes them as it takes the welcome's (its own flags, variables and file still win).
+    None: every control was cleared."""
+
+    controls: DeviceControls | None = None
+
+
 class Heartbeat(Message, tag="heartbeat", frozen=True, kw_only=True):
     """Sent every HEARTBEAT_INTERVAL_S by agents and aggregators; no reply."""
 
@@ -660,6 +668,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     UploadRejected,
     UploadRefused,
     Paused,
+    ControlsChanged,
 )
 
 MESSAGE_TYPES: dict[str, type[Message]] = {str(cls.__struct_config__.tag): cls for cls in ALL_MESSAGES}
@@ -668,7 +677,9 @@ MESSAGE_TYPES: dict[str, type[Message]] = {str(cls.__struct_config__.tag): cls f
 AGENT_TO_SITE = (AgentHello, Heartbeat, LeaseRequest, LeaseDone, LeaseRelease, Paused)
 # The first minor whose site takes ``paused``.
 PAUSED_SINCE = 8
-SITE_TO_AGENT = (Welcome, Lease, NoLease, DoneAck, ReleaseAck, VersionPublished, ErrorMessage)
+SITE_TO_AGENT = (Welcome, Lease, NoLease, DoneAck, ReleaseAck, VersionPublished, ErrorMessage, ControlsChanged)
+# The first minor whose agent takes ``controls``: an older one keeps the welcome's until it reconnects.
+CONTROLS_PUSHED_SINCE = 9
 BACKBONE_TO_SITE = (
     BackboneHello,
     Heartbeat,
@@ -806,6 +817,8 @@ __all__ = [
     "REFUSALS_THAT_COUNT",
     "UPLOAD_REFUSED_SINCE",
     "PAUSED_SINCE",
+    "CONTROLS_PUSHED_SINCE",
+    "ControlsChanged",
     "DeviceControls",
     "Paused",
     "SITE_TO_AGENT",
