@@ -51,6 +51,7 @@ SITE_LOG_LINES = 60
 # The site's own Redis database (channel layer, cache with allauth's rate-limit counters), emptied
 # before each test; tests of the second pass, maybe running beside us, keep the one REDIS_URL names.
 SITE_REDIS_DB = 14
+CONTACT_EMAIL = "help@crowdtrain.test"
 
 # Two shared cores and a cold site: give assertions more than Playwright's default 5 s.
 expect.set_options(timeout=10_000)
@@ -96,6 +97,7 @@ def live_site_process(django_db_setup: None, tmp_path_factory: pytest.TempPathFa
         "CROWDTRAIN_VAR_DIR": str(folder / "var"),
         "CROWDTRAIN_MEDIA_ROOT": str(folder / "media"),
         "CROWDTRAIN_EMAIL_URL": f"file:///{outbox}",  # dj-email-url drops the path's first slash
+        "CROWDTRAIN_CONTACT_EMAIL": CONTACT_EMAIL,  # where the pages promise contact, they show it
         # No Celery worker runs in tests: tasks a page starts run inside its request.
         "CELERY_TASK_ALWAYS_EAGER": "true",
         "DJANGO_ALLOW_ASYNC_UNSAFE": "",  # Django reads empty as unset
