@@ -310,3 +310,29 @@ async def test_controls_changed_on_my_devices_stop_a_running_lease_and_clearing_
     await _until(lambda: world.site.of_kind(Paused)[-1] == Paused(why=""))
     agent.request_stop()
     assert await asyncio.wait_for(running, 30) == 0
+
+
+async def test_cpu_threads_set_on_my_devices_apply_between_leases_unless_the_machine_sets_its_own(
+    world: World, config: AgentConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    seen: list[int] = []  # the threads each compute ran with, read in the compute thread itself
+    honest = trainer.compute_gradient
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return honest(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "compute_gradient", counting)
+    world.site.negotiates = True
+    world.site.controls = DeviceControls(threads=1)
+    world.site.replies = [world.lease(1, [(0, 8)])]
+    agent = Agent(replace(config, max_leases=1), backoff=FAST_BACKOFF, benchmark_s=0.01)
+    assert await asyncio.wait_for(agent.run(), 30) == 0
+    world.site.replies = [world.lease(2, [(8, 8)])]
+    own = replace(config, max_leases=1, threads=2)  # --threads 2 on the machine
+    assert await asyncio.wait_for(Agent(own, backoff=FAST_BACKOFF, benchmark_s=0.01).run(), 30) == 0
+
+    assert seen == [1, 2], "the site's thread count is used unless the machine names its own"
+    assert [d.lease_id for d in world.site.of_kind(LeaseDone)] == [1, 2]

@@ -180,6 +180,14 @@ class Prepared:
     arriving: trainer.ArrivingSamples | None = None  # x and y, while its later shards still download
 
 
+@dataclass(frozen=True)
+class Resources:
+    """What the compute may use: CPU threads and GPU memory (None: PyTorch's own default, no cap)."""
+
+    threads: int | None = None
+    gpu_memory_gb: float | None = None
+
+
 class LeaseFailed(RuntimeError):
     """A lease this agent cannot work on (bad data, missing parameters, unknown model)."""
 
@@ -222,6 +230,10 @@ class Agent:
         self._signals = signals or Signals()
         self._gate = Gate(config.controls, self._signals) if config.controls.any else None
         self._paused_why = ""
+        # Threads and GPU memory: the controls' wish, and what the compute thread last applied (``_use_resources``).
+        self._wanted = self._applied = Resources(config.threads, config.gpu_memory_gb)
+        self._device = torch.device("cpu")
+        self._default_threads = torch.get_num_threads()
         Limits.set(download_kbps=config.download_kbps, upload_kbps=config.upload_kbps)
         self._version_pushed = asyncio.Event()
         self._held: dict[int, Lease] = {}  # leases taken and not yet reported or released
@@ -269,6 +281,7 @@ class Agent:
         """
         # start-up: pick the device and measure it, so the site can size the first lease
         device = select_device(self.config.device)
+        self._device = device
         if self.config.threads:
             torch.set_num_threads(self.config.threads)
         if self.config.gpu_memory_gb is not None:
@@ -430,6 +443,7 @@ class Agent:
 
     def _compute(self, work: Prepared) -> GradientResult:
         """In the compute thread: the lease's summed gradient (sync) or pseudo-gradient of inner steps (local)."""
+        self._use_resources()
         lease = work.lease
         if lease.mode == "local" and lease.inner is not None:
             optimizer = self._inner.get(lease.campaign_id, work.cm, lease.inner, lease.base_version)
@@ -907,6 +921,10 @@ class Agent:
         except ControlError as exc:
             logger.warning("the controls set on the site cannot be used (%s); this agent keeps its own", exc)
             return
+        self._wanted = Resources(
+            self.config.threads if self.config.threads else given.threads,
+            self.config.gpu_memory_gb if self.config.gpu_memory_gb is not None else given.gpu_memory_gb,
+        )
         upload = self.config.upload_kbps if "upload_kbps" in local else given.upload_kbps
         download = self.config.download_kbps if "download_kbps" in local else given.download_kbps
         current = self._gate.controls if self._gate is not None else Controls()
@@ -914,6 +932,22 @@ class Agent:
             logger.info("your controls now: %s", describe_controls(controls) or "none (work at any time)")
             self._gate = Gate(controls, self._signals) if controls.any else None
         Limits.set(download_kbps=download, upload_kbps=upload)
+
+    def _use_resources(self) -> None:
+        """In the compute thread, between two leases: the CPU threads and GPU memory the controls now allow."""
+        wanted, applied = self._wanted, self._applied
+        if wanted == applied:
+            return
+        self._applied = wanted
+        if wanted.threads != applied.threads:
+            torch.set_num_threads(wanted.threads or self._default_threads)
+            logger.info("computing on %d CPU threads", torch.get_num_threads())
+        if wanted.gpu_memory_gb != applied.gpu_memory_gb and self._device.type == "cuda":
+            if wanted.gpu_memory_gb is None:
+                torch.cuda.set_per_process_memory_fraction(1.0, self._device)
+                logger.info("the GPU's memory is no longer capped")
+            else:
+                cap_gpu_memory(self._device, wanted.gpu_memory_gb)
 
     async def _wait_while_paused(self) -> None:
         """Return once the controls allow work (at once if they do), or the agent stops.

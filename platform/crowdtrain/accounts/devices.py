@@ -121,6 +121,8 @@ CONTROL_NUMBERS = {
     "max_other_cpu_percent": (1.0, 100.0, "percent of the CPUs other programs may use"),
     "upload_kbps": (8.0, 1e8, "kilobits per second"),
     "download_kbps": (8.0, 1e8, "kilobits per second"),
+    "threads": (1, 1024, "a whole number of CPU threads"),
+    "gpu_memory_gb": (0.1, 4096.0, "gigabytes of the GPU's memory"),
 }
 
 
@@ -138,7 +140,7 @@ def clean_controls(form: Mapping[str, str]) -> dict[str, Any]:
         if not raw:
             continue
         try:
-            value = float(raw)
+            value: float = int(raw) if isinstance(low, int) else float(raw)  # threads: whole numbers only
         except ValueError:
             value = math.nan
         if not low <= value <= high:

@@ -334,3 +334,24 @@ async def test_an_agent_older_than_2_9_is_not_sent_controls_it_cannot_read(owner
 
     assert await old.receive_nothing(timeout=0.5), "a 2.8 agent takes its controls with its next welcome"
     await old.disconnect()
+
+
+@pytest.mark.django_db
+def test_threads_and_gpu_memory_are_controls_too_and_only_whole_threads_are_taken(owner: AbstractBaseUser) -> None:
+    from crowdtrain.accounts.devices import device_controls
+    from crowdtrain_agent.protocol import encode_message
+
+    device = _device(owner, "desk gpu")
+    client = logged_in(owner)
+    url = f"/devices/{device.pk}/controls"
+
+    refused = client.post(url, {"threads": "2.5"}, follow=True).content.decode()
+    client.post(url, {"threads": "6", "gpu_memory_gb": "7.5"})
+    device.refresh_from_db()
+    controls = device_controls(device)
+    welcome = Welcome(device_id=1, device_name="d", volunteer="v", heartbeat_s=25, gone_after_s=90, controls=controls)
+
+    assert "threads must be a number from 1 to 1024 (a whole number of CPU threads)" in refused
+    assert device.controls == {"threads": 6, "gpu_memory_gb": 7.5}
+    assert controls is not None and controls.threads == 6 and controls.gpu_memory_gb == 7.5
+    assert '"threads":6' in encode_message(welcome) and "threads" not in encode_message(welcome, 8), "2.9 fields"

@@ -210,6 +210,11 @@ class DeviceControls(Part, frozen=True, kw_only=True):
     pause_on_battery: bool = False
     upload_kbps: Annotated[float, msgspec.Meta(ge=8, le=1e8)] | None = None
     download_kbps: Annotated[float, msgspec.Meta(ge=8, le=1e8)] | None = None
+    threads: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None  # 2.9: CPU threads PyTorch may use
+    gpu_memory_gb: Annotated[float, msgspec.Meta(ge=0.1, le=4096)] | None = None  # 2.9: of the GPU it computes on
+
+    since: ClassVar[dict[str, int]] = {"threads": 9, "gpu_memory_gb": 9}
+    advisory: ClassVar[frozenset[str]] = frozenset({"threads", "gpu_memory_gb"})
 
 
 class Welcome(Message, tag="welcome", frozen=True, kw_only=True):
