@@ -1,4 +1,4 @@
-"""What the README's settings tables list, and what each program's source reads from the environment.
+"""What docs/settings.md's tables list, and what each program's source reads from the environment.
 
 The tests built on these keep the two in step: a variable added to the code
 without a row, or a row whose variable nothing reads any more, fails a test
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+SETTINGS_DOC = ROOT / "docs" / "settings.md"
 
 # Receivers whose .get(NAME) / [NAME] read an environment variable: os.environ, or a mapping
 # passed in its place and named after it (load_config(flags, environ), login_server(..., env)).
@@ -25,9 +25,9 @@ def documented(table_after: str) -> set[str]:
     """The variables named (in backquotes) in the first column of the first table after a line.
 
     Args:
-        table_after: the start of a README line that precedes the table, e.g. ``"The site reads"``.
+        table_after: the start of a line of docs/settings.md that precedes the table, e.g. ``"The site reads"``.
     """
-    lines = README.read_text().splitlines()
+    lines = SETTINGS_DOC.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(table_after))
     rows = []
     for line in lines[start + 1 :]:

@@ -1,4 +1,4 @@
-"""README.md's agent table lists every environment variable the agent reads, and nothing else."""
+"""docs/settings.md's agent table lists every environment variable the agent reads, and nothing else."""
 
 from __future__ import annotations
 
@@ -11,4 +11,4 @@ def test_every_variable_the_agent_reads_has_a_row_and_every_row_is_read() -> Non
 
     listed = documented("The agent (`crowdtrain-agent run`) takes")
 
-    assert read == listed, mismatch(read, listed, "the agent's table in README.md")
+    assert read == listed, mismatch(read, listed, "the agent's table in docs/settings.md")

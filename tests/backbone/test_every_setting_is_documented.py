@@ -1,4 +1,4 @@
-"""README.md's aggregator table lists every environment variable the aggregator reads, and nothing else."""
+"""docs/settings.md's aggregator table lists every environment variable the aggregator reads, and nothing else."""
 
 from __future__ import annotations
 
@@ -15,4 +15,4 @@ def test_every_variable_the_aggregator_reads_has_a_row_and_every_row_is_read() -
 
     listed = documented("The aggregator (`python -m crowdtrain_backbone`) reads")
 
-    assert read == listed, mismatch(read, listed, "the aggregator's table in README.md")
+    assert read == listed, mismatch(read, listed, "the aggregator's table in docs/settings.md")

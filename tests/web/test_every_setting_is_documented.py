@@ -1,4 +1,4 @@
-"""README.md's settings table lists every environment variable the site reads, and nothing else."""
+"""docs/settings.md's site table lists every environment variable the site reads, and nothing else."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def test_every_variable_the_site_reads_has_a_row_and_every_row_is_read() -> None
 
     listed = documented("The site reads its settings")
 
-    assert read == listed, mismatch(read, listed, "the site's table under README.md's Settings")
+    assert read == listed, mismatch(read, listed, "the site's table in docs/settings.md")
 
 
 def test_settings_read_the_environment_only_through_the_typed_readers() -> None:
