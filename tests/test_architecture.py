@@ -1,4 +1,4 @@
-"""The house rules on who imports whom, checked in a fresh interpreter each (see STYLE's "Where code goes").
+"""The house rules on who imports whom, each checked in a fresh interpreter (docs/contributing.md, "Where code goes").
 
 Each case imports modules in a child process and reads ``sys.modules`` there: this
 test process has imported everything already, so only a fresh one can tell what an
