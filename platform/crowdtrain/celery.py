@@ -4,8 +4,7 @@ A worker keeps its database connection from task to task, as a site
 process's threads do (``crowdtrain.connections``). Celery's Django fixup
 would close it around every task (``CELERY_DB_REUSE_MAX`` unset), so each
 verdict opened a new PostgreSQL connection, a backend forked for a dozen
-queries; that was a fifth of the time the worker spent judging under load
-(py-spy, the scale bench).
+queries (its share of the worker's time is in docs/performance.md).
 """
 
 from __future__ import annotations

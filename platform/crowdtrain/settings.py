@@ -138,8 +138,8 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test.sqlite3")}
 # Threads a served site process runs the scheduler's blocking calls in (``gateway.offloop``: Redis
 # scripts, batched database writes). Each call mostly waits on a round trip, so more threads than
-# cores pay: in the scale bench at 1,000 agents, 16 served 337-340 lease cycles/s against 260-274
-# with asyncio's default of 6 on these 2 cores, and 32 no more than 16. Each thread keeps its own
+# cores pay, up to a point: 16 served more lease cycles than asyncio's default and 32 no more than 16
+# (docs/performance.md, "Scheduler threads"). Each thread keeps its own
 # database connection: allow this many, plus a few, per site process in PostgreSQL's max_connections.
 # SQLite takes one writer at a time, so the embedded default keeps asyncio's own pool size there (0).
 CROWDTRAIN_SCHEDULER_THREADS = env_int(

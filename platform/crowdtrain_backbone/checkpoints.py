@@ -163,7 +163,7 @@ class S3Store:
         client = boto3.client(
             "s3",
             # Three tries, then the aggregator's own retries (``AggregatorNode.retry_checkpoints``): boto's
-            # legacy five took about 5 s to give up on a store that refuses connections, and a checkpoint
+            # legacy five take seconds to give up on a store that refuses connections, and a checkpoint
             # tried again every few seconds must not hold a thread that long.
             config=Config(retries={"mode": "standard", "max_attempts": 3}, connect_timeout=5),
             endpoint_url=environ.get("CROWDTRAIN_S3_ENDPOINT_URL") or None,

@@ -70,8 +70,8 @@ class BackboneConfig:
     spool_min_bytes: int = DEFAULT_MIN_BYTES  # uploads below this stay in memory; 0: every upload to the spool
     # One intra-op thread by default: an aggregator's work is elementwise passes over its slice,
     # interleaved with socket I/O, and OpenMP workers that spin between such small ops cost more
-    # than they give on a shared machine (torch.isfinite over 1.3 M floats: 8 ms with one thread,
-    # 76 ms with two while the other core was busy). Raise it on a dedicated host with large slices.
+    # than they give on a shared machine (docs/performance.md, "One torch thread"). Raise it on a
+    # dedicated host with large slices.
     torch_threads: int = 1
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     # Set: /metrics wants Authorization: Bearer <token>. Empty: it answers loopback and private addresses only.

@@ -64,9 +64,8 @@ _LAYOUT_FIELDS = ("start", "end", "param_count", "model", "seed", "initial")
 _DETAIL_CHARS = 500
 # A step whose uploads hold at most this many elements in all is applied on the event loop, not in a
 # worker thread: a few milliseconds of arithmetic, but thousands of small tensor operations, each of which
-# gives up the GIL and must win it back from a loop busy with uploads. On 16 cores at 900 uploads a second,
-# a step of 2,000 uploads of a 6-parameter slice took 1.4 to 1.9 s in the thread (12 ms alone; 6 s beside
-# a busy thread in a test), and the step after next waited on it.
+# gives up the GIL and must win it back from a loop busy with uploads, while the step after next waits on
+# it (docs/performance.md, "Small steps on the event loop").
 INLINE_STEP_ELEMENTS = 1 << 22
 
 

@@ -29,8 +29,9 @@ def keep_freed_memory() -> bool:
     shard bytes, upload frames) and frees them again, as does every step of an
     aggregator (the mean gradient, the optimizer's temporaries, the published params). With glibc's defaults
     most of these are fresh mmaps, and each first touch of a page is a page
-    fault that zeroes it: measured at 3-4 % of the compute core during a W1
-    run. Reused heap memory costs none of that.
+    fault that zeroes it, a visible share of the compute core's time
+    (docs/performance.md, "Freed buffers kept"). Reused heap memory costs none
+    of that.
 
     Returns:
         Whether the settings took (False off glibc, e.g. macOS, Windows or musl).

@@ -173,10 +173,10 @@ def _fastest(build: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimiz
     """The optimizer on torch's fused kernels where the device has them, else its default loop.
 
     An inner step updates every parameter, and local leases take hundreds of
-    them: on one CPU thread a fused AdamW step of W1's 1.3M parameters takes
-    0.6 ms where the per-tensor loop torch uses by default on the CPU takes
-    6 ms, about as long as a microbatch's forward and backward pass. The
-    arithmetic is the same update; only the order of rounding differs.
+    them: on the CPU the per-tensor loop torch uses by default costs about as
+    much as a microbatch's forward and backward pass, the fused kernel a tenth
+    of that (docs/performance.md, "Fused optimizers"). The arithmetic is the
+    same update; only the order of rounding differs.
     """
     try:
         return build(fused=True)

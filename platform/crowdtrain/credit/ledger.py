@@ -206,8 +206,8 @@ def _project_deltas(deltas: list[boards.Delta]) -> None:
 
 
 # The leaderboards are a projection of the ledger: a step's commit hands its credit to this thread and goes
-# on to open the next step and tell the aggregators, instead of waiting the 50-100 ms that 2,000 leases' worth
-# of sorted-set updates take. One thread, so a process applies its batches in the order they committed;
+# on to open the next step and tell the aggregators, instead of waiting for a step's worth of
+# sorted-set updates. One thread, so a process applies its batches in the order they committed;
 # what it still holds when the process exits normally is applied before exit (the executor joins its
 # thread at exit), and what a killed process held is repaired by the nightly rebuild from the ledger.
 _boards_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crowdtrain-leaderboards")

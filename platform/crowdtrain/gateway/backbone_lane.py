@@ -1,14 +1,12 @@
 """Orders for aggregators (commits, assignments, rollbacks) by Redis pub/sub, straight to their sockets.
 
 A step's agents wait for its commit to reach the aggregators, and the channel
-layer's way there crossed the site's busiest parts. Timed in the scale bench
-(300 agents, two site processes on 2 cores): from a step's "committed" to the
-aggregator's "applied" took 0.4 to 1.5 s, of which the aggregator used 0.05 to
-0.1 s. The committing thread's result waited 0.1 to 0.28 s for its event loop;
-channels_redis's ``group_send`` (three round trips, a loop cycle each) took
-0.22 to 0.47 s; and the commit then queued 0.04 to 1.06 s in the process inbox
-of the site process holding the aggregator's socket, behind every agent's wake
-and timer.
+layer's way there crossed the site's busiest parts: the committing thread's
+result waited for its event loop, channels_redis's ``group_send`` took three
+round trips of a loop cycle each, and the commit then queued in the process
+inbox of the site process holding the aggregator's socket, behind every
+agent's wake and timer (the timings are in docs/performance.md, "Aggregator
+orders").
 
 So, with channels_redis, each site process subscribes to a pub/sub channel of
 its own and records in a Redis hash which aggregators' sockets it holds. An

@@ -832,8 +832,9 @@ class BackboneConsumer(_ProtocolConsumer):
     async def on_heartbeat(self, _: Heartbeat) -> None:
         """The heartbeat's upkeep runs beside this consumer's messages, not before the next one.
 
-        It waits for the site's busy thread pools: 0.3 to 1.3 s at 300 agents on 2 cores (scale bench),
-        and a step's ``applied`` that came in meanwhile, which agents wait on, waited behind it. One
+        It waits for the site's busy thread pools, up to about a second under load (docs/performance.md,
+        "Aggregator orders"), and a step's ``applied`` that came in meanwhile, which agents wait on,
+        waited behind it. One
         heartbeat's upkeep at a time: a heartbeat that finds the last one's still running skips its own.
         """
         if self._upkeep is not None and not self._upkeep.done():

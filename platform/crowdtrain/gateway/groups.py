@@ -23,7 +23,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 # How often a membership is added again although Redis said nothing was lost: far inside channels'
-# day-long expiry. At 60 s, re-adding 5,000 idle sockets' groups was 10% of their site process's CPU.
+# day-long expiry, and rare enough that re-adding thousands of idle sockets' groups costs their site
+# process next to nothing (docs/performance.md, "Channel-layer groups").
 REFRESH_S = 3600.0
 
 Membership = tuple[str, str]  # (group, channel)

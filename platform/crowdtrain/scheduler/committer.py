@@ -1,10 +1,9 @@
 """Full steps written by a process of their own, not by the busy site process whose report filled them.
 
-A step's write is a few statements over arrays: 85 ms for 600 leases and 320 ms for
-2,000 on PostgreSQL in a quiet process (``make bench``'s commit bench). In a site
-process serving 300 agents it took 0.3-1.4 s, because its threads take turns on one
-interpreter lock with the event loop and the other scheduler calls; and the
-step after next waits for it. So where a committer runs (``manage.py
+A step's write is a few statements over arrays, quick in a quiet process but several
+times slower in a busy site process, whose threads take turns on one interpreter lock
+with the event loop and the other scheduler calls; and the step after next waits for
+it (figures in docs/performance.md, "Committer"). So where a committer runs (``manage.py
 run_committer``, one or more, beside the site processes), the done report that
 fills a step only queues it: the script that counts the report claims the step
 and pushes ``campaign:step`` onto a Redis list, and a committer pops it, takes
@@ -95,10 +94,8 @@ def handoff_args(campaign_id: int) -> dict[str, float]:
     ``alive_since``.
 
     Small steps stay with the site: the site that writes a step itself answers the reporting device's
-    waiting request at once, which a committer cannot, and a small step's write is short. Measured in the
-    scale bench on 2 cores, 1,000 agents: steps of 2,000 leases gave 288-293 lease cycles/s with a
-    committer against 272-278 without; steps of 32 gave 168-170 with one against 179-189 without, but
-    also 168-170 with a committer that was handed no step at all, so that gap is this machine's noise.
+    waiting request at once, which a committer cannot, and a small step's write is short. The scale
+    bench's figures behind the threshold are in docs/performance.md ("Committer").
     """
     return {
         "handoff": campaign_id if committers.running() else 0,

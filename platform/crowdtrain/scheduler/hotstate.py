@@ -260,8 +260,8 @@ class Presence:
 
         Called for every answer a connection sends its agent, so it must stay
         O(1): the site serves thousands of agents, and only the batch talks to Redis.
-        Encoding a record was 7% of a busy site process's CPU (py-spy, the scale bench's
-        wide phase), so a record may come as a callable, encoded only if it is still the newest.
+        Encoding every record showed in a busy site process's profile (docs/performance.md,
+        "Presence"), so a record may come as a callable, encoded only if it is still the newest.
         """
         with self._lock:
             if device_id in self._connected:  # a late answer to a socket that closed is nobody's news

@@ -38,10 +38,10 @@ from .models import Lease
 logger = logging.getLogger(__name__)
 
 # A batch is written when it is this old or this big, whichever comes first. Each batch costs a
-# transaction and a few statements whatever its size: at 50 ms, a site process serving 50 leases a
-# second wrote batches of two or three, and that was a seventh of its CPU (py-spy, the scale bench
-# at 100 agents). Nothing waits on these rows: a commit writes its own leases (``commit_rows``), and
-# a site killed outright leaves its last batch to the rebuild from the hot state.
+# transaction and a few statements whatever its size, so batches of two or three cost a busy site
+# process much of its CPU (docs/performance.md, "Lease records"). Nothing waits on these rows: a
+# commit writes its own leases (``commit_rows``), and a site killed outright leaves its last batch
+# to the rebuild from the hot state.
 FLUSH_INTERVAL_S = 0.25
 FLUSH_AT_RECORDS = 256
 # A database that stays down must not eat the site's memory: past this many queued writes the
@@ -263,8 +263,7 @@ def _write_on_postgresql(new: list[Lease], finished: list[Finished], cursors: di
 
     One INSERT and two UPDATEs, not ``bulk_create``'s model compilation and a statement per
     outcome: less Python per batch in a site process whose threads take turns on one interpreter
-    lock with its event loop. A batch still held its rows 50-175 ms (median, 90th percentile;
-    the scale bench's wide phase at 300 agents on 2 cores), and a step's commit waits for them.
+    lock with its event loop. A batch still holds its rows for a while, and a step's commit waits for them.
     Existing rows are locked first, in id order as a step's commit locks them, and new rows are
     inserted last: a step waiting on a new row's insert then never holds a row this transaction
     still needs.
@@ -376,9 +375,9 @@ def _outcome_sql(fields: list[str], condition: str) -> str:
     """One lease's outcome as a plain UPDATE, sent for a batch with ``executemany``.
 
     Not ``bulk_update``: its CASE expression over every row was resolved by
-    Django's expression machinery on each batch, and that was an eighth of a
-    site process's CPU under load (py-spy, the scale bench's wide phase); a
-    batch of these costs the driver a prepared statement and its parameters.
+    Django's expression machinery on each batch, a large share of a busy site
+    process's CPU (docs/performance.md, "Lease records"); a batch of these
+    costs the driver a prepared statement and its parameters.
     """
     table = batchsql.table(Lease)
     assignments = ", ".join(f"{column(field)} = %s" for field in fields)

@@ -257,9 +257,9 @@ def _open_sql() -> str:
 def _open_on_postgresql(case: Check, original: Answer) -> int:
     """Write a check and its original answer in one statement; returns the check's id.
 
-    Two ORM inserts in a transaction took 7% of a site process's interpreter time at a newcomer's
-    check rate (py-spy, the scale bench's wide phase at 300 agents): Django's model saving, not the
-    database. One statement is atomic on its own.
+    Two ORM inserts in a transaction were a large share of a busy site process's time, spent in
+    Django's model saving rather than the database (docs/performance.md, "Verification"). One
+    statement is atomic on its own.
     """
     from crowdtrain.batchsql import psycopg_reader
 
@@ -288,8 +288,7 @@ def _enqueue(case: Check, excluded: list[int]) -> None:
     """Queue a copy of the check for a volunteer not in ``excluded``.
 
     The entry carries what a copy's lease is made of (samples, base version, role), so handing
-    it out reads no row: that took two queries per copy, and copies were a fifth of a site
-    process's time at a newcomer's check rate.
+    it out reads no row: that took two queries per copy, on the lease path of every copy.
     """
     now = hot_state().clock()
     role = Answer.Role.TIEBREAK if case.state == Check.State.TIEBREAK else Answer.Role.COPY
@@ -324,7 +323,7 @@ def _only(rows: QuerySet[M]) -> M | None:
     """The row of a lookup by a unique key, or None.
 
     Not ``first()``: on an unordered query it adds ``ORDER BY id``, and Django
-    compiling that ordering was 3% of a site process's CPU in the scale bench.
+    compiling that ordering showed in a busy site process's profile.
     """
     return next(iter(rows[:1]), None)
 
@@ -469,8 +468,8 @@ def _write_report(answer: Answer) -> None:
 
 def _judge_soon(check_id: int) -> None:
     """Judge in the Celery worker: the report's ack does not wait for a verdict, and a verdict's dozen queries
-    (answers, standings, credit, maybe a quarantine) were a fifth of a site process's CPU at a newcomer's
-    check rate. Without a broker (the embedded default) the task runs here at once; with one that is
+    (answers, standings, credit, maybe a quarantine) would weigh on the processes that hold the sockets.
+    Without a broker (the embedded default) the task runs here at once; with one that is
     down, here too. A check whose task was lost is judged by the periodic ``upkeep`` (``judge_ripe``).
     """
     from .tasks import judge_check
