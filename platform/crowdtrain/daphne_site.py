@@ -1,91 +1,43 @@
-"""Run the site's ASGI application on daphne, with housekeeping paced for thousands of quiet sockets.
+"""Serve the site's ASGI application on daphne, with the site's WebSocket rules and start-up checks.
 
     python -m crowdtrain.daphne_site -b 0.0.0.0 -p 8000 [more daphne options]
 
 Every way the site is served (``manage.py serve``, the launcher's swarms and
 ``make cluster``, ``deploy/compose.yaml``) starts daphne through here, so they
-share two choices:
-
-- **Keepalive** (``SiteWebSocketProtocol``): every WebSocket is pinged
-  every ``CROWDTRAIN_WS_PING_INTERVAL_S`` seconds and dropped when it has not
-  answered within ``CROWDTRAIN_WS_PING_TIMEOUT_S``, busy or not: only a pong
-  counts (autobahn's keepalive, with ``autoPingRestartOnAnyTraffic`` off).
-  daphne's own pings only sockets that have sent nothing for a while, so a
-  client that kept sending but never read (its replies piling up in the
-  site's buffers) was never asked; it is switched off with an interval no
-  socket reaches (``DAPHNE_PINGS_OFF_S``). A socket that never says hello is
-  closed sooner, by the consumers (``CROWDTRAIN_HELLO_TIMEOUT_S``).
-- **Handshakes refused plainly** (``SiteWebSocketProtocol``): the
-  ``Sec-WebSocket-Protocol`` header a stranger sends is checked
-  (``crowdtrain_agent.protocol.choose_subprotocol``) before daphne decodes
-  it, which crashed with HTTP 500 on a non-ASCII byte or a percent-encoded
-  "³": an odd offer gets HTTP 400 with the reason instead, and a header line
-  over twisted's 16 KiB gets 431 (twisted hung up without a word). A close keeps
-  its reason (daphne sends the code alone), and a message for a socket that
-  is closing is dropped with a debug line (autobahn raised "Attempt to send
-  on a closed protocol" into the consumer that sent it).
-- **Walks** (``SiteServer``): daphne walks every connection once a second to
-  reap finished application instances, and every 2 s to check timeouts and
-  send keepalive pings. With 5,000 idle volunteers on a process those walks
-  cost it more than their heartbeats did; here they run every
-  ``REAP_EVERY_S`` and ``TIMEOUTS_EVERY_S`` seconds, so a closed socket's
-  record lingers a few seconds longer and a ping or a handshake timeout is
-  up to 2 s later, which the timeouts above (tens of seconds) absorb.
-
-- **Threads** (``use_scheduler_threads``): the event loop's default executor,
-  where the scheduler's blocking calls run (``gateway.offloop``), gets
-  ``CROWDTRAIN_SCHEDULER_THREADS`` threads instead of asyncio's
-  ``min(32, cores + 4)``; the setting replaces daphne's ``ASGI_THREADS``.
-- **Garbage collection**: the objects loaded at start (Django, the app) are
-  frozen out of the collector, so its full passes scan only what the
-  connections made. (Raising the young generation's threshold to 50,000
-  stopped those passes while 5,000 agents joined, but it also kept the
-  per-request database connections of Django's ASGI handler, garbage in
-  cycles, open until a collection: a site polled four times a second ran
-  PostgreSQL out of connections. That waits for a connection pool.)
-
-- **Plain debug names** (``plain_debug_names``): autobahn builds the arguments
-  of a debug log line for every frame it reads or sends, colouring names
-  with click whether or not debug logging is on: 3.4% of a site process's
-  interpreter time (py-spy, the scale bench's wide phase at 300 agents).
-  Here those helpers give the names uncoloured, which costs next to nothing.
-  Likewise each new connection pretty-printed its 40-odd settings for a debug
-  line (``pprint.pformat``): 4.8% of a site process's interpreter time while
-  1,000 agents joined. Here that text is made only if the line is written.
-
-- **The Redis client's version, read once** (``redis_version_read_once``):
-  redis-py reads its own package metadata (a file, parsed by the email
-  parser) for every connection it opens, to name itself to the server. When
-  1,000 agents left at once, each leaving removed it from a channel-layer
-  group over a new connection, and that reading was 11.7% of a site
-  process's interpreter time (py-spy, the scale bench's W1-like phase).
-
+share one keepalive, one way of refusing odd handshakes, one thread pool and
+the patches of ``crowdtrain.lib.patches`` (which lists each, with its figure).
 Options given on the command line come after ours, so they win.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import importlib
 import io
 import logging
 import math
-import pprint
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
+
+from crowdtrain.lib.patches import PacedWalks, apply_all
 
 APPLICATION = "crowdtrain.asgi:application"
 logger = logging.getLogger(__name__)
 DAPHNE_PINGS_OFF_S = 10**9  # daphne's --ping-interval: no socket is that old, so daphne never pings
-REAP_EVERY_S = 5
-TIMEOUTS_EVERY_S = 4  # a multiple of daphne's 2 s
 
 
 def site_websocket_protocol() -> type:
-    """daphne's WebSocket protocol with the site's handshake checks and keepalive (see the module's docstring)."""
+    """daphne's WebSocket protocol, refusing odd handshakes plainly and keeping a close's reason.
+
+    daphne decoded a stranger's ``Sec-WebSocket-Protocol`` and crashed with
+    HTTP 500 on a non-ASCII byte or a percent-encoded "³"; here the offer is
+    checked first (``crowdtrain_agent.protocol.choose_subprotocol``) and an odd
+    one gets 400 with the reason. daphne sends a close's code alone, and
+    autobahn raised "Attempt to send on a closed protocol" into a consumer that
+    sent to a closing socket; here the reason goes out and such a send is dropped.
+    """
     from autobahn.websocket.types import ConnectionDeny
     from daphne.ws_protocol import WebSocketProtocol
 
@@ -144,20 +96,24 @@ def answer_long_lines(channel: Any) -> None:
 
 
 def server_class() -> type:
-    """daphne's ``Server`` with the site's WebSocket protocol and its walks paced (module docstring).
+    """daphne's ``Server`` with the site's WebSocket protocol, keepalive and 431 answer, its walks paced.
+
+    Keepalive: every WebSocket is pinged every ``CROWDTRAIN_WS_PING_INTERVAL_S``
+    and dropped when its pong is later than ``CROWDTRAIN_WS_PING_TIMEOUT_S``,
+    busy or not (``autoPingRestartOnAnyTraffic`` off): daphne's own pings only
+    reach sockets that have sent nothing for a while, so a client that kept
+    sending but never read, its replies piling up in the site's buffers, was
+    never asked. Pacing: ``crowdtrain.lib.patches.PacedWalks``.
 
     Built on call: importing daphne's server installs twisted's asyncio
     reactor, which only a process that is about to serve should do.
     """
     from daphne.server import Server
     from django.conf import settings
-    from twisted.internet import reactor
 
     protocol = site_websocket_protocol()
 
-    class SiteServer(Server):
-        _reap_ticks = 0
-        _timeout_ticks = 0
+    class SiteServer(PacedWalks, Server):
         _ws_factory: Any = None
         _http_factory: Any = None
 
@@ -190,21 +146,6 @@ def server_class() -> type:
 
             factory.buildProtocol = build_protocol
             self._http_factory = factory
-
-        # daphne's checkers reschedule themselves (1 s and 2 s on); the ticks we skip do the same.
-        def application_checker(self) -> None:
-            self._reap_ticks += 1
-            if self._reap_ticks % REAP_EVERY_S:
-                cast(Any, reactor).callLater(1, self.application_checker)
-                return
-            super().application_checker()
-
-        def timeout_checker(self) -> None:
-            self._timeout_ticks += 1
-            if self._timeout_ticks % (TIMEOUTS_EVERY_S // 2):
-                cast(Any, reactor).callLater(2, self.timeout_checker)
-                return
-            super().timeout_checker()
 
     return SiteServer
 
@@ -248,48 +189,6 @@ def use_scheduler_threads() -> ThreadPoolExecutor:
     return pool
 
 
-def _plain_type(obj: object) -> str:
-    return f"<{getattr(obj, '__qualname__', type(obj).__qualname__)}>"
-
-
-def _plain_value(value: object, color: str = "", bold: bool = True) -> str:
-    return f"{value}"
-
-
-class _PrettyWhenWritten:
-    """``pprint.pformat(value)`` made when a log line is formatted, not when its arguments are gathered."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: object) -> None:
-        self.value = value
-
-    def __str__(self) -> str:
-        return pprint.pformat(self.value)
-
-
-def plain_debug_names() -> None:
-    """Have autobahn's WebSocket code build its debug lines' arguments cheaply (see above)."""
-    from autobahn.twisted import websocket as twisted_websocket
-    from autobahn.websocket import protocol
-
-    for module in (twisted_websocket, protocol):
-        for name, plain in (("hltype", _plain_type), ("hlval", _plain_value)):
-            if hasattr(module, name):  # imported from autobahn.util by name: replaced where they are used
-                setattr(module, name, plain)
-    if getattr(protocol, "pformat", None) is pprint.pformat:  # imported by name too: used for a new connection
-        protocol.pformat = _PrettyWhenWritten  # type: ignore[assignment]
-
-
-def redis_version_read_once() -> None:
-    """Have redis-py look up its own version once per process, not once per connection (see above)."""
-    import redis.utils
-
-    if not hasattr(redis.utils.get_lib_version, "cache_info"):
-        # Looked up by name each time a connection is made (redis.driver_info), so replacing it here is enough.
-        redis.utils.get_lib_version = functools.cache(redis.utils.get_lib_version)
-
-
 def main(argv: Sequence[str] | None = None) -> Any:
     """Serve ``crowdtrain.asgi:application`` with daphne's command line (``argv`` without the application)."""
     from daphne.cli import CommandLineInterface
@@ -297,8 +196,8 @@ def main(argv: Sequence[str] | None = None) -> Any:
     importlib.import_module(APPLICATION.partition(":")[0])  # daphne finds it loaded
     refuse_failed_checks()
     use_scheduler_threads()
-    plain_debug_names()
-    redis_version_read_once()
+    apply_all()
+    # What start-up loaded (Django, the app) leaves the collector: its full passes scan only what connections made.
     gc.freeze()
     cli = CommandLineInterface()
     cli.server_class = server_class()

@@ -23,7 +23,7 @@ from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
 from crowdtrain_agent.codec import get_codec
-from crowdtrain_agent.data import make_tensor_shards, sha256_hex
+from crowdtrain_agent.data import sha256_hex
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
@@ -59,6 +59,7 @@ from crowdtrain_agent.protocol import (
     sign_ticket,
     verify_ticket,
 )
+from tests.shards import make_tensor_shards
 
 TICKET_KEY = b"k" * 32
 GOOD_TOKEN = "good-token"

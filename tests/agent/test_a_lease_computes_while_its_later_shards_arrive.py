@@ -12,9 +12,10 @@ import torch
 
 from crowdtrain_agent import runtime, trainer
 from crowdtrain_agent.config import AgentConfig
-from crowdtrain_agent.data import make_tensor_shards, sha256_hex
+from crowdtrain_agent.data import sha256_hex
 from crowdtrain_agent.protocol import Lease, LeaseDone, LeaseRelease, SampleRange
 from crowdtrain_agent.runtime import Agent
+from tests.shards import make_tensor_shards
 
 from .conftest import FAST_BACKOFF
 from .fakes import World

@@ -92,7 +92,8 @@ def test_a_limited_download_arrives_whole_and_waits_its_bytes_at_the_limit(serve
 
     body = fetch.http_get(server)
     into = memoryview(bytearray(len(_Body.body)))
-    fetch.http_get_into(server, into)
+    with fetch._open(server, token=None, timeout=fetch.HTTP_TIMEOUT_S) as response:  # read in place, as parameters are
+        fetch._read_exactly_into(response, server, into)
 
     assert body == _Body.body and bytes(into) == _Body.body
     assert sum(limits.slept) == pytest.approx(2 * len(body) / (64 << 10) - BURST_S, abs=0.01)

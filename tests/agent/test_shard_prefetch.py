@@ -8,9 +8,10 @@ import msgspec
 import numpy as np
 
 from crowdtrain_agent.config import AgentConfig
-from crowdtrain_agent.data import make_tensor_shards, sha256_hex
+from crowdtrain_agent.data import sha256_hex
 from crowdtrain_agent.protocol import LeaseDone
 from crowdtrain_agent.runtime import Agent
+from tests.shards import make_tensor_shards
 
 from .conftest import FAST_BACKOFF
 from .fakes import World

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from crowdtrain_agent.data import read_samples
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import DataSpec
 from tests.e2e.test_two_aggregators_match_plain_pytorch import MODEL, rerun_in_pytorch, trained
+from tests.shards import read_samples
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
 

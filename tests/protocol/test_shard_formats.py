@@ -6,8 +6,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from crowdtrain_agent.data import ShardReader, count_samples, make_tensor_shards, make_text_shards, read_samples
+from crowdtrain_agent.data import ShardReader
 from crowdtrain_agent.protocol import DataSpec, ProtocolError
+from tests.shards import count_samples, make_tensor_shards, make_text_shards, read_samples
 
 
 @given(text=st.binary(min_size=0, max_size=400), sample_len=st.integers(2, 20), per_shard=st.integers(1, 9))

@@ -1,7 +1,7 @@
-"""Shard formats: how datasets are cut into content-addressed shards and read back as samples.
+"""Shard formats: how content-addressed shards lay out their samples, and how they are read back.
 
-One definition for both sides: the site's sharding task writes shards with
-the ``make_*`` functions, agents read them with ``ShardReader``.
+The site's sharding (``crowdtrain.campaigns.sharding``) writes shards in these
+formats, streaming; agents and the site's referee read them with ``ShardReader``.
 
 - text: raw bytes, ``sample_len`` bytes per sample. A byte-level language
   model reads inputs ``s[:-1]`` and targets ``s[1:]``.
@@ -17,47 +17,17 @@ the ``make_*`` functions, agents read them with ``ShardReader``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from safetensors.numpy import load as load_safetensors
-from safetensors.numpy import save as save_safetensors
 
 from .protocol import DataSpec, ProtocolError
 
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def make_text_shards(text: bytes, sample_len: int, samples_per_shard: int) -> Iterator[tuple[bytes, int]]:
-    """Cut a byte corpus into shards of whole samples; a ragged tail shorter than one sample is dropped.
-
-    Yields:
-        (shard bytes, number of samples in it), in corpus order.
-    """
-    if sample_len < 2:
-        raise ValueError(f"sample_len must be at least 2 bytes, got {sample_len}")
-    shard_bytes = sample_len * samples_per_shard
-    usable = len(text) - len(text) % sample_len
-    for offset in range(0, usable, shard_bytes):
-        chunk = text[offset : min(offset + shard_bytes, usable)]
-        yield chunk, len(chunk) // sample_len
-
-
-def make_tensor_shards(x: np.ndarray, y: np.ndarray, samples_per_shard: int) -> Iterator[tuple[bytes, int]]:
-    """Cut feature and label arrays into safetensors shards of ``samples_per_shard`` rows.
-
-    Yields:
-        (shard bytes, number of samples in it), in row order.
-    """
-    if len(x) != len(y):
-        raise ValueError(f"x has {len(x)} rows but y has {len(y)}; they must match")
-    for start in range(0, len(x), samples_per_shard):
-        xs = np.ascontiguousarray(x[start : start + samples_per_shard])
-        ys = np.ascontiguousarray(y[start : start + samples_per_shard])
-        yield save_safetensors({"x": xs, "y": ys}), len(xs)
 
 
 def token_dtype(token_bytes: int) -> np.dtype:
@@ -189,19 +159,6 @@ def _shifted(image: torch.Tensor, dx: int, dy: int) -> torch.Tensor:
     return out
 
 
-def count_samples(spec: DataSpec, shard: bytes) -> int:
-    """How many samples a shard holds, checking its format.
-
-    Raises:
-        ProtocolError: if the bytes are not a valid shard of that kind.
-    """
-    if spec.kind == "text":
-        if spec.sample_len < 2:
-            raise ProtocolError(f"text data needs sample_len >= 2, got {spec.sample_len}")
-        return len(shard) // spec.sample_len
-    return ShardReader(spec, shard).count
-
-
 def _token_rows(spec: DataSpec, shard: bytes) -> np.ndarray:
     """A token shard's ids, checked: whole samples, and every id one the model has an embedding for."""
     if spec.sample_len < 2:
@@ -227,12 +184,3 @@ def _load_tensors(shard: bytes) -> dict[str, np.ndarray]:
     if set(arrays) != {"x", "y"} or arrays["x"].shape[0] != arrays["y"].shape[0]:
         raise ProtocolError(f"tensor shard must hold arrays x and y with equal rows, got {sorted(arrays)}")
     return arrays
-
-
-def read_samples(spec: DataSpec, shard: bytes, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets of samples ``start:start+count`` of one shard (decodes it; see ShardReader).
-
-    Raises:
-        ProtocolError: if the shard is invalid or the range lies outside it.
-    """
-    return ShardReader(spec, shard).read(start, count)

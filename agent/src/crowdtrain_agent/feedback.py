@@ -95,11 +95,6 @@ class ErrorFeedback:
         with self._lock:
             return self._residuals.get(key)
 
-    def reset_(self) -> None:
-        """Forget every residual."""
-        with self._lock:
-            self._residuals.clear()
-
     def _take(self, key: SliceKey) -> torch.Tensor | None:
         with self._lock:
             stale = [k for k in self._residuals if k != key and _replaces(key, k)]

@@ -73,21 +73,6 @@ def http_get(url: str, *, token: str | None = None, timeout: float = HTTP_TIMEOU
     return body
 
 
-def http_get_into(url: str, out: memoryview, *, token: str | None = None, timeout: float = HTTP_TIMEOUT_S) -> str:
-    """GET ``url`` and read its body straight into ``out``, which it must fill exactly; returns its ETag.
-
-    Parameters arrive every step; reading them in place saves the copies of
-    collecting the body, then converting it, then placing it.
-
-    Raises:
-        HttpStatusError: for a non-2xx answer.
-        FetchError: if the server cannot be reached or the body is not ``len(out)`` bytes.
-    """
-    with _open(url, token=token, timeout=timeout) as response:
-        _read_exactly_into(response, url, out)
-        return str(response.headers.get("ETag") or "")
-
-
 def _read_exactly_into(response: Any, url: str, out: memoryview) -> None:
     """Fill ``out`` with the body, which must announce and have exactly ``len(out)`` bytes; counted as received."""
     announced = response.headers.get("Content-Length")

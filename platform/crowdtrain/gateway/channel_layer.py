@@ -1,20 +1,17 @@
 """channels_redis's layer, whose Redis connections are waited for when all are in use, not refused.
 
 redis-py's asyncio pool raises "Too many connections" once
-``CHANNEL_LAYER_MAX_CONNECTIONS`` are out. When thousands of volunteers
-leave at once (the end of the scale bench's overload phase, a network
-outage, a restart of the load balancer), every socket's ``disconnect``
-leaves its groups at the same moment: 1,704 of them raised it in one run,
-their cleanup cut short. redis-py's ``BlockingConnectionPool`` makes such a
-burst wait its turn instead, for up to ``WAIT_FOR_CONNECTION_S``.
+``CHANNEL_LAYER_MAX_CONNECTIONS`` are out, and a crowd leaving at once (a
+network outage, a restart of the load balancer) leaves its groups at the same
+moment, cutting cleanup short. redis-py's ``BlockingConnectionPool`` makes such
+a burst wait its turn instead, for up to ``WAIT_FOR_CONNECTION_S``.
 
 A connection is held from a command's sending to its answer being read, and
-an event loop that runs late reads late: 5,000 agents joining two site
-processes at once on this 2-core machine (loops a second behind) held all
-1,000 connections of each, and the calls that waited past the limit failed
-("No connection available"), closing sockets mid-handshake. So each send here
-is one round trip (``PUSH``, a server-side script) where channels_redis makes
-four, and one event for many sockets is one round trip per process inbox.
+an event loop that runs late reads late, so every round trip saved is a
+connection free sooner: each send here is one round trip (``PUSH``, a
+server-side script) where channels_redis makes four, and one event for many
+sockets is one round trip per process inbox. The channels_redis internals this
+relies on, and the figures that justify it, are listed in ``crowdtrain.lib.patches``.
 """
 
 from __future__ import annotations
@@ -138,9 +135,8 @@ class WaitingRedisChannelLayer(RedisChannelLayer):
     async def send_many(self, channels: Iterable[str], message: dict[str, Any]) -> int:
         """``send`` of one event to many sockets; returns how many were refused because their inbox was full.
 
-        A commit wakes as many waiting lease requests as it made room for; sent
-        one by one, that loop was 9% of a site process on the W1-like step. A
-        process's sockets share one inbox, so this is one round trip per inbox,
+        A commit wakes as many waiting lease requests as it made room for, and
+        a process's sockets share one inbox, so this is one round trip per inbox,
         which takes what it has room for and refuses the rest.
         """
         inboxes: dict[tuple[int, str], list[str]] = defaultdict(list)

@@ -486,10 +486,6 @@ def wake_for_copy(campaign_id: int, skip_volunteers: Sequence[int]) -> list[str]
 # ------------------------------------------------------------------ reports
 
 
-def _lease_campaign(lease_id: int) -> CampaignConfig | None:
-    return _lease_place(lease_id)[0]
-
-
 def _lease_place(lease_id: int) -> tuple[CampaignConfig | None, str]:
     """The campaign of a lease, and its copy marker if it is a verification copy ("" if not)."""
     state = hot_state()

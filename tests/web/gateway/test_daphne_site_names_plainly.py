@@ -8,7 +8,7 @@ import pytest
 from autobahn.twisted import websocket as twisted_websocket
 from autobahn.websocket import protocol
 
-from crowdtrain import daphne_site
+from crowdtrain.lib import patches
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def test_frame_debug_names_are_plain_text(restored: None) -> None:
     method = protocol.WebSocketProtocol.sendData
     assert "\x1b[" in protocol.hltype(method), "autobahn colours them by itself (click is installed)"
 
-    daphne_site.plain_debug_names()
+    patches.plain_debug_names()
 
     for module in (twisted_websocket, protocol):
         assert module.hltype(method) == "<WebSocketProtocol.sendData>"
@@ -35,7 +35,7 @@ def test_a_new_connections_settings_are_pretty_printed_only_when_the_debug_line_
     settings = [("autoPingInterval", 0, "WebSocketServerFactory"), ("openHandshakeTimeout", 5, "SiteServer")]
     assert protocol.pformat is pprint.pformat, "autobahn prints them for every connection by itself"
 
-    daphne_site.plain_debug_names()
+    patches.plain_debug_names()
     deferred = protocol.pformat(settings)
 
     assert not isinstance(deferred, str)  # nothing printed yet: made only if the line is formatted

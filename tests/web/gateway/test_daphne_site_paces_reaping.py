@@ -11,13 +11,14 @@ import subprocess
 import sys
 import textwrap
 
-from crowdtrain import daphne_site
+from crowdtrain.lib.patches import REAP_EVERY_S
 from crowdtrain_launcher import PYTHONPATH
 
 CHILD = textwrap.dedent(
     """
     import asyncio, json, time
     from crowdtrain import daphne_site
+    from crowdtrain.lib.patches import REAP_EVERY_S
 
     server = daphne_site.server_class()(application=None, endpoints=["tcp:port=0"])
     from twisted.internet import reactor  # daphne's asyncio reactor, installed by the line above
@@ -30,7 +31,7 @@ CHILD = textwrap.dedent(
     # A socket that closed long ago and whose consumer has finished: what the walk exists to drop.
     server.connections = {"closed": {"disconnected": time.time() - 60, "application_instance": done}}
     remaining = []
-    for _ in range(daphne_site.REAP_EVERY_S):
+    for _ in range(REAP_EVERY_S):
         server.application_checker()
         remaining.append(len(server.connections))
     print(json.dumps({"remaining": remaining, "scheduled": scheduled}))
@@ -43,7 +44,7 @@ def test_the_walk_over_connections_runs_every_few_seconds_and_reaps_finished_one
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    ticks = daphne_site.REAP_EVERY_S
+    ticks = REAP_EVERY_S
     # Untouched on the skipped ticks, dropped on the one that walks; every tick schedules the next, a second on.
     assert result["remaining"] == [1] * (ticks - 1) + [0]
     assert result["scheduled"] == [1] * ticks

@@ -8,7 +8,7 @@ import pytest
 import redis
 import redis.utils
 
-from crowdtrain import daphne_site
+from crowdtrain.lib import patches
 
 
 def test_new_connections_stop_reading_package_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -24,7 +24,7 @@ def test_new_connections_stop_reading_package_metadata(monkeypatch: pytest.Monke
     redis.Connection(host="127.0.0.1", port=6379)
     assert reads == ["redis"], "each new connection reads the metadata (redis-py as measured)"
 
-    daphne_site.redis_version_read_once()
+    patches.redis_version_read_once()
     connections = [redis.Connection(host="127.0.0.1", port=6379) for _ in range(3)]
 
     assert reads == ["redis", "redis"]  # once more, for the cache; then never

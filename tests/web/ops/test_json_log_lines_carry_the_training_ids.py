@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from crowdtrain.scheduler import leasing
-from crowdtrain_agent.logformat import JsonFormatter, log_ids
+from crowdtrain_agent.logformat import JsonFormatter
 from tests.conftest import FakeClock
 from tests.factories import make_campaign, make_device, work_until_committed
 
@@ -57,7 +57,7 @@ def test_the_training_path_logs_campaign_lease_device_and_step_ids(json_lines: i
     assert expired and expired[0]["campaign_id"] == campaign.pk and expired[0]["level"] == "INFO"
 
 
-def test_ids_set_for_a_block_reach_every_line_and_exceptions_stay_on_one_line() -> None:
+def test_an_exception_stays_on_one_line_with_its_ids() -> None:
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter())
@@ -65,15 +65,12 @@ def test_ids_set_for_a_block_reach_every_line_and_exceptions_stay_on_one_line() 
     logger.addHandler(handler)
     logger.propagate = False
 
-    with log_ids(campaign_id=7, step=3):
-        logger.warning("plain %s", "line")
-        try:
-            raise ValueError("boom\nsecond line")
-        except ValueError:
-            logger.exception("failed", extra={"lease_id": 11})
+    try:
+        raise ValueError("boom\nsecond line")
+    except ValueError:
+        logger.exception("failed", extra={"lease_id": 11})
     logger.warning("after")
 
-    first, failed, after = (json.loads(line) for line in stream.getvalue().splitlines())
-    assert first["message"] == "plain line" and (first["campaign_id"], first["step"]) == (7, 3)
+    failed, after = (json.loads(line) for line in stream.getvalue().splitlines())
     assert failed["lease_id"] == 11 and "ValueError: boom" in failed["exception"]
-    assert "campaign_id" not in after and after["level"] == "WARNING" and after["logger"] == "tests.ops.json"
+    assert "lease_id" not in after and after["level"] == "WARNING" and after["logger"] == "tests.ops.json"
