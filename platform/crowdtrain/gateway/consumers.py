@@ -20,11 +20,11 @@ from django.db import DatabaseError
 from django.utils import timezone
 from redis.exceptions import RedisError
 
-from crowdtrain.accounts.activity import Tracker
-from crowdtrain.accounts.devices import device_controls, stored_controls
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.names import account_name
 from crowdtrain.accounts.tokens import bearer_token
+from crowdtrain.devices.actions import device_controls, stored_controls
+from crowdtrain.devices.activity import Tracker
 from crowdtrain.lib.metrics import LEASE_REQUEST_SECONDS
 from crowdtrain.lib.offloop import offloop
 from crowdtrain.ops import heartbeats

@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns import validation
+from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain.campaigns.models import Campaign, Step, shard_table
 from crowdtrain.campaigns.settings_table import aggregator_settings
 from crowdtrain_agent.models import get_model
@@ -46,7 +47,7 @@ from crowdtrain_agent.protocol import (
 from crowdtrain_agent.protocol.schema import from_dict
 
 from . import seam
-from .configs import publish_hold, publish_state, ticket_key
+from .configs import publish_hold, publish_state
 from .durability import complete_versions
 from .hotstate import HotStateMissing, hot_state
 from .models import Aggregator, Checkpoint, Lease, SliceAssignment
