@@ -73,6 +73,7 @@ INSTALLED_APPS = [
     "crowdtrain.accounts",
     "crowdtrain.campaigns",
     "crowdtrain.scheduler",
+    "crowdtrain.devices",
     "crowdtrain.credit",
     "crowdtrain.verification",
     "crowdtrain.gateway",

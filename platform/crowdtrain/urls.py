@@ -73,7 +73,7 @@ urlpatterns = [
     path("datasets/uploads/<uuid:upload_id>/chunk", uploads.upload_chunk, name="dataset-upload-chunk"),
     path("datasets/uploads/<uuid:upload_id>/complete", uploads.upload_complete, name="dataset-upload-complete"),
     # Agents log in with a device code; volunteers approve it and manage their devices.
-    path("", include("crowdtrain.accounts.device_urls")),
+    path("", include("crowdtrain.devices.urls")),
     # Volunteers: sign-up, e-mail verification, log-in and password reset are allauth's.
     path("accounts/", include("allauth.urls")),
     path("me/", profile_views.profile, name="profile"),

@@ -1,7 +1,7 @@
 """The dashboard and the alerts sum over site processes only what each process counts itself.
 
 Every site process is scraped on its own (deploy/prometheus/prometheus.yml). What
-``crowdtrain.ops.metrics`` counts lives in one process's memory, and the processes'
+``crowdtrain.lib.metrics`` counts lives in one process's memory, and the processes'
 numbers add up; what ``crowdtrain.ops.collectors`` reads from PostgreSQL and Redis is
 the same number on every process, and a ``sum`` would count it once per process: such
 a panel doubled with compose's two replicas.
@@ -13,7 +13,7 @@ import re
 
 from prometheus_client.metrics import MetricWrapperBase
 
-from crowdtrain.ops import metrics
+from crowdtrain.lib import metrics
 
 from .promql import alert_rules, dashboard_queries, family_of, metric_names
 

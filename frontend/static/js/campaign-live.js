@@ -1,4 +1,4 @@
-// The organizer's campaign page, live: polls the monitor feed (campaigns/monitor.py), updates the
+// The organizer's campaign page, live: polls the monitor feed (ops/campaign_monitor.py), updates the
 // condition, progress, tables and charts in place, and refreshes the export card when a validation
 // adds a version. Text comes ready-made from the server, so the page and the feed say the same thing.
 // When the state changes (the scheduler finished it, say) the page reloads for the right buttons.

@@ -11,10 +11,11 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
-from . import monitor
+from crowdtrain.ops import campaign_monitor as monitor
+
 from .agent_wheel import agent_version, wheel_ready, wheel_url
 from .models import Campaign
-from .views import can_watch
+from .visibility import can_watch
 
 # PyTorch's own wheels, as pip downloads them for Linux x86-64 (torch 2.x): the CPU build from its CPU index, and
 # the default CUDA build with the NVIDIA libraries it pulls in.

@@ -13,12 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from asgiref.sync import async_to_sync
 from django.db import transaction
-
-from crowdtrain.gateway.outbox import campaign_agents_group, send_outbox, send_to_group
-from crowdtrain.scheduler.backbone import assign_waiting_campaigns
-from crowdtrain_agent.protocol import VersionPublished
 
 from .models import Campaign, Dataset
 from .settings_table import SETTINGS, check_settings, locked_fields
@@ -29,6 +24,7 @@ from .setup import (
     prepare_initial_weights,
     validate_campaign,
 )
+from .signals import campaign_running
 from .validation import schedule_validation
 
 logger = logging.getLogger(__name__)
@@ -193,11 +189,7 @@ def apply_move(campaign_id: int, name: str, by: Any) -> Campaign:
                 schedule_validation(campaign.pk, campaign.version)
     logger.info("campaign %s: %s by user %s (now %s)", campaign.pk, name, getattr(by, "pk", None), campaign.state)
     if move.target == State.RUNNING:
-        # Live aggregators get their slices now rather than at their next heartbeat.
-        outbox = assign_waiting_campaigns()
-        if outbox:
-            async_to_sync(send_outbox)(outbox)
-        # Agents told "paused, ask again in 10 s" wake on a version push: resuming takes effect now.
-        wake = VersionPublished(campaign_id=campaign.pk, version=campaign.version)
-        async_to_sync(send_to_group)(campaign_agents_group(campaign.pk), wake)
+        # The gateway, above us, gives live aggregators their slices now (not at their next heartbeat) and
+        # wakes agents told "paused, ask again in 10 s": resuming takes effect at once.
+        campaign_running.send(sender=Campaign, campaign_id=campaign.pk, version=campaign.version)
     return campaign

@@ -26,16 +26,16 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from crowdtrain.accounts.models import new_invite_code
 from crowdtrain.accounts.users import signed_in_user
 from crowdtrain.gateway.outbox import send_outbox
+from crowdtrain.ops import campaign_monitor as monitor
 from crowdtrain.scheduler.backbone import restore_campaign
 from crowdtrain.scheduler.durability import complete_versions
 
-from . import monitor
 from .export import export_context
 from .forms import CampaignForm, OrganizerRequestForm
 from .lifecycle import LOCK_REASON, MOVES, LifecycleError, apply_move, available_moves, config_locked
 from .models import Campaign
 from .organizers import is_organizer, managed_campaigns, pending_request
-from .views import can_watch
+from .visibility import can_watch
 
 View = Callable[..., HttpResponse]
 

@@ -27,13 +27,14 @@ from django.core.files.storage import default_storage
 from django.db import connection, transaction
 from django.utils import timezone
 
-from crowdtrain.scheduler.configs import ticket_key
+from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain_agent.data import ShardReader
 from crowdtrain_agent.fetch import FetchError, fetch_params
 from crowdtrain_agent.models import ModelEntry, export_bytes, get_model, model_from_flat
 from crowdtrain_agent.protocol import ProtocolError, SliceRoute, Ticket, sign_ticket
 
 from .models import Campaign, Dataset, ValidationResult
+from .signals import campaign_changed
 
 logger = logging.getLogger(__name__)
 
@@ -170,9 +171,7 @@ def compute(campaign_id: int, version: int) -> ValidationResult | None:
             state=Campaign.State.FINISHED, finished_at=timezone.now()
         )
         if finished:
-            from crowdtrain.scheduler.configs import publish_state
-
-            publish_state(campaign.pk)
+            campaign_changed.send(sender=Campaign, campaign_id=campaign.pk)  # the scheduler stops leasing it
             logger.info(
                 "campaign %s reached its target validation loss %s: finished", campaign.pk, campaign.target_val_loss
             )

@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from django.core.files.storage import default_storage
-from django.db.models import Q, QuerySet, Sum
+from django.db.models import Q, Sum
 from django.http import FileResponse, HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.tokens import bearer_token
+from crowdtrain.ops import campaign_monitor as monitor
+from crowdtrain.ops.coverage import coverage_map
 
-from . import monitor
-from .coverage import coverage_map
 from .models import Campaign, shard_storage_name
-from .organizers import managed_campaigns
 from .permissions import can_download_shard, data_holders
+from .visibility import can_watch, open_campaigns
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _RANGE = re.compile(r"^bytes=([0-9]{0,19})-([0-9]{0,19})$")  # ASCII digits, no longer than any file size
@@ -150,25 +149,6 @@ def coverage(request: HttpRequest, campaign_id: int) -> JsonResponse:
         return _error(f"no campaign {campaign_id}", 404)
     # Compact separators: a map of 2,000 cells is polled every 10 s by each open campaign page.
     return JsonResponse(coverage_map(campaign), json_dumps_params={"separators": (",", ":")})
-
-
-def can_watch(user: Any, campaign: Campaign) -> bool:
-    """Drafts show only to whoever manages them; invite-only campaigns to their volunteers too."""
-    if getattr(user, "is_authenticated", False) and managed_campaigns(user).filter(pk=campaign.pk).exists():
-        return True
-    return campaign.state != Campaign.State.DRAFT and campaign.is_open_to(user)
-
-
-def open_campaigns() -> QuerySet[Campaign]:
-    """The campaigns anyone may join, newest first: the home page's, and My devices' when it is empty.
-
-    Invite-only campaigns are not advertised: their volunteers arrive through the invite link.
-    """
-    return (
-        Campaign.objects.exclude(state__in=[Campaign.State.DRAFT, Campaign.State.ARCHIVED])
-        .filter(visibility=Campaign.Visibility.PUBLIC)
-        .order_by("-id")
-    )
 
 
 @require_GET

@@ -13,7 +13,7 @@ from django.views.decorators.http import require_GET
 
 from crowdtrain.accounts.models import ANONYMOUS_NAME, Profile, Team
 from crowdtrain.campaigns.models import Campaign
-from crowdtrain.campaigns.views import can_watch
+from crowdtrain.campaigns.visibility import can_watch
 
 from . import boards
 from .models import FORMULA

@@ -20,13 +20,14 @@ from django.db import DatabaseError
 from django.utils import timezone
 from redis.exceptions import RedisError
 
-from crowdtrain.accounts.activity import Tracker
-from crowdtrain.accounts.devices import device_controls, stored_controls
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.names import account_name
 from crowdtrain.accounts.tokens import bearer_token
+from crowdtrain.devices.actions import device_controls, stored_controls
+from crowdtrain.devices.activity import Tracker
+from crowdtrain.lib.metrics import LEASE_REQUEST_SECONDS
+from crowdtrain.lib.offloop import offloop
 from crowdtrain.ops import heartbeats
-from crowdtrain.ops.metrics import LEASE_REQUEST_SECONDS
 from crowdtrain.scheduler import backbone, leasing
 from crowdtrain.scheduler.hotstate import hot_state, presence
 from crowdtrain.scheduler.models import Aggregator
@@ -74,7 +75,6 @@ from .admission import admission
 from .backbone_lane import subscriber
 from .groups import memberships
 from .housekeeping import LAST_SEEN_DB_EVERY_S, housekeeping
-from .offloop import offloop
 from .outbox import (
     ControlsEvent,
     ReplacedEvent,

@@ -19,6 +19,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
+from crowdtrain.lib.offloop import offloop
 from crowdtrain.ops import history
 from crowdtrain.scheduler import invariants, leasing
 from crowdtrain.scheduler.commits import Commit
@@ -27,7 +28,6 @@ from crowdtrain.verification import checks, standing
 
 from .admission import admission
 from .groups import memberships
-from .offloop import offloop
 from .outbox import publish_commits, send_commits, send_outbox, wake
 
 logger = logging.getLogger(__name__)

@@ -14,10 +14,12 @@ import logging
 from collections.abc import Iterable
 from typing import Any, TypedDict
 
+from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
+from crowdtrain.scheduler.backbone import assign_waiting_campaigns
 from crowdtrain.scheduler.commits import Commit
-from crowdtrain_agent.protocol import OLDEST_MINOR, PROTOCOL_MINOR, encode_message
+from crowdtrain_agent.protocol import OLDEST_MINOR, PROTOCOL_MINOR, VersionPublished, encode_message
 from crowdtrain_agent.protocol.schema import lost_in
 
 from . import backbone_lane
@@ -158,3 +160,23 @@ async def replace_connections(group: str, channel_name: str) -> None:
     """
     event: ReplacedEvent = {"type": "connection.replaced", "channel": channel_name}
     await get_channel_layer().group_send(group, event)
+
+
+def campaign_running(*, campaign_id: int, version: int, **_: Any) -> None:
+    """A campaign started or resumed (``campaigns.signals``): live aggregators get its slices now rather than at
+    their next heartbeat, and agents told "paused, ask again in 10 s" wake on a version push."""
+    outbox = assign_waiting_campaigns()
+    if outbox:
+        async_to_sync(send_outbox)(outbox)
+    wake = VersionPublished(campaign_id=campaign_id, version=version)
+    async_to_sync(send_to_group)(campaign_agents_group(campaign_id), wake)
+
+
+def device_revoked(*, device_id: int, reason: str, **_: Any) -> None:
+    """A device was revoked (``devices.signals``): its agent's sockets close now, wherever they are."""
+    async_to_sync(revoke_device)(device_id, reason)
+
+
+def device_controls_changed(*, device_id: int, controls: dict[str, Any], **_: Any) -> None:
+    """A device's controls changed on My devices (``devices.signals``): its connected agent takes them now."""
+    async_to_sync(push_controls)(device_id, controls)

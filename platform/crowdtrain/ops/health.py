@@ -19,12 +19,12 @@ from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 
 from crowdtrain.campaigns.models import Campaign, Step
+from crowdtrain.lib.metrics import WINDOW_S, outcomes
 from crowdtrain.scheduler.durability import durability
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import SliceAssignment
 
 from . import heartbeats, task_failures
-from .metrics import WINDOW_S, outcomes
 
 Severity = Literal["critical", "warning"]
 

@@ -2,7 +2,7 @@
 
 Why housekeeping and not Celery beat: every deployment runs site processes
 (the embedded ``make serve`` has no beat), and the lease-outcome counters
-live in those processes' memory (``ops.metrics``): only they can say what
+live in those processes' memory (``lib.metrics``): only they can say what
 they counted. Each process writes its own outcome row for the minute; the
 first to get there also writes the swarm-wide row, the others skip it.
 
@@ -26,9 +26,9 @@ from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 
 from crowdtrain.campaigns.models import Campaign, Step, ValidationResult
+from crowdtrain.lib.metrics import LEASE_OUTCOMES
 
 from . import swarm
-from .metrics import LEASE_OUTCOMES
 from .models import SITE, DashboardSample
 
 WEEK = timedelta(days=7)

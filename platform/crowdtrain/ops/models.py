@@ -14,7 +14,7 @@ class DashboardSample(models.Model):
     process to write a minute wins; the others skip it), or
     ``"process:<host>:<pid>"`` for the lease outcomes one site process
     counted in that minute: those counters live in each process's memory
-    (``ops.metrics``), and the dashboard sums the processes' rows.
+    (``lib.metrics``), and the dashboard sums the processes' rows.
     """
 
     minute = models.DateTimeField(help_text="the minute's start (UTC)")

@@ -12,8 +12,10 @@ class SchedulerConfig(AppConfig):
 
     def ready(self) -> None:
         from crowdtrain.campaigns.models import Campaign
+        from crowdtrain.campaigns.signals import campaign_changed
 
         post_save.connect(_campaign_saved, sender=Campaign, dispatch_uid="scheduler.campaign_saved")
+        campaign_changed.connect(_campaign_changed, dispatch_uid="scheduler.campaign_changed")
 
 
 # Fields the lease path reads; saving others (the version, every step) changes nothing for it.
@@ -30,6 +32,12 @@ _LEASE_FIELDS = frozenset(
         "num_aggregators",
     }
 )
+
+
+def _campaign_changed(*, campaign_id: int, **_: Any) -> None:
+    from .configs import publish_state
+
+    publish_state(campaign_id)
 
 
 def _campaign_saved(

@@ -22,9 +22,9 @@ from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns import validation
+from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain.campaigns.models import Campaign, Step, shard_table
 from crowdtrain.campaigns.settings_table import aggregator_settings
-from crowdtrain.credit import ledger
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.optimizers import OPTIMIZERS
 from crowdtrain_agent.protocol import (
@@ -46,7 +46,8 @@ from crowdtrain_agent.protocol import (
 )
 from crowdtrain_agent.protocol.schema import from_dict
 
-from .configs import publish_hold, publish_state, ticket_key
+from . import seam
+from .configs import publish_hold, publish_state
 from .durability import complete_versions
 from .hotstate import HotStateMissing, hot_state
 from .models import Aggregator, Checkpoint, Lease, SliceAssignment
@@ -337,7 +338,7 @@ def _rollback(campaign: Campaign, version: int) -> None:
         taken_back[device_id] = taken_back.get(device_id, 0) + n
     reason = f"rolled back to version {version}"
     now = timezone.now()
-    ledger.reverse(undone.values_list("id", flat=True), reason, now)
+    seam.credit().reverse(undone.values_list("id", flat=True), reason, now)
     undone.update(step=None, state=Lease.State.REJECTED, reason=reason, finished_at=now)
     campaign.steps.filter(index__gte=version).delete()
     Checkpoint.objects.filter(campaign=campaign, version__gt=version).delete()  # a timeline that ended

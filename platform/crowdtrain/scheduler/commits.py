@@ -30,11 +30,10 @@ from django.db import IntegrityError, OperationalError, connection, transaction
 from crowdtrain.accounts.models import Device
 from crowdtrain.batchsql import column, db_time, table
 from crowdtrain.campaigns.models import Campaign, Step
-from crowdtrain.credit import ledger
-from crowdtrain.ops.metrics import STEP_COMMIT_SECONDS, STEPS_DISCARDED
-from crowdtrain.verification import checks
+from crowdtrain.lib.metrics import STEP_COMMIT_SECONDS, STEPS_DISCARDED
 from crowdtrain_agent.protocol import StepCommit
 
+from . import seam
 from .configs import CampaignConfig
 from .hotstate import HotStateMissing, hot_state
 from .models import Lease, StepNetwork
@@ -113,7 +112,7 @@ def _write_step_once(config: CampaignConfig, index: int, leases: list[dict[str, 
             _accept(config, leases, step)
             _credit(leases)
             # A lease picked for verification is credited when its check passes, not here (see verification).
-            ledger.grant(config.id, config.flops_per_sample, checks.creditable(leases))
+            seam.credit().grant(config.id, config.flops_per_sample, seam.verification().creditable(leases))
             # The commit point, last: it locks the campaign's row, which a rollback holds while it undoes
             # steps (taken here after the lease and device rows, in the order the record writer takes them).
             # No match means a rollback came first: the whole write is undone with the exception.

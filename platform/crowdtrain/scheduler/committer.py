@@ -38,6 +38,7 @@ from typing import Any
 
 from django.conf import settings
 
+from . import seam
 from .commits import Commit, commit_full_steps
 from .configs import campaign_config
 from .hotstate import HotStateMissing, hot_state
@@ -163,10 +164,8 @@ class Committer:
             return []
         if not answer.get("commit"):
             return []  # written meanwhile by a process that took over the claim
-        from crowdtrain.gateway.outbox import publish_commits
-
         commits = commit_full_steps(config, answer["commit"])
-        publish_commits(commits)
+        seam.publisher().publish_commits(commits)
         self.committed += len(commits)
         return commits
 
@@ -175,9 +174,9 @@ class Committer:
 
         The calls run in threads (``offloop``), which check their database connections now and then.
         """
-        from crowdtrain.gateway.offloop import offloop
-        from crowdtrain.gateway.outbox import send_commits
+        from crowdtrain.lib.offloop import offloop
 
+        send_commits = seam.publisher().send_commits
         logger.info("committer %s: waiting for full steps", self.name)
         renewing = asyncio.create_task(self._keep_announcing())
         try:
@@ -204,7 +203,7 @@ class Committer:
         (thousands of leases on a busy database) would otherwise look abandoned,
         and a site would write it again.
         """
-        from crowdtrain.gateway.offloop import offloop
+        from crowdtrain.lib.offloop import offloop
 
         while True:
             try:

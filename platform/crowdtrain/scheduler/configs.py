@@ -20,6 +20,7 @@ from django.db import transaction
 from django.db.models import Exists, Q
 
 from crowdtrain.accounts.models import Device
+from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
 from crowdtrain.campaigns.setup import inner_optimizer_spec
 from crowdtrain_agent.models import get_model
@@ -30,7 +31,6 @@ from crowdtrain_agent.protocol import (
     OptimizerSpec,
     SliceRoute,
     TrainingMode,
-    campaign_key,
     trim_count,
 )
 from crowdtrain_agent.protocol.schema import from_dict
@@ -191,18 +191,6 @@ def probation_cap(campaign: Campaign) -> int:
         outvoted = (fewest - 1) // 2
     # A step too small for its rule to outvote anyone still lets a newcomer hold one lease of it.
     return max(1, outvoted)
-
-
-def ticket_key(campaign_id: int) -> bytes:
-    """The key of a campaign's tickets and receipts: its own (``protocol.campaign_key`` of the site's key).
-
-    Aggregators learn it with a slice of the campaign (``assign.ticket_key``), so a leaked aggregator token
-    signs only for that aggregator's campaigns. A site pinned to protocol 2.0 (CROWDTRAIN_PROTOCOL_MINOR=0)
-    cannot send it and signs every campaign with CROWDTRAIN_TICKET_KEY itself, which its welcome carries.
-    """
-    if settings.CROWDTRAIN_PROTOCOL_MINOR < 1:
-        return settings.CROWDTRAIN_TICKET_KEY
-    return campaign_key(settings.CROWDTRAIN_TICKET_KEY, campaign_id)
 
 
 def campaign_config(campaign_id: int, *, gen: int | None = None) -> CampaignConfig | None:

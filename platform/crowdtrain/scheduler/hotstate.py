@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 LUA_DIR = Path(__file__).with_name("lua")
 # The presence set keeps devices this long after they were last seen ("online now" needs seconds).
 FORGET_SEEN_AFTER_S = 86400.0
-# A device's activity record (crowdtrain.accounts.activity) outlives a site process that died without
+# A device's activity record (crowdtrain.devices.activity) outlives a site process that died without
 # removing it this long; its connection refreshes it at half this age. My devices reads a record only
 # for a device the presence set says is online, so a leftover is never shown.
 ACTIVITY_TTL_S = 3600.0
@@ -160,7 +160,7 @@ class HotState:
             pipe.zadd(self.seen_key, {str(d): stamp for d in ids[start : start + 1000]})
 
     def activities(self, device_ids: Iterable[int]) -> dict[int, str]:
-        """The activity records of these devices, as written (``crowdtrain.accounts.activity``); one MGET."""
+        """The activity records of these devices, as written (``crowdtrain.devices.activity``); one MGET."""
         ids = list(device_ids)
         if not ids:
             return {}

@@ -21,7 +21,7 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef
 
 from crowdtrain.campaigns.models import Campaign, Step
-from crowdtrain.ops.metrics import STEP_COUNTER_REPAIRS
+from crowdtrain.lib.metrics import STEP_COUNTER_REPAIRS
 
 from . import backbone
 

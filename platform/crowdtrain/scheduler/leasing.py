@@ -24,8 +24,7 @@ from django.conf import settings
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Step, shard_table
-from crowdtrain.ops import metrics
-from crowdtrain.verification import checks, standing
+from crowdtrain.lib import metrics
 from crowdtrain_agent.protocol import (
     DoneAck,
     LeaseDone,
@@ -41,7 +40,7 @@ from crowdtrain_agent.protocol import (
     Lease as LeaseMessage,
 )
 
-from . import committer, ids, network
+from . import committer, ids, network, seam
 from .commits import Commit, commit_full_steps, held, moment
 from .configs import CampaignConfig, campaign_config, forget, most_lease_samples, open_to, running_campaigns
 from .hotstate import HotStateMissing, hot_state
@@ -182,7 +181,7 @@ def _try_lease(
     config: CampaignConfig, device_id: int, samples_per_s: float | None, request_id: str, backups: bool = True
 ) -> LeaseMessage | NoLease:
     want, claimed = _lease_size(config, device_id, samples_per_s)
-    owner = standing.owner_of(device_id)
+    owner = seam.standing().owner_of(device_id)
     lease_id = ids.lease_ids.take()
     answer = _run(
         config,
@@ -203,7 +202,7 @@ def _try_lease(
             "rid": request_id,
             "backups": int(backups),
             "owner": owner or 0,
-            "cap": standing.probation(config.probation_cap, config.owner_id, owner),
+            "cap": seam.standing().probation(config.probation_cap, config.owner_id, owner),
             "relief_s": settings.CROWDTRAIN_PROBATION_RELIEF_S,
         },
     )
@@ -232,7 +231,7 @@ def _copy_or_lease(
 ) -> LeaseMessage | NoLease:
     """A waiting verification copy first (it must train on a version aggregators still serve), else new work."""
     if config.state == Campaign.State.RUNNING:
-        copy = checks.take_copy(config, device_id)
+        copy = seam.verification().take_copy(config, device_id)
         if copy is not None:
             return copy
     return _try_lease(config, device_id, samples_per_s, request_id, backups)
@@ -367,7 +366,7 @@ def ask_lease(
     ``may_be_resent=False`` for later requests on one connection and saves the lookup.
     ``backups=False`` (a site process that is behind) gives no backup of a late lease.
     """
-    refused = standing.refusal(standing.owner_of(device_id))
+    refused = seam.standing().refusal(seam.standing().owner_of(device_id))
     if refused:
         return LeaseAnswer(_no_lease("quarantined", refused, QUARANTINED_RETRY_S), None)
     if request_id and may_be_resent:
@@ -429,7 +428,7 @@ def park(
     if config is None:
         return None
     want = min(_lease_size(config, device_id, samples_per_s)[0], config.target_batch_size)
-    owner = standing.owner_of(device_id) or 0  # kept so a verification copy can call another volunteer
+    owner = seam.standing().owner_of(device_id) or 0  # kept so a verification copy can call another volunteer
     answer = _run(config, "park", _park_args(channel=channel, ready_at=ready_at, want=want, owner=owner, leave=leave))
     return None if answer.get("ready") else str(answer.get("member") or "") or None
 
@@ -496,7 +495,7 @@ def _lease_place(lease_id: int) -> tuple[CampaignConfig | None, str]:
             return None, ""
         campaign_id = found
     text = str(campaign_id)
-    return campaign_config(int(text.split(":")[0])), text if checks.is_copy_marker(text) else ""
+    return campaign_config(int(text.split(":")[0])), text if seam.verification().is_copy_marker(text) else ""
 
 
 def _receipt_problem(config: CampaignConfig, done: LeaseDone) -> str:
@@ -523,12 +522,12 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
     config, copy = _lease_place(done.lease_id)
     if config is None:  # another device's lease looks the same as no lease at all
         return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason="unknown lease"))
-    refused = standing.refusal(standing.owner_of(device_id))
+    refused = seam.standing().refusal(seam.standing().owner_of(device_id))
     if refused:
         release_leases(device_id, [done.lease_id], "volunteer quarantined")
         return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=refused))
     if copy:
-        problem = checks.copy_done(config, device_id, done, _receipt_problem(config, done), copy)
+        problem = seam.verification().copy_done(config, device_id, done, _receipt_problem(config, done), copy)
         if problem:
             return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=problem))
         return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=True, verification="check"))
@@ -576,7 +575,7 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
         step,
         extra={"campaign_id": config.id, "lease_id": done.lease_id, "device_id": device_id, "step": step},
     )
-    picked = checks.maybe_pick(config, device_id, done, lease)
+    picked = seam.verification().maybe_pick(config, device_id, done, lease)
     ack = DoneAck(lease_id=done.lease_id, accepted=True, step=step, verification="pending" if picked else "")
     outcome = DoneOutcome(ack)
     full = answer.get("commit")
@@ -633,7 +632,7 @@ def release_leases(device_id: int, lease_ids: Sequence[int], reason: str = "rele
         if config is None:
             continue
         if copy:
-            checks.copy_released(lease_id, reason, device_id=device_id, marker=copy)
+            seam.verification().copy_released(lease_id, reason, device_id=device_id, marker=copy)
             continue
         answer = _run(config, "release", {"id": lease_id, "device": device_id, "reason": reason, "state": "released"})
         retired = answer.get("retired") or []

@@ -23,8 +23,8 @@ from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
-from crowdtrain.verification import standing
 
+from . import seam
 from .configs import hot_fields, probation_cap, publish_state, run_state
 from .hotstate import hot_state
 from .models import Lease
@@ -197,7 +197,7 @@ def _on_probation(campaign: Campaign, live: list[Lease]) -> dict[int, tuple[int,
     """
     cap = probation_cap(campaign)
     owners = Device.objects.filter(pk__in={lease.device_id for lease in live}).values_list("pk", "owner_id")
-    limits = {device: (owner, standing.probation(cap, campaign.owner_id, owner)) for device, owner in owners}
+    limits = {device: (owner, seam.standing().probation(cap, campaign.owner_id, owner)) for device, owner in owners}
     return {device: limit for device, limit in limits.items() if limit[1]}
 
 

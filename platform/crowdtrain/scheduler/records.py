@@ -26,12 +26,11 @@ from datetime import datetime
 from typing import Any
 
 from django.db import DatabaseError, IntegrityError, close_old_connections, connection, transaction
-from django.db.models import Q
+from django.db.models import Model, Q
 
 from crowdtrain import batchsql
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.connections import refresh_if_due
-from crowdtrain.verification.models import Answer
 
 from .models import Lease
 
@@ -79,7 +78,7 @@ class RecordWriter:
         self._new: list[Lease] = []
         self._finished: list[Finished] = []
         self._cursors: dict[int, tuple[int, int]] = {}
-        self._copies: list[Answer] = []  # verification copies issued: their answer rows, unreported
+        self._copies: list[Model] = []  # verification copies issued: their answer rows, unreported
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -91,8 +90,8 @@ class RecordWriter:
     def lease_finished(self, finished: Finished) -> None:
         self._queue(lambda: self._finished.append(finished))
 
-    def copy_issued(self, answer: Answer) -> None:
-        """A verification copy handed out (``verification.checks``): its answer row, still unreported."""
+    def copy_issued(self, answer: Model) -> None:
+        """A verification copy handed out: its answer row (verification's own model), still unreported."""
         self._queue(lambda: self._copies.append(answer))
 
     def cursor_moved(self, campaign_id: int, epoch: int, cursor: int) -> None:
@@ -210,25 +209,30 @@ def _write(new: Sequence[Lease], finished: Sequence[Finished], cursors: dict[int
         _move_cursors(cursors)
 
 
-def _write_copies(copies: Sequence[Answer]) -> None:
+def _write_copies(copies: Sequence[Model]) -> None:
     """Copies' answer rows, unless there already (the copy's report, in another process, can come first).
 
-    A row the database refuses (its check or device deleted meanwhile) is dropped with a warning
-    rather than held: one bad row must not keep every later batch from being written.
+    The rows are verification's (the scheduler writes them in its batch, so a copy costs no write of its
+    own on the lease path), of whatever model it handed over. A row the database refuses (its check or
+    device deleted meanwhile) is dropped with a warning rather than held: one bad row must not keep every
+    later batch from being written.
     """
+    if not copies:
+        return
+    rows = type(copies[0])._default_manager
     try:
         with transaction.atomic():
-            Answer.objects.bulk_create(copies, ignore_conflicts=True)
+            rows.bulk_create(copies, ignore_conflicts=True)
     except IntegrityError:
         for copy in copies:
             try:
                 with transaction.atomic():
-                    Answer.objects.bulk_create([copy], ignore_conflicts=True)
+                    rows.bulk_create([copy], ignore_conflicts=True)
             except IntegrityError:
                 logger.warning(
                     "dropping the answer of copy %s of check %s: the database refuses it",
-                    copy.lease_id,
-                    copy.case_id,
+                    getattr(copy, "lease_id", None),
+                    getattr(copy, "case_id", None),
                     exc_info=True,
                 )
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 from asgiref.sync import async_to_sync
 from celery import shared_task
 
+from . import seam
 from .leasing import expire_all_overdue
 
 
 @shared_task
 def expire_leases() -> int:
     """Expire leases of gone agents past their deadline in every running campaign; idempotent."""
-    from crowdtrain.gateway.outbox import send_commits, wake
-
+    send_commits, wake = seam.publisher().send_commits, seam.publisher().wake
     expired, commits, woken = expire_all_overdue()
     if commits:  # a step a crashed process left full: the aggregators still need to hear of it
         async_to_sync(send_commits)(commits)

@@ -143,7 +143,7 @@ def clear(volunteer_id: int, admin_id: int | None) -> bool:
 
 def ban(volunteer_id: int, admin_id: int | None, reason: str = "banned after review") -> bool:
     """An admin found the volunteer hostile: their devices are revoked for good and their credit stays taken back."""
-    from crowdtrain.accounts.devices import revoke
+    from crowdtrain.devices.actions import revoke
 
     if _set_aside(volunteer_id, Standing.State.BANNED, reason, admin_id, "volunteer banned") is None:
         return False

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from crowdtrain.accounts import activity
-from crowdtrain.accounts.activity import Activity, Tracker, decode_activity, describe, duration, plural
+from crowdtrain.devices import activity
+from crowdtrain.devices.activity import Activity, Tracker, decode_activity, describe, duration, plural
 from crowdtrain.scheduler.hotstate import Presence
 from crowdtrain_agent.protocol import DoneAck, NoLease, ReleaseAck
 from crowdtrain_agent.protocol import Lease as LeaseMessage

@@ -13,9 +13,9 @@ from django.http import HttpResponse
 from django.test import Client
 from django.utils import timezone
 
-from crowdtrain.accounts.device_grant import GRANT_TYPE
 from crowdtrain.accounts.models import Device, DeviceAuthorization
 from crowdtrain.accounts.tokens import hash_token
+from crowdtrain.devices.grant import GRANT_TYPE
 from tests.factories import logged_in, make_volunteer
 
 pytestmark = pytest.mark.django_db

@@ -13,9 +13,9 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.test import Client
 from django.utils import timezone
 
-from crowdtrain.accounts.device_grant import GRANT_TYPE
 from crowdtrain.accounts.models import Device
 from crowdtrain.asgi import application
+from crowdtrain.devices.grant import GRANT_TYPE
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain_agent.protocol import CloseCode, ControlsChanged, Welcome
 from tests.factories import logged_in, make_user
@@ -223,7 +223,7 @@ async def test_an_agent_its_volunteer_paused_shows_paused_and_why(
     owner: AbstractBaseUser,
     connect: Connect,  # noqa: F811
 ) -> None:
-    from crowdtrain.accounts.activity import decode_activity, describe
+    from crowdtrain.devices.activity import decode_activity, describe
     from crowdtrain.scheduler.hotstate import presence
     from crowdtrain_agent.protocol import Paused
 
@@ -338,7 +338,7 @@ async def test_an_agent_older_than_2_9_is_not_sent_controls_it_cannot_read(owner
 
 @pytest.mark.django_db
 def test_threads_and_gpu_memory_are_controls_too_and_only_whole_threads_are_taken(owner: AbstractBaseUser) -> None:
-    from crowdtrain.accounts.devices import device_controls
+    from crowdtrain.devices.actions import device_controls
     from crowdtrain_agent.protocol import encode_message
 
     device = _device(owner, "desk gpu")

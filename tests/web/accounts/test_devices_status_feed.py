@@ -12,10 +12,10 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from crowdtrain.accounts import device_status
-from crowdtrain.accounts.activity import Activity, encode_activity
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign
+from crowdtrain.devices import status as device_status
+from crowdtrain.devices.activity import Activity, encode_activity
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from tests.factories import logged_in, make_campaign

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from crowdtrain.campaigns.coverage import STATES, Span, lease_state, shard_counts
+from crowdtrain.ops.coverage import STATES, Span, lease_state, shard_counts
 
 spans = st.lists(
     st.tuples(st.integers(-5, 45), st.integers(0, 20), st.sampled_from(STATES)).map(

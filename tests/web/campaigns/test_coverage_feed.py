@@ -9,8 +9,8 @@ from django.test import Client
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device, Profile
-from crowdtrain.campaigns import coverage
 from crowdtrain.campaigns.models import Campaign, Step
+from crowdtrain.ops import coverage
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease

@@ -11,8 +11,8 @@ from django.core.cache import cache
 from django.test import Client
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.campaigns import monitor
 from crowdtrain.campaigns.models import Campaign
+from crowdtrain.ops import campaign_monitor as monitor
 from crowdtrain.scheduler import leasing, network
 from crowdtrain.scheduler.configs import campaign_config
 from crowdtrain.scheduler.models import StepNetwork

@@ -14,9 +14,9 @@ from django.test import Client
 from django.utils import timezone
 
 from crowdtrain.accounts.models import ANONYMOUS_NAME, Profile
-from crowdtrain.campaigns import monitor
 from crowdtrain.campaigns.lifecycle import apply_move
 from crowdtrain.campaigns.models import Campaign, Step, ValidationResult
+from crowdtrain.ops import campaign_monitor as monitor
 from crowdtrain.ops import health
 from crowdtrain.scheduler import leasing
 from crowdtrain.scheduler.models import Aggregator, Lease, SliceAssignment

@@ -24,7 +24,7 @@ CHILD = textwrap.dedent(
 
     pool = daphne_site.use_scheduler_threads()
     from daphne.server import twisted_loop
-    from crowdtrain.gateway.offloop import offloop
+    from crowdtrain.lib.offloop import offloop
 
     # A blocking call through offloop, as the consumers make one, on the loop daphne serves.
     ran_in = twisted_loop.run_until_complete(offloop(lambda: threading.current_thread().name)())

@@ -12,9 +12,9 @@ from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.test import override_settings
 
+from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain.gateway.outbox import wake
 from crowdtrain.scheduler import leasing
-from crowdtrain.scheduler.configs import ticket_key
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import DoneAck, ErrorMessage, LeaseRequest, NoLease, verify_ticket
 from crowdtrain_agent.protocol import Lease as LeaseMessage

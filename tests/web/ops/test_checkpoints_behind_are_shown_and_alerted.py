@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from django.test import Client
 
-from crowdtrain.campaigns import monitor
+from crowdtrain.ops import campaign_monitor as monitor
 from crowdtrain.scheduler import backbone
 from crowdtrain_agent.protocol import CheckpointSaved
 from tests.factories import commit_steps, make_campaign, make_device

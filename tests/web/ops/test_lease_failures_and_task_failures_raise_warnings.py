@@ -8,7 +8,7 @@ import pytest
 from celery import shared_task
 from django.test import Client
 
-from crowdtrain.ops import metrics
+from crowdtrain.lib import metrics
 from crowdtrain.ops.health import MIN_OUTCOMES, TASK_FAILURE_WINDOW_S
 from tests.conftest import FakeClock
 from tests.factories import make_campaign

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from django.test import override_settings
 
+from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain.scheduler import leasing
-from crowdtrain.scheduler.configs import ticket_key
 from crowdtrain_agent.protocol import LeaseDone, ProtocolError, Receipt, campaign_key, sign_receipt, verify_ticket
 from tests.factories import make_campaign, make_device
 

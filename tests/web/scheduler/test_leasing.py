@@ -4,9 +4,9 @@ import msgspec
 import pytest
 from django.test import override_settings
 
+from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain.campaigns.models import Campaign, shard_table
 from crowdtrain.scheduler import leasing
-from crowdtrain.scheduler.configs import ticket_key
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import Lease as LeaseMessage
 from crowdtrain_agent.protocol import LeaseDone, NoLease, Receipt, verify_ticket

@@ -23,10 +23,11 @@ from django.utils import timezone
 from kombu.exceptions import OperationalError
 
 from crowdtrain.accounts.models import Device
+from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.credit.models import CreditEntry
 from crowdtrain.scheduler import leasing, records
-from crowdtrain.scheduler.configs import campaign_config, ticket_key
+from crowdtrain.scheduler.configs import campaign_config
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from crowdtrain.verification import affinity, checks, quarantine, referee, standing, tasks

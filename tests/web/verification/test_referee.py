@@ -18,9 +18,10 @@ from django.test import override_settings
 from django.utils import timezone
 
 from crowdtrain.campaigns import validation
+from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain.campaigns.models import Campaign, shard_storage_name
 from crowdtrain.scheduler import leasing
-from crowdtrain.scheduler.configs import campaign_config, ticket_key
+from crowdtrain.scheduler.configs import campaign_config
 from crowdtrain.verification import checks, referee
 from crowdtrain.verification.models import Answer, Check, KeptVersion, Standing
 from crowdtrain_agent import trainer

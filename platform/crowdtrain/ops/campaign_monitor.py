@@ -26,13 +26,13 @@ from django.utils import timezone
 from django.utils.timesince import timesince
 
 from crowdtrain.accounts.models import ANONYMOUS_NAME, Profile
+from crowdtrain.campaigns.models import Campaign, Step
 from crowdtrain.credit import boards
 from crowdtrain.credit.models import FLOPS_PER_CREDIT, CreditEntry
-from crowdtrain.ops import health
 from crowdtrain.scheduler.durability import durability
 from crowdtrain.scheduler.models import Lease, SliceAssignment, StepNetwork
 
-from .models import Campaign, Step
+from . import health
 
 MAX_POINTS = 600  # per series: a week of steps still draws quickly and reads as a curve
 RECENT_STEPS = 20  # the steps whose pace estimates the time left and the live rate

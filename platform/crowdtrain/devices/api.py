@@ -12,12 +12,13 @@ from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
+from crowdtrain.accounts import throttle
+from crowdtrain.accounts.models import Device
+from crowdtrain.accounts.names import account_name
+from crowdtrain.accounts.tokens import bearer_token
 from crowdtrain.text import not_text
 
-from . import device_grant, devices, throttle
-from .models import Device
-from .names import account_name
-from .tokens import bearer_token
+from . import actions, grant
 
 # Errors follow RFC 6749 §5.2: {"error": code, "error_description": text}. Nothing here
 # reads a session cookie (the login endpoints need no credentials, the others only the
@@ -104,10 +105,10 @@ def device_code(request: HttpRequest) -> JsonResponse:
             Retry_After=str(throttle.WINDOW_S),
         )
     try:
-        authorization, code = device_grant.start(params.get("name"), params.get("hardware"))
+        authorization, code = grant.start(params.get("name"), params.get("hardware"))
     except ValueError as exc:
         return _oauth_error("invalid_request", str(exc))
-    user_code = device_grant.format_user_code(authorization.user_code)
+    user_code = grant.format_user_code(authorization.user_code)
     verification_uri = request.build_absolute_uri(reverse("device-verify"))
     return _ok(
         {
@@ -130,15 +131,15 @@ def device_token(request: HttpRequest) -> JsonResponse:
         return params
     grant_type = params.get("grant_type")
     if grant_type is None:
-        return _oauth_error("invalid_request", f"missing grant_type; use {device_grant.GRANT_TYPE}")
-    if grant_type != device_grant.GRANT_TYPE:
-        return _oauth_error("unsupported_grant_type", f"only {device_grant.GRANT_TYPE} is supported")
+        return _oauth_error("invalid_request", f"missing grant_type; use {grant.GRANT_TYPE}")
+    if grant_type != grant.GRANT_TYPE:
+        return _oauth_error("unsupported_grant_type", f"only {grant.GRANT_TYPE} is supported")
     code = params.get("device_code")
     if not isinstance(code, str) or not code:
         return _oauth_error("invalid_request", "missing device_code")
     try:
-        device, token = device_grant.redeem(code)
-    except device_grant.GrantError as exc:
+        device, token = grant.redeem(code)
+    except grant.GrantError as exc:
         return _oauth_error(exc.error, exc.description)
     return _ok(
         {
@@ -185,5 +186,5 @@ def revoke(request: HttpRequest) -> JsonResponse:
     device = _agent(request)
     if device is None:
         return _unauthorized()
-    devices.revoke(device, "logged out with crowdtrain-agent logout")
+    actions.revoke(device, "logged out with crowdtrain-agent logout")
     return _ok({"revoked": True, "device_id": device.pk})

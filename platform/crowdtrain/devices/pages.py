@@ -12,12 +12,13 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from crowdtrain.campaigns.views import open_campaigns
+from crowdtrain.accounts import throttle
+from crowdtrain.accounts.models import Device, DeviceAuthorization
+from crowdtrain.accounts.users import signed_in_user
+from crowdtrain.campaigns.visibility import open_campaigns
 
-from . import device_grant, devices, throttle
-from .device_status import owned_devices, status_rows
-from .models import Device, DeviceAuthorization
-from .users import signed_in_user
+from . import actions, grant
+from .status import owned_devices, status_rows
 
 OPEN_CAMPAIGNS_SHOWN = 5  # on an empty My devices page; the home page lists them all
 
@@ -33,9 +34,9 @@ def _verify_form(request: HttpRequest, user_code: str = "", error: str = "", sta
 def _confirm_page(request: HttpRequest, authorization: DeviceAuthorization, name: str, error: str = "") -> HttpResponse:
     context = {
         "authorization": authorization,
-        "user_code": device_grant.format_user_code(authorization.user_code),
+        "user_code": grant.format_user_code(authorization.user_code),
         "name": name,
-        "hardware": devices.hardware_summary(authorization.hardware),
+        "hardware": actions.hardware_summary(authorization.hardware),
         "error": error,
     }
     return render(request, "devices/confirm.html", context, status=400 if error else 200)
@@ -49,8 +50,8 @@ def _lookup(request: HttpRequest, raw: str) -> DeviceAuthorization | HttpRespons
             request, raw, "Too many codes that did not match. Wait ten minutes, then try again.", status=429
         )
     try:
-        return device_grant.find_pending(raw)
-    except device_grant.CodeProblem as exc:
+        return grant.find_pending(raw)
+    except grant.CodeProblem as exc:
         throttle.hit(_failures_key(request), settings.CROWDTRAIN_USER_CODE_FAILURES)
         return _verify_form(request, raw, str(exc), status=400)
 
@@ -80,14 +81,14 @@ def confirm(request: HttpRequest) -> HttpResponse:
     if isinstance(found, HttpResponse):
         return found
     if decision == "deny":
-        decided = device_grant.deny(found)
+        decided = grant.deny(found)
         name = found.requested_name
     else:
         try:
-            name = devices.clean_device_name(request.POST.get("name"))
+            name = actions.clean_device_name(request.POST.get("name"))
         except ValueError as exc:
             return _confirm_page(request, found, request.POST.get("name", "")[:200], str(exc))
-        decided = device_grant.approve(found, signed_in_user(request), name)
+        decided = grant.approve(found, signed_in_user(request), name)
     if not decided:  # decided or expired between the page and the click
         return _verify_form(request, "", "That code was used or expired meanwhile. Run crowdtrain-agent login again.")
     return render(request, "devices/decided.html", {"approved": decision == "approve", "name": name})
@@ -105,11 +106,11 @@ class DeviceRow:
 def device_list(request: HttpRequest) -> HttpResponse:
     owned = owned_devices(signed_in_user(request))
     statuses = status_rows(owned)
-    rows = [DeviceRow(d, statuses[d.pk], devices.hardware_summary(d.hardware)) for d in owned]
+    rows = [DeviceRow(d, statuses[d.pk], actions.hardware_summary(d.hardware)) for d in owned]
     # A volunteer with no device yet is one step from the way in: each open campaign's join page.
     campaigns = [] if rows else list(open_campaigns()[:OPEN_CAMPAIGNS_SHOWN])
     return render(
-        request, "devices/list.html", {"rows": rows, "max_name": devices.MAX_NAME, "open_campaigns": campaigns}
+        request, "devices/list.html", {"rows": rows, "max_name": actions.MAX_NAME, "open_campaigns": campaigns}
     )
 
 
@@ -123,7 +124,7 @@ def _own_device(request: HttpRequest, device_id: int) -> Device:
 def rename(request: HttpRequest, device_id: int) -> HttpResponse:
     device = _own_device(request, device_id)
     try:
-        name = devices.clean_device_name(request.POST.get("name"))
+        name = actions.clean_device_name(request.POST.get("name"))
     except ValueError as exc:
         messages.error(request, f"{device.name} was not renamed: {exc}.")
         return redirect("devices")
@@ -139,11 +140,11 @@ def set_controls(request: HttpRequest, device_id: int) -> HttpResponse:
     (its own flags win)."""
     device = _own_device(request, device_id)
     try:
-        controls = devices.clean_controls(request.POST)
+        controls = actions.clean_controls(request.POST)
     except ValueError as exc:
         messages.error(request, f"The controls of {device.name} were not changed: {exc}.")
         return redirect("devices")
-    devices.set_controls(device, controls)
+    actions.set_controls(device, controls)
     messages.success(
         request,
         f"Saved the controls of {device.name}; its agent takes them now if it is connected, or when it next "
@@ -156,7 +157,7 @@ def set_controls(request: HttpRequest, device_id: int) -> HttpResponse:
 @require_POST
 def revoke(request: HttpRequest, device_id: int) -> HttpResponse:
     device = _own_device(request, device_id)
-    if devices.revoke(device, "revoked by its owner on the devices page"):
+    if actions.revoke(device, "revoked by its owner on the devices page"):
         messages.success(request, f"Revoked {device.name}: its agent was disconnected and its token no longer works.")
     else:
         messages.info(request, f"{device.name} was already revoked.")

@@ -8,14 +8,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
-from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.utils import timezone
 
-from crowdtrain.gateway.outbox import push_controls, revoke_device
+from crowdtrain.accounts.models import Device
 from crowdtrain_agent.protocol import DeviceControls
 
-from .models import Device
+from .signals import device_controls_changed, device_revoked
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ def revoke(device: Device, reason: str) -> bool:
     """
     revoked = bool(Device.objects.filter(pk=device.pk, revoked_at__isnull=True).update(revoked_at=timezone.now()))
     # Sent even when it was revoked already: a socket opened just before the first revocation still goes.
-    async_to_sync(revoke_device)(device.pk, reason)
+    device_revoked.send(sender=Device, device_id=device.pk, reason=reason)
     if revoked:
         logger.info("device %s of %s revoked: %s", device.pk, device.owner_id, reason)
     return revoked
@@ -69,7 +68,7 @@ def revoke(device: Device, reason: str) -> bool:
 def set_controls(device: Device, controls: dict[str, Any]) -> None:
     """Store a device's controls (as ``clean_controls`` gives them) and hand them to its agent if it is connected."""
     Device.objects.filter(pk=device.pk).update(controls=controls)
-    async_to_sync(push_controls)(device.pk, controls)
+    device_controls_changed.send(sender=Device, device_id=device.pk, controls=controls)
 
 
 def _bytes(value: Any) -> str | None:

@@ -16,9 +16,10 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from .devices import clean_device_name
-from .models import Device, DeviceAuthorization
-from .tokens import hash_token
+from crowdtrain.accounts.models import Device, DeviceAuthorization
+from crowdtrain.accounts.tokens import hash_token
+
+from .actions import clean_device_name
 
 logger = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ from django.utils.dateformat import format as format_date
 from django.utils.timesince import timesince
 from django.views.decorators.http import require_GET
 
+from crowdtrain.accounts.models import Device
+from crowdtrain.accounts.users import signed_in_user
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 
-from . import devices
+from . import actions
 from .activity import describe, plural, read_activities
-from .models import Device
-from .users import signed_in_user
 
 RECENT_LEASES = 10  # per device, newest first
 DEVICES_PER_QUERY = 50  # devices whose recent leases one query reads
@@ -129,7 +129,7 @@ def _now_text(device: Device, online: bool, said: dict[str, Any] | None) -> str:
 def status_rows(owned: list[Device]) -> dict[int, dict[str, Any]]:
     """What the page and the feed show of each of these devices, by device id."""
     ids = [d.pk for d in owned]
-    online = devices.online_ids(owned)
+    online = actions.online_ids(owned)
     activities = read_activities(sorted(online))  # an offline device is doing nothing, whatever Redis kept
     history = lease_history(ids)
     names = _campaign_names(history, {a.campaign_id for a in activities.values() if a.campaign_id is not None})
