@@ -102,7 +102,10 @@ class Uploader:
                 wait=_pause_before_resending,
                 stop=stop_after_attempt(2),
                 before_sleep=lambda state: logger.debug(
-                    "aggregator %s dropped the connection; sending slice %d again", url, begin.slice_index
+                    "aggregator %s: %s; sending slice %d again",
+                    url,
+                    state.outcome.exception() if state.outcome is not None else "connection lost",
+                    begin.slice_index,
                 ),
                 reraise=True,
             )
