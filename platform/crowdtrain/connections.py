@@ -17,6 +17,10 @@ import time
 
 from django.db import close_old_connections, connections
 
+# Not Django's psycopg pool (OPTIONS "pool"): it needs CONN_MAX_AGE = 0, so every call would check a
+# connection out and back in, and with CONN_HEALTH_CHECKS on it checks each one out with a round trip, the
+# per-call check this module exists to avoid. Without checks a dead connection is found only by failing a
+# call, once for every pooled connection. The threads here are long-lived: one connection each is the pool.
 HEALTH_CHECK_EVERY_S = 5.0
 _checked = threading.local()
 

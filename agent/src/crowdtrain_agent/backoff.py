@@ -5,6 +5,25 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from tenacity import RetryCallState, Retrying, stop_after_attempt, stop_never, wait_exponential
+from tenacity.stop import stop_base
+from tenacity.wait import wait_base
+
+
+class wait_shortened(wait_base):  # noqa: N801 (named like tenacity's own strategies, which it composes with)
+    """Another wait, shortened by a random fraction of up to ``jitter``: spread out, never longer than promised.
+
+    tenacity's own jitter adds to a delay; the "pauses of up to ..." log lines
+    promise a ceiling, so this one only takes away.
+    """
+
+    def __init__(self, inner: wait_base, jitter: float) -> None:
+        self.inner = inner
+        self.jitter = jitter
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        return self.inner(retry_state) * (1.0 - self.jitter * random.random())
+
 
 @dataclass(frozen=True)
 class Backoff:
@@ -13,7 +32,10 @@ class Backoff:
     Try ``n`` (1-based) waits ``min(max_s, base_s * factor**(n-1))`` scaled by a random
     factor in ``[1 - jitter, 1]``: never longer than ``max_s``, which the "pauses of up
     to ..." log lines promise, and never all at once after a restart (a crowd of agents,
-    or several aggregators, spread out instead of knocking together).
+    or several aggregators, spread out instead of knocking together). The policy is
+    tenacity's: ``wait()`` and ``stop()`` plug into a ``Retrying``; ``delay`` and
+    ``exhausted`` ask the same strategies for loops whose count of tries resets
+    (a connection that was welcomed starts a fresh count).
     """
 
     base_s: float = 0.5
@@ -28,11 +50,27 @@ class Backoff:
         if self.max_tries is not None and self.max_tries < 1:
             raise ValueError(f"max_tries must be at least 1 or None (no limit), got {self.max_tries}")
 
+    def wait(self) -> wait_base:
+        """The tenacity wait before try ``attempt_number`` (1-based), as ``delay`` describes."""
+        return wait_shortened(
+            wait_exponential(multiplier=self.base_s, exp_base=self.factor, max=self.max_s), self.jitter
+        )
+
+    def stop(self) -> stop_base:
+        """The tenacity stop after ``max_tries`` failed tries, or never."""
+        return stop_never if self.max_tries is None else stop_after_attempt(self.max_tries)
+
     def delay(self, attempt: int) -> float:
         """Seconds to wait before connection try number ``attempt`` (1-based)."""
-        raw = min(self.max_s, self.base_s * self.factor ** max(0, attempt - 1))
-        return raw * (1.0 - self.jitter * random.random())
+        return self.wait()(_tries(attempt))
 
     def exhausted(self, tries: int) -> bool:
         """Whether ``tries`` failed tries in a row are all this policy allows."""
-        return self.max_tries is not None and tries >= self.max_tries
+        return tries >= 1 and self.stop()(_tries(tries))
+
+
+def _tries(attempt: int) -> RetryCallState:
+    """A tenacity call state at try ``attempt``: all that the wait and stop strategies above read."""
+    state = RetryCallState(Retrying(), None, (), {})
+    state.attempt_number = max(1, attempt)
+    return state

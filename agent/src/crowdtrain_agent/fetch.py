@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_before_delay, wait_exponential
 
 from .data import sha256_hex
 from .deltas import (
@@ -432,25 +433,34 @@ def fetch_slice(
 
 def _retrying(route: SliceRoute, version: int, url: str, attempt: Callable[[], str], retry_for_s: float) -> str:
     """``attempt()`` again while it meets a 404 (a version being published) for up to ``retry_for_s``."""
-    deadline = time.monotonic() + retry_for_s
-    delay = 0.05
-    while True:
-        try:
-            return attempt()
-        except HttpStatusError as exc:
-            if exc.code != 404 or time.monotonic() + delay > deadline:
-                raise FetchError(
-                    f"parameters of version {version}, slice {route.index}: HTTP {exc.code} from {url}"
-                ) from None
-            logger.debug("slice %d of version %d not published yet; retrying in %.2f s", route.index, version, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
-        except _DeltaUnusable:
-            raise  # fetch_slice falls back to a full download
-        except FetchError as exc:
-            raise FetchError(
-                f"parameters of version {version}, slice {route.index} (fp32 elements {route.start}:{route.end}): {exc}"
-            ) from None
+
+    def note_unpublished(state: RetryCallState) -> None:
+        logger.debug(
+            "slice %d of version %d not published yet; retrying in %.2f s", route.index, version, state.upcoming_sleep
+        )
+
+    retrying = Retrying(
+        retry=retry_if_exception(_not_published),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        stop=stop_before_delay(retry_for_s),
+        before_sleep=note_unpublished,
+        reraise=True,
+    )
+    try:
+        return retrying(attempt)
+    except HttpStatusError as exc:
+        raise FetchError(f"parameters of version {version}, slice {route.index}: HTTP {exc.code} from {url}") from None
+    except _DeltaUnusable:
+        raise  # fetch_slice falls back to a full download
+    except FetchError as exc:
+        raise FetchError(
+            f"parameters of version {version}, slice {route.index} (fp32 elements {route.start}:{route.end}): {exc}"
+        ) from None
+
+
+def _not_published(exc: BaseException) -> bool:
+    """A 404 from an aggregator: the version is being published there, and will be soon."""
+    return isinstance(exc, HttpStatusError) and exc.code == 404
 
 
 def _get_params(url: str, out: memoryview, ticket: str | None, held: tuple[int, memoryview] | None) -> str:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from websockets.typing import Subprotocol
@@ -34,6 +35,19 @@ UPLOAD_WRITE_LIMIT_BYTES = 8 << 20  # buffered before send() waits: a few MiB sl
 
 def _ignore_newer_fields(kind: str, fields: list[str]) -> None:
     logger.debug("a newer aggregator's %s carries fields this agent does not know: %s", kind, ", ".join(fields))
+
+
+def _worth_resending(exc: BaseException) -> bool:
+    """A dropped or unreachable connection is tried once more; a refused ticket never is."""
+    if isinstance(exc, ConnectionClosed):
+        return exc.rcvd is None or exc.rcvd.code != CloseCode.BAD_TICKET
+    return isinstance(exc, (OSError, TimeoutError, InvalidHandshake))
+
+
+def _pause_before_resending(state: RetryCallState) -> float:
+    """At once after a drop (the aggregator is there); half a second when it could not be reached."""
+    failed = state.outcome.exception() if state.outcome is not None else None
+    return 0.0 if isinstance(failed, ConnectionClosed) else 0.5
 
 
 class UploadError(RuntimeError):
@@ -83,40 +97,52 @@ class Uploader:
         """
         lock = self._locks.setdefault(url, asyncio.Lock())
         async with lock:
-            for attempt in (1, 2):
-                try:
-                    ws = await self._connection(url)
-                    await ws.send(encode_message(begin, negotiated_minor(ws.subprotocol)))
-                    for chunk in chunks:
-                        await ws.send(list(chunk))
-                        sent = sum(len(part) for part in chunk)
-                        METER.sent(sent)
-                        if Limits.upload is not None:  # the volunteer's upload limit (``--upload-kbps``)
-                            await Limits.upload.take_async(sent)
-                        if cost is not None:
-                            cost.bytes_up += sent
-                    raw = await asyncio.wait_for(ws.recv(), self._reply_timeout_s)
-                except ConnectionClosed as exc:
-                    self._connections.pop(url, None)
-                    code = exc.rcvd.code if exc.rcvd is not None else None
-                    if code == CloseCode.BAD_TICKET or attempt == 2:
-                        reason = exc.rcvd.reason if exc.rcvd is not None else "connection dropped"
-                        raise UploadError(
-                            f"aggregator {url} closed the upload of slice {begin.slice_index} (code {code}: {reason})",
-                            code="closed",
-                        ) from None
-                    logger.debug("aggregator %s dropped the connection; sending slice %d again", url, begin.slice_index)
-                    continue
-                except (OSError, TimeoutError, InvalidHandshake) as exc:
-                    self._connections.pop(url, None)
-                    if attempt == 2:
-                        raise UploadError(
-                            f"cannot upload slice {begin.slice_index} to {url}: {exc}", code="unreachable"
-                        ) from None
-                    await asyncio.sleep(0.5)
-                    continue
-                return self._check_reply(url, begin, raw)
-        raise UploadError(f"cannot upload slice {begin.slice_index} to {url}", code="unreachable")
+            resending = AsyncRetrying(
+                retry=retry_if_exception(_worth_resending),
+                wait=_pause_before_resending,
+                stop=stop_after_attempt(2),
+                before_sleep=lambda state: logger.debug(
+                    "aggregator %s: %s; sending slice %d again",
+                    url,
+                    state.outcome.exception() if state.outcome is not None else "connection lost",
+                    begin.slice_index,
+                ),
+                reraise=True,
+            )
+            try:
+                raw: str | bytes = await resending(self._send_once, url, begin, chunks, cost)
+            except ConnectionClosed as exc:
+                code = exc.rcvd.code if exc.rcvd is not None else None
+                reason = exc.rcvd.reason if exc.rcvd is not None else "connection dropped"
+                raise UploadError(
+                    f"aggregator {url} closed the upload of slice {begin.slice_index} (code {code}: {reason})",
+                    code="closed",
+                ) from None
+            except (OSError, TimeoutError, InvalidHandshake) as exc:
+                raise UploadError(
+                    f"cannot upload slice {begin.slice_index} to {url}: {exc}", code="unreachable"
+                ) from None
+            return self._check_reply(url, begin, raw)
+
+    async def _send_once(
+        self, url: str, begin: UploadBegin, chunks: Sequence[tuple[bytes, memoryview]], cost: LeaseCost | None
+    ) -> str | bytes:
+        """One try at sending a slice; returns the aggregator's raw answer. A failed connection is forgotten."""
+        try:
+            ws = await self._connection(url)
+            await ws.send(encode_message(begin, negotiated_minor(ws.subprotocol)))
+            for chunk in chunks:
+                await ws.send(list(chunk))
+                sent = sum(len(part) for part in chunk)
+                METER.sent(sent)
+                if Limits.upload is not None:  # the volunteer's upload limit (``--upload-kbps``)
+                    await Limits.upload.take_async(sent)
+                if cost is not None:
+                    cost.bytes_up += sent
+            return await asyncio.wait_for(ws.recv(), self._reply_timeout_s)
+        except (ConnectionClosed, OSError, TimeoutError, InvalidHandshake):
+            self._connections.pop(url, None)
+            raise
 
     def _check_reply(self, url: str, begin: UploadBegin, raw: str | bytes) -> UploadReceipt:
         try:

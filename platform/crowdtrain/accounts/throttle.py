@@ -7,6 +7,10 @@ import time
 from django.core.cache import cache
 from django.http import HttpRequest
 
+# Not allauth's ACCOUNT_RATE_LIMITS, which already guard what allauth serves (log-in failures, sign-ups; see
+# settings): these counters guard our own device login, the code endpoint per address and the codes typed on
+# /device/. allauth's limiter reaches other views only through allauth.core.ratelimit.consume, which allauth
+# marks for deprecation ("keep rate limiting internal to allauth"); an upgrade could take it away.
 WINDOW_S = 600
 
 

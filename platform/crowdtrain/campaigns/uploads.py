@@ -26,6 +26,7 @@ import threading
 from typing import Any, BinaryIO
 from uuid import UUID
 
+import msgspec
 from django.conf import settings
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
@@ -34,7 +35,7 @@ from django.http import HttpRequest, JsonResponse
 from django.urls import reverse
 from django.views.decorators.http import require_http_methods
 
-from crowdtrain.text import is_text
+from crowdtrain import jsonbodies
 from crowdtrain_agent.models import max_text_sample_len
 from crowdtrain_agent.models.registry import BYTE_VOCAB, IMAGE_SIZES, MAX_VOCAB
 
@@ -96,18 +97,23 @@ def describe(upload: Upload) -> dict[str, Any]:
 # ---------------------------------------------------------------- creating an upload
 
 
-def _field(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
-    value = body.get(name)
-    if value is None:  # absent or null: an optional field takes its default
-        value = default
-    if value is None:
-        raise UploadError(f"{name} is required")
-    # bool is an int in Python; a size of true is still a mistake.
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise UploadError(f"{name} must be {'an integer' if kind is int else 'a string'}, got {value!r}")
-    if isinstance(value, str) and not is_text(value):
-        raise UploadError(f"{name} is not text (it holds a lone surrogate); send UTF-8")
-    return value
+class UploadRequest(msgspec.Struct):
+    """The page's JSON that opens an upload; a null optional field takes its default, as if left out.
+
+    The value rules (sizes, lengths after trimming, a known tokenizer) follow in ``create_upload``, whose
+    messages say what to do; the types are checked here, all at once.
+    """
+
+    filename: str
+    size: int
+    format: str
+    sha256: str | None = None  # of the whole file, checked when the last chunk is in
+    name: str | None = None  # the dataset's; the file name without its extension when left out
+    sample_len: int | None = None  # text and jsonl only
+    text_field: str | None = None  # jsonl only: the key that holds each line's text
+    tokenizer: str | None = None  # "" (bytes), "train", or the sha256 of a tokenizer.json uploaded before
+    vocab_size: int | None = None  # with tokenizer "train"
+    image_size: int | None = None  # images only
 
 
 def create_upload(owner: Any, body: dict[str, Any]) -> Upload:
@@ -116,29 +122,35 @@ def create_upload(owner: Any, body: dict[str, Any]) -> Upload:
     Raises:
         UploadError: naming the field that is wrong.
     """
-    filename = _field(body, "filename", str).strip()
+    try:
+        request = jsonbodies.convert(body, UploadRequest)
+    except jsonbodies.BodyError as exc:
+        raise UploadError(str(exc)) from None
+    filename = request.filename.strip()
     if not filename or len(filename) > 255:
         raise UploadError("filename must hold 1 to 255 characters")
-    size = _field(body, "size", int)
+    size = request.size
     if size <= 0:
         raise UploadError("the file is empty; choose a file with data in it")
     cap = settings.CROWDTRAIN_MAX_UPLOAD_BYTES
     if size > cap:
         raise UploadError(f"the file is {size} bytes, over the limit of {cap} bytes", status=413, limit=cap)
-    fmt = _field(body, "format", str)
+    fmt = request.format
     formats = [value for value, _ in Upload.FORMATS]
     if fmt not in formats:
         raise UploadError(f"unknown format {fmt!r}; expected one of {', '.join(formats)}")
-    sha256 = _field(body, "sha256", str, "").strip().lower()
+    sha256 = (request.sha256 or "").strip().lower()
     if sha256 and not _SHA256.match(sha256):
         raise UploadError(f"sha256 must be 64 hexadecimal digits, got {sha256!r}")
-    name = _field(body, "name", str, "").strip() or filename.rsplit(".", 1)[0] or filename
+    name = (request.name or "").strip() or filename.rsplit(".", 1)[0] or filename
     if len(name) > 200:
         raise UploadError("name must be at most 200 characters")
     sample_len, text_field, tokenizer, vocab_size, image_size = 0, "text", "", 0, 0
     if fmt in (Dataset.Format.TEXT, Dataset.Format.JSONL):
-        tokenizer, vocab_size = _tokenizer_fields(body)
-        sample_len = _field(body, "sample_len", int)
+        tokenizer, vocab_size = _tokenizer_fields(request)
+        if request.sample_len is None:
+            raise UploadError("sample_len is required")
+        sample_len = request.sample_len
         longest = max_text_sample_len()
         unit = "token ids" if tokenizer else "bytes"
         if not 2 <= sample_len <= longest:
@@ -147,11 +159,11 @@ def create_upload(owner: Any, body: dict[str, Any]) -> Upload:
                 f"on (block_size + 1), got {sample_len}"
             )
     if fmt == Dataset.Format.JSONL:
-        text_field = _field(body, "text_field", str, "text").strip()
+        text_field = (request.text_field or "text").strip()
         if not text_field or len(text_field) > 100:
             raise UploadError("text_field must hold 1 to 100 characters")
     if fmt == Dataset.Format.IMAGES:
-        image_size = _field(body, "image_size", int, settings.CROWDTRAIN_IMAGE_SIZE)
+        image_size = request.image_size if request.image_size is not None else settings.CROWDTRAIN_IMAGE_SIZE
         if not MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE:
             raise UploadError(
                 f"image_size must be between {MIN_IMAGE_SIZE} and {MAX_IMAGE_SIZE} pixels, got {image_size}"
@@ -171,17 +183,17 @@ def create_upload(owner: Any, body: dict[str, Any]) -> Upload:
     )
 
 
-def _tokenizer_fields(body: dict[str, Any]) -> tuple[str, int]:
+def _tokenizer_fields(request: UploadRequest) -> tuple[str, int]:
     """``tokenizer`` ("" for bytes, "train", or the sha256 of a tokenizer uploaded before) and the vocabulary to train.
 
     Raises:
         UploadError: naming the field.
     """
-    tokenizer = _field(body, "tokenizer", str, "").strip().lower()
+    tokenizer = (request.tokenizer or "").strip().lower()
     if not tokenizer:
         return "", 0
     if tokenizer == "train":
-        vocab = _field(body, "vocab_size", int, settings.CROWDTRAIN_TOKENIZER_VOCAB)
+        vocab = request.vocab_size if request.vocab_size is not None else settings.CROWDTRAIN_TOKENIZER_VOCAB
         if not BYTE_VOCAB < vocab <= MAX_VOCAB:
             raise UploadError(
                 f"vocab_size must be between {BYTE_VOCAB + 1} (the 256 bytes and an end-of-text token) and "

@@ -25,6 +25,7 @@ from typing import Literal
 
 from django.db.models import Sum
 from django.db.models.functions import TruncHour
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from crowdtrain.scheduler.hotstate import hot_state
 
@@ -165,9 +166,13 @@ def ensure_built() -> None:
         finally:
             client.delete(lock)
         return
-    deadline = time.monotonic() + REBUILD_LOCK_S
-    while not client.exists(_built_key()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    waiting = Retrying(
+        retry=retry_if_result(lambda built: not built),
+        wait=wait_fixed(0.05),
+        stop=stop_after_delay(REBUILD_LOCK_S),
+        retry_error_callback=lambda state: False,  # the builder's lock expired: read what there is
+    )
+    waiting(client.exists, _built_key())
 
 
 def rebuild(now: float | None = None) -> None:

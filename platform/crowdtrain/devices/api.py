@@ -6,12 +6,14 @@ import json
 from typing import Any
 from urllib.parse import urlencode
 
+import msgspec
 from django.conf import settings
 from django.http import HttpRequest, JsonResponse
 from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
+from crowdtrain import jsonbodies
 from crowdtrain.accounts import throttle
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.names import account_name
@@ -48,7 +50,17 @@ def _ok(data: dict[str, Any]) -> JsonResponse:
     return response
 
 
-def _params(request: HttpRequest) -> dict[str, Any]:
+class DeviceParams(msgspec.Struct):
+    """The login endpoints' parameters, alike from a form (RFC 8628) or a JSON body; others are ignored."""
+
+    client_id: str | None = None
+    grant_type: str | None = None  # the token endpoint's
+    device_code: str | None = None  # the token endpoint's
+    name: str | None = None  # the code endpoint's: the device's proposed name
+    hardware: dict[str, Any] | str | None = None  # the code endpoint's: an object, or its JSON text in a form
+
+
+def _params(request: HttpRequest) -> DeviceParams:
     """The request's parameters from a form-encoded (as the RFC says) or a JSON body, size-capped."""
     try:
         declared = int(request.META.get("CONTENT_LENGTH") or 0)
@@ -66,21 +78,24 @@ def _params(request: HttpRequest) -> dict[str, Any]:
         bad = next(not_text(data), None)
         if bad is not None:
             raise _BadRequest(f"{bad} is not text (it holds a lone surrogate); send UTF-8 strings")
-        return data
-    repeated = [key for key, values in request.POST.lists() if len(values) > 1]
-    if repeated:  # RFC 6749 §3.2: parameters must not be included more than once
-        raise _BadRequest(f"parameter {repeated[0]!r} given more than once")
-    return request.POST.dict()
+    else:
+        repeated = [key for key, values in request.POST.lists() if len(values) > 1]
+        if repeated:  # RFC 6749 §3.2: parameters must not be included more than once
+            raise _BadRequest(f"parameter {repeated[0]!r} given more than once")
+        data = request.POST.dict()
+    try:
+        return jsonbodies.convert(data, DeviceParams)
+    except jsonbodies.BodyError as exc:
+        raise _BadRequest(str(exc)) from None
 
 
-def _check_client(params: dict[str, Any]) -> JsonResponse | None:
-    client_id = params.get("client_id")
-    if client_id is not None and client_id != CLIENT_ID:
+def _check_client(params: DeviceParams) -> JsonResponse | None:
+    if params.client_id is not None and params.client_id != CLIENT_ID:
         return _oauth_error("invalid_client", f"unknown client_id; use {CLIENT_ID!r}", status=401)
     return None
 
 
-def _client_params(request: HttpRequest) -> dict[str, Any] | JsonResponse:
+def _client_params(request: HttpRequest) -> DeviceParams | JsonResponse:
     """The request's parameters, or the OAuth error that refuses it (bad body, unknown client)."""
     try:
         params = _params(request)
@@ -105,7 +120,7 @@ def device_code(request: HttpRequest) -> JsonResponse:
             Retry_After=str(throttle.WINDOW_S),
         )
     try:
-        authorization, code = grant.start(params.get("name"), params.get("hardware"))
+        authorization, code = grant.start(params.name, params.hardware)
     except ValueError as exc:
         return _oauth_error("invalid_request", str(exc))
     user_code = grant.format_user_code(authorization.user_code)
@@ -129,13 +144,13 @@ def device_token(request: HttpRequest) -> JsonResponse:
     params = _client_params(request)
     if isinstance(params, JsonResponse):
         return params
-    grant_type = params.get("grant_type")
+    grant_type = params.grant_type
     if grant_type is None:
         return _oauth_error("invalid_request", f"missing grant_type; use {grant.GRANT_TYPE}")
     if grant_type != grant.GRANT_TYPE:
         return _oauth_error("unsupported_grant_type", f"only {grant.GRANT_TYPE} is supported")
-    code = params.get("device_code")
-    if not isinstance(code, str) or not code:
+    code = params.device_code
+    if not code:
         return _oauth_error("invalid_request", "missing device_code")
     try:
         device, token = grant.redeem(code)

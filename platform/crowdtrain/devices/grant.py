@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import secrets
+import sys
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
+from crowdtrain import jsonbodies
 from crowdtrain.accounts.models import Device, DeviceAuthorization
 from crowdtrain.accounts.tokens import hash_token
 
@@ -43,7 +45,17 @@ KEEP_SPENT_FOR = timedelta(days=1)  # decided and expired rows are deleted this 
 MAX_HARDWARE_BYTES = 4096
 MAX_HARDWARE_KEYS = 32
 MAX_HARDWARE_TEXT = 200
-_HARDWARE_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+HardwareValue = (
+    Annotated[str, msgspec.Meta(max_length=MAX_HARDWARE_TEXT)]
+    | bool
+    | Annotated[int, msgspec.Meta(ge=-(2**63) + 1, le=2**63 - 1)]  # a signed 64-bit column's range
+    | Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]  # finite: no inf, no NaN
+    | None
+)
+Hardware = Annotated[
+    dict[Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_]{0,63}$")], HardwareValue],
+    msgspec.Meta(max_length=MAX_HARDWARE_KEYS),
+]
 
 
 class GrantError(Exception):
@@ -89,28 +101,16 @@ def clean_hardware(raw: Any) -> dict[str, Any]:
             raw = json.loads(raw)
         except (ValueError, RecursionError):
             raise ValueError("hardware is not valid JSON") from None
-    if not isinstance(raw, dict):
-        raise ValueError("hardware must be a JSON object")
-    if len(raw) > MAX_HARDWARE_KEYS:
-        raise ValueError(f"hardware has {len(raw)} keys; at most {MAX_HARDWARE_KEYS}")
-    cleaned: dict[str, Any] = {}
-    for key, value in raw.items():
-        if not isinstance(key, str) or not _HARDWARE_KEY.match(key):
-            raise ValueError(f"hardware key {str(key)[:70]!r} must be lower-case letters, digits and _")
-        if value is None or isinstance(value, bool):
-            pass
-        elif isinstance(value, int):
-            if abs(value) >= 2**63:
-                raise ValueError(f"hardware.{key} is out of range")
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                raise ValueError(f"hardware.{key} must be a finite number")
-        elif isinstance(value, str):
-            if len(value) > MAX_HARDWARE_TEXT or not value.isprintable():
-                raise ValueError(f"hardware.{key} must be printable text of at most {MAX_HARDWARE_TEXT} characters")
-        else:
-            raise ValueError(f"hardware.{key} must be a string, number, boolean or null")
-        cleaned[key] = value
+    try:
+        cleaned = jsonbodies.convert(raw, Hardware, field="hardware")
+    except jsonbodies.BodyError as exc:
+        # msgspec says "a value" without its key; the key is what the agent's author needs to find.
+        for key, value in raw.items() if isinstance(raw, dict) else ():
+            jsonbodies.convert(value, HardwareValue, field=f"hardware.{key}")
+        raise ValueError(str(exc)) from None
+    for key, value in cleaned.items():
+        if isinstance(value, str) and not value.isprintable():
+            raise ValueError(f"hardware.{key} must be printable text of at most {MAX_HARDWARE_TEXT} characters")
     if len(json.dumps(cleaned)) > MAX_HARDWARE_BYTES:
         raise ValueError(f"hardware is over {MAX_HARDWARE_BYTES} bytes of JSON")
     return cleaned

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.db import IntegrityError, OperationalError, connection, transaction
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.batchsql import column, db_time, table
@@ -85,17 +86,19 @@ def _write_step(config: CampaignConfig, index: int, leases: list[dict[str, Any]]
     Raises:
         StepDiscarded: a rollback came first; the step must not be announced.
     """
-    attempt = 1
-    while True:
-        try:
-            return _write_step_once(config, index, leases, line)
-        except OperationalError:
-            if attempt >= WRITE_ATTEMPTS:
-                raise
-            logger.info(
-                "campaign %s: writing step %s failed (try %s); trying again", config.id, index, attempt, exc_info=True
-            )
-            attempt += 1
+    rewriting = Retrying(
+        retry=retry_if_exception_type(OperationalError),
+        stop=stop_after_attempt(WRITE_ATTEMPTS),
+        before_sleep=lambda state: logger.info(
+            "campaign %s: writing step %s failed (try %s); trying again",
+            config.id,
+            index,
+            state.attempt_number,
+            exc_info=state.outcome.exception() if state.outcome is not None else None,
+        ),
+        reraise=True,
+    )
+    return rewriting(_write_step_once, config, index, leases, line)
 
 
 def _write_step_once(config: CampaignConfig, index: int, leases: list[dict[str, Any]], line: int) -> list[int]:
