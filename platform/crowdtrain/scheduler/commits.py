@@ -23,7 +23,6 @@ import logging
 import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 from django.db import IntegrityError, OperationalError, connection, transaction
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
@@ -36,6 +35,7 @@ from crowdtrain_agent.protocol import StepCommit
 
 from . import seam
 from .configs import CampaignConfig
+from .hotrecords import FullStep, LeaseRecord, full_step
 from .hotstate import HotStateMissing, hot_state
 from .models import Lease, StepNetwork
 from .network import step_totals
@@ -65,17 +65,17 @@ def moment(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=UTC)
 
 
-def held(record: dict[str, Any]) -> tuple[datetime, datetime, float]:
+def held(record: LeaseRecord) -> tuple[datetime, datetime, float]:
     """A reported lease's issue and report times, and its compute time capped by how long it was held.
 
     Capped again after rounding to the database's microseconds, so the stored
     compute time never exceeds the stored times' difference.
     """
-    issued, finished = moment(float(record["t0"])), moment(float(record["t1"]))
-    return issued, finished, min(float(record["cs"]), (finished - issued).total_seconds())
+    issued, finished = moment(record.issued_at), moment(record.finished_at)
+    return issued, finished, min(record.compute_s, (finished - issued).total_seconds())
 
 
-def _write_step(config: CampaignConfig, index: int, leases: list[dict[str, Any]], line: int) -> list[int]:
+def _write_step(config: CampaignConfig, index: int, leases: list[LeaseRecord], line: int) -> list[int]:
     """The step row, its leases and their devices' credit in one transaction; returns the lease ids in the step.
 
     ``line``: the campaign's timeline the leases were gathered on (the hot state's, when it handed them out).
@@ -101,14 +101,14 @@ def _write_step(config: CampaignConfig, index: int, leases: list[dict[str, Any]]
     return rewriting(_write_step_once, config, index, leases, line)
 
 
-def _write_step_once(config: CampaignConfig, index: int, leases: list[dict[str, Any]], line: int) -> list[int]:
+def _write_step_once(config: CampaignConfig, index: int, leases: list[LeaseRecord], line: int) -> list[int]:
     try:
         with transaction.atomic():
             step = Step.objects.create(
                 campaign_id=config.id,
                 index=index,
-                num_samples=sum(int(lease["n"]) for lease in leases),
-                loss_sum=math.fsum(float(lease["loss"]) for lease in leases),
+                num_samples=sum(lease.samples for lease in leases),
+                loss_sum=math.fsum(lease.loss for lease in leases),
             )
             # What the step cost the volunteers' links (its leases' reports): one row, with the step.
             StepNetwork.objects.create(step=step, campaign_id=config.id, **step_totals(leases))
@@ -124,7 +124,7 @@ def _write_step_once(config: CampaignConfig, index: int, leases: list[dict[str, 
             )
             if not moved:
                 raise StepDiscarded(_why_discarded(config.id, index, line))
-            return [int(lease["id"]) for lease in leases]
+            return [lease.id for lease in leases]
     except IntegrityError:
         # Another process wrote this step first: it is what the aggregators must apply, if it is of our timeline.
         step = Step.objects.get(campaign_id=config.id, index=index)
@@ -143,29 +143,29 @@ def _why_discarded(campaign_id: int, index: int, line: int) -> str:
     )
 
 
-def _row(config: CampaignConfig, record: dict[str, Any], step: Step) -> Lease:
+def _row(config: CampaignConfig, record: LeaseRecord, step: Step) -> Lease:
     issued, finished, compute_s = held(record)
-    ranges = to_shards(config.table, record["r"])
+    ranges = to_shards(config.table, record.ranges)
     return Lease(
-        pk=record["id"],
+        pk=record.id,
         campaign_id=config.id,
-        device_id=record["d"],
-        base_version=record["b"],
+        device_id=record.device,
+        base_version=record.base_version,
         target_step=step.index,
         ranges=ranges,
         epoch=ranges[0][0],
-        num_samples=record["n"],
+        num_samples=record.samples,
         state=Lease.State.ACCEPTED,
         issued_at=issued,
-        deadline=moment(record["dl"]),
+        deadline=moment(record.deadline),
         finished_at=finished,
         step=step,
-        loss_sum=record["loss"],
+        loss_sum=record.loss,
         compute_s=compute_s,
     )
 
 
-def _accept(config: CampaignConfig, leases: list[dict[str, Any]], step: Step) -> None:
+def _accept(config: CampaignConfig, leases: list[LeaseRecord], step: Step) -> None:
     """Mark the step's leases accepted into it, with their outcomes.
 
     The batched record has almost always written the lease rows already (a site writes a lease's row within
@@ -183,7 +183,7 @@ def _accept(config: CampaignConfig, leases: list[dict[str, Any]], step: Step) ->
         column(Lease, name) for name in ("state", "step", "loss_sum", "compute_s", "finished_at", "reason")
     )
     # In id order, as the record writer writes them (opposite orders would deadlock).
-    outcomes = sorted((int(lease["id"]), float(lease["loss"]), *held(lease)[1:]) for lease in leases)
+    outcomes = sorted((lease.id, lease.loss, *held(lease)[1:]) for lease in leases)
     with connection.cursor() as db:
         if connection.vendor == "postgresql":
             # One statement joined to the outcomes as arrays: a third of the time of 2,000 updates in a pipeline.
@@ -211,7 +211,7 @@ def _accept(config: CampaignConfig, leases: list[dict[str, Any]], step: Step) ->
                 ],
             )
     missing = sorted(
-        (_row(config, lease, step) for lease in leases if int(lease["id"]) not in existing), key=lambda row: row.pk
+        (_row(config, lease, step) for lease in leases if lease.id not in existing), key=lambda row: row.pk
     )
     if missing:
         # Upserted: the other process's batch may write them between the read above and this insert.
@@ -223,7 +223,7 @@ def _accept(config: CampaignConfig, leases: list[dict[str, Any]], step: Step) ->
         )
 
 
-def _credit(leases: list[dict[str, Any]]) -> None:
+def _credit(leases: list[LeaseRecord]) -> None:
     """Every device in the step: samples credited, and the speed its work showed.
 
     On PostgreSQL one UPDATE joined to arrays, on SQLite one UPDATE by key per device; not one UPDATE with a
@@ -234,8 +234,8 @@ def _credit(leases: list[dict[str, Any]]) -> None:
     samples: dict[int, int] = {}
     busy_s: dict[int, float] = {}
     for lease in leases:
-        samples[lease["d"]] = samples.get(lease["d"], 0) + int(lease["n"])
-        busy_s[lease["d"]] = busy_s.get(lease["d"], 0.0) + float(lease["cs"])
+        samples[lease.device] = samples.get(lease.device, 0) + lease.samples
+        busy_s[lease.device] = busy_s.get(lease.device, 0.0) + lease.compute_s
     devices = table(Device)
     pk, accepted, speed = (column(Device, name) for name in ("id", "samples_accepted", "samples_per_s"))
     # The speed "My devices" shows: what its accepted work took, as the agent reported it, averaged.
@@ -271,20 +271,21 @@ def _credit(leases: list[dict[str, Any]]) -> None:
             )
 
 
-def commit_full_steps(config: CampaignConfig, full: dict[str, Any]) -> list[Commit]:
+def commit_full_steps(config: CampaignConfig, first: FullStep) -> list[Commit]:
     """Commit the full open step, and every step after it that is full already (a lease reported ahead)."""
     commits: list[Commit] = []
-    while full:
-        index, line = int(full["step"]), int(full.get("line") or 0)
+    full: FullStep | None = first
+    while full is not None:
+        index, line = full.step, full.line
         try:
             with STEP_COMMIT_SECONDS.time():
-                lease_ids = _write_step(config, index, list(full["leases"]), line)
+                lease_ids = _write_step(config, index, full.leases, line)
         except StepDiscarded as exc:
             # The rollback gave these leases' samples back already (they were live in the hot state).
             logger.warning("%s", exc, extra={"campaign_id": config.id, "step": index})
             STEPS_DISCARDED.labels(campaign=str(config.id)).inc()
             break
-        num_samples = sum(int(lease["n"]) for lease in full["leases"])
+        num_samples = sum(lease.samples for lease in full.leases)
         try:
             answer = hot_state().run("committed", config.hot_key, {"step": index, "line": line})
         except HotStateMissing:  # Redis lost the keys meanwhile: the record, step included, rebuilds them
@@ -302,5 +303,5 @@ def commit_full_steps(config: CampaignConfig, full: dict[str, Any]) -> list[Comm
             campaign_id=config.id, step=index, lease_ids=lease_ids, num_samples=num_samples, timeline=line
         )
         commits.append(Commit(message, list(config.aggregator_ids), [str(c) for c in answer.get("woken") or []]))
-        full = answer.get("commit") or {}
+        full = full_step(answer["commit"]) if answer.get("commit") else None
     return commits

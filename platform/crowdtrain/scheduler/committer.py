@@ -41,6 +41,7 @@ from django.conf import settings
 from . import seam
 from .commits import Commit, commit_full_steps
 from .configs import campaign_config
+from .hotrecords import full_step
 from .hotstate import HotStateMissing, hot_state
 
 logger = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ class Committer:
             return []
         if not answer.get("commit"):
             return []  # written meanwhile by a process that took over the claim
-        commits = commit_full_steps(config, answer["commit"])
+        commits = commit_full_steps(config, full_step(answer["commit"]))
         seam.publisher().publish_commits(commits)
         self.committed += len(commits)
         return commits

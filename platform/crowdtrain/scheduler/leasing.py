@@ -43,6 +43,7 @@ from crowdtrain_agent.protocol import (
 from . import committer, ids, network, seam
 from .commits import Commit, commit_full_steps, held, moment
 from .configs import CampaignConfig, campaign_config, forget, most_lease_samples, open_to, running_campaigns
+from .hotrecords import LeaseRecord, full_step, lease_record
 from .hotstate import HotStateMissing, hot_state
 from .models import Lease
 from .rebuild import load_campaign, to_shards
@@ -212,7 +213,7 @@ def _try_lease(
     if answer.get("kind") != "lease":
         ids.lease_ids.put_back(lease_id)
         return _refusal(config, answer)
-    lease = _row(config, cast(dict[str, Any], answer["lease"]), request_id)
+    lease = _row(config, lease_record(answer["lease"]), request_id)
     writer().lease_issued(lease)
     writer().cursor_moved(config.id, int(answer["epoch"]), int(answer["cursor"]))
     logger.debug(
@@ -237,20 +238,20 @@ def _copy_or_lease(
     return _try_lease(config, device_id, samples_per_s, request_id, backups)
 
 
-def _row(config: CampaignConfig, record: dict[str, Any], request_id: str = "") -> Lease:
-    ranges = to_shards(config.table, record["r"])
+def _row(config: CampaignConfig, record: LeaseRecord, request_id: str = "") -> Lease:
+    ranges = to_shards(config.table, record.ranges)
     return Lease(
-        pk=record["id"],
+        pk=record.id,
         campaign_id=config.id,
-        device_id=record["d"],
-        base_version=record["b"],
-        target_step=record["s"],
+        device_id=record.device,
+        base_version=record.base_version,
+        target_step=record.step,
         ranges=ranges,
         epoch=ranges[0][0] if ranges else 0,
-        num_samples=record["n"],
+        num_samples=record.samples,
         state=Lease.State.ACTIVE,
-        issued_at=moment(float(record["t0"])),
-        deadline=moment(float(record["dl"])),
+        issued_at=moment(record.issued_at),
+        deadline=moment(record.deadline),
         request_id=request_id[:64],
     )
 
@@ -335,8 +336,8 @@ def _resent(device_id: int, request_id: str) -> LeaseMessage | None:
     import json
 
     record_raw = state.client.hget(f"{state.campaign_key(config.hot_key)}leases", lease_id)
-    record = json.loads(record_raw) if record_raw else None
-    if not record or record.get("st") != "active" or record.get("d") != device_id:
+    record = lease_record(json.loads(record_raw)) if record_raw else None
+    if record is None or record.state != "active" or record.device != device_id:
         return None
     return lease_message(_row(config, record, request_id), config)
 
@@ -560,11 +561,9 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
         if reason == "unknown lease" and _counted(done.lease_id, device_id):
             reason = "lease already reported"  # a report sent again after its step committed (Redis forgot it)
         return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=reason))
-    lease = cast(dict[str, Any], answer["lease"])
+    lease = lease_record(answer["lease"])
     _, finished, compute_s = held(lease)
-    writer().lease_finished(
-        Finished(done.lease_id, Lease.State.ACCEPTED, "", finished, float(lease["loss"]), compute_s)
-    )
+    writer().lease_finished(Finished(done.lease_id, Lease.State.ACCEPTED, "", finished, lease.loss, compute_s))
     metrics.lease_ended(config.id, Lease.State.ACCEPTED, "")
     step = int(answer["step"])
     logger.debug(
@@ -578,9 +577,9 @@ def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
     picked = seam.verification().maybe_pick(config, device_id, done, lease)
     ack = DoneAck(lease_id=done.lease_id, accepted=True, step=step, verification="pending" if picked else "")
     outcome = DoneOutcome(ack)
-    full = answer.get("commit")
-    if full and full.get("queued"):  # a committer writes it, tells the aggregators and wakes the waiting
-        logger.debug("campaign %s: step %s is full and queued for a committer", config.id, full["step"])
+    full = full_step(answer["commit"]) if answer.get("commit") else None
+    if full and full.queued:  # a committer writes it, tells the aggregators and wakes the waiting
+        logger.debug("campaign %s: step %s is full and queued for a committer", config.id, full.step)
     elif full:
         outcome.commits = commit_full_steps(config, full)
     return outcome
@@ -679,7 +678,7 @@ def sweep_campaign(campaign_id: int) -> Swept:
     answer = _run(config, "sweep", args)
     expired = answer.get("expired") or []
     record_retired(expired, config.id)
-    commits = commit_full_steps(config, answer["commit"]) if answer.get("commit") else []
+    commits = commit_full_steps(config, full_step(answer["commit"])) if answer.get("commit") else []
     return Swept(len(expired), commits, bool(answer.get("backup_due")))
 
 

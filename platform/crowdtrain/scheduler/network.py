@@ -31,6 +31,7 @@ from crowdtrain_agent.codec import get_codec
 from crowdtrain_agent.protocol import LeaseDone
 
 from .configs import CampaignConfig
+from .hotrecords import LeaseRecord
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def hot_args(traffic: LeaseTraffic) -> dict[str, Any]:
     return {"nu": traffic.bytes_up, "nd": traffic.bytes_down, "ns": traffic.network_s}
 
 
-def step_totals(leases: list[dict[str, Any]]) -> dict[str, Any]:
+def step_totals(leases: list[LeaseRecord]) -> dict[str, Any]:
     """A step's row of ``StepNetwork`` from its leases' records in the hot state (``hot_args``' fields).
 
     A record without them (rebuilt from the database after Redis lost it, or
@@ -111,16 +112,14 @@ def step_totals(leases: list[dict[str, Any]]) -> dict[str, Any]:
     samples = unreported = bytes_up = bytes_down = 0
     network_s = compute_s = 0.0
     for lease in leases:
-        n = int(lease["n"])
-        up = int(lease.get("nu") or 0)
-        if up <= 0:
-            unreported += n
+        if lease.bytes_up <= 0:
+            unreported += lease.samples
             continue
-        samples += n
-        bytes_up += up
-        bytes_down += int(lease.get("nd") or 0)
-        network_s += float(lease.get("ns") or 0.0)
-        compute_s += float(lease.get("cs") or 0.0)
+        samples += lease.samples
+        bytes_up += lease.bytes_up
+        bytes_down += lease.bytes_down
+        network_s += lease.network_s
+        compute_s += lease.compute_s
     return {
         "samples": samples,
         "unreported_samples": unreported,

@@ -26,6 +26,7 @@ from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
 
 from . import seam
 from .configs import hot_fields, probation_cap, publish_state, run_state
+from .hotrecords import LeaseRecord, to_script
 from .hotstate import hot_state
 from .models import Lease
 from .records import Finished, writer
@@ -221,23 +222,21 @@ def _over_probation_cap(live: list[Lease], on_probation: dict[int, tuple[int, in
 
 
 def _record(lease: Lease, spans: list[list[int]], volunteer_on_probation: int = 0) -> dict[str, object]:
-    """A lease row as the scripts keep it (see lua/prelude.lua)."""
+    """A lease row as the scripts keep it (``hotrecords.LeaseRecord``)."""
     active = lease.state == Lease.State.ACTIVE
-    return {
-        "id": lease.pk,
-        "d": lease.device_id,
-        "s": lease.target_step,
-        "n": lease.num_samples,
-        "b": lease.base_version,
-        "r": spans,
-        "st": "active" if active else "accepted",
-        "t0": lease.issued_at.timestamp(),
-        "dl": lease.deadline.timestamp(),
-        "tw": 0,
-        "bk": 0,
-        "loss": lease.loss_sum or 0.0,
-        "cs": lease.compute_s or 0.0,
-        "why": "",
-        "t1": lease.finished_at.timestamp() if lease.finished_at else 0,
-        "o": volunteer_on_probation,
-    }
+    record = LeaseRecord(
+        id=lease.pk,
+        device=lease.device_id,
+        step=lease.target_step,
+        samples=lease.num_samples,
+        base_version=lease.base_version,
+        ranges=spans,
+        state="active" if active else "accepted",
+        issued_at=lease.issued_at.timestamp(),
+        deadline=lease.deadline.timestamp(),
+        loss=lease.loss_sum or 0.0,
+        compute_s=lease.compute_s or 0.0,
+        finished_at=lease.finished_at.timestamp() if lease.finished_at else 0.0,
+        owner=volunteer_on_probation,
+    )
+    return to_script(record)

@@ -43,6 +43,7 @@ from kombu.exceptions import OperationalError
 from crowdtrain.credit import ledger
 from crowdtrain.scheduler import ids
 from crowdtrain.scheduler.configs import CampaignConfig, campaign_config
+from crowdtrain.scheduler.hotrecords import LeaseRecord
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import Lease as LeaseMessage
@@ -192,7 +193,7 @@ def sketch_of(config: CampaignConfig, done: LeaseDone) -> list[float] | None:
     return values
 
 
-def maybe_pick(config: CampaignConfig, device_id: int, done: LeaseDone, record: dict[str, Any]) -> bool:
+def maybe_pick(config: CampaignConfig, device_id: int, done: LeaseDone, record: LeaseRecord) -> bool:
     """Pick an accepted lease for verification at the volunteer's rate; whether it was (its credit then waits)."""
     base = config.check_fraction
     owner = standing.owner_of(device_id)
@@ -207,9 +208,9 @@ def maybe_pick(config: CampaignConfig, device_id: int, done: LeaseDone, record: 
         campaign_id=config.id,
         lease_id=done.lease_id,
         volunteer_id=owner,
-        base_version=int(record["b"]),
-        ranges=to_shards(config.table, record["r"]),
-        num_samples=int(record["n"]),
+        base_version=record.base_version,
+        ranges=to_shards(config.table, record.ranges),
+        num_samples=record.samples,
     )
     original = Answer(
         lease_id=done.lease_id,
@@ -701,19 +702,18 @@ def _unvouched() -> Q:
     return Q(state__in=WITHHOLDING) | Q(Q(state__in=UNDECIDED), ~verified)
 
 
-def creditable(leases: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
+def creditable(leases: list[LeaseRecord]) -> list[tuple[int, int, int]]:
     """``(lease id, device id, samples)`` of a committed step's lease records whose credit is due now.
 
     Left out: leases whose check is open or failed, or ended undecided for a volunteer with no check
     passed yet, and the work of quarantined volunteers.
     """
-    held = withheld([int(r["id"]) for r in leases])
-    owners = standing.owners_of(int(r["d"]) for r in leases)
+    held = withheld([r.id for r in leases])
+    owners = standing.owners_of(r.device for r in leases)
     due = []
     for record in leases:
-        lease_id, device_id = int(record["id"]), int(record["d"])
-        if lease_id not in held and not standing.refusal(owners.get(device_id)):
-            due.append((lease_id, device_id, int(record["n"])))
+        if record.id not in held and not standing.refusal(owners.get(record.device)):
+            due.append((record.id, record.device, record.samples))
     return due
 
 

@@ -18,6 +18,7 @@ import pytest
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler import backbone, commits, leasing
 from crowdtrain.scheduler.configs import CampaignConfig
+from crowdtrain.scheduler.hotrecords import FullStep
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import Lease as LeaseMessage
@@ -26,7 +27,7 @@ from tests.factories import done_for, make_campaign, make_device, make_text_data
 
 pytestmark = pytest.mark.django_db
 
-Held = list[tuple[CampaignConfig, dict[str, Any]]]
+Held = list[tuple[CampaignConfig, FullStep]]
 
 
 @pytest.fixture(autouse=True)
@@ -50,13 +51,13 @@ def _work(campaign: Campaign, device_id: int, leases: int) -> list[int]:
     return done
 
 
-def _step_one_held(campaign: Campaign, device_id: int) -> tuple[list[int], CampaignConfig, dict[str, Any]]:
+def _step_one_held(campaign: Campaign, device_id: int) -> tuple[list[int], CampaignConfig, FullStep]:
     """Step 0 committed, then step 1 filled and claimed, its write held back (a slow writer): returns step 0's
     leases and what the writer of step 1 holds."""
     step_zero = _work(campaign, device_id, 2)
     held: Held = []
 
-    def hold(config: CampaignConfig, full: dict[str, Any]) -> list[commits.Commit]:
+    def hold(config: CampaignConfig, full: FullStep) -> list[commits.Commit]:
         held.append((config, full))
         return []
 
@@ -124,10 +125,10 @@ def test_a_step_written_just_before_the_rollback_is_undone_with_it_and_its_sampl
     device, _ = make_device()
     step_zero, config, full = _step_one_held(campaign, device.pk)
     # The row is written, but the writer has not told the hot state yet when the rollback comes.
-    commits._write_step(config, 1, list(full["leases"]), int(full["line"]))
+    commits._write_step(config, 1, full.leases, full.line)
 
     _fail_step_zero(campaign, step_zero)
-    late = hot_state().run("committed", config.hot_key, {"step": 1, "line": int(full["line"])})
+    late = hot_state().run("committed", config.hot_key, {"step": 1, "line": full.line})
 
     assert late["open"] == 0  # the late word of the old timeline changed nothing
     campaign.refresh_from_db()

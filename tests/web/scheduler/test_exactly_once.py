@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.scheduler import backbone, commits, configs, ids, leasing, records
+from crowdtrain.scheduler.hotrecords import FullStep
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from crowdtrain.verification import standing
@@ -182,7 +183,7 @@ class SlowWriters:
     writes: list[tuple[configs.CampaignConfig, dict[str, Any]]] = field(default_factory=list)
     holding: bool = False
 
-    def __call__(self, config: configs.CampaignConfig, full: dict[str, Any]) -> list[commits.Commit]:
+    def __call__(self, config: configs.CampaignConfig, full: FullStep) -> list[commits.Commit]:
         if self.holding:
             self.writes.append((config, full))
             return []
