@@ -39,29 +39,6 @@ FORGET_SEEN_AFTER_S = 86400.0
 # removing it this long; its connection refreshes it at half this age. My devices reads a record only
 # for a device the presence set says is online, so a leftover is never shown.
 ACTIVITY_TTL_S = 3600.0
-# Deletes a device's activity only if it is still the record this process wrote: after a reconnect to
-# another process, the newer connection's record stays.
-_FORGET_IF_OURS = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-# Stamps every device of one site process's set (KEYS[2]) as seen at ARGV[1] in the presence set (KEYS[1]),
-# inside Redis: a process's batch sends only the devices that came and went, not all its connections.
-# The set lives ARGV[2] seconds past the last batch. Returns the set's size (the process checks it against
-# its own count, and sends the whole set again when Redis lost it).
-_TOUCH_HERE = """
-local members = redis.call('SMEMBERS', KEYS[2])
-for first = 1, #members, 1000 do
-  local args = {}
-  for i = first, math.min(first + 999, #members) do
-    args[#args + 1] = ARGV[1]
-    args[#args + 1] = members[i]
-  end
-  redis.call('ZADD', KEYS[1], unpack(args))
-end
-redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
-return #members
-"""
 # A process's set of connected devices outlives its last batch this long (a process that died or stalled).
 HERE_TTL_S = 300
 SCRIPTS = ("lease", "done", "committed", "take", "release", "sweep", "park", "rollback", "load", "configure", "drop")
@@ -95,8 +72,17 @@ class HotState:
         self.commits_key = f"{prefix}:commits"  # full steps handed to the committers (scheduler.committer)
         self.committer_key = f"{prefix}:committer"  # running committers, scored by when each last said so
         self._scripts = {name: client.register_script(_script_text(name)) for name in SCRIPTS}
-        self.forget_if_ours = client.register_script(_FORGET_IF_OURS)
-        self.touch_here = client.register_script(_TOUCH_HERE)
+        self._standalone: dict[str, Any] = {}
+        self.forget_if_ours = self.standalone("forget_if_ours")
+        self.touch_here = self.standalone("touch_here")
+
+    def standalone(self, name: str) -> Any:
+        """A script of ``lua/`` that stands alone (no prelude, its own keys), registered once; call it with
+        ``keys=`` and ``args=``."""
+        script = self._standalone.get(name)
+        if script is None:
+            script = self._standalone[name] = self.client.register_script((LUA_DIR / f"{name}.lua").read_text())
+        return script
 
     def campaign_key(self, hot_key: str) -> str:
         # The hash tag keeps one campaign's keys in one slot of a Redis Cluster.

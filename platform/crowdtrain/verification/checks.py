@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
+import msgspec
 from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.db import connection, transaction
@@ -64,46 +65,27 @@ SCAN = 16
 # of a second before it is noticed costs nothing).
 EMPTY_RECHECK_S = 0.25
 _empty_until: dict[int, float] = {}
-# Looks through the first ARGV[3] waiting copies: drops those past their wait (stale) and those whose base
-# version aggregators no longer keep (gone), and takes the first one volunteer ARGV[2] may compute: never
-# their own (``x``), and one of a volunteer sharing a tag with them (ARGV[8], a JSON list; the original's
-# are ``a``) only after ``w``, marked similar. A copy taken is recorded at once as lease ARGV[5] of device
-# ARGV[7] in the lease-to-campaign map (KEYS[2]), with all its report needs (``copy_marker``); entries
-# written before 2.9 carry too little for that.
-_TAKE = """
-local raws = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
-local now, me, chosen, stale, gone = tonumber(ARGV[1]), tonumber(ARGV[2]), false, {}, {}
-local oldest = tonumber(ARGV[4])
-local mytags = {}
-for _, t in ipairs(cjson.decode(ARGV[8])) do mytags[t] = true end
-for _, raw in ipairs(raws) do
-  local e = cjson.decode(raw)
-  if e.u < now then
-    stale[#stale + 1] = e.c
-    redis.call('LREM', KEYS[1], 1, raw)
-  elseif e.v ~= nil and e.v < oldest then
-    gone[#gone + 1] = e.c
-    redis.call('LREM', KEYS[1], 1, raw)
-  elseif not chosen then
-    local mine, alike = false, false
-    for _, v in ipairs(e.x) do if v == me then mine = true end end
-    if e.a ~= nil then
-      for _, t in ipairs(e.a) do if mytags[t] then alike = true end end
-    end
-    if not mine and not (alike and e.w ~= nil and now < e.w) then
-      chosen = raw
-      redis.call('LREM', KEYS[1], 1, raw)
-      if e.n ~= nil and e.r ~= nil then
-        redis.call('HSET', KEYS[2], ARGV[5],
-          ARGV[6] .. ':check:' .. string.format('%d', e.c) .. ':' .. e.r .. ':' .. ARGV[2] .. ':' .. ARGV[7]
-          .. ':' .. string.format('%d', e.n) .. (alike and ':1' or ''))
-      end
-      if alike then chosen = string.sub(raw, 1, -2) .. ',"s":1}' end
-    end
-  end
-end
-return cjson.encode({chosen = chosen, stale = stale, gone = gone})
-"""
+
+
+class CopyEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A copy of a check waiting in its campaign's queue in Redis (``lua/take_copy.lua`` reads the short keys).
+
+    It carries what the copy's lease is made of, so handing it out reads no row. Entries written before
+    2.9 have only ``c``, ``x``, ``u`` and ``v``.
+    """
+
+    check: int = msgspec.field(name="c")  # the check's id
+    excluded: list[int] = msgspec.field(
+        name="x"
+    )  # volunteers who may never take it (always written: the script reads it)
+    until: float = msgspec.field(name="u")  # stale past this (seconds since the epoch): nobody took it in time
+    base_version: int | None = msgspec.field(name="v", default=None)  # the version the original computed on
+    samples: int | None = msgspec.field(name="n", default=None)
+    role: str | None = msgspec.field(name="r", default=None)  # Answer.Role of the copy
+    ranges: list[Any] | None = msgspec.field(name="g", default=None)  # the original lease's shard ranges
+    tags: list[str] | None = msgspec.field(name="a", default=None)  # the original volunteer's (``affinity``)
+    similar_after: float | None = msgspec.field(name="w", default=None)  # a similar volunteer may take it from
+    similar: int = msgspec.field(name="s", default=0)  # 1: a similar volunteer took it (set by the script)
 
 
 def _queue_key(campaign_id: int) -> str:
@@ -137,7 +119,7 @@ class CopyHolder:
 def copy_marker(campaign_id: int, holder: CopyHolder | None = None) -> str:
     """What the lease-to-campaign map holds for a copy: its campaign, marked, and who holds it.
 
-    The marker is written by ``_TAKE`` in the same form; copies issued before 2.9 have the bare
+    The marker is written by ``lua/take_copy.lua`` in the same form; copies issued before 2.9 have the bare
     ``campaign:check``, and their holder is read from the record.
     """
     if holder is None:
@@ -293,13 +275,19 @@ def _enqueue(case: Check, excluded: list[int]) -> None:
     """
     now = hot_state().clock()
     role = Answer.Role.TIEBREAK if case.state == Check.State.TIEBREAK else Answer.Role.COPY
-    fields = {"c": case.pk, "x": excluded, "u": now + settings.CROWDTRAIN_CHECK_WAIT_S, "v": case.base_version}
-    fields |= {"n": case.num_samples, "r": str(role), "g": case.ranges}
-    # Who the original's volunteer is like, and from when such a volunteer may take the copy anyway.
-    fields |= {"a": affinity.tags_of(case.volunteer_id, widen=True)}
-    fields |= {"w": now + settings.CROWDTRAIN_CHECK_SIMILAR_WAIT_S}
-    entry = json.dumps(fields, separators=(",", ":"))
-    hot_state().client.rpush(_queue_key(case.campaign_id), entry)
+    entry = CopyEntry(
+        check=case.pk,
+        excluded=excluded,
+        until=now + settings.CROWDTRAIN_CHECK_WAIT_S,
+        base_version=case.base_version,
+        samples=case.num_samples,
+        role=str(role),
+        ranges=list(case.ranges),
+        # Who the original's volunteer is like, and from when such a volunteer may take the copy anyway.
+        tags=affinity.tags_of(case.volunteer_id, widen=True),
+        similar_after=now + settings.CROWDTRAIN_CHECK_SIMILAR_WAIT_S,
+    )
+    hot_state().client.rpush(_queue_key(case.campaign_id), msgspec.json.encode(entry))
     _empty_until.pop(case.campaign_id, None)
     # Once the check's rows are committed, so the called request reads them.
     transaction.on_commit(lambda: _call_a_volunteer(case.campaign_id, excluded))
@@ -355,26 +343,25 @@ def take_copy(config: CampaignConfig, device_id: int) -> LeaseMessage | None:
         return None
     oldest = oldest_copyable(int(open_step or 0), config.staleness)
     copy_id = ids.lease_ids.take()
-    raw = state.client.eval(
-        _TAKE,
-        2,
-        key,
-        state.lease_campaigns_key,
-        repr(state.clock()),
-        str(owner),
-        str(SCAN),
-        str(oldest),
-        str(copy_id),
-        str(config.id),
-        str(device_id),
-        json.dumps(affinity.tags_of(owner)),
+    raw = state.standalone("take_copy")(
+        keys=[key, state.lease_campaigns_key],
+        args=[
+            repr(state.clock()),
+            str(owner),
+            str(SCAN),
+            str(oldest),
+            str(copy_id),
+            str(config.id),
+            str(device_id),
+            json.dumps(affinity.tags_of(owner)),
+        ],
     )
     answer = json.loads(cast(str, raw))
     for check_id in answer.get("stale") or []:
         unanswered(int(check_id), "no volunteer of another account took its copy in time")
     for check_id in answer.get("gone") or []:
         unanswered(int(check_id), "its base version left the aggregators' window before a copy")
-    entry = json.loads(answer["chosen"]) if answer.get("chosen") else None
+    entry = msgspec.json.decode(answer["chosen"], type=CopyEntry, strict=False) if answer.get("chosen") else None
     taken = None if entry is None else _taken(config, entry, owner, device_id, copy_id)
     if taken is None:
         ids.lease_ids.put_back(copy_id)
@@ -399,17 +386,17 @@ def take_copy(config: CampaignConfig, device_id: int) -> LeaseMessage | None:
 
 
 def _taken(
-    config: CampaignConfig, entry: dict[str, Any], owner: int, device_id: int, copy_id: int
+    config: CampaignConfig, entry: CopyEntry, owner: int, device_id: int, copy_id: int
 ) -> tuple[CopyHolder, int, list[Any]] | None:
     """The copy a queue entry stands for: its holder, base version and samples; None if it is not to be served.
 
     An entry from before 2.9 names only its check, so the check is read; the record then decides who
     may take it, as the entry's list of excluded volunteers might disagree with it.
     """
-    if "n" in entry and "r" in entry and "g" in entry:
-        holder = CopyHolder(int(entry["c"]), str(entry["r"]), owner, device_id, int(entry["n"]), bool(entry.get("s")))
-        return holder, int(entry["v"]), list(entry["g"])
-    case = _only(Check.objects.filter(pk=entry["c"]))
+    if entry.samples is not None and entry.role is not None and entry.ranges is not None:
+        holder = CopyHolder(entry.check, entry.role, owner, device_id, entry.samples, bool(entry.similar))
+        return holder, int(entry.base_version or 0), list(entry.ranges)
+    case = _only(Check.objects.filter(pk=entry.check))
     if case is None or not case.open:
         return None
     answered = set(case.answers.values_list("volunteer_id", flat=True))
