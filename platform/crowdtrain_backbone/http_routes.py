@@ -51,9 +51,11 @@ def _response(
     return web.Response(status=status.value, body=body, headers=headers)
 
 
-def json_response(status: HTTPStatus, payload: dict[str, Any]) -> web.Response:
+def json_response(
+    status: HTTPStatus, payload: dict[str, Any], extra: list[tuple[str, str]] | None = None
+) -> web.Response:
     """A small JSON answer; errors are ``{"error": "..."}`` (short, lower-case, one fact)."""
-    return _response(status, json.dumps(payload).encode(), "application/json")
+    return _response(status, json.dumps(payload).encode(), "application/json", extra)
 
 
 async def params_response(
@@ -208,7 +210,8 @@ def make_router(node: AggregatorNode, upload: Answer) -> Answer:
     """The one handler of every path on the aggregator's port: ``/upload`` goes to ``upload``, the rest is HTTP.
 
     One handler for all paths and methods rather than a route table, so that
-    any path this does not know, whatever the method, gets the same JSON 404.
+    every refusal is the same JSON: 405 for anything but GET, 404 for a path
+    this does not know.
 
     Args:
         node: the aggregator state to serve from.
@@ -225,6 +228,9 @@ def make_router(node: AggregatorNode, upload: Answer) -> Answer:
         if too_long is not None:
             error = f"header {too_long[:40].decode(errors='replace')} is over {MAX_HEADER_LINE_BYTES} bytes"
             return json_response(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, {"error": error})
+        if request.method != "GET":  # the WebSocket handshake is a GET too
+            error = f"{request.method[:20]} is not answered here; every path takes GET"
+            return json_response(HTTPStatus.METHOD_NOT_ALLOWED, {"error": error}, [("Allow", "GET")])
         path = request.rel_url.raw_path  # undecoded, so /params/1/0/%31 is no version
         if path == UPLOAD_PATH:
             return await upload(request)
