@@ -33,8 +33,8 @@ DEFAULT_SPOOL_DIR = "var/spool"
 # An upload socket must send its first upload header this soon after connecting: agents send it
 # at once, and a socket that only connects must not hold a connection for ever.
 DEFAULT_HEADER_TIMEOUT_S = 5.0
-# websockets logs every plain HTTP answer ("connection rejected (200 OK)") at
-# INFO through this logger; __main__ turns it down so params GETs do not flood the log.
+# The port's HTTP server (aiohttp) logs what it cannot answer through this logger: requests
+# it cannot parse, handlers that raised. __main__ keeps it at WARNING.
 WS_LOGGER_NAME = "crowdtrain_backbone.websockets"
 
 

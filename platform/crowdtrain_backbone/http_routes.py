@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
-import email.utils
 import json
 import logging
 import re
-import urllib.parse
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any, cast
+from typing import Any
 
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
-from websockets.asyncio.server import ServerConnection
-from websockets.datastructures import Headers
-from websockets.http11 import Request, Response
 
 from crowdtrain_agent import deltas
 from crowdtrain_agent.protocol import ProtocolError, ticket_campaign, verify_ticket
@@ -37,35 +32,35 @@ _RANGE = re.compile(r"bytes=([0-9]{0,18})-([0-9]{0,18})")  # one range; a list o
 # A version never changes once published, so the fetcher may keep it forever; but only the
 # fetcher: an invite-only campaign's weights are not for shared caches.
 IMMUTABLE = "private, max-age=31536000, immutable"
-# How long a download of a version still being applied waits for it; under websockets' 10 s handshake limit.
+# How long a download of a version still being applied waits for it; well under the agent's HTTP timeout.
 PARAMS_WAIT_S = 5.0
+
+# A header line longer than this is answered 431 (RFC 6585), as the port answered before it ran on aiohttp;
+# aiohttp reads header fields up to READ_HEADER_BYTES, so that the rule, not its parser, refuses them.
+MAX_HEADER_LINE_BYTES = 8192
+READ_HEADER_BYTES = 64 << 10
+
+Answer = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _response(
-    status: HTTPStatus, body: Body, content_type: str, extra: list[tuple[str, str]] | None = None
-) -> Response:
-    """``body`` may be a spooled mapping: websockets joins it to the head as bytes, the one copy it makes."""
-    headers = Headers(
-        [
-            ("Date", email.utils.formatdate(usegmt=True)),
-            # websockets closes the TCP connection after any non-upgrade response.
-            ("Connection", "close"),
-            ("Content-Length", str(len(body))),
-            ("Content-Type", content_type),
-            *(extra or []),
-        ]
-    )
-    return Response(status.value, status.phrase, headers, cast(bytes, body))
+    status: HTTPStatus, body: bytes, content_type: str, extra: list[tuple[str, str]] | None = None
+) -> web.Response:
+    """A small answer held whole; aiohttp adds Date and Content-Length, and keeps the connection open."""
+    headers = [("Content-Type", content_type), *(extra or [])]
+    return web.Response(status=status.value, body=body, headers=headers)
 
 
-def json_response(status: HTTPStatus, payload: dict[str, Any]) -> Response:
+def json_response(
+    status: HTTPStatus, payload: dict[str, Any], extra: list[tuple[str, str]] | None = None
+) -> web.Response:
     """A small JSON answer; errors are ``{"error": "..."}`` (short, lower-case, one fact)."""
-    return _response(status, json.dumps(payload).encode(), "application/json")
+    return _response(status, json.dumps(payload).encode(), "application/json", extra)
 
 
 async def params_response(
-    node: AggregatorNode, request: Request, campaign_id: int, slice_index: int, version: int
-) -> Response:
+    node: AggregatorNode, request: web.Request, campaign_id: int, slice_index: int, version: int
+) -> web.StreamResponse:
     """The fp32 bytes of one slice at one version, or a delta from a version the caller holds, or why not.
 
     A version the slice is about to publish (a commit in flight) is waited
@@ -102,25 +97,24 @@ async def params_response(
         body = await state.downloads.delta(snapshot, held)
         if len(body) < len(snapshot.body):  # random-looking parameters do not compress: fp32 is then cheaper
             extra += [(deltas.DELTA_FROM_HEADER, str(held.version)), (deltas.ENCODING_HEADER, deltas.ENCODING)]
-            return _part_or_whole(request, body, extra)
-    return _part_or_whole(request, snapshot.body, extra)
+            return await _part_or_whole(request, body, extra)
+    return await _part_or_whole(request, snapshot.body, extra)
 
 
-def _part_or_whole(request: Request, body: Body, extra: list[tuple[str, str]]) -> Response:
+async def _part_or_whole(request: web.Request, body: Body, extra: list[tuple[str, str]]) -> web.StreamResponse:
     """``body``, or the one byte range the request asks for (206; 416 for a range past its end).
 
-    websockets answers with a copy of the body, and the event loop buffers
-    what the socket does not take at once: a whole slice per download, per
-    agent downloading. Agents ask for a large slice in parts
-    (``crowdtrain_agent.fetch.PART_BYTES``), so a download holds one part
-    here, whatever the slice's size. Anything but a single ``bytes=`` range
-    is ignored, as RFC 9110 allows: the whole body; so is an invalid range.
+    What the socket does not take at once waits in the event loop's buffer:
+    a whole slice per download, per agent downloading. Agents ask for a
+    large slice in parts (``crowdtrain_agent.fetch.PART_BYTES``), so a
+    download holds one part here, whatever the slice's size. Anything but a
+    single ``bytes=`` range is ignored, as RFC 9110 allows: the whole body;
+    so is an invalid range.
     """
     match = _RANGE.fullmatch(request.headers.get("Range") or "")
     if match is None or not (match[1] or match[2]) or (match[1] and match[2] and int(match[1]) > int(match[2])):
         # Not one range, or an invalid one ("5-3"): RFC 9110 ignores the header.
-        _let_go_once_sent(body, 0, len(body))
-        return _response(HTTPStatus.OK, body, "application/octet-stream", [*extra, ("Accept-Ranges", "bytes")])
+        return await _send_body(request, HTTPStatus.OK, body, 0, len(body), [*extra, ("Accept-Ranges", "bytes")])
     total = len(body)
     first = int(match[1]) if match[1] else None
     last = int(match[2]) if match[2] else None
@@ -133,34 +127,40 @@ def _part_or_whole(request: Request, body: Body, extra: list[tuple[str, str]]) -
     if first > last or first >= total:
         return _unsatisfiable(total, extra)
     extra = [*extra, ("Content-Range", f"bytes {first}-{last}/{total}")]
-    # A view, not a copy: copied out here, each part in flight cost two copies on the heap (websockets
-    # makes one), and the heap grew by several slices' worth while a crowd downloaded.
-    _let_go_once_sent(body, first, last + 1 - first)
-    return _response(HTTPStatus.PARTIAL_CONTENT, memoryview(body)[first : last + 1], "application/octet-stream", extra)
+    return await _send_body(request, HTTPStatus.PARTIAL_CONTENT, body, first, last + 1 - first, extra)
 
 
-def _let_go_once_sent(body: Body, start: int, length: int) -> None:
-    """A spooled body's pages of bytes ``start:start+length`` leave the resident set once the answer is sent.
+async def _send_body(
+    request: web.Request, status: HTTPStatus, body: Body, start: int, length: int, extra: list[tuple[str, str]]
+) -> web.StreamResponse:
+    """Send bytes ``start:start+length`` of ``body``, then let a spooled body's pages go.
 
-    websockets copies the answer into its output as it sends the response,
-    without awaiting between this handler's return and that copy, so by the
-    loop's next turn the pages are read. Let go earlier, they would only be
-    read again from the page cache: never a wrong byte. Without this they
-    stayed resident to the next step, a slice's worth after every step's
-    downloads.
+    A view, not a copy: the transport copies what the socket does not take at
+    once, and a copy made here too cost the heap several slices' worth while
+    a crowd downloaded. Once written, the pages are read; without letting them
+    go they stayed resident to the next step, a slice's worth after every
+    step's downloads. Read again, they come from the page cache: never a wrong byte.
     """
-    asyncio.get_running_loop().call_soon(release_pages, body, start, length)
+    response = web.StreamResponse(status=status.value, headers=[("Content-Type", "application/octet-stream"), *extra])
+    response.content_length = length
+    await response.prepare(request)
+    try:
+        with memoryview(body) as whole, whole[start : start + length] as part:
+            await response.write(part)
+        await response.write_eof()
+    finally:
+        release_pages(body, start, length)
+    return response
 
 
-def _unsatisfiable(total: int, extra: list[tuple[str, str]]) -> Response:
+def _unsatisfiable(total: int, extra: list[tuple[str, str]]) -> web.Response:
     headers = [*extra, ("Content-Range", f"bytes */{total}")]
     return _response(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE, b"", "application/octet-stream", headers)
 
 
-def _held_version(request: Request) -> tuple[int | None, Response | None]:
+def _held_version(request: web.Request) -> tuple[int | None, web.Response | None]:
     """The ``from`` query parameter: the version the caller holds (None without one), or a 400 to answer."""
-    _, _, query = request.path.partition("?")
-    values = urllib.parse.parse_qs(query, keep_blank_values=True).get("from")
+    values = request.query.getall("from", None)
     if values is None:
         return None, None
     if len(values) != 1 or not _DIGITS.fullmatch(values[0]):
@@ -171,18 +171,19 @@ def _held_version(request: Request) -> tuple[int | None, Response | None]:
     return int(values[0]), None
 
 
-def metrics_response(node: AggregatorNode, connection: ServerConnection, request: Request) -> Response:
+def metrics_response(node: AggregatorNode, request: web.Request) -> web.Response:
     """The node's metrics in Prometheus's text format, to a scraper the token rule lets in (``metrics``)."""
-    remote = connection.remote_address[0] if connection.remote_address else None
     token, authorization = node.config.metrics_token, request.headers.get("Authorization")
-    refused = scrape_refusal(token, authorization, request.headers.keys(), remote, setting=f"{ENV_PREFIX}METRICS_TOKEN")
+    refused = scrape_refusal(
+        token, authorization, request.headers.keys(), request.remote, setting=f"{ENV_PREFIX}METRICS_TOKEN"
+    )
     if refused is not None:
         status, message = refused
         return json_response(HTTPStatus(status), {"error": message})
     return _response(HTTPStatus.OK, node.metrics.render(), CONTENT_TYPE_LATEST)
 
 
-def _check_ticket(node: AggregatorNode, request: Request, campaign_id: int) -> Response | None:
+def _check_ticket(node: AggregatorNode, request: web.Request, campaign_id: int) -> web.Response | None:
     """Parameters go only to holders of a ticket the site signed for this campaign (a lease's, or its own).
 
     Checked before anything else, so a refused caller learns nothing about which slices exist.
@@ -205,31 +206,42 @@ def _check_ticket(node: AggregatorNode, request: Request, campaign_id: int) -> R
     return None
 
 
-def make_process_request(
-    node: AggregatorNode,
-) -> Callable[[ServerConnection, Request], Awaitable[Response | None]]:
-    """The ``process_request`` hook of ``websockets.serve``: answers HTTP paths, lets ``/upload`` upgrade.
+def make_router(node: AggregatorNode, upload: Answer) -> Answer:
+    """The one handler of every path on the aggregator's port: ``/upload`` goes to ``upload``, the rest is HTTP.
+
+    One handler for all paths and methods rather than a route table, so that
+    every refusal is the same JSON: 405 for anything but GET, 404 for a path
+    this does not know.
 
     Args:
         node: the aggregator state to serve from.
+        upload: answers ``/upload`` (the WebSocket handshake and the uploads on it).
 
     Returns:
-        A function returning a Response for plain HTTP paths, or None to go on
-        with the WebSocket handshake.
+        An aiohttp handler.
     """
 
-    async def process_request(connection: ServerConnection, request: Request) -> Response | None:
-        path = request.path.split("?", 1)[0]
+    async def route(request: web.Request) -> web.StreamResponse:
+        too_long = next(
+            (name for name, value in request.raw_headers if len(name) + len(value) + 2 > MAX_HEADER_LINE_BYTES), None
+        )
+        if too_long is not None:
+            error = f"header {too_long[:40].decode(errors='replace')} is over {MAX_HEADER_LINE_BYTES} bytes"
+            return json_response(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, {"error": error})
+        if request.method != "GET":  # the WebSocket handshake is a GET too
+            error = f"{request.method[:20]} is not answered here; every path takes GET"
+            return json_response(HTTPStatus.METHOD_NOT_ALLOWED, {"error": error}, [("Allow", "GET")])
+        path = request.rel_url.raw_path  # undecoded, so /params/1/0/%31 is no version
         if path == UPLOAD_PATH:
-            return None
+            return await upload(request)
         if path == "/healthz":
             return json_response(HTTPStatus.OK, node.health())
         if path == "/metrics":
-            return metrics_response(node, connection, request)
+            return metrics_response(node, request)
         match = _PARAMS.match(path)
         if match:
             campaign_id, slice_index, version = (int(g) for g in match.groups())
             return await params_response(node, request, campaign_id, slice_index, version)
         return json_response(HTTPStatus.NOT_FOUND, {"error": "not found"})
 
-    return process_request
+    return route

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.exceptions import NegotiationError
-from websockets.typing import Subprotocol
+from aiohttp import web
 
 from crowdtrain_agent.backoff import Backoff
-from crowdtrain_agent.protocol import MAX_WS_MESSAGE_BYTES, SubprotocolError, choose_subprotocol
 
 from .config import WS_LOGGER_NAME, BackboneConfig
-from .http_routes import PARAMS_PREFIX, UPLOAD_PATH, make_process_request
+from .http_routes import PARAMS_PREFIX, READ_HEADER_BYTES, UPLOAD_PATH, make_router
 from .node import AggregatorNode
 from .site_link import SITE_BACKOFF, SiteLink, SiteRefused
 from .uploads import UploadHandler
@@ -22,16 +19,11 @@ from .uploads import UploadHandler
 logger = logging.getLogger(__name__)
 
 
-# What the upload port holds for a client that stops reading or goes quiet. send() waits once
-# WRITE_LIMIT_BYTES of replies are buffered for a client that does not read them, so such a
-# client stalls only its own upload session and the buffer stays below that plus one reply;
-# a keepalive ping goes out every PING_INTERVAL_S, and a client that has not answered it
-# within PING_TIMEOUT_S (it reads nothing, or its machine is gone) is dropped. A socket that
-# never sends its first upload header is closed after BackboneConfig.header_timeout_s.
-PING_INTERVAL_S = 20.0
-PING_TIMEOUT_S = 20.0
-WRITE_LIMIT_BYTES = 64 << 10  # receipts and rejections are a few hundred bytes each
-OPEN_TIMEOUT_S = 10.0  # the HTTP handshake itself (params GETs wait for a version up to PARAMS_WAIT_S inside it)
+# How long an HTTP connection may idle between requests before the server closes it. Agents download
+# every step's parameters on the connection they keep; a step rarely takes longer than this.
+KEEPALIVE_S = 75.0
+# How long a stop waits for requests in flight (a download waiting for its version) before cancelling them.
+SHUTDOWN_WAIT_S = 1.0
 # A graceful stop waits for the site's orders to go quiet this long (at most DRAIN_LIMIT_S) before
 # its last checkpoints: the commit of a step whose uploads it already received arrives within it.
 DRAIN_QUIET_S = 1.0
@@ -40,19 +32,6 @@ DRAIN_LIMIT_S = 10.0
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-def _select_subprotocol(_: ServerConnection, offered: Sequence[Subprotocol]) -> Subprotocol | None:
-    """The newest protocol minor the agent offers and this aggregator speaks; none offered is a 2.0 agent.
-
-    Raises:
-        NegotiationError: for an offer no agent makes; websockets answers HTTP 400 with its reason.
-    """
-    try:
-        chosen, _minor = choose_subprotocol(list(offered))
-    except SubprotocolError as exc:
-        raise NegotiationError(str(exc)) from None
-    return Subprotocol(chosen) if chosen else None
 
 
 class BackboneServer:
@@ -67,7 +46,7 @@ class BackboneServer:
         self.node = AggregatorNode(config)
         self.port = 0
         self._backoff = backoff  # between tries to reach the site
-        self._server: Server | None = None
+        self._runner: web.AppRunner | None = None
         self._link_task: asyncio.Task[None] | None = None
         self.link: SiteLink | None = None
 
@@ -78,21 +57,26 @@ class BackboneServer:
 
     async def start(self) -> None:
         """Bind the port, then start talking to the site (so the URLs we announce already work)."""
-        self._server = await serve(
-            UploadHandler(self.node),
-            self.config.host,
-            self.config.port,
-            process_request=make_process_request(self.node),
-            select_subprotocol=_select_subprotocol,
-            max_size=MAX_WS_MESSAGE_BYTES,
-            write_limit=WRITE_LIMIT_BYTES,
-            ping_interval=PING_INTERVAL_S,
-            ping_timeout=PING_TIMEOUT_S,
-            open_timeout=OPEN_TIMEOUT_S,
-            compression=None,  # gradients do not compress; deflate would only burn CPU
+        uploads = UploadHandler(self.node)
+        app = web.Application(handler_args={"max_field_size": READ_HEADER_BYTES})
+        app.router.add_route("*", "/{path:.*}", make_router(self.node, uploads))
+        app.on_shutdown.append(uploads.close_all)
+        runner = web.AppRunner(
+            app,
+            access_log=None,  # an agent downloads every step: one line each would flood the log
             logger=logging.getLogger(WS_LOGGER_NAME),
+            keepalive_timeout=KEEPALIVE_S,
+            shutdown_timeout=SHUTDOWN_WAIT_S,
         )
-        self.port = self._server.sockets[0].getsockname()[1]
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, self.config.port)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = runner.addresses[0][1]
         public = f"{_url_host(self.config.public_host)}:{self.port}"
         self.link = SiteLink(
             self.config,
@@ -123,10 +107,9 @@ class BackboneServer:
         Returns:
             How many slices have a confirmed checkpoint of their current version.
         """
-        if self._server is not None:
-            self._server.close()  # agents with uploads in flight retry them elsewhere or later
-            await self._server.wait_closed()
-            self._server = None
+        if self._runner is not None:
+            await self._runner.cleanup()  # agents with uploads in flight retry them elsewhere or later
+            self._runner = None
         saved = []
         if self.link is not None:
             if not await self.link.drain(DRAIN_QUIET_S, DRAIN_LIMIT_S):
@@ -152,10 +135,9 @@ class BackboneServer:
             except (asyncio.CancelledError, SiteRefused):
                 pass  # a refusal reached the caller through wait() already
             self._link_task = None
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
 
 
 async def run(

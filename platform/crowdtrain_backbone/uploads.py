@@ -26,20 +26,22 @@ from collections.abc import Callable
 import msgspec
 import numpy as np
 import torch
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
+from aiohttp import WSCloseCode, WSMsgType, hdrs, web
 
 from crowdtrain_agent.codec import CODECS, Codec, get_codec
 from crowdtrain_agent.protocol import (
     AGENT_TO_AGGREGATOR,
     CHUNK_PAYLOAD_BYTES,
+    MAX_WS_MESSAGE_BYTES,
     UPLOAD_REFUSED_SINCE,
     CloseCode,
     ProtocolError,
+    SubprotocolError,
     Ticket,
     UploadBegin,
     UploadReceipt,
     UploadRejected,
+    choose_subprotocol,
     decode_chunk,
     decode_message,
     encode_message,
@@ -62,6 +64,54 @@ MAX_REJECTIONS_IN_A_ROW = 100
 THREAD_DECODE_BYTES = 1 << 20
 # A stalled upload holds its share of the pending-memory budget; give it back after this.
 CHUNK_TIMEOUT_S = 60.0
+# What the upload port holds for a client that stops reading or goes quiet. A send waits once
+# WRITE_LIMIT_BYTES of replies are buffered for a client that does not read them, so such a
+# client stalls only its own upload session; a keepalive ping goes out every PING_INTERVAL_S,
+# and a client that has not answered it within half that (it reads nothing, or its machine is
+# gone) is dropped. A socket that never sends its first upload header is closed after
+# BackboneConfig.header_timeout_s.
+PING_INTERVAL_S = 20.0
+WRITE_LIMIT_BYTES = 64 << 10  # receipts and rejections are a few hundred bytes each
+
+
+class SocketClosed(Exception):
+    """The agent's upload socket closed (or failed); the session ends."""
+
+
+class UploadSocket:
+    """An accepted ``/upload`` WebSocket as the session reads it: text or bytes, or SocketClosed."""
+
+    def __init__(self, ws: web.WebSocketResponse, remote_address: str | None) -> None:
+        self.ws = ws
+        self.remote_address = remote_address
+        self.subprotocol = ws.ws_protocol
+
+    async def recv(self) -> str | bytes:
+        """The next data message; pings, pongs and the closing handshake are answered underneath.
+
+        Raises:
+            SocketClosed: the socket closed, or the agent broke the framing (aiohttp then closes it).
+        """
+        message = await self.ws.receive()
+        if message.type is WSMsgType.TEXT:
+            return str(message.data)
+        if message.type is WSMsgType.BINARY:
+            return bytes(message.data)
+        raise SocketClosed(str(message.data))
+
+    async def send(self, text: str) -> None:
+        """Send one text message.
+
+        Raises:
+            SocketClosed: the socket is closing or gone.
+        """
+        try:
+            await self.ws.send_str(text)
+        except ConnectionError as exc:
+            raise SocketClosed(str(exc)) from None
+
+    async def close(self, code: int, reason: str) -> None:
+        await self.ws.close(code=code, message=reason.encode())
 
 
 class Rejected(Exception):
@@ -198,11 +248,11 @@ def decode_check_and_keep(
 class UploadSession:
     """One agent connection on ``/upload``; handles its uploads one after another."""
 
-    def __init__(self, node: AggregatorNode, ws: ServerConnection) -> None:
+    def __init__(self, node: AggregatorNode, ws: UploadSocket) -> None:
         self.node = node
         self.ws = ws
         self._next_text: str | None = None  # a text frame that arrived where a chunk was due
-        # The protocol minor the agent and this aggregator agreed on (serve's select_subprotocol).
+        # The protocol minor the agent and this aggregator agreed on (UploadHandler's handshake).
         self.minor = negotiated_minor(ws.subprotocol)
         self._unknown_noted = False
 
@@ -222,7 +272,7 @@ class UploadSession:
                 try:
                     async with asyncio.timeout(timeout):
                         raw = await self.ws.recv()
-                except ConnectionClosed:
+                except SocketClosed:
                     return
                 except TimeoutError:
                     logger.info(
@@ -264,7 +314,7 @@ class UploadSession:
                 rejections = 0
             try:
                 await self.ws.send(encode_message(reply, self.minor))
-            except ConnectionClosed:
+            except SocketClosed:
                 return
             if rejections >= MAX_REJECTIONS_IN_A_ROW:
                 await self._close(CloseCode.TOO_MANY_ERRORS, f"{rejections} rejected uploads in a row")
@@ -447,7 +497,7 @@ class UploadSession:
             try:
                 async with asyncio.timeout(CHUNK_TIMEOUT_S):
                     raw = await self.ws.recv()
-            except ConnectionClosed:
+            except SocketClosed:
                 raise Rejected("incomplete upload", "connection closed mid-upload", discard=False) from None
             except TimeoutError:
                 raise Rejected(
@@ -482,10 +532,43 @@ class UploadSession:
 
 
 class UploadHandler:
-    """The connection handler ``websockets.serve`` calls for every ``/upload`` connection."""
+    """Answers ``/upload``: the WebSocket handshake, then an ``UploadSession`` on the socket it opens."""
 
     def __init__(self, node: AggregatorNode) -> None:
         self.node = node
+        self._open: set[web.WebSocketResponse] = set()
 
-    async def __call__(self, ws: ServerConnection) -> None:
-        await UploadSession(self.node, ws).run()
+    async def __call__(self, request: web.Request) -> web.StreamResponse:
+        # Offers as RFC 6455 lists them: comma-separated, in one header or several.
+        offered = [
+            offer.strip()
+            for header in request.headers.getall(hdrs.SEC_WEBSOCKET_PROTOCOL, ())
+            for offer in header.split(",")
+            if offer.strip()
+        ]
+        try:
+            chosen, _minor = choose_subprotocol(offered)
+        except SubprotocolError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        ws = web.WebSocketResponse(
+            protocols=(chosen,) if chosen else (),
+            heartbeat=PING_INTERVAL_S,
+            compress=False,  # gradients do not compress; deflate would only burn CPU
+            max_msg_size=MAX_WS_MESSAGE_BYTES,
+            writer_limit=WRITE_LIMIT_BYTES,
+        )
+        if not ws.can_prepare(request).ok:
+            return web.json_response({"error": "upload is a WebSocket: connect with Upgrade: websocket"}, status=426)
+        await ws.prepare(request)
+        self._open.add(ws)
+        try:
+            await UploadSession(self.node, UploadSocket(ws, request.remote)).run()
+        finally:
+            self._open.discard(ws)
+            await ws.close()
+        return ws
+
+    async def close_all(self, _app: web.Application) -> None:
+        """Close every upload socket: the server is stopping (agents retry their uploads elsewhere or later)."""
+        closing = [ws.close(code=WSCloseCode.GOING_AWAY, message=b"aggregator stopping") for ws in self._open]
+        await asyncio.gather(*closing, return_exceptions=True)  # at once: each waits for its agent's reply

@@ -11,8 +11,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ from typing import Any
 import torch
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_before_delay, wait_exponential
 
+from . import pooled_http
 from .data import sha256_hex
 from .deltas import (
     CHECKSUM_HEADER,
@@ -159,20 +158,20 @@ def _open(
     url: str, *, token: str | None = None, timeout: float, etag: str = "", part: tuple[int, int] | None = None
 ) -> Any:
     """``part``: ``(first, last)`` byte of the body wanted (a Range request); a server may answer it whole."""
-    request = urllib.request.Request(url, headers={"User-Agent": "crowdtrain-agent"})
+    headers = {}
     if token:
-        request.add_header("Authorization", f"Bearer {token}")
+        headers["Authorization"] = f"Bearer {token}"
     if etag:
-        request.add_header("If-None-Match", etag)
+        headers["If-None-Match"] = etag
     if part is not None:
-        request.add_header("Range", f"bytes={part[0]}-{part[1]}")
+        headers["Range"] = f"bytes={part[0]}-{part[1]}"
     try:
-        response = urllib.request.urlopen(request, timeout=timeout)
-    except urllib.error.HTTPError as exc:
-        exc.close()  # an HTTPError holds the socket open until it is garbage-collected
-        raise HttpStatusError(f"HTTP {exc.code} from {url}", exc.code) from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise FetchError(f"cannot download {url}: {getattr(exc, 'reason', exc)}") from None
+        response = pooled_http.get(url, headers, timeout)
+    except OSError as exc:
+        raise FetchError(f"cannot download {url}: {exc}") from None
+    if not 200 <= response.status < 300:
+        response.close()
+        raise HttpStatusError(f"HTTP {response.status} from {url}", response.status)
     # The volunteer's download limit, if they set one (``--download-kbps``): every body is read through it.
     return response if Limits.download is None else LimitedResponse(response, Limits.download)
 
