@@ -316,6 +316,75 @@ SETTINGS: dict[str, Setting] = {
     ]
 }
 
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule between settings: while ``when`` (a setting, a value) holds, ``field`` must be ``value``.
+
+    The one statement of it: ``validate_campaign`` and the campaign form refuse other values, the form's
+    script moves the field to ``value`` when ``when`` is chosen (``rules_for_page``), and the lease path
+    acts on ``value`` whatever was saved another way (``acted_on``).
+    """
+
+    when: tuple[str, Any]
+    field: str
+    value: Any
+    why: str  # completes "<field> is <its value>, but ..."
+
+    def applies(self, values: Mapping[str, Any]) -> bool:
+        setting, value = self.when
+        return bool(values.get(setting) == value)
+
+    def broken_by(self, values: Mapping[str, Any]) -> bool:
+        return self.applies(values) and values.get(self.field, SETTINGS[self.field].default) != self.value
+
+    def message(self, values: Mapping[str, Any]) -> str:
+        value = values.get(self.field, SETTINGS[self.field].default)
+        return f"{SETTINGS[self.field].label} is {display(value)}, but {self.why}"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        when=("training_mode", Campaign.TrainingMode.LOCAL),
+        field="check_fraction",
+        value=0.0,
+        # A local lease's pseudo-gradient depends on the inner optimizer's state on the volunteer's own
+        # machine (kept between its leases), so no other volunteer can recompute it to compare.
+        why="local mode cannot verify leases by a second copy: each pseudo-gradient depends on the inner "
+        "optimizer state of the volunteer who made it. Set the check fraction to 0 (robust aggregation still "
+        "guards the steps) or use sync mode",
+    ),
+)
+
+
+def check_rules(values: Mapping[str, Any], *, error: type[Exception] = ConfigError) -> None:
+    """Refuse values that break a rule between settings.
+
+    Raises:
+        error: called as ``error(message, field)`` for the first rule broken, naming the field to change.
+    """
+    for rule in RULES:
+        if rule.broken_by(values):
+            raise error(rule.message(values), rule.field)
+
+
+def acted_on(campaign: Campaign, name: str) -> Any:
+    """The value of a setting the platform acts on: a rule's where one applies, however the campaign was saved."""
+    values = {setting: getattr(campaign, setting) for setting in SETTINGS}
+    for rule in RULES:
+        if rule.field == name and rule.applies(values):
+            return rule.value
+    return values[name]
+
+
+def rules_for_page() -> list[dict[str, Any]]:
+    """The rules as the campaign form's script reads them: it moves a field still at its default."""
+    return [
+        {"when": list(rule.when), "field": rule.field, "value": rule.value, "default": SETTINGS[rule.field].default}
+        for rule in RULES
+    ]
+
+
 # What agents and aggregators built the model from, besides the plain settings that lock.
 LOCKED_CONFIG = ("dataset", "architecture", "model_config", "optimizer")
 
