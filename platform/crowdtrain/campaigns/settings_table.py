@@ -64,7 +64,9 @@ class Setting:
 
     ``locks``: agents or aggregators were built from it, so it cannot change
     once the campaign has started. ``to_aggregator``: it travels in every
-    slice assignment (a field of ``SliceAssignment`` of the same name).
+    slice assignment (a field of ``SliceAssignment`` of the same name). ``lease``: the lease path reads
+    it (``scheduler.configs``), so saving it makes every site process re-read the campaign; off only for
+    settings it never reads, since a stale copy there hands out leases on old settings.
     """
 
     name: str
@@ -72,6 +74,7 @@ class Setting:
     spec: ConfigField
     locks: bool = True
     to_aggregator: bool = False
+    lease: bool = True
 
     @property
     def label(self) -> str:
@@ -221,6 +224,7 @@ SETTINGS: dict[str, Setting] = {
                 optional=True,
             ),
             locks=False,
+            lease=False,
         ),
         Setting(
             "validate_every",
@@ -232,12 +236,14 @@ SETTINGS: dict[str, Setting] = {
                 "steps between held-out losses (and exportable versions); 0 = only at the finish",
             ),
             locks=False,
+            lease=False,
         ),
         Setting(
             "seed",
             "advanced",
             _int("Seed", 0, 2**62, "initial weights are the same on every machine"),
             to_aggregator=True,
+            lease=False,
         ),
         Setting("num_aggregators", "advanced", _int("Aggregators", 1, 64, "slices the parameters are split into")),
         Setting("staleness", "advanced", _int("Staleness", 0, 4, "0 = fully synchronous"), to_aggregator=True),
@@ -259,6 +265,7 @@ SETTINGS: dict[str, Setting] = {
                 "Max gradient norm",
             ),
             to_aggregator=True,
+            lease=False,
         ),
         Setting(
             "aggregation",
@@ -285,6 +292,7 @@ SETTINGS: dict[str, Setting] = {
                 "Clip factor",
             ),
             to_aggregator=True,
+            lease=False,
         ),
         Setting(
             "trim_fraction",
@@ -387,6 +395,11 @@ def rules_for_page() -> list[dict[str, Any]]:
 
 # What agents and aggregators built the model from, besides the plain settings that lock.
 LOCKED_CONFIG = ("dataset", "architecture", "model_config", "optimizer")
+
+
+def lease_settings() -> frozenset[str]:
+    """The settings the lease path reads: saving one of them makes every site process re-read the campaign."""
+    return frozenset(s.name for s in SETTINGS.values() if s.lease)
 
 
 def locked_fields() -> tuple[str, ...]:
