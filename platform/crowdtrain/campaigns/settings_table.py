@@ -4,7 +4,8 @@ A setting here is a column of ``Campaign`` that organizers choose (the model,
 dataset and optimizer have registries of their own). Its default is the
 model field's, since Django needs it for the column; everything else (group,
 label, help, bounds, whether it locks once the campaign starts, whether
-aggregators get it) is here. Adding a setting is a model field, its
+aggregators get it, whether the lease path reads it) is here, and so are the
+rules between settings (``RULES``). Adding a setting is a model field, its
 migration, and one line in ``SETTINGS``.
 """
 
