@@ -34,6 +34,7 @@ import torch
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.optimizers import OptimizerEntry, get_optimizer, hyperparameters_of
 from crowdtrain_agent.protocol import SliceAssignment
+from crowdtrain_agent.torch_optimizers import decays, torch_optimizer
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,8 @@ def tensor_spans(shapes: Sequence[tuple[int, ...]], start: int, end: int) -> lis
 
 
 def decay_rule(spans: Sequence[Span], *, decay_all: bool = False) -> tuple[bool, ...]:
-    """Which spans take weight decay: nanoGPT's rule, tensors of 2 or more dimensions, or every one."""
-    return tuple(decay_all or span.ndim >= 2 for span in spans)
+    """Which spans take weight decay: the rule agents' inner optimizers follow too (``decays``)."""
+    return tuple(decays(span.ndim, decay_all=decay_all) for span in spans)
 
 
 def slice_layout(assignment: SliceAssignment, *, decay_all: bool = False) -> SliceLayout:
@@ -211,27 +212,13 @@ def add_weight_decay(
 
 def build_adamw(param: torch.nn.Parameter, hyper: Mapping[str, Any], layout: SliceLayout) -> torch.optim.Optimizer:
     """AdamW on one slice; decoupled weight decay on the layout's decayed spans."""
-    optimizer = torch.optim.AdamW(
-        [param],
-        lr=hyper["lr"],
-        betas=(hyper["beta1"], hyper["beta2"]),
-        eps=hyper["eps"],
-        weight_decay=0.0,
-        fused=True,
-    )
+    optimizer = torch_optimizer("adamw", [param], hyper, weight_decay=0.0, fused=True)
     add_weight_decay(optimizer, layout.decayed_ranges(), hyper["weight_decay"], "decoupled")
     return optimizer
 
 
 def build_sgd(param: torch.nn.Parameter, hyper: Mapping[str, Any], layout: SliceLayout) -> torch.optim.Optimizer:
     """SGD with momentum (Nesterov's if asked) on one slice; L2 decay (through the momentum) on the decayed spans."""
-    optimizer = torch.optim.SGD(
-        [param],
-        lr=hyper["lr"],
-        momentum=hyper["momentum"],
-        nesterov=bool(hyper.get("nesterov", False)),
-        weight_decay=0.0,
-        fused=True,
-    )
+    optimizer = torch_optimizer("sgd", [param], hyper, weight_decay=0.0, fused=True)
     add_weight_decay(optimizer, layout.decayed_ranges(), hyper["weight_decay"], "l2")
     return optimizer

@@ -46,9 +46,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .optimizers import INNER_OPTIMIZERS
+from .optimizers import INNER_OPTIMIZERS, hyperparameters_of
 from .precision import autocast_dtype
 from .protocol import Lease, OptimizerSpec
+from .torch_optimizers import ELEMENTWISE, decays, torch_optimizer
 from .trainer import CampaignModel, ComputeCancelled, GradientResult
 
 logger = logging.getLogger(__name__)
@@ -185,37 +186,32 @@ def _fastest(build: Callable[..., torch.optim.Optimizer]) -> torch.optim.Optimiz
 
 
 def build_inner_optimizer(model: torch.nn.Module, spec: OptimizerSpec) -> torch.optim.Optimizer:
-    """The torch optimizer of ``spec`` over ``model``'s parameters, with the platform's weight-decay rule.
+    """The torch optimizer of ``spec`` over ``model``'s parameters, built as the aggregators build theirs.
 
-    Weight decay goes to tensors of 2 or more dimensions (matrices, embeddings)
-    unless ``decay_all``, as the aggregators apply it in sync mode.
+    Weight decay goes to the tensors ``torch_optimizers.decays`` names, as the aggregators apply it in
+    sync mode; here as a param group of its own, since an agent holds whole tensors.
 
     Raises:
         InnerOptimizerError: for an optimizer other than ``INNER_OPTIMIZERS``.
     """
+    if spec.name not in ELEMENTWISE:
+        raise InnerOptimizerError(
+            f"the lease's inner optimizer {spec.name!r} is not one this agent runs ({', '.join(INNER_OPTIMIZERS)}); "
+            "upgrade crowdtrain-agent (pip install -U crowdtrain-agent)"
+        )
+    hyper = hyperparameters_of(spec)
     params = list(model.parameters())
-    decayed = [p for p in params if spec.decay_all or p.dim() >= 2]
-    plain = [p for p in params if not (spec.decay_all or p.dim() >= 2)]
+    decayed = [p for p in params if decays(p.dim(), decay_all=hyper["decay_all"])]
+    plain = [p for p in params if not decays(p.dim(), decay_all=hyper["decay_all"])]
     groups = [
         group
         for group in (
-            {"params": decayed, "weight_decay": spec.weight_decay},
+            {"params": decayed, "weight_decay": hyper["weight_decay"]},
             {"params": plain, "weight_decay": 0.0},
         )
         if group["params"]
     ]
-    if spec.name == "adamw":
-        return _fastest(
-            lambda **path: torch.optim.AdamW(groups, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps, **path)
-        )
-    if spec.name == "sgd":
-        return _fastest(
-            lambda **path: torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum, nesterov=spec.nesterov, **path)
-        )
-    raise InnerOptimizerError(
-        f"the lease's inner optimizer {spec.name!r} is not one this agent runs ({', '.join(INNER_OPTIMIZERS)}); "
-        "upgrade crowdtrain-agent (pip install -U crowdtrain-agent)"
-    )
+    return _fastest(lambda **path: torch_optimizer(spec.name, groups, hyper, **path))
 
 
 class InnerOptimizers:

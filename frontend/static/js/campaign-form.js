@@ -33,15 +33,17 @@
     if (!mode) return;
     for (const box of form.querySelectorAll('[data-field^="inner_"]')) box.hidden = mode.value !== "local";
   }
-  // Local mode takes no verification copies (the form says why if some are asked for): choosing it moves the
-  // check fraction from its default, and only from its default, so no choice of the organizer is undone. The
-  // default staleness of 1 suits local mode too: each round overlaps the upload and publication of the last.
-  const LOCAL_NEEDS = { check_fraction: "0.05" };
-  function fitMode() {
-    if (!mode || mode.value !== "local") return;
-    for (const [name, fallback] of Object.entries(LOCAL_NEEDS)) {
-      const input = form.querySelector(`input[name=${name}]`);
-      if (input && !input.disabled && Number(input.value) === Number(fallback)) input.value = "0";
+  // Rules between settings, from the settings table (settings_table.RULES): while one holds, the form refuses
+  // another value of its field (and says why). Choosing its condition moves the field from its default, and only
+  // from its default, so no choice of the organizer is undone.
+  const rules = JSON.parse(document.getElementById("setting-rules").textContent);
+  function fitRules() {
+    for (const rule of rules) {
+      const [name, value] = rule.when;
+      const chosen = form.querySelector(`[name=${name}]`);
+      const input = form.querySelector(`input[name=${rule.field}]`);
+      if (!chosen || chosen.value !== value || !input || input.disabled) continue;
+      if (Number(input.value) === Number(rule.default)) input.value = String(rule.value);
     }
   }
 
@@ -64,9 +66,10 @@
   architecture.addEventListener("change", showArchitecture);
   if (pretrained) pretrained.addEventListener("change", fillFromPretrained);
   optimizer.addEventListener("change", showOptimizer);
-  if (mode) {
-    mode.addEventListener("change", showMode);
-    mode.addEventListener("change", fitMode);
+  if (mode) mode.addEventListener("change", showMode);
+  for (const name of new Set(rules.map((rule) => rule.when[0]))) {
+    const chosen = form.querySelector(`[name=${name}]`);
+    if (chosen) chosen.addEventListener("change", fitRules);
   }
   showArchitecture();
   showOptimizer();

@@ -16,7 +16,7 @@ from .models import Campaign, Dataset, OrganizerRequest, Shard, Step, Upload, Va
 from .organizer_mail import mail_outcome
 from .organizers import RoleRequestError, decide
 from .settings_table import SETTINGS
-from .setup import INNER_SETTINGS, CampaignConfigError, validate_campaign
+from .setup import CampaignConfigError, validate_campaign
 
 
 class ShardInline(admin.TabularInline):
@@ -84,23 +84,7 @@ class CampaignAdminForm(forms.ModelForm):
         if self.errors or any(name not in data for name in needed):
             return data
         try:
-            config, optimizer, count = validate_campaign(
-                dataset=data["dataset"],
-                architecture=data["architecture"],
-                model_config=data["model_config"],
-                optimizer=data["optimizer"],
-                target_batch_size=data["target_batch_size"],
-                microbatch_size=data["microbatch_size"],
-                codec=data["codec"],
-                max_steps=data.get("max_steps"),
-                num_aggregators=data["num_aggregators"],
-                training_mode=data.get("training_mode", "sync"),
-                inner={name: data[name] for name in INNER_SETTINGS if name in data},
-                check_fraction=data.get("check_fraction", 0.0),
-                staleness=data.get("staleness", 0),
-                augmentation=data.get("augmentation", "none"),
-                pretrained=data.get("pretrained"),
-            )
+            config, optimizer, count = validate_campaign(data)
         except CampaignConfigError as exc:
             self.add_error(self._admin_field(exc.field, data.get("architecture")), str(exc))
             return data

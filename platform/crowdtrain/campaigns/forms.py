@@ -34,8 +34,8 @@ from crowdtrain_agent.optimizers import (
 from .lifecycle import LOCK_REASON, config_locked
 from .models import Campaign, Dataset, Pretrained
 from .permissions import visible_datasets
-from .settings_table import GROUPS, SETTINGS, Group, locked_fields
-from .setup import INNER_SETTINGS, CampaignConfigError, config_field_name, validate_campaign
+from .settings_table import GROUPS, SETTINGS, Group, check_rules, locked_fields, rules_for_page
+from .setup import CampaignConfigError, config_field_name, validate_campaign
 
 ABOUT_FIELDS = ("name", "description", "visibility")
 # The schedule fields an organizer sets; total_steps follows max steps (``validate_optimizer``).
@@ -282,6 +282,10 @@ class CampaignForm(forms.Form):
             for p in weights.only("pk", "architecture", "model_config")
         }
 
+    def setting_rules(self) -> list[dict[str, Any]]:
+        """The rules between settings (``settings_table.RULES``); the page's script follows them."""
+        return rules_for_page()
+
     def optimizer_field_map(self) -> dict[str, list[str]]:
         """The hyperparameters each optimizer reads; the page shows only the chosen one's."""
         return {name: list(entry.hyperparameters) for name, entry in OPTIMIZERS.items()}
@@ -334,13 +338,14 @@ class CampaignForm(forms.Form):
                 del self.errors[key]
 
     def _clean_started(self, data: dict[str, Any]) -> None:
-        fraction = data.get("check_fraction")
-        if self.instance is not None and self.instance.training_mode == Campaign.TrainingMode.LOCAL and fraction:
-            self.add_error(
-                "check_fraction",
-                "A local-mode campaign cannot verify leases by a second copy (each pseudo-gradient depends on its "
-                "volunteer's own inner optimizer state); keep the check fraction at 0.",
-            )
+        # Validation stops before validate_campaign once started, but the rules between settings still hold.
+        stored = {name: getattr(self.instance, name) for name in SETTINGS}
+        # Left empty, a setting keeps its stored value (``_clean_settings``).
+        rule_values = {**stored, **{name: data[name] for name in SETTINGS if data.get(name) is not None}}
+        try:
+            check_rules(rule_values, error=CampaignConfigError)
+        except CampaignConfigError as exc:
+            self.add_error(exc.field, str(exc))
         done = self.instance.committed_steps if self.instance else 0
         max_steps = data.get("max_steps")
         if max_steps is not None and max_steps <= done:
@@ -412,21 +417,7 @@ class CampaignForm(forms.Form):
     def _clean_together(self, data: dict[str, Any]) -> None:
         try:
             config, optimizer, count = validate_campaign(
-                dataset=data["dataset"],
-                architecture=data["architecture"],
-                model_config=self.model_config,
-                optimizer=self.optimizer_config,
-                target_batch_size=data["target_batch_size"],
-                microbatch_size=data["microbatch_size"],
-                codec=data["codec"],
-                max_steps=data.get("max_steps"),
-                num_aggregators=data["num_aggregators"],
-                training_mode=data["training_mode"],
-                inner={name: data[name] for name in INNER_SETTINGS},
-                check_fraction=data["check_fraction"],
-                staleness=data["staleness"],
-                augmentation=data["augmentation"],
-                pretrained=data.get("pretrained"),
+                {**data, "model_config": self.model_config, "optimizer": self.optimizer_config}
             )
         except CampaignConfigError as exc:
             self.add_error(exc.field if exc.field in self.fields else None, str(exc))

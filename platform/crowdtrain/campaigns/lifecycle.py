@@ -98,18 +98,14 @@ def _check_trainable(campaign: Campaign) -> None:
     # The form validated it, but the admin and code can save any JSON: check once more before agents see it.
     try:
         check_settings({name: getattr(campaign, name) for name in SETTINGS}, error=CampaignConfigError)
+        # The local mode's settings and the rules between settings are left at their defaults here, as
+        # they always were at the start: the form and the admin checked them when they were saved.
+        checked = ("target_batch_size", "microbatch_size", "codec", "max_steps", "num_aggregators", "augmentation")
         validate_campaign(
-            dataset=campaign.dataset,
-            architecture=campaign.architecture,
-            model_config=campaign.model_config,
-            optimizer=campaign.optimizer,
-            target_batch_size=campaign.target_batch_size,
-            microbatch_size=campaign.microbatch_size,
-            codec=campaign.codec,
-            max_steps=campaign.max_steps,
-            num_aggregators=campaign.num_aggregators,
-            augmentation=campaign.augmentation,
-            pretrained=campaign.pretrained,
+            {
+                name: getattr(campaign, name)
+                for name in ("dataset", "architecture", "model_config", "optimizer", "pretrained", *checked)
+            }
         )
     except CampaignConfigError as exc:
         raise LifecycleError(f"the campaign cannot train as configured: {exc}; fix it in Edit") from None

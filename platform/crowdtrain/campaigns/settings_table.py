@@ -4,7 +4,8 @@ A setting here is a column of ``Campaign`` that organizers choose (the model,
 dataset and optimizer have registries of their own). Its default is the
 model field's, since Django needs it for the column; everything else (group,
 label, help, bounds, whether it locks once the campaign starts, whether
-aggregators get it) is here. Adding a setting is a model field, its
+aggregators get it, whether the lease path reads it) is here, and so are the
+rules between settings (``RULES``). Adding a setting is a model field, its
 migration, and one line in ``SETTINGS``.
 """
 
@@ -64,7 +65,9 @@ class Setting:
 
     ``locks``: agents or aggregators were built from it, so it cannot change
     once the campaign has started. ``to_aggregator``: it travels in every
-    slice assignment (a field of ``SliceAssignment`` of the same name).
+    slice assignment (a field of ``SliceAssignment`` of the same name). ``lease``: the lease path reads
+    it (``scheduler.configs``), so saving it makes every site process re-read the campaign; off only for
+    settings it never reads, since a stale copy there hands out leases on old settings.
     """
 
     name: str
@@ -72,6 +75,7 @@ class Setting:
     spec: ConfigField
     locks: bool = True
     to_aggregator: bool = False
+    lease: bool = True
 
     @property
     def label(self) -> str:
@@ -221,6 +225,7 @@ SETTINGS: dict[str, Setting] = {
                 optional=True,
             ),
             locks=False,
+            lease=False,
         ),
         Setting(
             "validate_every",
@@ -232,12 +237,14 @@ SETTINGS: dict[str, Setting] = {
                 "steps between held-out losses (and exportable versions); 0 = only at the finish",
             ),
             locks=False,
+            lease=False,
         ),
         Setting(
             "seed",
             "advanced",
             _int("Seed", 0, 2**62, "initial weights are the same on every machine"),
             to_aggregator=True,
+            lease=False,
         ),
         Setting("num_aggregators", "advanced", _int("Aggregators", 1, 64, "slices the parameters are split into")),
         Setting("staleness", "advanced", _int("Staleness", 0, 4, "0 = fully synchronous"), to_aggregator=True),
@@ -259,6 +266,7 @@ SETTINGS: dict[str, Setting] = {
                 "Max gradient norm",
             ),
             to_aggregator=True,
+            lease=False,
         ),
         Setting(
             "aggregation",
@@ -285,6 +293,7 @@ SETTINGS: dict[str, Setting] = {
                 "Clip factor",
             ),
             to_aggregator=True,
+            lease=False,
         ),
         Setting(
             "trim_fraction",
@@ -316,8 +325,82 @@ SETTINGS: dict[str, Setting] = {
     ]
 }
 
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule between settings: while ``when`` (a setting, a value) holds, ``field`` must be ``value``.
+
+    The one statement of it: ``validate_campaign`` and the campaign form refuse other values, the form's
+    script moves the field to ``value`` when ``when`` is chosen (``rules_for_page``), and the lease path
+    acts on ``value`` whatever was saved another way (``acted_on``).
+    """
+
+    when: tuple[str, Any]
+    field: str
+    value: Any
+    why: str  # completes "<field> is <its value>, but ..."
+
+    def applies(self, values: Mapping[str, Any]) -> bool:
+        setting, value = self.when
+        return bool(values.get(setting) == value)
+
+    def broken_by(self, values: Mapping[str, Any]) -> bool:
+        return self.applies(values) and values.get(self.field, SETTINGS[self.field].default) != self.value
+
+    def message(self, values: Mapping[str, Any]) -> str:
+        value = values.get(self.field, SETTINGS[self.field].default)
+        return f"{SETTINGS[self.field].label} is {display(value)}, but {self.why}"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        when=("training_mode", Campaign.TrainingMode.LOCAL),
+        field="check_fraction",
+        value=0.0,
+        # A local lease's pseudo-gradient depends on the inner optimizer's state on the volunteer's own
+        # machine (kept between its leases), so no other volunteer can recompute it to compare.
+        why="local mode cannot verify leases by a second copy: each pseudo-gradient depends on the inner "
+        "optimizer state of the volunteer who made it. Set the check fraction to 0 (robust aggregation still "
+        "guards the steps) or use sync mode",
+    ),
+)
+
+
+def check_rules(values: Mapping[str, Any], *, error: type[Exception] = ConfigError) -> None:
+    """Refuse values that break a rule between settings.
+
+    Raises:
+        error: called as ``error(message, field)`` for the first rule broken, naming the field to change.
+    """
+    for rule in RULES:
+        if rule.broken_by(values):
+            raise error(rule.message(values), rule.field)
+
+
+def acted_on(campaign: Campaign, name: str) -> Any:
+    """The value of a setting the platform acts on: a rule's where one applies, however the campaign was saved."""
+    values = {setting: getattr(campaign, setting) for setting in SETTINGS}
+    for rule in RULES:
+        if rule.field == name and rule.applies(values):
+            return rule.value
+    return values[name]
+
+
+def rules_for_page() -> list[dict[str, Any]]:
+    """The rules as the campaign form's script reads them: it moves a field still at its default."""
+    return [
+        {"when": list(rule.when), "field": rule.field, "value": rule.value, "default": SETTINGS[rule.field].default}
+        for rule in RULES
+    ]
+
+
 # What agents and aggregators built the model from, besides the plain settings that lock.
 LOCKED_CONFIG = ("dataset", "architecture", "model_config", "optimizer")
+
+
+def lease_settings() -> frozenset[str]:
+    """The settings the lease path reads: saving one of them makes every site process re-read the campaign."""
+    return frozenset(s.name for s in SETTINGS.values() if s.lease)
 
 
 def locked_fields() -> tuple[str, ...]:

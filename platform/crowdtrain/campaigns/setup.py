@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings as django_settings
@@ -20,13 +21,10 @@ from crowdtrain_agent.protocol.schema import from_dict, to_dict
 
 from .models import Campaign, Dataset, Pretrained
 from .pretrained import HEAD_FIELDS, campaign_weights
-from .settings_table import check_settings
+from .settings_table import SETTINGS, check_rules, check_settings
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User
-
-
-INNER_SETTINGS = ("inner_optimizer", "inner_lr", "inner_weight_decay", "inner_batch_size")
 
 
 class CampaignConfigError(ValueError):
@@ -47,29 +45,17 @@ def config_field_name(architecture: str, field: str) -> str:
     return f"{architecture}__{field}"
 
 
-def validate_campaign(
-    *,
-    dataset: Dataset,
-    architecture: str,
-    model_config: dict[str, Any],
-    optimizer: dict[str, Any],
-    target_batch_size: int,
-    microbatch_size: int,
-    codec: str,
-    max_steps: int | None = None,
-    num_aggregators: int = 1,
-    training_mode: str = "sync",
-    inner: dict[str, Any] | None = None,
-    check_fraction: float = 0.0,
-    staleness: int = 0,
-    augmentation: str = "none",
-    pretrained: Pretrained | None = None,
-) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """Check a campaign's settings against the registries and its dataset.
+def validate_campaign(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """Check a campaign's settings against the registries, its dataset and the rules between settings.
 
-    ``inner`` holds the local mode's ``inner_optimizer``, ``inner_lr``,
-    ``inner_weight_decay`` and ``inner_batch_size`` (defaults where missing); it is checked in sync mode
-    too, so switching a draft to local later finds no surprise.
+    The form, the admin, ``create_campaign`` and the start of a campaign all call it, so every way in
+    accepts the same campaigns. The inner optimizer's settings are checked in sync mode too, so switching
+    a draft to local later finds no surprise.
+
+    Args:
+        values: ``dataset``, ``architecture``, ``model_config`` and ``optimizer``, optionally ``pretrained``,
+            and settings of the table by their names (a missing one takes its default); other keys are
+            ignored.
 
     Returns:
         (normalized model config, normalized optimizer, parameter count).
@@ -77,9 +63,17 @@ def validate_campaign(
     Raises:
         CampaignConfigError: naming the first bad setting (``field`` says which).
     """
+    values = {**{name: setting.default for name, setting in SETTINGS.items()}, **values}
+    dataset: Dataset = values["dataset"]
+    architecture: str = values["architecture"]
+    pretrained: Pretrained | None = values.get("pretrained")
+    augmentation: str = values["augmentation"]
+    microbatch_size: int = values["microbatch_size"]
+    target_batch_size: int = values["target_batch_size"]
+    codec: str = values["codec"]
     try:
         entry = get_model(architecture)
-        config = entry.validate(model_config)
+        config = entry.validate(values["model_config"])
     except ModelConfigError as exc:
         field = config_field_name(architecture, exc.field) if exc.field else "architecture"
         raise CampaignConfigError(str(exc), field) from None
@@ -127,7 +121,10 @@ def validate_campaign(
                 str(exc), config_field_name(architecture, exc.field) if exc.field else "architecture"
             ) from None
     spec = validate_optimizer(
-        optimizer, max_steps=max_steps, num_aggregators=num_aggregators, tensors=len(entry.param_shapes(config))
+        values["optimizer"],
+        max_steps=values["max_steps"],
+        num_aggregators=values["num_aggregators"],
+        tensors=len(entry.param_shapes(config)),
     )
     if codec not in CODECS:
         raise CampaignConfigError(f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}", "codec")
@@ -145,8 +142,9 @@ def validate_campaign(
             f"({target_batch_size})",
             "microbatch_size",
         )
-    check_training_mode(training_mode, inner or {}, check_fraction, staleness)
-    check_inner_batch((inner or {}).get("inner_batch_size"), microbatch_size, target_batch_size)
+    check_training_mode(values["training_mode"], values, values["staleness"])
+    check_rules(values, error=CampaignConfigError)
+    check_inner_batch(values["inner_batch_size"], microbatch_size, target_batch_size)
     count = entry.param_count(config)
     if count > django_settings.CROWDTRAIN_MAX_MODEL_PARAMS:
         raise CampaignConfigError(
@@ -293,9 +291,7 @@ def check_inner_batch(inner_batch_size: int | None, microbatch_size: int, target
         )
 
 
-def check_training_mode(
-    training_mode: str, inner: dict[str, Any], check_fraction: float, staleness: int = 0
-) -> OptimizerSpec:
+def check_training_mode(training_mode: str, inner: Mapping[str, Any], staleness: int = 0) -> OptimizerSpec:
     """Check the local mode's settings; returns the inner optimizer's spec (unscheduled).
 
     Local mode runs at staleness 0 (rounds in lock step, as DiLoCo) or 1 (overlapped rounds: the next
@@ -307,7 +303,8 @@ def check_training_mode(
 
     Raises:
         CampaignConfigError: for an unknown mode, a bad inner setting, a staleness above 1 (above 0 on a
-            site pinned below protocol 2.4) or verification copies in local mode.
+            site pinned below protocol 2.4). The rules between settings (``settings_table.RULES``) are
+            ``validate_campaign``'s.
     """
     if training_mode not in ("sync", "local"):
         raise CampaignConfigError(f"unknown training mode {training_mode!r}; choose sync or local", "training_mode")
@@ -335,15 +332,6 @@ def check_training_mode(
                 f"to 2.{django_settings.CROWDTRAIN_PROTOCOL_MINOR} (CROWDTRAIN_PROTOCOL_MINOR); set the staleness "
                 "to 0",
                 "staleness",
-            )
-        if check_fraction > 0:
-            # A local lease's pseudo-gradient depends on the inner optimizer's state on the volunteer's own
-            # machine (kept between its leases), so no other volunteer can recompute it to compare.
-            raise CampaignConfigError(
-                f"Check fraction is {check_fraction:g}, but local mode cannot verify leases by a second copy: "
-                "each pseudo-gradient depends on the inner optimizer state of the volunteer who made it. Set the "
-                "check fraction to 0 (robust aggregation still guards the steps) or use sync mode",
-                "check_fraction",
             )
     return spec
 
@@ -447,21 +435,14 @@ def create_campaign(
         error=CampaignConfigError,
     )
     config, opt, count = validate_campaign(
-        dataset=dataset,
-        architecture=architecture,
-        model_config=model_config,
-        optimizer=optimizer or {},
-        target_batch_size=target_batch_size,
-        microbatch_size=microbatch_size,
-        codec=codec,
-        max_steps=settings.get("max_steps"),
-        num_aggregators=settings.get("num_aggregators", 1),
-        training_mode=settings.get("training_mode", "sync"),
-        inner={k: settings[k] for k in INNER_SETTINGS if k in settings},
-        check_fraction=settings.get("check_fraction", Campaign._meta.get_field("check_fraction").get_default()),
-        staleness=settings.get("staleness", Campaign._meta.get_field("staleness").get_default()),
-        augmentation=settings.get("augmentation", Campaign.Augmentation.NONE),
-        pretrained=pretrained,
+        {
+            **settings,
+            "dataset": dataset,
+            "architecture": architecture,
+            "model_config": model_config,
+            "optimizer": optimizer or {},
+            "pretrained": pretrained,
+        }
     )
     return Campaign.objects.create(
         name=name,

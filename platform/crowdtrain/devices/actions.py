@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
-from django.conf import settings
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
@@ -47,8 +46,8 @@ def online_ids(devices: list[Device]) -> set[int]:
 
     state = hot_state()
     seen = state.last_seen([d.pk for d in devices if not d.is_revoked])
-    fresh = state.clock() - settings.CROWDTRAIN_GONE_AFTER_S
-    return {device_id for device_id, at in seen.items() if at >= fresh}
+    since = state.online_since()
+    return {device_id for device_id, at in seen.items() if at >= since}
 
 
 def revoke(device: Device, reason: str) -> bool:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
-from django.conf import settings
 from django.db.models import Count, OuterRef, Subquery, Sum
 from django.db.models.fields.json import KT
 from django.utils import timezone
@@ -40,9 +39,7 @@ def _gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricF
 
 def _agents() -> Iterator[Metric]:
     state = hot_state()
-    fresh = state.clock() - settings.CROWDTRAIN_GONE_AFTER_S
-    members = cast(list[str], state.client.zrangebyscore(state.seen_key, fresh, "+inf"))  # decode_responses=True
-    online_ids = [int(member) for member in members]
+    online_ids = state.online_ids()
     yield _gauge_value("crowdtrain_agents_online", "Agents holding a socket to the site now", len(online_ids))
     by_kind: dict[str, int] = {}
     for start in range(0, len(online_ids), KIND_BATCH):

@@ -5,7 +5,7 @@ One evaluation feeds the health check, the ``crowdtrain_alert`` gauge of
 with running campaigns and aggregators, never with volunteers or leases: a few
 aggregate queries, two Redis reads, and two more per campaign that stepped no
 step for a while (are volunteers there?). deploy/prometheus/alerts.yml states the
-same conditions in PromQL; keep the two in step.
+same conditions in PromQL: ``alert_rules`` writes it from the codes and thresholds here.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
-from django.conf import settings
 from django.db.models import Count, Sum
 from django.db.models.fields.json import KT
 
@@ -33,9 +32,7 @@ class Online:
 
 def online() -> Online:
     """Agents whose socket a site process reported within ``CROWDTRAIN_GONE_AFTER_S``, and their accelerators."""
-    state = hot_state()
-    fresh = state.clock() - settings.CROWDTRAIN_GONE_AFTER_S
-    ids = [int(m) for m in cast(list[str], state.client.zrangebyscore(state.seen_key, fresh, "+inf"))]
+    ids = hot_state().online_ids()
     by_kind: dict[str, int] = {}
     for start in range(0, len(ids), KIND_BATCH):
         rows = (
@@ -72,7 +69,7 @@ def most_recently_seen(limit: int = TOP_AGENTS) -> list[dict[str, Any]]:
         .annotate(samples=Sum("num_samples"), compute_s=Sum("compute_s"))
     }
     now = state.clock()
-    fresh = now - settings.CROWDTRAIN_GONE_AFTER_S
+    fresh = state.online_since(now)
     agents = []
     for member, stamp in seen:
         device = devices.get(int(member))
@@ -103,7 +100,7 @@ def joins_and_departures() -> tuple[int, int]:
     """
     state = hot_state()
     now_key, prev_key, scratch = (f"{state.prefix}:dash:{name}" for name in ("online", "online:prev", "diff"))
-    fresh = state.clock() - settings.CROWDTRAIN_GONE_AFTER_S
+    fresh = state.online_since()
     client = state.client
     client.zrangestore(now_key, state.seen_key, fresh, "+inf", byscore=True)
     # A missing key is an empty set to ZDIFFSTORE (Redis deletes empty sets): the first call counts

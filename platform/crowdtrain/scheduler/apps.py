@@ -18,20 +18,9 @@ class SchedulerConfig(AppConfig):
         campaign_changed.connect(_campaign_changed, dispatch_uid="scheduler.campaign_changed")
 
 
-# Fields the lease path reads; saving others (the version, every step) changes nothing for it.
-_LEASE_FIELDS = frozenset(
-    {
-        "state",
-        "visibility",
-        "target_batch_size",
-        "microbatch_size",
-        "staleness",
-        "max_steps",
-        "codec",
-        "codec_block_size",
-        "num_aggregators",
-    }
-)
+# Columns the lease path reads besides the settings the table marks ``lease``; saving others (the version,
+# every step) changes nothing for it.
+_LEASE_COLUMNS = frozenset({"state", "visibility"})
 
 
 def _campaign_changed(*, campaign_id: int, **_: Any) -> None:
@@ -49,7 +38,11 @@ def _campaign_saved(
     must not be issued from a campaign paused a moment ago. A transaction that
     then rolls back leaves a generation bumped for nothing, which is harmless.
     """
-    if raw or created or (update_fields is not None and not _LEASE_FIELDS & set(update_fields)):
+    if raw or created:
+        return
+    from crowdtrain.campaigns.settings_table import lease_settings
+
+    if update_fields is not None and not (_LEASE_COLUMNS | lease_settings()) & set(update_fields):
         return
     from .configs import publish_state
 

@@ -22,6 +22,7 @@ from django.db.models import Exists, Q
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
+from crowdtrain.campaigns.settings_table import acted_on
 from crowdtrain.campaigns.setup import inner_optimizer_spec
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import (
@@ -153,9 +154,8 @@ def _read(campaign_id: int, gen: int) -> CampaignConfig | None:
         ),
         aggregator_ids=tuple(s.aggregator_id for s in slices),
         ticket_key=ticket_key(campaign.pk),
-        # Local mode cannot verify (a pseudo-gradient depends on its volunteer's own inner optimizer state);
-        # the form refuses a check fraction there, and a value set another way is not acted on.
-        check_fraction=0.0 if local else campaign.check_fraction,
+        # A rule between settings (local mode checks nothing) holds even for a value saved another way.
+        check_fraction=acted_on(campaign, "check_fraction"),
         mode=cast(TrainingMode, campaign.training_mode),
         inner=inner_optimizer_spec(campaign.inner_optimizer, campaign.inner_lr, campaign.inner_weight_decay)
         if local
@@ -179,10 +179,10 @@ def probation_cap(campaign: Campaign) -> int:
     ``trim_count`` of them at each end of every coordinate, and centered clipping
     bounds any minority's pull, so a volunteer holding no more than that cannot
     drag a step whatever they upload. Only while verification can end the
-    probation: a campaign that checks nothing (local mode verifies nothing), or takes the plain mean, has none.
+    probation: a campaign that checks nothing (``settings_table.RULES`` may force that), or takes the plain
+    mean, has none.
     """
-    local = campaign.training_mode == Campaign.TrainingMode.LOCAL
-    if local or campaign.check_fraction <= 0 or campaign.aggregation == Campaign.Aggregation.MEAN:
+    if acted_on(campaign, "check_fraction") <= 0 or campaign.aggregation == Campaign.Aggregation.MEAN:
         return 0
     fewest = -(-campaign.target_batch_size // most_lease_samples(campaign.microbatch_size))
     if campaign.aggregation == Campaign.Aggregation.TRIMMED_MEAN:

@@ -153,6 +153,19 @@ class HotState:
         values = self.client.mget([self.activity_key(d) for d in ids])
         return {d: str(v) for d, v in zip(ids, values, strict=True) if v is not None}
 
+    def online_since(self, now: float | None = None) -> float:
+        """The oldest presence stamp that still means "online now": every count, badge and metric of it uses this.
+
+        A device ``CROWDTRAIN_GONE_AFTER_S`` past its last stamp has missed several heartbeats (a system check
+        keeps the heartbeat well below it), so its socket is taken for gone.
+        """
+        return (self.clock() if now is None else now) - settings.CROWDTRAIN_GONE_AFTER_S
+
+    def online_ids(self) -> list[int]:
+        """The devices online now (``online_since``), in one read of the presence set."""
+        members = cast(list[str], self.client.zrangebyscore(self.seen_key, self.online_since(), "+inf"))
+        return [int(member) for member in members]  # decode_responses=True: members are str
+
     def last_seen(self, device_ids: Iterable[int]) -> dict[int, float]:
         ids = list(device_ids)
         if not ids:

@@ -23,7 +23,7 @@ def _validate(**changes: Any) -> tuple[dict[str, Any], dict[str, Any], int]:
     options: dict[str, Any] = {"dataset": make_text_dataset(sample_len=9), "architecture": "llama",
                                "model_config": LLAMA, "optimizer": {"name": "adamw", "lr": 1e-3},
                                "target_batch_size": 8, "microbatch_size": 4, "codec": "fp32"}  # fmt: skip
-    return validate_campaign(**{**options, **changes})
+    return validate_campaign({**options, **changes})
 
 
 def test_a_llama_on_bytes_is_a_campaign_with_its_parameters_counted() -> None:
