@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
+from crowdtrain.lib.metrics import WINDOW_S
+
 from . import health
-from .metrics import WINDOW_S
 
 HEADER = """\
 # Written by `python manage.py write_alert_rules` from crowdtrain/ops/alert_rules.py: edit that, not this.
