@@ -171,6 +171,23 @@ def quick_controls(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runtime, "CONTROL_CHECK_S", 0.05)
 
 
+@pytest.fixture
+def long_leases(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Leases that compute until cancelled (as between two microbatches); the event is set once one starts."""
+    started = threading.Event()
+    honest = trainer.compute_gradient
+
+    def long_compute(*args: Any, cancel: threading.Event | None = None, **kwargs: Any) -> Any:
+        started.set()
+        assert cancel is not None
+        if cancel.wait(20):
+            raise trainer.ComputeCancelled("cancelled between microbatches")
+        return honest(*args, cancel=cancel, **kwargs)
+
+    monkeypatch.setattr(trainer, "compute_gradient", long_compute)
+    return started
+
+
 async def test_outside_its_schedule_it_asks_for_nothing_says_why_and_starts_when_the_window_opens(
     world: World, config: AgentConfig, quick_controls: None
 ) -> None:
@@ -194,21 +211,10 @@ async def test_outside_its_schedule_it_asks_for_nothing_says_why_and_starts_when
 
 
 async def test_a_control_that_stops_work_mid_lease_gives_the_lease_back_at_once(
-    world: World, config: AgentConfig, quick_controls: None, monkeypatch: pytest.MonkeyPatch
+    world: World, config: AgentConfig, quick_controls: None, long_leases: threading.Event
 ) -> None:
     readings = Readings()
-    started = threading.Event()
-    honest = trainer.compute_gradient
-
-    def long_compute(*args: Any, cancel: threading.Event | None = None, **kwargs: Any) -> Any:
-        # A lease that takes a while: it ends early only through its cancel event, as between microbatches.
-        started.set()
-        assert cancel is not None
-        if cancel.wait(20):
-            raise trainer.ComputeCancelled("cancelled between microbatches")
-        return honest(*args, cancel=cancel, **kwargs)
-
-    monkeypatch.setattr(trainer, "compute_gradient", long_compute)
+    started = long_leases
     world.site.negotiates = True
     config = replace(config, max_leases=1, controls=Controls(pause_on_battery=True))
     world.site.replies = [world.lease(1, [(0, 8)])]
@@ -279,22 +285,12 @@ async def test_controls_set_on_my_devices_come_with_the_welcome_and_the_machines
 
 
 async def test_controls_changed_on_my_devices_stop_a_running_lease_and_clearing_them_allows_work(
-    world: World, config: AgentConfig, quick_controls: None, monkeypatch: pytest.MonkeyPatch
+    world: World, config: AgentConfig, quick_controls: None, long_leases: threading.Event
 ) -> None:
     # 2.9: the site pushes the change; the volunteer does not restart her agent for it.
     readings = Readings()
     readings.battery = True  # on battery all along: only the pushed control makes that matter
-    started = threading.Event()
-    honest = trainer.compute_gradient
-
-    def long_compute(*args: Any, cancel: threading.Event | None = None, **kwargs: Any) -> Any:
-        started.set()
-        assert cancel is not None
-        if cancel.wait(20):
-            raise trainer.ComputeCancelled("cancelled between microbatches")
-        return honest(*args, cancel=cancel, **kwargs)
-
-    monkeypatch.setattr(trainer, "compute_gradient", long_compute)
+    started = long_leases
     world.site.negotiates = True
     world.site.replies = [world.lease(1, [(0, 8)])]
     agent = Agent(replace(config, max_leases=None), backoff=FAST_BACKOFF, benchmark_s=0.01, signals=readings.signals())

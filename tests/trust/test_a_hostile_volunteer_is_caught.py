@@ -69,6 +69,8 @@ HOSTILE_PATH = str(Path(__file__).with_name("hostile"))
 
 
 HEAD_START_S = 8.0
+SETTLE_S = 60.0
+UNSETTLED = ("referee",)  # an open check waits for a copy (up to CROWDTRAIN_CHECK_WAIT_S): not waited for
 COLLUDERS_JOINED_S_AGO = 7200.0  # both accounts, within the same ten minutes; the honest ones half-hours apart
 
 
@@ -101,7 +103,13 @@ def train(
         progress = run.progress()
     finals = [v["loss"] for v in progress["val_loss"] if v["version"] == STEPS]
     assert finals, f"no validation loss at version {STEPS}: {progress['val_loss']}"
+    # Disputes still before the referee are ruled after the last step (on two loaded cores the referee runs
+    # behind the training): the verdicts are read once the site has none left, or after SETTLE_S.
     dump = run.dump()
+    settle = time.monotonic() + SETTLE_S
+    while any(c["state"] in UNSETTLED for c in dump["checks"]) and time.monotonic() < settle:
+        time.sleep(1.0)
+        dump = run.dump()
     run.swarm.stop(grace_s=5.0)
     return finals[0], dump, time.monotonic() - started
 
@@ -195,6 +203,10 @@ def test_colluding_volunteers_cannot_outvote_an_honest_one(
             for v in volunteers
         )
         + f" run_s={took:.0f}"
+        + " checks="
+        + ",".join(
+            f"{v.removeprefix('volunteer-')}:{c['state']}" for c in checks for v in [c["volunteer"]] if v in hostile
+        )
     )
 
     for volunteer in honest:

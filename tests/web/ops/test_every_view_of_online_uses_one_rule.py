@@ -6,7 +6,7 @@ import pytest
 from django.conf import settings
 from django.test import Client
 
-from crowdtrain.accounts.devices import online_ids
+from crowdtrain.devices.actions import online_ids
 from crowdtrain.ops import swarm
 from crowdtrain.scheduler.hotstate import hot_state
 from tests.conftest import FakeClock
