@@ -121,7 +121,7 @@ def referee_at_once(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """
     from crowdtrain.verification import referee
 
-    monkeypatch.setattr(referee, "in_background", lambda task, *args: task.run(*args))
+    monkeypatch.setattr(referee, "in_background", lambda task, *args, lane="rule": task.run(*args))
     with override_settings(CROWDTRAIN_REFEREE_VERSIONS_KEPT=0):
         yield
 

@@ -68,7 +68,10 @@ HOUR = timedelta(hours=1)
 
 _asked: dict[tuple[int, int], float] = {}
 _asked_lock = threading.Lock()
-_executor: ThreadPoolExecutor | None = None
+# With eager Celery: one thread for rulings (a recomputation is a lease's compute) and one for keeping
+# versions (a download). Apart, so a version is fetched while the aggregators still serve it, not after
+# the rulings queued before it (behind them, keeps met 410 Gone and their disputes ended unruled).
+_executors: dict[str, ThreadPoolExecutor] = {}
 
 
 class CannotRule(RuntimeError):
@@ -101,7 +104,7 @@ def keep(campaign_id: int, version: int) -> None:
     def ask() -> None:
         state = hot_state()  # one process of all asks for it, not every one whose check opened on it
         if state.client.set(f"{state.prefix}:keep:{campaign_id}:{version}", 1, nx=True, ex=int(KEEP_ASKED_S)):
-            in_background(keep_version, campaign_id, version)
+            in_background(keep_version, campaign_id, version, lane="keep")
 
     transaction.on_commit(ask)
 
@@ -220,18 +223,20 @@ def call(check_id: int) -> None:
     transaction.on_commit(lambda: in_background(referee_check, check_id))
 
 
-def in_background(task: Any, *args: Any) -> None:
-    """Send ``task`` to the Celery worker; with eager Celery (no broker) queue it for this process's one
-    referee thread.
+def in_background(task: Any, *args: Any, lane: str = "rule") -> None:
+    """Send ``task`` to the Celery worker; with eager Celery (no broker) queue it for this process's referee
+    thread of its ``lane`` ("rule" or "keep").
 
     Never inline: a recomputation takes as long as a lease, and the caller holds an agent's socket.
     """
-    global _executor
     if settings.CELERY_TASK_ALWAYS_EAGER:
         with _asked_lock:
-            if _executor is None:
-                _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="crowdtrain-referee")
-            _executor.submit(_run_closing, task.run, *args)
+            executor = _executors.get(lane)
+            if executor is None:
+                executor = _executors[lane] = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"crowdtrain-referee-{lane}"
+                )
+            executor.submit(_run_closing, task.run, *args)
         return
     try:
         task.delay(*args)
