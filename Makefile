@@ -117,6 +117,10 @@ E2E_SECOND_PASS_ONLY := $(filter-out tests/e2e/test_swarm_trains_a_gpt.py,$(wild
 # a Redis database (tests/redis_per_worker.py) of its own: 3:45 instead of 7:38 here. Its end-to-end tests
 # run one at a time after it: each starts several processes of its own, and timing matters to some.
 TEST_WORKERS ?= 2
+# The trust runs (five agents, a site and an aggregator each) bound the harm hostile volunteers do while the
+# referee rules; beside another worker's tests on two cores the referee fell behind and the bound was missed
+# (a loss ratio of 1.077 against 1.05). They run alone, on the embedded defaults, right after the first pass.
+TRUST_TESTS := tests/trust
 PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 SECOND_PASS := CELERY_TASK_ALWAYS_EAGER=true $(BIN)/python -m tests.services $(BIN)/python -m pytest -p no:cacheprovider
 
@@ -128,7 +132,8 @@ SECOND_PASS := CELERY_TASK_ALWAYS_EAGER=true $(BIN)/python -m tests.services $(B
 # the sites the end-to-end tests start get a real Celery worker on Redis.
 test: lint $(STAMP) $(CHARTS) $(CHROMIUM) $(HAPROXY) $(PROMETHEUS)
 	$(BIN)/python -m pytest -p no:cacheprovider $(PARALLEL) --ignore $(CLUSTER_TEST) --ignore $(ENGINES_TEST) \
-		$(addprefix --ignore ,$(E2E_SECOND_PASS_ONLY)) $(ARGS)
+		--ignore $(TRUST_TESTS) $(addprefix --ignore ,$(E2E_SECOND_PASS_ONLY)) $(ARGS)
+	$(BIN)/python -m pytest -p no:cacheprovider $(TRUST_TESTS) $(ARGS)
 	$(SECOND_PASS) $(PARALLEL) -p tests.redis_per_worker tests/web $(ARGS)
 	$(SECOND_PASS) tests/e2e $(ARGS)
 	$(BROWSER_PASS) $(ARGS)

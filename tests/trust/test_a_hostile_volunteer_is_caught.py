@@ -22,8 +22,9 @@ result or check each other's: the honest volunteers are never quarantined,
 the colluders are, no credit stays with made-up work, and the loss stays
 within 5% of the honest run; the same with a flipper beside the pair.
 
-Runs in ``make test``'s first pass only (the embedded default): it is about
-the trust model, which the second pass's engines do not change.
+Runs in ``make test`` on its own after the first pass (the embedded default, with no other test
+beside it: the harm bound assumes the referee has the machine's cores): it is about the trust
+model, which the second pass's engines do not change.
 """
 
 from __future__ import annotations
