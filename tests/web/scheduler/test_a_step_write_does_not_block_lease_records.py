@@ -19,6 +19,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from crowdtrain.scheduler import commits
+from crowdtrain.scheduler.hotrecords import lease_record
 from crowdtrain.scheduler.models import Lease
 from tests.factories import make_campaign, make_device
 
@@ -36,7 +37,8 @@ def test_a_lease_row_of_a_device_the_step_is_crediting_is_written_without_waitin
     def step_write() -> None:  # a step's credit, held open as a slow commit holds it
         try:
             with transaction.atomic():
-                commits._credit([{"d": device.pk, "n": 4, "cs": 1.0}])
+                commits._credit([lease_record({"id": 1, "d": device.pk, "s": 0, "n": 4, "b": 0, "r": [[0, 0, 4]],
+                                               "st": "accepted", "t0": 0.0, "dl": 0.0, "cs": 1.0})])  # fmt: skip
                 locked.set()
                 finish.wait(10)
         finally:
