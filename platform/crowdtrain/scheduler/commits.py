@@ -24,12 +24,12 @@ import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db import IntegrityError, OperationalError, transaction
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.batchsql import column, db_time, table
 from crowdtrain.campaigns.models import Campaign, Step
+from crowdtrain.lib import batchsql
 from crowdtrain.lib.metrics import STEP_COMMIT_SECONDS, STEPS_DISCARDED
 from crowdtrain_agent.protocol import StepCommit
 
@@ -169,47 +169,14 @@ def _accept(config: CampaignConfig, leases: list[LeaseRecord], step: Step) -> No
     """Mark the step's leases accepted into it, with their outcomes.
 
     The batched record has almost always written the lease rows already (a site writes a lease's row within
-    a quarter of a second of issuing it), so this is an update: on PostgreSQL one statement joined to the
-    outcomes passed as arrays, on SQLite (in-process, no round trips) an UPDATE by primary key per lease.
-    The few rows not written yet (another process issued them moments ago) are inserted whole. Not
-    ``bulk_create(update_conflicts=True)`` for all of them: building 2,000 model instances and their JSON
-    ranges, and upserting every column, was a third of a step's write.
+    a quarter of a second of issuing it), so this is an update (``batchsql.accept_leases``). The few rows
+    not written yet (another process issued them moments ago) are inserted whole.
     """
     if not leases:
         return
-    leases_table = table(Lease)
-    pk = column(Lease, "id")
-    state, step_id, loss, compute, finished_at, reason = (
-        column(Lease, name) for name in ("state", "step", "loss_sum", "compute_s", "finished_at", "reason")
-    )
     # In id order, as the record writer writes them (opposite orders would deadlock).
     outcomes = sorted((lease.id, lease.loss, *held(lease)[1:]) for lease in leases)
-    with connection.cursor() as db:
-        if connection.vendor == "postgresql":
-            # One statement joined to the outcomes as arrays: a third of the time of 2,000 updates in a pipeline.
-            ids, losses, finished, computed = (list(values) for values in zip(*outcomes, strict=True))
-            # Locked in id order first, as the record writer writes them: a join locks in its own order.
-            db.execute(f"SELECT 1 FROM {leases_table} WHERE {pk} = ANY(%s) ORDER BY {pk} FOR NO KEY UPDATE", [ids])
-            db.execute(
-                f"UPDATE {leases_table} SET {state} = %s, {step_id} = %s, {reason} = '', {loss} = v.loss, "
-                f"{compute} = v.cs, {finished_at} = v.t1 "
-                "FROM unnest(%s::bigint[], %s::float8[], %s::timestamptz[], %s::float8[]) AS v(id, loss, t1, cs) "
-                f"WHERE {leases_table}.{pk} = v.id RETURNING {leases_table}.{pk}",
-                [Lease.State.ACCEPTED, step.pk, ids, losses, finished, computed],
-            )
-            existing = {row[0] for row in db.fetchall()}
-        else:
-            ids = [lease_id for lease_id, *_ in outcomes]
-            existing = set(Lease.objects.filter(pk__in=ids).values_list("pk", flat=True))
-            db.executemany(
-                f"UPDATE {leases_table} SET {state} = %s, {step_id} = %s, {reason} = '', {loss} = %s, {compute} = %s, "
-                f"{finished_at} = %s WHERE {pk} = %s",
-                [
-                    (Lease.State.ACCEPTED, step.pk, loss_sum, compute_s, db_time(at), lease_id)
-                    for lease_id, loss_sum, at, compute_s in outcomes
-                    if lease_id in existing
-                ],
-            )
+    existing = batchsql.accept_leases(Lease, step.pk, outcomes, accepted_state=Lease.State.ACCEPTED)
     missing = sorted(
         (_row(config, lease, step) for lease in leases if lease.id not in existing), key=lambda row: row.pk
     )
@@ -224,51 +191,17 @@ def _accept(config: CampaignConfig, leases: list[LeaseRecord], step: Step) -> No
 
 
 def _credit(leases: list[LeaseRecord]) -> None:
-    """Every device in the step: samples credited, and the speed its work showed.
-
-    On PostgreSQL one UPDATE joined to arrays, on SQLite one UPDATE by key per device; not one UPDATE with a
-    CASE per device, as before: Django resolved that expression's 3,000 branches in Python for a step of
-    1,000 devices (more than a second), and the database then tested every row against every branch.
-    Devices are locked in id order, so two processes' commits that share devices cannot deadlock.
-    """
+    """Every device in the step: samples credited, and the speed its work showed (``batchsql.count_device_work``)."""
     samples: dict[int, int] = {}
     busy_s: dict[int, float] = {}
     for lease in leases:
         samples[lease.device] = samples.get(lease.device, 0) + lease.samples
         busy_s[lease.device] = busy_s.get(lease.device, 0.0) + lease.compute_s
-    devices = table(Device)
-    pk, accepted, speed = (column(Device, name) for name in ("id", "samples_accepted", "samples_per_s"))
-    # The speed "My devices" shows: what its accepted work took, as the agent reported it, averaged.
-    # One step's rate jumps with lease size, data fetches and whatever else the volunteer runs, so the
-    # page shows an exponentially weighted moving average: new = (1 - w) * old + w * this step's rate,
-    # computed in the UPDATE from the stored value (no read first, so concurrent commits cannot lose each
-    # other's measurement). The first measurement (stored 0) is taken as it is, not averaged with 0.
-    ids = sorted(samples)
-    # 0 where the step gave no rate (no compute time reported): the speed stays as it is.
-    rates = [samples[d] / busy_s[d] if busy_s[d] >= 1e-3 else 0.0 for d in ids]
-    with connection.cursor() as db:
-        if connection.vendor == "postgresql":
-            # One statement joined to arrays, after locking the rows in id order (a join locks in its own).
-            # FOR NO KEY UPDATE, the lock the UPDATE takes anyway: FOR UPDATE would also block the foreign-key
-            # checks (KEY SHARE) of other transactions inserting these devices' lease rows, which hold lease
-            # rows this step updates: a deadlock, broken only after deadlock_timeout (1 s), seen in the scale
-            # bench at 300 agents on every few steps.
-            db.execute(f"SELECT 1 FROM {devices} WHERE {pk} = ANY(%s) ORDER BY {pk} FOR NO KEY UPDATE", [ids])
-            db.execute(
-                f"UPDATE {devices} SET {accepted} = {accepted} + v.n, {speed} = CASE WHEN v.rate <= 0 THEN {speed} "
-                f"WHEN {speed} > 0 THEN {speed} * %s + %s * v.rate ELSE v.rate END "
-                f"FROM unnest(%s::bigint[], %s::bigint[], %s::float8[]) AS v(id, n, rate) WHERE {devices}.{pk} = v.id",
-                [1 - SPEED_WEIGHT, SPEED_WEIGHT, ids, [samples[d] for d in ids], rates],
-            )
-        else:
-            db.executemany(
-                f"UPDATE {devices} SET {accepted} = {accepted} + %s, {speed} = CASE WHEN %s <= 0 THEN {speed} "
-                f"WHEN {speed} > 0 THEN {speed} * %s + %s ELSE %s END WHERE {pk} = %s",
-                [
-                    (samples[d], rate, 1 - SPEED_WEIGHT, SPEED_WEIGHT * rate, rate, d)
-                    for d, rate in zip(ids, rates, strict=True)
-                ],
-            )
+    # The speed "My devices" shows: what its accepted work took, as the agent reported it, averaged
+    # (new = (1 - w) * old + w * this step's rate): one step's rate jumps with lease size, data fetches
+    # and whatever else the volunteer runs. 0 where the step gave no rate: the speed stays as it is.
+    work = {d: (samples[d], samples[d] / busy_s[d] if busy_s[d] >= 1e-3 else 0.0) for d in samples}
+    batchsql.count_device_work(Device, work, SPEED_WEIGHT)
 
 
 def commit_full_steps(config: CampaignConfig, first: FullStep) -> list[Commit]:

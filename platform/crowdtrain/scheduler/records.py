@@ -23,14 +23,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
-from django.db import DatabaseError, IntegrityError, close_old_connections, connection, transaction
-from django.db.models import Model, Q
+from django.db import DatabaseError, IntegrityError, close_old_connections, transaction
+from django.db.models import Model
 
-from crowdtrain import batchsql
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.connections import refresh_if_due
+from crowdtrain.lib import batchsql
 
 from .models import Lease
 
@@ -179,34 +178,20 @@ class RecordWriter:
 
 
 def _write(new: Sequence[Lease], finished: Sequence[Finished], cursors: dict[int, tuple[int, int]]) -> None:
+    """One batch in one transaction: existing rows locked and updated in id order, as a step's commit
+    updates them, and new rows inserted last, so a step waiting on a new row's insert never holds a row
+    this transaction still needs."""
     new, finished = _merged(new, finished)
-    if connection.vendor == "postgresql":
-        _write_on_postgresql(new, finished, cursors)
-        return
-    # Rows are written in id order, as a step's commit updates them: two transactions that lock the same
-    # lease rows in opposite orders deadlock, and PostgreSQL breaks that only after deadlock_timeout (1 s).
+    by_id = sorted(finished, key=lambda f: f.lease_id)
+    accepted = [(f.lease_id, f.loss_sum, f.compute_s, f.at) for f in by_id if f.state == Lease.State.ACCEPTED]
+    ended = [(f.lease_id, f.state, f.reason[:200], f.at) for f in by_id if f.state != Lease.State.ACCEPTED]
     with transaction.atomic():
-        finished = sorted(finished, key=lambda f: f.lease_id)
-        accepted = [f for f in finished if f.state == Lease.State.ACCEPTED]
-        ended = [f for f in finished if f.state != Lease.State.ACCEPTED]
-        with connection.cursor() as db:
-            if accepted:
-                db.executemany(
-                    _outcome_sql(["state", "loss_sum", "compute_s", "finished_at"], f"{column('state')} = %s"),
-                    [
-                        (f.state, f.loss_sum, f.compute_s, batchsql.db_time(f.at), f.lease_id, Lease.State.ACTIVE)
-                        for f in accepted
-                    ],
-                )
-            if ended:
-                # Never a lease of a committed step; an accepted one only when a rollback retires it.
-                db.executemany(
-                    _outcome_sql(["state", "reason", "finished_at"], f"{column('step')} IS NULL"),
-                    [(f.state, f.reason[:200], batchsql.db_time(f.at), f.lease_id) for f in ended],
-                )
-        if new:
-            Lease.objects.bulk_create(sorted(new, key=lambda lease: lease.pk), ignore_conflicts=True)
-        _move_cursors(cursors)
+        batchsql.lock_in_order(Lease, {f.lease_id for f in finished})
+        batchsql.record_outcomes(
+            Lease, accepted, ended, accepted_state=Lease.State.ACCEPTED, active_state=Lease.State.ACTIVE
+        )
+        batchsql.insert_leases(Lease, new)
+        batchsql.move_cursors(Campaign, cursors)
 
 
 def _write_copies(copies: Sequence[Model]) -> None:
@@ -260,132 +245,6 @@ def _merged(new: Sequence[Lease], finished: Sequence[Finished]) -> tuple[list[Le
                 outcome.at,
             )
     return list(new), left
-
-
-def _write_on_postgresql(new: list[Lease], finished: list[Finished], cursors: dict[int, tuple[int, int]]) -> None:
-    """The batch as a few statements over arrays, whatever its size.
-
-    One INSERT and two UPDATEs, not ``bulk_create``'s model compilation and a statement per
-    outcome: less Python per batch in a site process whose threads take turns on one interpreter
-    lock with its event loop. A batch still holds its rows for a while, and a step's commit waits for them.
-    Existing rows are locked first, in id order as a step's commit locks them, and new rows are
-    inserted last: a step waiting on a new row's insert then never holds a row this transaction
-    still needs.
-    """
-    leases = batchsql.table(Lease)
-    pk, state, step, reason, finished_at = (column(name) for name in ("id", "state", "step", "reason", "finished_at"))
-    loss, compute = column("loss_sum"), column("compute_s")
-    accepted = sorted((f for f in finished if f.state == Lease.State.ACCEPTED), key=lambda f: f.lease_id)
-    ended = sorted((f for f in finished if f.state != Lease.State.ACCEPTED), key=lambda f: f.lease_id)
-    with transaction.atomic(), connection.cursor() as db:
-        locked = sorted({f.lease_id for f in finished})
-        if locked:
-            db.execute(f"SELECT 1 FROM {leases} WHERE {pk} = ANY(%s) ORDER BY {pk} FOR NO KEY UPDATE", [locked])
-        if accepted:
-            db.execute(
-                f"UPDATE {leases} SET {state} = %s, {loss} = v.loss, {compute} = v.cs, {finished_at} = v.t1 "
-                "FROM unnest(%s::bigint[], %s::float8[], %s::float8[], %s::timestamptz[]) AS v(id, loss, cs, t1) "
-                f"WHERE {leases}.{pk} = v.id AND {leases}.{state} = %s",
-                [
-                    str(Lease.State.ACCEPTED),
-                    [f.lease_id for f in accepted],
-                    [f.loss_sum for f in accepted],
-                    [f.compute_s for f in accepted],
-                    [f.at for f in accepted],
-                    str(Lease.State.ACTIVE),
-                ],
-            )
-        if ended:
-            # Never a lease of a committed step; an accepted one only when a rollback retires it.
-            db.execute(
-                f"UPDATE {leases} SET {state} = v.st, {reason} = v.why, {finished_at} = v.t1 "
-                "FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::timestamptz[]) AS v(id, st, why, t1) "
-                f"WHERE {leases}.{pk} = v.id AND {leases}.{step} IS NULL",
-                [
-                    [f.lease_id for f in ended],
-                    [str(f.state) for f in ended],
-                    [f.reason[:200] for f in ended],
-                    [f.at for f in ended],
-                ],
-            )
-        if new:
-            _insert_on_postgresql(db, sorted(new, key=lambda lease: lease.pk))
-        if cursors:
-            _move_cursors_on_postgresql(db, cursors)
-
-
-# Every column of a lease row a site writes when it issues one, with its array type.
-_INSERTED = (
-    ("id", "bigint"),
-    ("campaign", "bigint"),
-    ("device", "bigint"),
-    ("base_version", "bigint"),
-    ("target_step", "bigint"),
-    ("ranges", "jsonb"),
-    ("epoch", "bigint"),
-    ("num_samples", "bigint"),
-    ("state", "text"),
-    ("issued_at", "timestamptz"),
-    ("deadline", "timestamptz"),
-    ("finished_at", "timestamptz"),
-    ("loss_sum", "float8"),
-    ("compute_s", "float8"),
-    ("reason", "text"),
-    ("request_id", "text"),
-)
-
-
-def _insert_on_postgresql(db: Any, rows: list[Lease]) -> None:
-    """New lease rows from arrays, in id order; rows another process wrote already are left as they are."""
-    names = ", ".join(column(name) for name, _ in _INSERTED)
-    arrays = ", ".join(f"%s::{kind}[]" for _, kind in _INSERTED)
-    values = []
-    for name, _ in _INSERTED:
-        read = batchsql.psycopg_reader(Lease, name)
-        values.append([read(row) for row in rows])
-    db.execute(
-        f"INSERT INTO {batchsql.table(Lease)} ({names}) SELECT * FROM unnest({arrays}) AS v ORDER BY 1 "
-        "ON CONFLICT DO NOTHING",
-        values,
-    )
-
-
-def _move_cursors_on_postgresql(db: Any, cursors: dict[int, tuple[int, int]]) -> None:
-    """Each campaign's (epoch, cursor) moved forward to the batch's, never back (another process may be ahead)."""
-    campaigns = batchsql.table(Campaign)
-    pk, epoch, cursor = (batchsql.column(Campaign, name) for name in ("id", "epoch", "cursor"))
-    ids = sorted(cursors)
-    db.execute(
-        f"UPDATE {campaigns} SET {epoch} = v.epoch, {cursor} = v.cursor "
-        "FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[]) AS v(id, epoch, cursor) "
-        f"WHERE {campaigns}.{pk} = v.id AND "
-        f"({campaigns}.{epoch} < v.epoch OR ({campaigns}.{epoch} = v.epoch AND {campaigns}.{cursor} < v.cursor))",
-        [ids, [cursors[i][0] for i in ids], [cursors[i][1] for i in ids]],
-    )
-
-
-def _move_cursors(cursors: dict[int, tuple[int, int]]) -> None:
-    for campaign_id, (epoch, cursor) in cursors.items():
-        Campaign.objects.filter(pk=campaign_id).filter(Q(epoch__lt=epoch) | Q(epoch=epoch, cursor__lt=cursor)).update(
-            epoch=epoch, cursor=cursor
-        )
-
-
-def column(field: str) -> str:
-    return batchsql.column(Lease, field)
-
-
-def _outcome_sql(fields: list[str], condition: str) -> str:
-    """One lease's outcome as a plain UPDATE, sent for a batch with ``executemany``.
-
-    Not ``bulk_update``: its CASE expression over every row was resolved by
-    Django's expression machinery on each batch, a large share of a busy site
-    process's CPU (docs/performance.md, "Lease records"); a batch of these
-    costs the driver a prepared statement and its parameters.
-    """
-    table = batchsql.table(Lease)
-    assignments = ", ".join(f"{column(field)} = %s" for field in fields)
-    return f"UPDATE {table} SET {assignments} WHERE {column('id')} = %s AND {condition}"
 
 
 _writer_lock = threading.Lock()

@@ -24,7 +24,6 @@ its row is written with the scheduler's batched records (its report at once).
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import random
@@ -36,12 +35,13 @@ from typing import Any, TypeVar, cast
 import msgspec
 from asgiref.sync import async_to_sync
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import Count, Exists, Model, OuterRef, Q, QuerySet
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
 from crowdtrain.credit import ledger
+from crowdtrain.lib import batchsql
 from crowdtrain.scheduler import ids
 from crowdtrain.scheduler.configs import CampaignConfig, campaign_config
 from crowdtrain.scheduler.hotrecords import LeaseRecord
@@ -202,55 +202,11 @@ def maybe_pick(config: CampaignConfig, device_id: int, done: LeaseDone, record: 
         sketch=sketch,
         reported_at=timezone.now(),
     )
-    if connection.vendor == "postgresql":
-        case.pk = _open_on_postgresql(case, original)
-    else:
-        with transaction.atomic():
-            case.save(force_insert=True)
-            original.case = case
-            original.save(force_insert=True)
+    case.pk = batchsql.open_check(case, original)
     referee.keep(config.id, case.base_version)  # until the check closes: a dispute may come after the aggregators
     _enqueue(case, [owner])
     logger.info("campaign %s: lease %s picked for verification (check %s)", config.id, done.lease_id, case.pk)
     return True
-
-
-_CHECK_COLUMNS = (
-    *("campaign", "lease_id", "volunteer", "base_version", "ranges", "num_samples", "state", "detail"),
-    *("created_at", "credited"),
-)
-_ANSWER_COLUMNS = (
-    *("lease_id", "role", "volunteer", "device", "sketch", "reported_at", "verdict", "issued_at", "similar"),
-)
-
-
-@functools.cache
-def _open_sql() -> str:
-    from crowdtrain.batchsql import column, table
-
-    check_id = column(Check, "id")
-    return (
-        f"WITH c AS (INSERT INTO {table(Check)} ({', '.join(column(Check, name) for name in _CHECK_COLUMNS)}) "
-        f"VALUES ({', '.join(['%s'] * len(_CHECK_COLUMNS))}) RETURNING {check_id}) "
-        f"INSERT INTO {table(Answer)} ({', '.join(column(Answer, name) for name in ('case', *_ANSWER_COLUMNS))}) "
-        f"SELECT c.{check_id}, {', '.join(['%s'] * len(_ANSWER_COLUMNS))} FROM c RETURNING {column(Answer, 'case')}"
-    )
-
-
-def _open_on_postgresql(case: Check, original: Answer) -> int:
-    """Write a check and its original answer in one statement; returns the check's id.
-
-    Two ORM inserts in a transaction were a large share of a busy site process's time, spent in
-    Django's model saving rather than the database (docs/performance.md, "Verification"). One
-    statement is atomic on its own.
-    """
-    from crowdtrain.batchsql import psycopg_reader
-
-    values = [psycopg_reader(Check, name)(case) for name in _CHECK_COLUMNS]
-    values += [psycopg_reader(Answer, name)(original) for name in _ANSWER_COLUMNS]
-    with connection.cursor() as db:
-        db.execute(_open_sql(), values)
-        return int(db.fetchone()[0])
 
 
 def oldest_copyable(open_step: int, staleness: int) -> int:
