@@ -64,9 +64,9 @@ def read_in(files: Iterable[Path], prefix: str = "") -> set[str]:
     """Every environment variable the given modules read by name.
 
     Counted: ``env_*("NAME", ...)`` (the site's typed readers), ``os.getenv(NAME)``,
-    ``environ.get(NAME)`` and ``environ[NAME]``, and the agent's ``pick(field, flag, "VAR")``,
-    which reads ``ENV_PREFIX + VAR``. ``NAME`` is a literal or ``ENV_PREFIX + literal``; a name
-    computed any other way is not seen, so keep reads literal.
+    ``environ.get(NAME)`` and ``environ[NAME]``, and ``Setting(..., env=NAME)``, a setting of
+    the loader (``crowdtrain_agent.settings_loader``). ``NAME`` is a literal or ``ENV_PREFIX +
+    literal``; a name computed any other way is not seen, so keep reads literal.
     """
     names: set[str] = set()
     for path in files:
@@ -76,9 +76,9 @@ def read_in(files: Iterable[Path], prefix: str = "") -> set[str]:
                 func = node.func
                 if isinstance(func, ast.Name) and func.id.startswith("env_"):
                     found = _name(node.args[0], prefix)
-                elif isinstance(func, ast.Name) and func.id == "pick" and len(node.args) == 3:
-                    var = _name(node.args[2], prefix)
-                    found = None if var is None else prefix + var
+                elif isinstance(func, ast.Name) and func.id == "Setting":
+                    env = next((keyword.value for keyword in node.keywords if keyword.arg == "env"), None)
+                    found = None if env is None else _name(env, prefix)
                 elif isinstance(func, ast.Attribute) and (
                     func.attr == "getenv" or (func.attr == "get" and _is_environ(func.value))
                 ):

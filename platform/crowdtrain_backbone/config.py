@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-import math
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+from crowdtrain_agent.settings_loader import ASSIGNED, Setting, SettingError, load
 
 from .spool import DEFAULT_MIN_BYTES
 
@@ -92,103 +93,74 @@ class BackboneConfig:
         return f"{scheme}://{self.site.split('://', 1)[1].rstrip('/')}/ws/backbone/"
 
 
-def _source(name: str, flag: str, flags: Mapping[str, Any], environ: Mapping[str, str]) -> tuple[str | None, str]:
-    """The raw value and where it came from (for error messages), flags first."""
-    value = flags.get(name)
-    if value is not None:
-        return str(value), f"--{flag}"
-    env_name = ENV_PREFIX + name.upper()
-    if env_name in environ:
-        return environ[env_name], env_name
-    return None, ""
-
-
-def _parse_site(raw: str, where: str) -> str:
+def _site_url(raw: object) -> str:
+    raw = str(raw)
     parts = urlsplit(raw)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"{where}={raw!r} is not a site URL; give the site's base URL, e.g. {DEFAULT_SITE}")
+        raise ValueError("not a site URL")
     return raw.rstrip("/")
 
 
-def _parse_port(raw: str, where: str) -> int:
-    try:
-        port = int(raw)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"{where}={raw!r} is not a TCP port; use an integer 0-65535 (0 picks a free port)")
-    return port
-
-
-def _parse_bytes(raw: str, where: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ConfigError(f"{where}={raw!r} must be a positive number of bytes, e.g. {DEFAULT_MAX_PENDING_BYTES}")
-    return value
-
-
-def _parse_byte_count(raw: str, where: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ConfigError(f"{where}={raw!r} must be a number of bytes, 0 or more, e.g. {DEFAULT_MIN_BYTES}")
-    return value
-
-
-def _parse_threads(raw: str, where: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= 256:
-        raise ConfigError(f"{where}={raw!r} must be a number of threads from 1 to 256")
-    return value
-
-
-def _parse_seconds(raw: str, where: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{where}={raw!r} must be a positive number of seconds, e.g. {DEFAULT_HEADER_TIMEOUT_S:g}")
-    return value
-
-
-def _parse_path(raw: str, where: str) -> Path:
+def _folder(raw: object) -> Path:
+    raw = str(raw)
     if not raw.strip():
-        raise ConfigError(f"{where}={raw!r} must name a folder, e.g. {DEFAULT_CHECKPOINT_DIR}")
+        raise ValueError("no folder")
     return Path(raw)
 
 
-def _parse_optional_path(raw: str, where: str) -> Path | None:
-    return Path(raw) if raw.strip() else None  # set but empty: no fallback
-
-
-def _parse_bucket_url(raw: str, where: str) -> str:
+def _bucket_url(raw: object) -> str:
+    raw = str(raw)
     if not raw.strip():
         return ""  # set but empty (compose passes unset variables so): the checkpoint folder then
-    bucket = raw.removeprefix("s3://").partition("/")[0]
-    if not raw.startswith("s3://") or not bucket:
-        raise ConfigError(f"{where}={raw!r} must be an S3 location like s3://BUCKET/checkpoints")
+    if not raw.startswith("s3://") or not raw.removeprefix("s3://").partition("/")[0]:
+        raise ValueError("not an S3 location")
     return raw
 
 
-def _parse_text(raw: str, where: str) -> str:
+def _word(raw: object) -> str:
+    raw = str(raw)
     if not raw.strip() or any(c.isspace() for c in raw):
-        raise ConfigError(f"{where}={raw!r} must be a non-empty string without spaces")
+        raise ValueError("not one word")
     return raw
 
 
-def _parse_optional_text(raw: str, where: str) -> str:
-    if not raw:
-        return ""  # set but empty (compose passes unset variables so): none
-    return _parse_text(raw, where)
+_WORD = "must be a non-empty string without spaces"
+_FOLDER = f"must name a folder, e.g. {DEFAULT_CHECKPOINT_DIR}"
+_BYTES = f"must be a positive number of bytes, e.g. {DEFAULT_MAX_PENDING_BYTES}"
+_BYTE_COUNT = f"must be a number of bytes, 0 or more, e.g. {DEFAULT_MIN_BYTES}"
+_SECONDS = f"must be a positive number of seconds, e.g. {DEFAULT_HEADER_TIMEOUT_S:g}"
+# In this order, so a bad value is reported as before: the token first, the metrics token last. A
+# default of None follows other settings (load_config).
+SETTINGS = (
+    Setting("token", str, None, _WORD, flag="--token", env=ENV_PREFIX + "TOKEN", check=_word),
+    Setting("host", str, DEFAULT_HOST, _WORD, flag="--host", env=ENV_PREFIX + "HOST", check=_word),
+    Setting("checkpoint_url", str, "", "must be an S3 location like s3://BUCKET/checkpoints",
+            flag="--checkpoint-url", env=ENV_PREFIX + "CHECKPOINT_URL", check=_bucket_url),
+    Setting("site", str, DEFAULT_SITE, f"is not a site URL; give the site's base URL, e.g. {DEFAULT_SITE}",
+            flag="--site", env=ENV_PREFIX + "SITE", check=_site_url),
+    Setting("name", str, None, _WORD, flag="--name", env=ENV_PREFIX + "NAME", check=_word),
+    Setting("port", int, DEFAULT_PORT, "is not a TCP port; use an integer 0-65535 (0 picks a free port)",
+            flag="--port", env=ENV_PREFIX + "PORT", ge=0, le=65535),
+    Setting("checkpoint_dir", Path, Path(DEFAULT_CHECKPOINT_DIR), _FOLDER, flag="--checkpoint-dir",
+            env=ENV_PREFIX + "CHECKPOINT_DIR", check=_folder),
+    # Set but empty: no fallback folder.
+    Setting("checkpoint_fallback_dir", Path | None, None, flag="--checkpoint-fallback-dir",
+            env=ENV_PREFIX + "CHECKPOINT_FALLBACK_DIR", check=lambda raw: Path(raw) if str(raw).strip() else None),
+    Setting("public_host", str, None, _WORD, flag="--public-host", env=ENV_PREFIX + "PUBLIC_HOST", check=_word),
+    Setting("max_pending_bytes", int, DEFAULT_MAX_PENDING_BYTES, _BYTES, flag="--max-pending-bytes",
+            env=ENV_PREFIX + "MAX_PENDING_BYTES", gt=0),
+    Setting("spool_dir", Path, Path(DEFAULT_SPOOL_DIR), _FOLDER, flag="--spool-dir", env=ENV_PREFIX + "SPOOL_DIR",
+            check=_folder),
+    Setting("spool_min_bytes", int, DEFAULT_MIN_BYTES, _BYTE_COUNT, flag="--spool-min-bytes",
+            env=ENV_PREFIX + "SPOOL_MIN_BYTES", ge=0),
+    Setting("torch_threads", int, 1, "must be a number of threads from 1 to 256", flag="--torch-threads",
+            env=ENV_PREFIX + "TORCH_THREADS", ge=1, le=256),
+    Setting("header_timeout_s", float, DEFAULT_HEADER_TIMEOUT_S, _SECONDS, flag="--header-timeout-s",
+            env=ENV_PREFIX + "HEADER_TIMEOUT_S", gt=0, finite=True),
+    # Set but empty (compose passes unset variables so): none.
+    Setting("metrics_token", str, "", _WORD, flag="--metrics-token", env=ENV_PREFIX + "METRICS_TOKEN",
+            check=lambda raw: _word(raw) if raw else ""),
+)  # fmt: skip
 
 
 def load_config(flags: Mapping[str, Any], environ: Mapping[str, str]) -> BackboneConfig:
@@ -204,39 +176,22 @@ def load_config(flags: Mapping[str, Any], environ: Mapping[str, str]) -> Backbon
     Raises:
         ConfigError: naming the flag or variable, its value, and what would be accepted.
     """
-
-    def get(name: str, parse: Callable[[str, str], Any], default: Any) -> Any:
-        raw, where = _source(name, name.replace("_", "-"), flags, environ)
-        return default if raw is None else parse(raw, where)
-
-    token = get("token", _parse_text, None)
-    if token is None:
+    if flags.get("token") is None and ENV_PREFIX + "TOKEN" not in environ:
         raise ConfigError(
             f"no backbone token: pass --token or set {ENV_PREFIX}TOKEN to the token the site's admin issued "
             "for aggregators"
         )
-    host = get("host", _parse_text, DEFAULT_HOST)
-    # A wildcard bind address is no address an agent can dial: advertise the hostname instead.
-    default_public = socket.getfqdn() if host in ("0.0.0.0", "::") else host
-    checkpoint_url = get("checkpoint_url", _parse_bucket_url, "")
-    return BackboneConfig(
-        site=get("site", _parse_site, DEFAULT_SITE),
-        token=token,
-        name=get("name", _parse_text, f"agg-{socket.gethostname()}"),
-        host=host,
-        port=get("port", _parse_port, DEFAULT_PORT),
-        checkpoint_dir=get("checkpoint_dir", _parse_path, Path(DEFAULT_CHECKPOINT_DIR)),
-        checkpoint_url=checkpoint_url,
-        checkpoint_fallback_dir=get(
-            "checkpoint_fallback_dir",
-            _parse_optional_path,
-            Path(DEFAULT_FALLBACK_DIR) if checkpoint_url else None,
-        ),
-        public_host=get("public_host", _parse_text, default_public),
-        max_pending_bytes=get("max_pending_bytes", _parse_bytes, DEFAULT_MAX_PENDING_BYTES),
-        spool_dir=get("spool_dir", _parse_path, Path(DEFAULT_SPOOL_DIR)),
-        spool_min_bytes=get("spool_min_bytes", _parse_byte_count, DEFAULT_MIN_BYTES),
-        torch_threads=get("torch_threads", _parse_threads, 1),
-        header_timeout_s=get("header_timeout_s", _parse_seconds, DEFAULT_HEADER_TIMEOUT_S),
-        metrics_token=get("metrics_token", _parse_optional_text, ""),
-    )
+    try:
+        loaded = load(SETTINGS, flags=flags, environ=environ, message=ASSIGNED)
+    except SettingError as exc:
+        raise ConfigError(str(exc)) from None
+    values = loaded.values
+    # Defaults that follow other settings. A wildcard bind address is no address an agent can dial:
+    # advertise the hostname instead.
+    if values["name"] is None:
+        values["name"] = f"agg-{socket.gethostname()}"
+    if values["public_host"] is None:
+        values["public_host"] = socket.getfqdn() if values["host"] in ("0.0.0.0", "::") else values["host"]
+    if "checkpoint_fallback_dir" not in loaded.origins and values["checkpoint_url"]:
+        values["checkpoint_fallback_dir"] = Path(DEFAULT_FALLBACK_DIR)
+    return BackboneConfig(**values)

@@ -16,7 +16,7 @@ def test_typed_readers_fall_back_to_defaults(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize(
     ("reader", "raw", "problem"),
     [
-        (lambda: env_int("CT_TEST_VALUE", 1, minimum=2), "1", "at least 2, got 1"),
+        (lambda: env_int("CT_TEST_VALUE", 1, minimum=2), "1", "at least 2, got '1'"),
         (lambda: env_int("CT_TEST_VALUE", 1), "ten", "must be an integer, got 'ten'"),
         (lambda: env_bool("CT_TEST_VALUE", True), "maybe", "must be true or false"),
         (lambda: env_hex_bytes("CT_TEST_VALUE", b""), "not-hex", "must be hexadecimal"),

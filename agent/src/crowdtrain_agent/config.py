@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -14,7 +13,8 @@ from urllib.parse import urlsplit
 
 import platformdirs
 
-from .controls import ControlError, Controls, parse_schedule
+from .controls import ControlError, Controls, Window, parse_schedule
+from .settings_loader import Setting, SettingError, load, parse
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,84 @@ def login_server(flag: str | None, env: Mapping[str, str] | None = None, config_
     return _check_server(f"server in {path}", saved) if saved else DEFAULT_SERVER
 
 
+def _server(value: object) -> str:
+    url = str(value).strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+        raise ValueError("not a site address")
+    return url
+
+
+def _device(value: object) -> str:
+    device = str(value).strip().lower()
+    if device not in DEVICE_CHOICES:
+        raise ValueError("not a device")
+    return device
+
+
+def _on_off(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("neither true nor false")
+
+
+def _indices(value: object) -> tuple[int, ...]:
+    parts = [p.strip() for p in str(value).split(",") if p.strip()]
+    if not parts or not all(p.isascii() and p.isdigit() and len(p) <= 3 for p in parts):
+        raise ValueError("not GPU indices")
+    return tuple(dict.fromkeys(int(p) for p in parts))
+
+
+def _schedule(value: object) -> tuple[Window, ...]:
+    try:
+        return parse_schedule(str(value))
+    except ControlError as exc:
+        raise ValueError(f"cannot be read: {exc}") from None  # its words say how to write the part it could not read
+
+
+_POSITIVE = "must be a positive integer"
+_SERVER = f"must be the site's http:// or https:// address, like {DEFAULT_SERVER}"
+# Read first, so a missing token is reported before the other settings are checked.
+LOGIN_SETTINGS = (
+    Setting("server", str, DEFAULT_SERVER, _SERVER, flag="--server", env=ENV_PREFIX + "SERVER", key="server",
+            check=_server),
+    Setting("token", str, "", flag="--token", env=ENV_PREFIX + "TOKEN", check=lambda value: str(value).strip()),
+)  # fmt: skip
+RUN_SETTINGS = (
+    Setting("device", str, "auto", f"must be one of {', '.join(DEVICE_CHOICES)}", flag="--device",
+            env=ENV_PREFIX + "DEVICE", check=_device),
+    Setting("threads", int, None, _POSITIVE, flag="--threads", env=ENV_PREFIX + "THREADS", ge=1),
+    Setting("campaign_id", int, None, _POSITIVE, flag="--campaign", env=ENV_PREFIX + "CAMPAIGN", ge=1),
+    Setting("cache_dir", Path, None, flag="--cache-dir", env=ENV_PREFIX + "CACHE_DIR",
+            check=lambda value: Path(str(value)).expanduser()),
+    Setting("max_leases", int, None, _POSITIVE, flag="--max-leases", ge=1),
+)  # fmt: skip
+# The volunteer's controls: each a flag, a variable and a key in the controls file.
+CONTROL_SETTINGS = (
+    Setting("idle_minutes", float, None, "must be a number from 0 to 1440", flag="--idle-minutes",
+            env=ENV_PREFIX + "IDLE_MINUTES", key="idle_minutes", ge=0, le=1440, finite=True),
+    Setting("max_other_cpu", float, None, "must be a number from 1 to 100", flag="--max-other-cpu",
+            env=ENV_PREFIX + "MAX_OTHER_CPU", key="max_other_cpu_percent", ge=1, le=100, finite=True),
+    Setting("schedule", tuple, (), flag="--schedule", env=ENV_PREFIX + "SCHEDULE", key="schedule",
+            check=_schedule),
+    Setting("pause_on_battery", bool, False, "must be true or false", flag="--pause-on-battery",
+            env=ENV_PREFIX + "PAUSE_ON_BATTERY", key="pause_on_battery", check=_on_off),
+    Setting("gpus", tuple, (), "must be GPU indices separated by commas, like 0 or 0,1", flag="--gpus",
+            env=ENV_PREFIX + "GPUS", key="gpus", check=_indices),
+    Setting("gpu_memory_gb", float, None, "must be a number from 0.1 to 4096", flag="--gpu-memory-gb",
+            env=ENV_PREFIX + "GPU_MEMORY_GB", key="gpu_memory_gb", ge=0.1, le=4096, finite=True),
+    Setting("upload_kbps", float, None, "must be a number from 8 to 1e+08", flag="--upload-kbps",
+            env=ENV_PREFIX + "UPLOAD_KBPS", key="upload_kbps", ge=8, le=1e8, finite=True),
+    Setting("download_kbps", float, None, "must be a number from 8 to 1e+08", flag="--download-kbps",
+            env=ENV_PREFIX + "DOWNLOAD_KBPS", key="download_kbps", ge=8, le=1e8, finite=True),
+)  # fmt: skip
+
+
 def load_config(
     flags: Mapping[str, Any],
     env: Mapping[str, str] | None = None,
@@ -172,71 +250,44 @@ def load_config(
         ConfigError: naming the flag or variable, the bad value and what is accepted.
     """
     env = os.environ if env is None else env
-    saved = read_config_file(default_config_path() if config_path is None else config_path)
-
-    def pick(field: str, flag: str, var: str) -> tuple[str, Any] | None:
-        """The first source that sets ``field``, with a name a person can look up."""
-        if flags.get(field) is not None:
-            return flag, flags[field]
-        if env.get(ENV_PREFIX + var):
-            return ENV_PREFIX + var, env[ENV_PREFIX + var]
-        return None
-
-    server_src = pick("server", "--server", "SERVER")
-    if server_src is not None:
-        server = _check_server(*server_src)
-    elif saved.get("server"):
-        server = _check_server(f"server in {config_path or default_config_path()}", saved["server"])
-    else:
-        server = DEFAULT_SERVER
-
-    token_src = pick("token", "--token", "TOKEN")
-    token = str(token_src[1]).strip() if token_src else ""
-    # The saved token belongs to the saved server; never send it to another one.
-    if not token and saved.get("token") and saved.get("server", "").rstrip("/") == server:
-        token = saved["token"]
-    if not token:
-        raise ConfigError(
-            f"no API token for {server}: run `crowdtrain-agent login --server {server}` once, "
-            f"or pass --token TOKEN or set {ENV_PREFIX}TOKEN"
-        )
-
-    device_src = pick("device", "--device", "DEVICE")
-    device = "auto"
-    if device_src is not None:
-        device = str(device_src[1]).strip().lower()
-        if device not in DEVICE_CHOICES:
-            raise ConfigError(f"{device_src[0]} must be one of {', '.join(DEVICE_CHOICES)}, got {device_src[1]!r}")
-
-    threads_src = pick("threads", "--threads", "THREADS")
-    campaign_src = pick("campaign_id", "--campaign", "CAMPAIGN")
-    cache_src = pick("cache_dir", "--cache-dir", "CACHE_DIR")
-    max_leases_src = ("--max-leases", flags["max_leases"]) if flags.get("max_leases") is not None else None
-
+    path = default_config_path() if config_path is None else config_path
+    saved = read_config_file(path)
+    try:
+        # An empty saved server is no server: the default then.
+        login = _load(LOGIN_SETTINGS, flags, env, (str(path), {k: v for k, v in saved.items() if v}))
+        server, token = login["server"], login["token"]
+        # The saved token belongs to the saved server; never send it to another one.
+        if not token and saved.get("token") and saved.get("server", "").rstrip("/") == server:
+            token = saved["token"]
+        if not token:
+            raise ConfigError(
+                f"no API token for {server}: run `crowdtrain-agent login --server {server}` once, "
+                f"or pass --token TOKEN or set {ENV_PREFIX}TOKEN"
+            )
+        run = _load(RUN_SETTINGS, flags, env)
+    except SettingError as exc:
+        raise ConfigError(str(exc)) from None
     return AgentConfig(
         server=server,
         token=token,
-        device=device,
-        threads=_positive_int(*threads_src) if threads_src else None,
-        campaign_id=_positive_int(*campaign_src) if campaign_src else None,
-        cache_dir=Path(cache_src[1]).expanduser() if cache_src else Path(platformdirs.user_cache_dir(APP_NAME)),
-        max_leases=_positive_int(*max_leases_src) if max_leases_src else None,
+        device=run["device"],
+        threads=run["threads"],
+        campaign_id=run["campaign_id"],
+        cache_dir=run["cache_dir"] or Path(platformdirs.user_cache_dir(APP_NAME)),
+        max_leases=run["max_leases"],
         progress=bool(flags.get("progress", True)),
         **read_controls(flags, env, controls_path(flags, env)),
     )
 
 
-# The volunteer's controls: (field, flag, environment variable suffix, key in the controls file).
-CONTROL_SOURCES = (
-    ("idle_minutes", "--idle-minutes", "IDLE_MINUTES", "idle_minutes"),
-    ("max_other_cpu", "--max-other-cpu", "MAX_OTHER_CPU", "max_other_cpu_percent"),
-    ("schedule", "--schedule", "SCHEDULE", "schedule"),
-    ("pause_on_battery", "--pause-on-battery", "PAUSE_ON_BATTERY", "pause_on_battery"),
-    ("gpus", "--gpus", "GPUS", "gpus"),
-    ("gpu_memory_gb", "--gpu-memory-gb", "GPU_MEMORY_GB", "gpu_memory_gb"),
-    ("upload_kbps", "--upload-kbps", "UPLOAD_KBPS", "upload_kbps"),
-    ("download_kbps", "--download-kbps", "DOWNLOAD_KBPS", "download_kbps"),
-)
+def _load(
+    settings: tuple[Setting, ...],
+    flags: Mapping[str, Any],
+    env: Mapping[str, str],
+    *files: tuple[str, Mapping[str, Any]],
+) -> dict[str, Any]:
+    """The agent's way of reading: a variable set to "" counts as unset."""
+    return load(settings, flags=flags, environ=env, files=files, ignore_empty=True).values
 
 
 def controls_path(flags: Mapping[str, Any], env: Mapping[str, str]) -> Path:
@@ -264,82 +315,33 @@ def read_controls(flags: Mapping[str, Any], env: Mapping[str, str], path: Path) 
             saved = None  # type: ignore[assignment]
         if not isinstance(saved, dict):
             raise ConfigError(f"the controls file {path} is not a JSON object; see crowdtrain-agent run --help")
-        unknown = sorted(set(saved) - {key for *_, key in CONTROL_SOURCES})
+        keys = [str(setting.key) for setting in CONTROL_SETTINGS]
+        unknown = sorted(set(saved) - set(keys))
         if unknown:
-            known = ", ".join(key for *_, key in CONTROL_SOURCES)
-            raise ConfigError(f"the controls file {path} has unknown keys {unknown}; it may hold {known}")
-    values: dict[str, tuple[str, Any]] = {}
-    for field_name, flag, var, key in CONTROL_SOURCES:
-        if flags.get(field_name) not in (None, False):
-            values[field_name] = (flag, flags[field_name])
-        elif env.get(ENV_PREFIX + var):
-            values[field_name] = (ENV_PREFIX + var, env[ENV_PREFIX + var])
-        elif key in saved:
-            values[field_name] = (f"{key} in {path}", saved[key])
+            raise ConfigError(f"the controls file {path} has unknown keys {unknown}; it may hold {', '.join(keys)}")
     try:
+        loaded = load(CONTROL_SETTINGS, flags=flags, environ=env, files=[(str(path), saved)], ignore_empty=True)
+        values = loaded.values
         controls = Controls(
-            idle_after_min=_number(*values["idle_minutes"], low=0, high=1440) if "idle_minutes" in values else None,
-            max_other_cpu=_number(*values["max_other_cpu"], low=1, high=100) / 100
-            if "max_other_cpu" in values
-            else None,
-            schedule=parse_schedule(str(values["schedule"][1])) if "schedule" in values else (),
-            pause_on_battery=_flag(*values["pause_on_battery"]) if "pause_on_battery" in values else False,
+            idle_after_min=values["idle_minutes"],
+            max_other_cpu=None if values["max_other_cpu"] is None else values["max_other_cpu"] / 100,
+            schedule=values["schedule"],
+            pause_on_battery=values["pause_on_battery"],
         )
-    except ControlError as exc:
+    except (SettingError, ControlError) as exc:
         raise ConfigError(str(exc)) from None
     return {
         "controls": controls,
-        "gpus": _indices(*values["gpus"]) if "gpus" in values else (),
-        "gpu_memory_gb": _number(*values["gpu_memory_gb"], low=0.1, high=4096) if "gpu_memory_gb" in values else None,
-        "upload_kbps": _number(*values["upload_kbps"], low=8, high=1e8) if "upload_kbps" in values else None,
-        "download_kbps": _number(*values["download_kbps"], low=8, high=1e8) if "download_kbps" in values else None,
-        "local_controls": frozenset(values),
+        "gpus": values["gpus"],
+        "gpu_memory_gb": values["gpu_memory_gb"],
+        "upload_kbps": values["upload_kbps"],
+        "download_kbps": values["download_kbps"],
+        "local_controls": frozenset(loaded.origins),
     }
 
 
-def _number(name: str, value: Any, *, low: float, high: float) -> float:
-    try:
-        number = float(str(value).strip())
-    except ValueError:
-        number = math.nan
-    if not low <= number <= high:
-        raise ConfigError(f"{name} must be a number from {low:g} to {high:g}, got {value!r}")
-    return number
-
-
-def _flag(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name} must be true or false, got {value!r}")
-
-
-def _indices(name: str, value: Any) -> tuple[int, ...]:
-    parts = [p.strip() for p in str(value).split(",") if p.strip()]
-    if not parts or not all(p.isascii() and p.isdigit() and len(p) <= 3 for p in parts):
-        raise ConfigError(f"{name} must be GPU indices separated by commas, like 0 or 0,1, got {value!r}")
-    return tuple(dict.fromkeys(int(p) for p in parts))
-
-
 def _check_server(name: str, value: Any) -> str:
-    url = str(value).strip().rstrip("/")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
-        raise ConfigError(
-            f"{name} must be the site's http:// or https:// address, like {DEFAULT_SERVER}, got {value!r}"
-        )
-    return url
-
-
-def _positive_int(name: str, value: Any) -> int:
     try:
-        number = int(str(value).strip())
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return number
+        return str(parse(LOGIN_SETTINGS[0], name, value))
+    except SettingError as exc:
+        raise ConfigError(str(exc)) from None
