@@ -105,12 +105,12 @@ def done_for(lease_id: int, loss: float = 1.0, sketch: bytes = b"") -> LeaseDone
 
 def commit_steps(campaign: Campaign, device: Device, steps: int) -> list[int]:
     """Lease and report one microbatch per step (the campaign's batch is one microbatch); returns the lease ids."""
-    from crowdtrain.scheduler import leasing
+    from crowdtrain.scheduler import leasing, reporting
 
     lease_ids = []
     for _ in range(steps):
         lease = leasing.request_lease(device.pk, None, 1000.0)
-        leasing.report_done(device.pk, done_for(lease.lease_id))
+        reporting.report_done(device.pk, done_for(lease.lease_id))
         lease_ids.append(lease.lease_id)
     campaign.refresh_from_db()
     return lease_ids
@@ -172,12 +172,12 @@ def logged_in(user: AbstractBaseUser | None = None, **client_options: Any) -> Cl
 
 def work_one_lease(campaign: Campaign, device_id: int) -> None:
     """Lease and report one lease as an agent would, with valid receipts; both must succeed."""
-    from crowdtrain.scheduler import leasing
+    from crowdtrain.scheduler import leasing, reporting
     from crowdtrain_agent.protocol import Lease as LeaseMessage
 
     lease = leasing.request_lease(device_id, campaign.pk, None)
     assert isinstance(lease, LeaseMessage), lease
-    assert leasing.report_done(device_id, done_for(lease.lease_id)).ack.accepted
+    assert reporting.report_done(device_id, done_for(lease.lease_id)).ack.accepted
 
 
 def commit_leases(campaign: Campaign, device_ids: list[int], leases: int) -> None:

@@ -28,7 +28,7 @@ from crowdtrain.devices.activity import Tracker
 from crowdtrain.lib.metrics import LEASE_REQUEST_SECONDS
 from crowdtrain.lib.offloop import offloop
 from crowdtrain.ops import heartbeats
-from crowdtrain.scheduler import backbone, leasing
+from crowdtrain.scheduler import backbone, endings, leasing, parking, reporting
 from crowdtrain.scheduler.hotstate import hot_state, presence
 from crowdtrain.scheduler.models import Aggregator
 from crowdtrain.verification import checks, refusals, standing
@@ -530,7 +530,7 @@ class AgentConsumer(_ProtocolConsumer):
         would ask again and get the same one, so it is told to upgrade, as an
         aggregator is for a slice it cannot serve.
         """
-        released = await offloop(leasing.release_leases)(self.device.pk, [lease.lease_id])
+        released = await offloop(endings.release_leases)(self.device.pk, [lease.lease_id])
         for campaign_id, channels in released.woken.items():
             await wake(campaign_id, channels)
         detail = (
@@ -553,7 +553,7 @@ class AgentConsumer(_ProtocolConsumer):
             refusal = answer.message
             if not isinstance(refusal, NoLease) or refusal.ready_at_step is None or answer.campaign_id is None:
                 return answer
-            place = await offloop(leasing.park)(
+            place = await offloop(parking.park)(
                 answer.campaign_id, self.device.pk, request.samples_per_s, self.channel_name, refusal.ready_at_step
             )
             if place is not None:
@@ -575,7 +575,7 @@ class AgentConsumer(_ProtocolConsumer):
         waiting = self.waiting
         if waiting is None or waiting.campaign_id != event["campaign_id"]:
             # Answered meanwhile (its own report's commit, say): the room goes to the next in line.
-            await wake(event["campaign_id"], await offloop(leasing.pass_on_wake)(event["campaign_id"]))
+            await wake(event["campaign_id"], await offloop(parking.pass_on_wake)(event["campaign_id"]))
             return
         waiting.place = ""  # the commit took it out of the queue
         if event.get("copy"):
@@ -602,7 +602,7 @@ class AgentConsumer(_ProtocolConsumer):
         if isinstance(message, NoLease) and message.ready_at_step is not None and not final:
             # Another device took the room: queue again for the next commit.
             leave, waiting.place = waiting.place, ""
-            place = await offloop(leasing.park)(
+            place = await offloop(parking.park)(
                 waiting.campaign_id,
                 self.device.pk,
                 waiting.request.samples_per_s,
@@ -625,7 +625,7 @@ class AgentConsumer(_ProtocolConsumer):
         if waiting is not None:
             waiting.timer.cancel()
             if waiting.place:
-                await offloop(leasing.unpark)(waiting.campaign_id, waiting.place)
+                await offloop(parking.unpark)(waiting.campaign_id, waiting.place)
 
     async def _ask(self, request: LeaseRequest, *, may_be_resent: bool = False) -> leasing.LeaseAnswer:
         admission.lease_calls += 1
@@ -682,7 +682,7 @@ class AgentConsumer(_ProtocolConsumer):
 
     async def on_release(self, release: LeaseRelease) -> None:
         self.leases.discard(release.lease_id)
-        released = await offloop(leasing.release_leases)(self.device.pk, [release.lease_id])
+        released = await offloop(endings.release_leases)(self.device.pk, [release.lease_id])
         await self.send_message(ReleaseAck(lease_id=release.lease_id))
         for campaign_id, channels in released.woken.items():
             await wake(campaign_id, channels)
@@ -701,9 +701,9 @@ class AgentConsumer(_ProtocolConsumer):
 
 def _report(
     device_id: int, done: LeaseDone, waiting: LeaseRequest | None
-) -> tuple[leasing.DoneOutcome, leasing.LeaseAnswer | None]:
-    """``leasing.report_and_request``; the aggregators hear its commits from this thread, not after the loop's turn."""
-    outcome, answer = leasing.report_and_request(device_id, done, waiting)
+) -> tuple[reporting.DoneOutcome, leasing.LeaseAnswer | None]:
+    """``reporting.report_and_request``; the aggregators hear its commits from this thread, not after the turn."""
+    outcome, answer = reporting.report_and_request(device_id, done, waiting)
     publish_commits(outcome.commits)
     return outcome, answer
 
@@ -714,7 +714,7 @@ def _release_after_grace(device_id: int, lease_ids: list[int]) -> None:
 
     async def release() -> None:
         try:
-            released = await offloop(leasing.release_if_gone)(device_id, lease_ids, since)
+            released = await offloop(endings.release_if_gone)(device_id, lease_ids, since)
         except Exception:  # the deadline sweep frees them anyway
             logger.warning("could not release the leases of disconnected device %s", device_id, exc_info=True)
             return

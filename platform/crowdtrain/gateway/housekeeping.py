@@ -21,7 +21,7 @@ from django.utils import timezone
 from crowdtrain.accounts.models import Device
 from crowdtrain.lib.offloop import offloop
 from crowdtrain.ops import history
-from crowdtrain.scheduler import invariants, leasing
+from crowdtrain.scheduler import endings, invariants
 from crowdtrain.scheduler.commits import Commit
 from crowdtrain.scheduler.hotstate import presence
 from crowdtrain.verification import checks, standing
@@ -48,7 +48,7 @@ def _expire_overdue() -> tuple[list[Commit], dict[int, list[str]]]:
     Returns:
         The commits, and per campaign the waiting requests woken because a backup of a late lease is due.
     """
-    _, commits, woken = leasing.expire_all_overdue()
+    _, commits, woken = endings.expire_all_overdue()
     publish_commits(commits)
     return commits, woken
 

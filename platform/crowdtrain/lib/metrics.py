@@ -129,7 +129,7 @@ outcomes = OutcomeWindow()
 
 
 def lease_ended(campaign_id: int | None, state: str, reason: str) -> None:
-    """Count one lease that ended (called where leases end: ``leasing.record_retired`` and accepted reports).
+    """Count one lease that ended (called where leases end: ``scripts.record_retired`` and accepted reports).
 
     ``campaign_id`` None (a caller that does not know it) counts under campaign "" and not in the window.
     """

@@ -11,7 +11,7 @@ fakeredis, whose Lua runtime (lupa) needs no server.
 Redis holds no durable truth: the database keeps every lease, step and credit
 (``crowdtrain.scheduler.records``), and a campaign whose keys are missing (a
 fresh Redis, a restart of the embedded site) is rebuilt from it
-(``crowdtrain.scheduler.leasing.load_campaign``).
+(``crowdtrain.scheduler.rebuild.load_campaign``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""Leases and step accounting: the site's half of the life of a global step.
+"""A lease request: which work a device gets, from which campaign, or why none and when to ask again.
 
 Each decision is one script run by Redis on the campaign's hot state
-(``hotstate``), so its cost does not grow with the number of volunteers or
+(``scripts.run``), so its cost does not grow with the number of volunteers or
 leases in flight and any number of site processes serve a campaign at once.
-The database learns the outcome behind the hot path, in batches (``records``),
-except for a step's commit, which is the database's to decide: the step row
-is written first, then Redis opens the next step (``commits``).
+The database learns the outcome behind the hot path, in batches (``records``).
+The rest of a lease's life has a module each, in the order it happens:
+``parking`` (a refused request waits for room), ``reporting`` (the done
+report, which may commit a step through ``commits``) and ``endings`` (a lease
+given back, abandoned or past its deadline).
 
 These functions are synchronous and safe to call from any thread; the
 gateway runs them off the event loop. They return protocol messages;
@@ -16,38 +18,33 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from dataclasses import dataclass
+from typing import Any, cast
 
 from django.conf import settings
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.campaigns.models import Campaign, Step, shard_table
-from crowdtrain.lib import metrics
+from crowdtrain.campaigns.models import Campaign
 from crowdtrain_agent.protocol import (
-    DoneAck,
-    LeaseDone,
-    LeaseRequest,
+    Lease as LeaseMessage,
+)
+from crowdtrain_agent.protocol import (
     NoLease,
     NoLeaseReason,
     SampleRange,
     Ticket,
     sign_ticket,
-    verify_receipt,
-)
-from crowdtrain_agent.protocol import (
-    Lease as LeaseMessage,
 )
 
-from . import committer, ids, network, seam
-from .commits import Commit, commit_full_steps, held, moment
-from .configs import CampaignConfig, campaign_config, forget, most_lease_samples, open_to, running_campaigns
-from .hotrecords import LeaseRecord, full_step, lease_record
-from .hotstate import HotStateMissing, hot_state
+from . import ids, network, seam
+from .commits import moment
+from .configs import CampaignConfig, campaign_config, most_lease_samples, open_to, running_campaigns
+from .hotrecords import LeaseRecord, lease_record
+from .hotstate import hot_state
 from .models import Lease
-from .rebuild import load_campaign, to_shards
-from .records import Finished, writer
+from .rebuild import to_shards
+from .records import writer
+from .scripts import record_retired, run
 
 # A quarantined volunteer's agent asks again this often: it resumes by itself once an admin clears them.
 QUARANTINED_RETRY_S = 300.0
@@ -55,48 +52,8 @@ QUARANTINED_RETRY_S = 300.0
 logger = logging.getLogger(__name__)
 
 TICKET_GRACE_S = 30.0
-# A sample's mean loss above this is garbage, not training (ln 256 is 5.5); bounding it keeps a
-# stranger's report from overflowing a step's loss sum.
-MAX_LOSS_PER_SAMPLE = 1e6
 # Expired leases the lease script retires per call; the rest wait for the next call or the sweep.
 SWEEP_PER_CALL = 16
-
-
-@dataclass
-class DoneOutcome:
-    ack: DoneAck
-    commits: list[Commit] = field(default_factory=list)
-
-
-# ------------------------------------------------------------------ helpers
-
-
-def _run(config: CampaignConfig, script: str, args: dict[str, Any]) -> dict[str, Any]:
-    """Run a script, loading the campaign's hot state from the record first if Redis has none."""
-    try:
-        return hot_state().run(script, config.hot_key, args)
-    except HotStateMissing:
-        load_campaign(config.id)
-        # Read the campaign again: a copy cached before its row was replaced names another hot state.
-        forget(config.id)
-        fresh = campaign_config(config.id) or config
-        return hot_state().run(script, fresh.hot_key, args)
-
-
-def record_retired(retired: list[list[Any]], campaign_id: int | None = None) -> None:
-    """Queue the record of leases a script ended (``[id, state, reason]`` triples), and count them.
-
-    ``campaign_id``: the campaign they belong to, for the metrics and the log (None: counted without one).
-    """
-    if not retired:
-        return
-    when = moment(hot_state().clock())
-    for lease_id, state, reason in retired:
-        writer().lease_finished(Finished(int(lease_id), str(state), str(reason), when))
-        metrics.lease_ended(campaign_id, str(state), str(reason))
-        logger.info(
-            "lease %s %s: %s", lease_id, state, reason, extra={"campaign_id": campaign_id, "lease_id": int(lease_id)}
-        )
 
 
 def _no_lease(
@@ -118,7 +75,7 @@ def note_hardware(device_id: int, flops_per_s: float) -> None:
     _hardware_flops[device_id] = max(0.0, flops_per_s)
 
 
-def _lease_size(config: CampaignConfig, device_id: int, samples_per_s: float | None) -> tuple[int, float]:
+def lease_size(config: CampaignConfig, device_id: int, samples_per_s: float | None) -> tuple[int, float]:
     """Samples for ~LEASE_TARGET_S of work on this device, and the speed that came from (0: unknown).
 
     A fast device gets a whole step, not a share of it: every lease costs the
@@ -141,9 +98,6 @@ def _lease_size(config: CampaignConfig, device_id: int, samples_per_s: float | N
         return min(2 * unit, most_lease_samples(unit)), 0.0
     want = min(speed * settings.CROWDTRAIN_LEASE_TARGET_S, most_lease_samples(unit))
     return max(unit, int(want // unit) * unit), speed
-
-
-# ------------------------------------------------------------------ leasing
 
 
 def _refusal(config: CampaignConfig, answer: dict[str, Any]) -> NoLease:
@@ -181,10 +135,10 @@ def _refusal(config: CampaignConfig, answer: dict[str, Any]) -> NoLease:
 def _try_lease(
     config: CampaignConfig, device_id: int, samples_per_s: float | None, request_id: str, backups: bool = True
 ) -> LeaseMessage | NoLease:
-    want, claimed = _lease_size(config, device_id, samples_per_s)
+    want, claimed = lease_size(config, device_id, samples_per_s)
     owner = seam.standing().owner_of(device_id)
     lease_id = ids.lease_ids.take()
-    answer = _run(
+    answer = run(
         config,
         "lease",
         {
@@ -414,296 +368,3 @@ def request_lease(
 ) -> LeaseMessage | NoLease:
     """``ask_lease`` without the campaign: the answer the agent gets."""
     return ask_lease(device_id, campaign_id, samples_per_s, request_id, may_be_resent=may_be_resent).message
-
-
-def park(
-    campaign_id: int, device_id: int, samples_per_s: float | None, channel: str, ready_at: int, leave: str = ""
-) -> str | None:
-    """Queue a refused request to be woken by the commit that makes room; returns its place (None: room is there now).
-
-    A commit wakes requests until the samples they would lease fill the step it
-    freed, so it counts each by the lease it would get. ``leave`` takes an
-    earlier place out of the queue in the same call.
-    """
-    config = campaign_config(campaign_id)
-    if config is None:
-        return None
-    want = min(_lease_size(config, device_id, samples_per_s)[0], config.target_batch_size)
-    owner = seam.standing().owner_of(device_id) or 0  # kept so a verification copy can call another volunteer
-    answer = _run(config, "park", _park_args(channel=channel, ready_at=ready_at, want=want, owner=owner, leave=leave))
-    return None if answer.get("ready") else str(answer.get("member") or "") or None
-
-
-def _park_args(
-    *, channel: str = "", ready_at: int = 0, want: int = 0, owner: int = 0, leave: str = "", skip: str = "",
-    pass_on: int = 0,
-) -> dict[str, Any]:  # fmt: skip
-    return {
-        "channel": channel, "ready_at": ready_at, "want": want, "owner": owner, "leave": leave, "skip": skip,
-        "pass_on": pass_on,
-    }  # fmt: skip
-
-
-def unpark(campaign_id: int, member: str) -> None:
-    config = campaign_config(campaign_id)
-    if config is not None:
-        _run(config, "park", _park_args(leave=member))
-
-
-def pass_on_wake(campaign_id: int, *, any_step: bool = False) -> list[str]:
-    """Who gets a turn that would otherwise go unused: the first waiting request.
-
-    A woken socket had no request left to serve (it was answered
-    meanwhile): the next request waiting for a step that is open now gets
-    its place, so a commit's room is never left unused. With ``any_step``,
-    a released lease put samples back into the open step: the first waiting
-    request is woken whatever step it waits for.
-    """
-    config = campaign_config(campaign_id)
-    if config is None:
-        return []
-    answer = _run(config, "park", _park_args(pass_on=2 if any_step else 1))
-    return [str(c) for c in answer.get("woken") or []]
-
-
-def wake_for_copy(campaign_id: int, skip_volunteers: Sequence[int]) -> list[str]:
-    """Who is called to a verification copy that just queued: the first request waiting, of another volunteer.
-
-    A copy needs no room in a step, so a request waiting for a commit can
-    take it now. Left waiting, the copy is served only to the next request
-    that comes in, and when one fast device takes every lease while the
-    others wait, none comes: its base version leaves the aggregators'
-    window, the check ends without a verdict, and that device's work is
-    credited unchecked. At most one request is called per copy.
-    """
-    config = campaign_config(campaign_id)
-    if config is None:
-        return []
-    answer = _run(config, "park", _park_args(pass_on=3, skip=",".join(str(v) for v in skip_volunteers)))
-    return [str(c) for c in answer.get("woken") or []]
-
-
-# ------------------------------------------------------------------ reports
-
-
-def _lease_place(lease_id: int) -> tuple[CampaignConfig | None, str]:
-    """The campaign of a lease, and its copy marker if it is a verification copy ("" if not)."""
-    state = hot_state()
-    campaign_id: str | int | None = cast("str | None", state.client.hget(state.lease_campaigns_key, str(lease_id)))
-    if campaign_id is None:
-        found = Lease.objects.filter(pk=lease_id).values_list("campaign_id", flat=True).first()
-        if found is None:
-            return None, ""
-        campaign_id = found
-    text = str(campaign_id)
-    return campaign_config(int(text.split(":")[0])), text if seam.verification().is_copy_marker(text) else ""
-
-
-def _receipt_problem(config: CampaignConfig, done: LeaseDone) -> str:
-    if not 0.0 <= done.loss_sum <= MAX_LOSS_PER_SAMPLE * done.num_samples:
-        return f"loss {done.loss_sum!r} is outside 0..{MAX_LOSS_PER_SAMPLE:g} per sample"
-    tokens = {r.slice_index: r.token for r in done.receipts}
-    for route in config.slices:
-        token = tokens.get(route.index)
-        valid = token is not None and verify_receipt(
-            token,
-            config.ticket_key,
-            campaign_id=config.id,
-            lease_id=done.lease_id,
-            slice_index=route.index,
-            num_samples=done.num_samples,
-        )
-        if not valid:
-            return f"missing or invalid receipt for slice {route.index}"
-    return ""
-
-
-def report_done(device_id: int, done: LeaseDone) -> DoneOutcome:
-    """Count a finished lease in its step if it is still valid; commit the step when full."""
-    config, copy = _lease_place(done.lease_id)
-    if config is None:  # another device's lease looks the same as no lease at all
-        return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason="unknown lease"))
-    refused = seam.standing().refusal(seam.standing().owner_of(device_id))
-    if refused:
-        release_leases(device_id, [done.lease_id], "volunteer quarantined")
-        return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=refused))
-    if copy:
-        problem = seam.verification().copy_done(config, device_id, done, _receipt_problem(config, done), copy)
-        if problem:
-            return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=problem))
-        return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=True, verification="check"))
-    for _ in range(3):
-        answer = _run(
-            config,
-            "done",
-            {
-                "id": done.lease_id,
-                "device": device_id,
-                "n": done.num_samples,
-                "loss": done.loss_sum,
-                "cs": done.compute_s if math.isfinite(done.compute_s) else 0.0,
-                "problem": _receipt_problem(config, done),
-                "gen": config.gen,
-                **committer.handoff_args(config.id),
-                **network.hot_args(network.bounded(config, done)),
-            },
-        )
-        if "accepted" in answer:
-            break
-        config = campaign_config(config.id, gen=int(answer["gen"])) or config
-    else:
-        raise RuntimeError(
-            f"campaign {config.id}: its generation keeps moving; the report of lease {done.lease_id} was not counted"
-        )
-    record_retired(answer.get("retired") or [], config.id)
-    if not answer.get("accepted"):
-        reason = str(answer.get("reason"))
-        if reason == "unknown lease" and _counted(done.lease_id, device_id):
-            reason = "lease already reported"  # a report sent again after its step committed (Redis forgot it)
-        return DoneOutcome(DoneAck(lease_id=done.lease_id, accepted=False, reason=reason))
-    lease = lease_record(answer["lease"])
-    _, finished, compute_s = held(lease)
-    writer().lease_finished(Finished(done.lease_id, Lease.State.ACCEPTED, "", finished, lease.loss, compute_s))
-    metrics.lease_ended(config.id, Lease.State.ACCEPTED, "")
-    step = int(answer["step"])
-    logger.debug(
-        "lease %s reported by device %s: %s samples counted in step %s",
-        done.lease_id,
-        device_id,
-        done.num_samples,
-        step,
-        extra={"campaign_id": config.id, "lease_id": done.lease_id, "device_id": device_id, "step": step},
-    )
-    picked = seam.verification().maybe_pick(config, device_id, done, lease)
-    ack = DoneAck(lease_id=done.lease_id, accepted=True, step=step, verification="pending" if picked else "")
-    outcome = DoneOutcome(ack)
-    full = full_step(answer["commit"]) if answer.get("commit") else None
-    if full and full.queued:  # a committer writes it, tells the aggregators and wakes the waiting
-        logger.debug("campaign %s: step %s is full and queued for a committer", config.id, full.step)
-    elif full:
-        outcome.commits = commit_full_steps(config, full)
-    return outcome
-
-
-def _counted(lease_id: int, device_id: int) -> bool:
-    """Whether this device's lease is in a committed step (asked only for reports the hot state does not know)."""
-    return Lease.objects.filter(pk=lease_id, device_id=device_id, step__isnull=False).exists()
-
-
-def report_and_request(
-    device_id: int, done: LeaseDone, waiting: LeaseRequest | None
-) -> tuple[DoneOutcome, LeaseAnswer | None]:
-    """Count a finished lease and, if that closed a step, answer the device's waiting lease request at once.
-
-    The commit is what makes room for the reporting device's next lease (its
-    previous one filled the step): asking here puts that lease on the wire
-    right behind the ack.
-
-    Returns:
-        The report's outcome, and the answer to ``waiting`` (None when no step was committed).
-    """
-    outcome = report_done(device_id, done)
-    if waiting is None or not outcome.commits:
-        return outcome, None
-    answer = ask_lease(device_id, waiting.campaign_id, waiting.samples_per_s, waiting.request_id, may_be_resent=False)
-    return outcome, answer
-
-
-@dataclass(frozen=True)
-class Released:
-    """Leases given back, and per campaign the waiting requests their samples can serve now."""
-
-    count: int = 0
-    woken: dict[int, list[str]] = field(default_factory=dict)
-
-
-def release_leases(device_id: int, lease_ids: Sequence[int], reason: str = "released by the agent") -> Released:
-    """Give unfinished leases back (the agent stops, or its socket closed for good); their samples are redone.
-
-    Requests waiting for room are woken, one per lease released (the
-    samples of one lease serve one request): otherwise they would sleep until
-    the next commit, which waits for exactly these samples.
-    """
-    count = 0
-    woken: dict[int, list[str]] = {}
-    for lease_id in lease_ids:
-        config, copy = _lease_place(lease_id)
-        if config is None:
-            continue
-        if copy:
-            seam.verification().copy_released(lease_id, reason, device_id=device_id, marker=copy)
-            continue
-        answer = _run(config, "release", {"id": lease_id, "device": device_id, "reason": reason, "state": "released"})
-        retired = answer.get("retired") or []
-        record_retired(retired, config.id)
-        if retired:
-            count += 1
-            woken.setdefault(config.id, []).extend(pass_on_wake(config.id, any_step=True))
-    return Released(count, woken)
-
-
-def release_lease(device_id: int, lease_id: int, reason: str = "released by the agent") -> bool:
-    """Give one unfinished lease back; whether it was still out (``release_leases`` also says whom to wake)."""
-    return release_leases(device_id, [lease_id], reason).count > 0
-
-
-def release_if_gone(device_id: int, lease_ids: list[int], since: float) -> Released:
-    """Release a disconnected agent's leases unless it came back (seen after ``since``).
-
-    Its socket closed, so waiting for the lease's deadline would only hold the
-    step back; the short grace lets an agent whose connection merely dropped
-    reconnect and report.
-    """
-    seen = hot_state().last_seen([device_id]).get(device_id, 0.0)
-    if seen > since:
-        return Released()
-    return release_leases(device_id, lease_ids, "agent disconnected")
-
-
-class Swept(NamedTuple):
-    """What one sweep of a campaign did: leases expired, steps it closed, and whether a backup is due."""
-
-    expired: int
-    commits: list[Commit]
-    backup_due: bool = False
-
-
-def sweep_campaign(campaign_id: int) -> Swept:
-    """Expire leases of gone agents past their deadline, and finish a commit a crashed process left open."""
-    config = campaign_config(campaign_id)
-    if config is None:
-        return Swept(0, [])
-    args = {"limit": 1000, "gone_s": settings.CROWDTRAIN_GONE_AFTER_S, "alive_since": committer.alive_since(),
-            "backup_min_s": settings.CROWDTRAIN_BACKUP_MIN_S}  # fmt: skip
-    answer = _run(config, "sweep", args)
-    expired = answer.get("expired") or []
-    record_retired(expired, config.id)
-    commits = commit_full_steps(config, full_step(answer["commit"])) if answer.get("commit") else []
-    return Swept(len(expired), commits, bool(answer.get("backup_due")))
-
-
-def expire_overdue(campaign: Campaign) -> int:
-    """Expire the campaign's leases past their deadline whose agents are gone; returns how many."""
-    return sweep_campaign(campaign.pk).expired
-
-
-def expire_all_overdue() -> tuple[int, list[Commit], dict[int, list[str]]]:
-    """Periodic sweep of every running campaign (its cost grows with campaigns, not volunteers).
-
-    Returns:
-        (leases expired, steps closed, {campaign: waiting requests woken to take a backup that is due}).
-    """
-    count, commits, woken = 0, [], {}
-    for campaign_id in running_campaigns():
-        swept = sweep_campaign(campaign_id)
-        count += swept.expired
-        commits += swept.commits
-        if swept.backup_due and (channels := pass_on_wake(campaign_id, any_step=True)):
-            woken[campaign_id] = channels
-    return count, commits, woken
-
-
-def step_ranges(step: Step) -> list[tuple[str, int, int]]:
-    """The (shard sha256, start, count) ranges that made a committed step, in lease-id order."""
-    shards = shard_table(step.campaign.dataset).sha256s
-    return [(shards[s], start, count) for lease in step.leases.order_by("id") for _, s, start, count in lease.ranges]

@@ -6,7 +6,7 @@ from asgiref.sync import async_to_sync
 from celery import shared_task
 
 from . import seam
-from .leasing import expire_all_overdue
+from .endings import expire_all_overdue
 
 
 @shared_task

@@ -250,9 +250,9 @@ def _enqueue(case: Check, excluded: list[int]) -> None:
 
 
 def _call_a_volunteer(campaign_id: int, excluded: list[int]) -> None:
-    """Wake one request waiting for a commit, of a volunteer who may take the copy (``leasing.wake_for_copy``)."""
+    """Wake one request waiting for a commit, of a volunteer who may take the copy (``parking.wake_for_copy``)."""
     from crowdtrain.scheduler import seam
-    from crowdtrain.scheduler.leasing import wake_for_copy
+    from crowdtrain.scheduler.parking import wake_for_copy
 
     channels = wake_for_copy(campaign_id, excluded)
     if channels:  # through the sockets' door in the scheduler's seam: the gateway is above verification

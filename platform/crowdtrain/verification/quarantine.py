@@ -98,8 +98,8 @@ def _set_aside(volunteer_id: int, state: str, reason: str, admin_id: int | None,
 
 def drop_pending_work(volunteer_id: int, reason: str) -> int:
     """Leave the volunteer's uncommitted leases out of every running campaign's steps; returns how many."""
-    from crowdtrain.scheduler.leasing import record_retired
     from crowdtrain.scheduler.rebuild import load_campaign
+    from crowdtrain.scheduler.scripts import record_retired
 
     devices = list(Device.objects.filter(owner_id=volunteer_id).values_list("pk", flat=True))
     if not devices:

@@ -11,7 +11,7 @@ from django.utils import timezone
 from crowdtrain.accounts.models import Device, Profile
 from crowdtrain.campaigns.models import Campaign, Step
 from crowdtrain.ops import coverage
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import endings, leasing
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from crowdtrain.verification.models import Check
@@ -196,7 +196,7 @@ def test_it_agrees_with_the_scheduler_on_leases_it_just_issued_and_released(camp
     out = leasing.request_lease(device.pk, campaign.pk, None)
     released = leasing.request_lease(device.pk, campaign.pk, None)
     assert isinstance(out, LeaseMessage) and isinstance(released, LeaseMessage)
-    assert leasing.release_lease(device.pk, released.lease_id)
+    assert endings.release_lease(device.pk, released.lease_id)
     campaign.refresh_from_db()
 
     feed = coverage.compute_coverage(campaign)

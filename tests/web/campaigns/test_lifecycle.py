@@ -14,7 +14,7 @@ from crowdtrain.campaigns import lifecycle
 from crowdtrain.campaigns.lifecycle import LifecycleError, apply_move
 from crowdtrain.campaigns.models import Campaign, ValidationResult
 from crowdtrain.gateway.outbox import campaign_agents_group
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import leasing, reporting
 from crowdtrain.scheduler.models import Aggregator, SliceAssignment
 from crowdtrain_agent.protocol import Lease as LeaseMessage
 from crowdtrain_agent.protocol import NoLease, VersionPublished, decode_message
@@ -94,7 +94,7 @@ def test_pausing_stops_new_leases_but_leases_already_out_still_count(
     with django_capture_on_commit_callbacks(execute=True):  # the site publishes the pause once it is committed
         act(owner_client, campaign, "pause")
     refused = leasing.request_lease(device.pk, campaign.pk, None)
-    drained = leasing.report_done(device.pk, done_for(out.lease_id))
+    drained = reporting.report_done(device.pk, done_for(out.lease_id))
 
     campaign.refresh_from_db()
     assert campaign.state == Campaign.State.PAUSED

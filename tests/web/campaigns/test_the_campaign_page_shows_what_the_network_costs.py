@@ -13,7 +13,7 @@ from django.test import Client
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.ops import campaign_monitor as monitor
-from crowdtrain.scheduler import leasing, network
+from crowdtrain.scheduler import leasing, network, reporting
 from crowdtrain.scheduler.configs import campaign_config
 from crowdtrain.scheduler.models import StepNetwork
 from tests.conftest import FakeClock
@@ -42,7 +42,7 @@ def report(device: Device, clock: FakeClock, **cost: Any) -> None:
     lease = leasing.request_lease(device.pk, None, 1000.0)
     clock.advance(5.0)
     done = msgspec.structs.replace(done_for(lease.lease_id), compute_s=0.3, **cost)
-    outcome = leasing.report_done(device.pk, done)
+    outcome = reporting.report_done(device.pk, done)
     assert outcome.ack.accepted and len(outcome.commits) == 1
 
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from crowdtrain.credit.models import CreditEntry
-from crowdtrain.scheduler import backbone, leasing
+from crowdtrain.scheduler import backbone, endings, leasing, reporting
 from crowdtrain.scheduler.models import Lease
 from crowdtrain.verification import quarantine
 from crowdtrain.verification.models import Standing
@@ -43,11 +43,11 @@ def test_each_volunteers_total_is_their_committed_work(
             if isinstance(lease, LeaseMessage):
                 held[device.pk].append(lease.lease_id)
         elif op == "done" and held[device.pk]:
-            leasing.report_done(device.pk, done_for(held[device.pk].pop(0)))
+            reporting.report_done(device.pk, done_for(held[device.pk].pop(0)))
         elif op == "crash" and held[device.pk]:
             held[device.pk] = []
             clock.advance(leasing.settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S + 1)
-            leasing.expire_overdue(campaign)
+            endings.expire_overdue(campaign)
         elif op == "quarantine":
             with django_capture_on_commit_callbacks(execute=True):
                 quarantine.quarantine(device.owner_id, "property test")

@@ -14,7 +14,7 @@ from django.test import override_settings
 
 from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain.gateway.outbox import wake
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import leasing, parking, reporting
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import DoneAck, ErrorMessage, LeaseRequest, NoLease, verify_ticket
 from crowdtrain_agent.protocol import Lease as LeaseMessage
@@ -134,10 +134,10 @@ async def test_a_request_that_finds_room_while_it_queues_gets_the_lease_not_the_
 
     def commit_meanwhile(*args: object, **kwargs: object) -> None:
         # Between bob's refusal and his place in the queue, alice's report commits the step.
-        leasing.report_done(alice_id, done_for(first.lease_id))
+        reporting.report_done(alice_id, done_for(first.lease_id))
         return None  # what park says when the room is there already
 
-    monkeypatch.setattr(leasing, "park", commit_meanwhile)
+    monkeypatch.setattr(parking, "park", commit_meanwhile)
     await send(bob, LeaseRequest(samples_per_s=WHOLE_STEP, wait_s=5.0))
     answer = await receive(bob)
 

@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from crowdtrain.campaigns.models import Step
 from crowdtrain.ops import heartbeats
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import endings, leasing
 from crowdtrain.scheduler.models import Aggregator, SliceAssignment
 from tests.conftest import FakeClock
 from tests.factories import make_campaign, make_device, work_until_committed
@@ -127,7 +127,7 @@ def test_a_volunteer_holding_a_lease_is_present_and_gone_once_it_gave_it_back() 
     lease = leasing.request_lease(device.pk, campaign.pk, None)
 
     assert Client().get("/healthz").json()["summary"] == "stalled with volunteers present"
-    assert leasing.release_lease(device.pk, lease.lease_id)
+    assert endings.release_lease(device.pk, lease.lease_id)
     assert Client().get("/healthz").json()["summary"] == "no volunteers"
 
 

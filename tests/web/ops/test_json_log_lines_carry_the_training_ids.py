@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import endings, leasing
 from crowdtrain_agent.logformat import JsonFormatter
 from tests.conftest import FakeClock
 from tests.factories import make_campaign, make_device, work_until_committed
@@ -43,7 +43,7 @@ def test_the_training_path_logs_campaign_lease_device_and_step_ids(json_lines: i
     work_until_committed(campaign, [device.pk], 1)
     overdue = leasing.request_lease(device.pk, campaign.pk, None)
     clock.advance(overdue.deadline_s + 60)
-    leasing.expire_all_overdue()
+    endings.expire_all_overdue()
 
     records = _records(json_lines)
     assert all({"time", "level", "logger", "message"} <= set(r) for r in records)

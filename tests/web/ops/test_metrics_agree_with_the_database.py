@@ -7,7 +7,7 @@ from django.db.models import Sum
 from django.test import Client
 
 from crowdtrain.campaigns.models import Step, ValidationResult
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import endings, leasing
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Aggregator, Lease, SliceAssignment
 from crowdtrain.verification.models import Standing
@@ -57,7 +57,7 @@ def test_lease_outcome_counters_move_by_what_the_database_recorded(clock: FakeCl
     work_until_committed(campaign, [device.pk], 2)
     overdue = leasing.request_lease(device.pk, campaign.pk, None)
     clock.advance(overdue.deadline_s + 60)
-    leasing.expire_all_overdue()
+    endings.expire_all_overdue()
     after = scrape(Client())
 
     def moved(state: str, reason: str) -> float:

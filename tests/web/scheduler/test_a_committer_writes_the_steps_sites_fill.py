@@ -15,7 +15,7 @@ from django.core.management.base import CommandError
 from django.test import override_settings
 
 from crowdtrain.campaigns.models import Campaign, Step
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import endings, leasing, reporting
 from crowdtrain.scheduler.committer import ALIVE_S, RENEW_S, Committer, parse_entry
 from crowdtrain.scheduler.hotstate import hot_state
 from tests.conftest import FakeClock
@@ -31,14 +31,14 @@ def small_steps_go_too() -> Any:
         yield
 
 
-def _full_step(clock: FakeClock) -> tuple[Campaign, int, list[int], leasing.DoneOutcome]:
+def _full_step(clock: FakeClock) -> tuple[Campaign, int, list[int], reporting.DoneOutcome]:
     """A campaign whose step 0 (two leases) the second report fills; returns that report's outcome."""
     campaign = make_campaign(target_batch_size=8, microbatch_size=4, staleness=1)
     device, _ = make_device()
     speed = 4.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S
     first, second = (leasing.request_lease(device.pk, None, speed) for _ in range(2))
-    leasing.report_done(device.pk, done_for(first.lease_id))
-    outcome = leasing.report_done(device.pk, done_for(second.lease_id))
+    reporting.report_done(device.pk, done_for(first.lease_id))
+    outcome = reporting.report_done(device.pk, done_for(second.lease_id))
     return campaign, device.pk, [first.lease_id, second.lease_id], outcome
 
 
@@ -114,9 +114,9 @@ def test_a_step_queued_for_committers_that_all_died_is_taken_over_by_the_sweep_a
     assert entry is not None
 
     clock.advance(ALIVE_S - 1)
-    assert leasing.sweep_campaign(campaign.pk).commits == []  # it may still be at work: its claim holds
+    assert endings.sweep_campaign(campaign.pk).commits == []  # it may still be at work: its claim holds
     clock.advance(1.5)  # it has not said it is alive for ALIVE_S, and no other committer is left
-    taken_over = leasing.sweep_campaign(campaign.pk).commits
+    taken_over = endings.sweep_campaign(campaign.pk).commits
 
     assert [(c.message.step, c.message.lease_ids) for c in taken_over] == [(0, lease_ids)]
     assert dead.commit(*entry) == []  # back from the dead: nothing left to write
@@ -134,7 +134,7 @@ def test_a_step_taken_by_a_committer_that_died_is_taken_over_though_another_comm
 
     clock.advance(ALIVE_S + 0.5)
     alive.announce()
-    taken_over = leasing.sweep_campaign(campaign.pk).commits
+    taken_over = endings.sweep_campaign(campaign.pk).commits
 
     assert [(c.message.step, c.message.lease_ids) for c in taken_over] == [(0, lease_ids)]
     assert Step.objects.filter(campaign=campaign).count() == 1
@@ -150,9 +150,9 @@ def test_a_step_a_live_committer_is_writing_is_left_to_it_until_the_claim_lapses
     for _ in range(9):  # a long write, the committer saying it is alive every second meanwhile
         clock.advance(1)
         slow.announce()
-        assert leasing.sweep_campaign(campaign.pk).commits == []
+        assert endings.sweep_campaign(campaign.pk).commits == []
     clock.advance(1.5)  # past COMMIT_CLAIM_S: a write this long is taken for stuck, whoever holds it
-    taken_over = leasing.sweep_campaign(campaign.pk).commits
+    taken_over = endings.sweep_campaign(campaign.pk).commits
 
     assert [(c.message.step, c.message.lease_ids) for c in taken_over] == [(0, lease_ids)]
 

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import leasing, reporting
 from tests.conftest import FakeClock
 from tests.factories import done_for, make_campaign, make_device
 
@@ -17,7 +17,7 @@ def _step(device: Device, compute_s: float, clock: FakeClock) -> None:
     """One lease of 4 samples, the whole step, computed in ``compute_s`` (the step commits with it)."""
     lease = leasing.request_lease(device.pk, None, 1000.0)
     clock.advance(5.0)  # held longer than it computed: the compute time is not capped
-    outcome = leasing.report_done(device.pk, msgspec.structs.replace(done_for(lease.lease_id), compute_s=compute_s))
+    outcome = reporting.report_done(device.pk, msgspec.structs.replace(done_for(lease.lease_id), compute_s=compute_s))
     assert outcome.ack.accepted and len(outcome.commits) == 1
 
 
@@ -45,8 +45,8 @@ def test_each_device_in_a_step_averages_its_own_rate(clock: FakeClock) -> None:
     second = leasing.request_lease(slow.pk, None, 4.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S)
     clock.advance(5.0)
 
-    leasing.report_done(fast.pk, msgspec.structs.replace(done_for(first.lease_id), compute_s=0.02))  # 200/s
-    leasing.report_done(slow.pk, msgspec.structs.replace(done_for(second.lease_id), compute_s=2.0))  # 2/s
+    reporting.report_done(fast.pk, msgspec.structs.replace(done_for(first.lease_id), compute_s=0.02))  # 200/s
+    reporting.report_done(slow.pk, msgspec.structs.replace(done_for(second.lease_id), compute_s=2.0))  # 2/s
 
     fast.refresh_from_db()
     slow.refresh_from_db()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from crowdtrain.campaigns.models import Campaign
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import endings, leasing, reporting
 from crowdtrain.scheduler.hotstate import hot_state
 from tests.conftest import FakeClock
 from tests.factories import done_for, make_campaign, make_device
@@ -28,12 +28,12 @@ def test_the_step_is_handed_to_one_committer_and_taken_over_when_it_died(clock: 
     device, _ = make_device()
     speed = 4.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S
     first, second, ahead = (leasing.request_lease(device.pk, None, speed) for _ in range(3))
-    leasing.report_done(device.pk, done_for(first.lease_id))
+    reporting.report_done(device.pk, done_for(first.lease_id))
 
     claimed = _report_in_redis_only(campaign, device.pk, second.lease_id)  # fills step 0; its process dies
-    meanwhile = leasing.report_done(device.pk, done_for(ahead.lease_id))
+    meanwhile = reporting.report_done(device.pk, done_for(ahead.lease_id))
     clock.advance(11)
-    taken_over = leasing.sweep_campaign(campaign.pk).commits
+    taken_over = endings.sweep_campaign(campaign.pk).commits
 
     assert claimed["commit"] and claimed["commit"]["step"] == 0  # type: ignore[index]
     assert meanwhile.ack.accepted and not meanwhile.commits  # the step is someone else's to write

@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 
 from crowdtrain.campaigns.models import Campaign
-from crowdtrain.scheduler import backbone, commits, leasing
+from crowdtrain.scheduler import backbone, commits, leasing, reporting
 from crowdtrain.scheduler.configs import CampaignConfig
 from crowdtrain.scheduler.hotrecords import FullStep
 from crowdtrain.scheduler.hotstate import hot_state
@@ -46,7 +46,7 @@ def _work(campaign: Campaign, device_id: int, leases: int) -> list[int]:
     for _ in range(leases):
         lease = leasing.request_lease(device_id, campaign.pk, None)
         assert isinstance(lease, LeaseMessage), lease
-        assert leasing.report_done(device_id, done_for(lease.lease_id)).ack.accepted
+        assert reporting.report_done(device_id, done_for(lease.lease_id)).ack.accepted
         done.append(lease.lease_id)
     return done
 

@@ -15,9 +15,9 @@ from django.test.utils import CaptureQueriesContext, override_settings
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.credit import boards, ledger
-from crowdtrain.scheduler import leasing
-from crowdtrain.scheduler.leasing import DoneOutcome
+from crowdtrain.scheduler import leasing, reporting
 from crowdtrain.scheduler.models import Lease
+from crowdtrain.scheduler.reporting import DoneOutcome
 from crowdtrain.verification import standing
 from crowdtrain_agent.protocol import Lease as LeaseMessage
 from tests.factories import done_for, make_campaign, make_device
@@ -33,7 +33,7 @@ def _one_step(name: str, volunteers: int, *, compute_s: float = 0.5) -> tuple[Ca
     assert all(isinstance(lease, LeaseMessage) for lease in leases), leases
     lease_ids = [lease.lease_id for lease in leases]  # type: ignore[union-attr]
     for device, lease_id in zip(devices[:-1], lease_ids[:-1], strict=True):
-        assert leasing.report_done(device.pk, _done(lease_id, compute_s)).ack.accepted
+        assert reporting.report_done(device.pk, _done(lease_id, compute_s)).ack.accepted
     return campaign, devices, lease_ids
 
 
@@ -42,7 +42,7 @@ def _done(lease_id: int, compute_s: float) -> Any:
 
 
 def _last_report(devices: list[Device], lease_ids: list[int], compute_s: float = 0.5) -> DoneOutcome:
-    outcome = leasing.report_done(devices[-1].pk, _done(lease_ids[-1], compute_s))
+    outcome = reporting.report_done(devices[-1].pk, _done(lease_ids[-1], compute_s))
     assert outcome.ack.accepted and [c.message.step for c in outcome.commits] == [0]
     return outcome
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from django.db import OperationalError
 
-from crowdtrain.scheduler import commits, leasing
+from crowdtrain.scheduler import commits, leasing, reporting
 from tests.factories import done_for, make_campaign, make_device
 
 pytestmark = pytest.mark.django_db
@@ -26,7 +26,7 @@ def test_a_step_write_that_deadlocks_is_tried_again(monkeypatch: pytest.MonkeyPa
         return real_write(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(commits, "_write_step_once", deadlock_once)
-    outcome = leasing.report_done(device.pk, done_for(lease.lease_id))
+    outcome = reporting.report_done(device.pk, done_for(lease.lease_id))
 
     assert outcome.ack.accepted and [c.message.step for c in outcome.commits] == [0]
     campaign.refresh_from_db()

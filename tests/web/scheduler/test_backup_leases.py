@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import endings, leasing, parking, reporting
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import Lease as LeaseMessage
@@ -23,7 +23,7 @@ def _measured(clock: FakeClock, device_id: int, seconds: float = 1.0) -> None:
     lease = leasing.request_lease(device_id, None, 1000.0)
     assert isinstance(lease, LeaseMessage)
     clock.advance(seconds)
-    assert leasing.report_done(device_id, done_for(lease.lease_id)).ack.accepted
+    assert reporting.report_done(device_id, done_for(lease.lease_id)).ack.accepted
 
 
 def _slow_lease_and_backup(clock: FakeClock) -> tuple[LeaseMessage, LeaseMessage]:
@@ -51,8 +51,8 @@ def test_the_backup_that_reports_first_commits_the_step_and_the_original_is_rele
     original, backup = _slow_lease_and_backup(clock)
     campaign = Lease.objects.get(pk=original.lease_id).campaign
 
-    won = leasing.report_done(Lease.objects.get(pk=backup.lease_id).device_id, done_for(backup.lease_id))
-    late = leasing.report_done(Lease.objects.get(pk=original.lease_id).device_id, done_for(original.lease_id))
+    won = reporting.report_done(Lease.objects.get(pk=backup.lease_id).device_id, done_for(backup.lease_id))
+    late = reporting.report_done(Lease.objects.get(pk=original.lease_id).device_id, done_for(original.lease_id))
 
     assert won.ack.accepted and [c.message.lease_ids for c in won.commits] == [[backup.lease_id]]
     assert not late.ack.accepted and late.ack.reason == "lease released: the backup lease finished first"
@@ -63,8 +63,8 @@ def test_the_backup_that_reports_first_commits_the_step_and_the_original_is_rele
 def test_the_original_that_reports_first_wins_and_the_backup_is_released(clock: FakeClock) -> None:
     original, backup = _slow_lease_and_backup(clock)
 
-    won = leasing.report_done(Lease.objects.get(pk=original.lease_id).device_id, done_for(original.lease_id))
-    late = leasing.report_done(Lease.objects.get(pk=backup.lease_id).device_id, done_for(backup.lease_id))
+    won = reporting.report_done(Lease.objects.get(pk=original.lease_id).device_id, done_for(original.lease_id))
+    late = reporting.report_done(Lease.objects.get(pk=backup.lease_id).device_id, done_for(backup.lease_id))
 
     assert [c.message.lease_ids for c in won.commits] == [[original.lease_id]]
     assert late.ack.reason == "lease released: the original lease finished first"
@@ -75,7 +75,7 @@ def test_a_failed_backup_leaves_the_samples_with_the_original_and_another_backup
     campaign = Lease.objects.get(pk=original.lease_id).campaign
     third, _ = make_device("third")
 
-    leasing.release_lease(Lease.objects.get(pk=backup.lease_id).device_id, backup.lease_id)
+    endings.release_lease(Lease.objects.get(pk=backup.lease_id).device_id, backup.lease_id)
     again = leasing.request_lease(third.pk, None, 1000.0)
 
     assert redo_samples(campaign) == 0
@@ -94,12 +94,12 @@ def test_a_device_that_holds_a_lease_and_never_reports_does_not_stall_the_campai
         clock.advance(HARD_DEADLINE_S + 1 if not committed else leasing.settings.CROWDTRAIN_BACKUP_MIN_S + 1)
         lease = leasing.request_lease(honest.pk, None, 1000.0)
         if isinstance(lease, LeaseMessage):
-            committed += len(leasing.report_done(honest.pk, done_for(lease.lease_id)).commits)
+            committed += len(reporting.report_done(honest.pk, done_for(lease.lease_id)).commits)
 
     campaign.refresh_from_db()
     assert isinstance(held, LeaseMessage)
     assert committed >= 4 and campaign.committed_steps == committed
-    refusal = leasing.report_done(stalls.pk, done_for(held.lease_id))
+    refusal = reporting.report_done(stalls.pk, done_for(held.lease_id))
     assert not refusal.ack.accepted
 
 
@@ -204,11 +204,11 @@ def test_the_sweep_wakes_a_waiting_request_when_a_backup_is_due(clock: FakeClock
     leasing.request_lease(slow.pk, None, 1000.0)
     refused = leasing.request_lease(helper.pk, None, 1000.0)
     assert isinstance(refused, NoLease) and refused.reason == "step_full"
-    assert leasing.park(campaign.pk, helper.pk, 1000.0, "channel-of-helper", ready_at=refused.ready_at_step)
+    assert parking.park(campaign.pk, helper.pk, 1000.0, "channel-of-helper", ready_at=refused.ready_at_step)
 
-    _, _, before = leasing.expire_all_overdue()
+    _, _, before = endings.expire_all_overdue()
     clock.advance(leasing.settings.CROWDTRAIN_BACKUP_MIN_S + 1)
     hot_state().mark_seen([slow.pk])
-    _, _, after = leasing.expire_all_overdue()
+    _, _, after = endings.expire_all_overdue()
 
     assert before == {} and after == {campaign.pk: ["channel-of-helper"]}

@@ -10,7 +10,7 @@ import pytest
 from django.test import override_settings
 
 from crowdtrain.campaigns.keys import ticket_key
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import leasing, reporting
 from crowdtrain_agent.protocol import LeaseDone, ProtocolError, Receipt, campaign_key, sign_receipt, verify_ticket
 from tests.factories import make_campaign, make_device
 
@@ -30,8 +30,8 @@ def test_a_receipt_signed_with_another_campaigns_key_is_refused() -> None:
     lease, next_lease = leasing.request_lease(device.pk, None, None), leasing.request_lease(device.pk, None, None)
     other = first.pk if lease.campaign_id == second.pk else second.pk
 
-    forged = leasing.report_done(device.pk, _done(lease, ticket_key(other)))  # a rejected lease is done with
-    honest = leasing.report_done(device.pk, _done(next_lease, ticket_key(next_lease.campaign_id)))
+    forged = reporting.report_done(device.pk, _done(lease, ticket_key(other)))  # a rejected lease is done with
+    honest = reporting.report_done(device.pk, _done(next_lease, ticket_key(next_lease.campaign_id)))
 
     assert not forged.ack.accepted and "invalid receipt for slice 0" in forged.ack.reason
     assert honest.ack.accepted

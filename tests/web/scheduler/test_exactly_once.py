@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign
-from crowdtrain.scheduler import backbone, commits, configs, ids, leasing, records
+from crowdtrain.scheduler import backbone, commits, configs, endings, ids, leasing, records, reporting
 from crowdtrain.scheduler.hotrecords import FullStep
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
@@ -223,13 +223,13 @@ def _play(
                 elif op == "crash" and held[device.pk]:
                     held[device.pk] = []  # the agent vanished with its leases; their deadlines pass
                     clock.advance(leasing.settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S + 1)
-                    leasing.expire_overdue(campaign)
+                    endings.expire_overdue(campaign)
                 elif op == "late":
                     clock.advance(leasing.settings.CROWDTRAIN_LEASE_MIN_DEADLINE_S + 1)
                 elif op == "backup":
                     _past_the_next_soft_deadline(campaign, clock)  # the next lease backs up a slow one
                 elif op == "release" and held[device.pk]:
-                    leasing.release_lease(device.pk, held[device.pk].pop())
+                    endings.release_lease(device.pk, held[device.pk].pop())
                 elif op == "apply":
                     _apply_all(campaign)
                 elif op == "flush":
@@ -269,7 +269,7 @@ def _drain(campaign: Campaign, devices: list[Device], sites: list[SiteProcess], 
                 _report(campaign, worker.pk, lease.lease_id)
             else:
                 clock.advance(leasing.settings.CROWDTRAIN_LEASE_MAX_DEADLINE_S + 1)
-                leasing.expire_overdue(campaign)
+                endings.expire_overdue(campaign)
 
 
 def _probation_holds(campaign: Campaign, owners: dict[int, int], on_probation: set[int]) -> None:
@@ -295,12 +295,12 @@ def _report(campaign: Campaign, device_id: int, lease_id: int) -> None:
     record = next((r for r in hot_state().snapshot(campaign.hot_key.hex)["leases"] if r["id"] == lease_id), None)
     if record is None:
         if Lease.objects.filter(pk=lease_id).exists():
-            leasing.report_done(device_id, done_for(lease_id))
+            reporting.report_done(device_id, done_for(lease_id))
         return
     receipts = [
         Receipt(slice_index=i, token=sign_receipt(configs.ticket_key(campaign.pk), campaign_id=campaign.pk,
                                                   lease_id=lease_id, slice_index=i, num_samples=record["n"]))
         for i in range(campaign.num_aggregators)
     ]  # fmt: skip
-    leasing.report_done(device_id, LeaseDone(lease_id=lease_id, receipts=receipts, num_samples=record["n"],
+    reporting.report_done(device_id, LeaseDone(lease_id=lease_id, receipts=receipts, num_samples=record["n"],
                                              loss_sum=float(record["n"]), compute_s=0.1))  # fmt: skip

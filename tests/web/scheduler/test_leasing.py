@@ -6,7 +6,7 @@ from django.test import override_settings
 
 from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain.campaigns.models import Campaign, shard_table
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import endings, leasing, reporting
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import Lease as LeaseMessage
 from crowdtrain_agent.protocol import LeaseDone, NoLease, Receipt, verify_ticket
@@ -48,8 +48,8 @@ def test_it_commits_the_step_when_the_global_batch_is_full(clock: FakeClock) -> 
     second = leasing.request_lease(device.pk, None, 8.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S)
     clock.advance(1.0)  # held long enough for 0.1 s of compute
 
-    one = leasing.report_done(device.pk, done_for(first.lease_id))
-    two = leasing.report_done(device.pk, done_for(second.lease_id))
+    one = reporting.report_done(device.pk, done_for(first.lease_id))
+    two = reporting.report_done(device.pk, done_for(second.lease_id))
 
     assert one.ack.accepted and not one.commits
     assert two.ack.accepted and len(two.commits) == 1
@@ -91,7 +91,7 @@ def test_it_rejects_a_done_report_for_another_devices_lease() -> None:
     stranger, _ = make_device("stranger")
     lease = leasing.request_lease(owner.pk, None, None)
 
-    outcome = leasing.report_done(stranger.pk, done_for(lease.lease_id))
+    outcome = reporting.report_done(stranger.pk, done_for(lease.lease_id))
 
     assert not outcome.ack.accepted
     assert outcome.ack.reason == "unknown lease"
@@ -102,9 +102,9 @@ def test_it_rejects_a_replayed_done_report() -> None:
     make_campaign(target_batch_size=32)
     device, _ = make_device()
     lease = leasing.request_lease(device.pk, None, None)
-    leasing.report_done(device.pk, done_for(lease.lease_id))
+    reporting.report_done(device.pk, done_for(lease.lease_id))
 
-    replay = leasing.report_done(device.pk, done_for(lease.lease_id))
+    replay = reporting.report_done(device.pk, done_for(lease.lease_id))
 
     assert not replay.ack.accepted
     assert replay.ack.reason == "lease already reported"
@@ -122,7 +122,7 @@ def test_it_rejects_a_report_without_a_valid_receipt_and_requeues_the_samples() 
         compute_s=0.1,
     )
 
-    outcome = leasing.report_done(device.pk, forged)
+    outcome = reporting.report_done(device.pk, forged)
 
     assert not outcome.ack.accepted
     assert "receipt for slice 1" in outcome.ack.reason
@@ -135,8 +135,8 @@ def test_a_gone_agents_lease_expires_at_its_deadline_and_its_samples_go_to_the_n
     lease = leasing.request_lease(device.pk, None, None)
     clock.advance(lease.deadline_s + 1)  # nothing heard from the agent meanwhile
 
-    expired = leasing.expire_overdue(campaign)
-    outcome = leasing.report_done(device.pk, done_for(lease.lease_id))
+    expired = endings.expire_overdue(campaign)
+    outcome = reporting.report_done(device.pk, done_for(lease.lease_id))
     again = leasing.request_lease(device.pk, None, None)
 
     assert expired == 1
@@ -150,7 +150,7 @@ def test_a_released_lease_is_redone_by_the_next_one() -> None:
     device, _ = make_device()
     lease = leasing.request_lease(device.pk, None, None)
 
-    released = leasing.release_lease(device.pk, lease.lease_id)
+    released = endings.release_lease(device.pk, lease.lease_id)
     again = leasing.request_lease(device.pk, None, None)
 
     assert released
@@ -184,8 +184,8 @@ def test_a_lease_overtaken_by_later_ones_still_counts_in_the_step_it_reserved() 
     speed = 4.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S
     first, second, third, fourth = (leasing.request_lease(device.pk, None, speed) for _ in range(4))
 
-    early = [leasing.report_done(device.pk, done_for(lease.lease_id)) for lease in (third, fourth, second)]
-    last = leasing.report_done(device.pk, done_for(first.lease_id))
+    early = [reporting.report_done(device.pk, done_for(lease.lease_id)) for lease in (third, fourth, second)]
+    last = reporting.report_done(device.pk, done_for(first.lease_id))
 
     assert [o.ack.step for o in early] == [1, 1, 0]
     assert all(o.ack.accepted and not o.commits for o in early)
@@ -233,7 +233,7 @@ def test_an_idle_device_is_served_before_a_busy_one_leases_ahead() -> None:
     step0 = leasing.request_lease(alice.pk, None, 1000.0)
     step1 = leasing.request_lease(alice.pk, None, 1000.0)  # nobody else asked: alice may lease ahead
     waiting = leasing.request_lease(bob.pk, None, 1000.0)  # step 2 needs version 1
-    leasing.report_done(alice.pk, done_for(step0.lease_id))
+    reporting.report_done(alice.pk, done_for(step0.lease_id))
     _apply(campaign, 1)
 
     ahead = leasing.request_lease(alice.pk, None, 1000.0)  # still computing step 1, bob has nothing
@@ -252,7 +252,7 @@ def test_a_device_that_went_silent_is_not_waited_for(clock: FakeClock) -> None:
     step0 = leasing.request_lease(alice.pk, None, 1000.0)
     leasing.request_lease(alice.pk, None, 1000.0)
     leasing.request_lease(gone.pk, None, 1000.0)  # refused: step 2 needs version 1
-    leasing.report_done(alice.pk, done_for(step0.lease_id))
+    reporting.report_done(alice.pk, done_for(step0.lease_id))
     _apply(campaign, 1)
     clock.advance(leasing.settings.CROWDTRAIN_GONE_AFTER_S + 1)  # "gone" never asked again
 
@@ -278,7 +278,7 @@ def test_leases_are_computed_on_the_newest_committed_version_before_the_aggregat
     campaign = make_campaign(target_batch_size=64, microbatch_size=4, staleness=0)
     device, _ = make_device()
     first = leasing.request_lease(device.pk, None, 1000.0)
-    assert leasing.report_done(device.pk, done_for(first.lease_id)).commits
+    assert reporting.report_done(device.pk, done_for(first.lease_id)).commits
 
     following = leasing.request_lease(device.pk, None, 1000.0)
 
@@ -295,7 +295,7 @@ def test_it_rejects_a_report_with_an_impossible_loss(loss: float) -> None:
     lease = leasing.request_lease(device.pk, None, None)
     report = done_for(lease.lease_id)
 
-    outcome = leasing.report_done(device.pk, msgspec.structs.replace(report, loss_sum=loss))
+    outcome = reporting.report_done(device.pk, msgspec.structs.replace(report, loss_sum=loss))
 
     assert not outcome.ack.accepted
     assert "is outside 0..1e+06 per sample" in outcome.ack.reason
@@ -350,7 +350,7 @@ def test_a_reported_compute_time_longer_than_the_lease_was_held_is_cut_to_it() -
     lease = leasing.request_lease(device.pk, None, None)
     report = done_for(lease.lease_id)
 
-    leasing.report_done(device.pk, msgspec.structs.replace(report, compute_s=1e9))
+    reporting.report_done(device.pk, msgspec.structs.replace(report, compute_s=1e9))
 
     stored = Lease.objects.get(pk=lease.lease_id)
     assert 0.0 <= stored.compute_s <= (stored.finished_at - stored.issued_at).total_seconds()
@@ -387,8 +387,8 @@ def test_a_report_sent_again_after_its_step_committed_is_told_it_was_counted() -
     make_campaign(target_batch_size=8, microbatch_size=4)
     device, _ = make_device()
     lease = leasing.request_lease(device.pk, None, 1000.0)
-    assert leasing.report_done(device.pk, done_for(lease.lease_id)).commits
+    assert reporting.report_done(device.pk, done_for(lease.lease_id)).commits
 
-    again = leasing.report_done(device.pk, done_for(lease.lease_id))
+    again = reporting.report_done(device.pk, done_for(lease.lease_id))
 
     assert not again.ack.accepted and again.ack.reason == "lease already reported"

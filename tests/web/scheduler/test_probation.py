@@ -15,7 +15,7 @@ import pytest
 from django.conf import settings
 
 from crowdtrain.campaigns.models import Campaign
-from crowdtrain.scheduler import configs, leasing
+from crowdtrain.scheduler import configs, endings, leasing, reporting
 from crowdtrain.scheduler.models import Lease
 from crowdtrain.verification import standing
 from crowdtrain.verification.models import Standing
@@ -87,7 +87,7 @@ def test_other_volunteers_fill_the_rest_of_the_step_and_it_commits() -> None:
     for device in volunteers:
         got, _ = _leases(campaign, device.pk, asks=3)
         assert len(got) == 1
-        assert leasing.report_done(device.pk, done_for(got[0].lease_id)).ack.accepted
+        assert reporting.report_done(device.pk, done_for(got[0].lease_id)).ack.accepted
 
     campaign.refresh_from_db()
     assert campaign.committed_steps == 1
@@ -129,7 +129,7 @@ def test_a_lease_given_back_frees_its_place_in_the_step() -> None:
     newcomer, _ = make_device("newcomer")
     (first,), _ = _leases(campaign, newcomer.pk)
 
-    assert leasing.release_lease(newcomer.pk, first.lease_id)
+    assert endings.release_lease(newcomer.pk, first.lease_id)
     again, _ = _leases(campaign, newcomer.pk)
 
     assert len(again) == 1 and _steps(again) == [0]
@@ -166,7 +166,7 @@ def test_a_rebuild_keeps_a_newcomers_reported_lease_over_a_live_one_the_record_s
     campaign = _trimmed(staleness=0)
     newcomer, _ = make_device("newcomer")
     (reported,), _ = _leases(campaign, newcomer.pk, asks=1)
-    assert leasing.report_done(newcomer.pk, done_for(reported.lease_id)).ack.accepted
+    assert reporting.report_done(newcomer.pk, done_for(reported.lease_id)).ack.accepted
     leasing.writer().flush()
     # A second live lease of the same step in the record: what is left when another process had
     # queued, not written, the end of one when Redis lost its keys (the scripts never issue it).

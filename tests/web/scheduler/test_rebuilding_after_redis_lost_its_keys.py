@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import leasing, reporting
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import Lease as LeaseMessage
 from tests.conftest import FakeClock, redis_lost_its_keys
@@ -22,10 +22,10 @@ def test_leases_in_flight_still_count_after_redis_lost_its_keys() -> None:
     device, _ = make_device()
     first = leasing.request_lease(device.pk, None, 8.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S)
     second = leasing.request_lease(device.pk, None, 8.0 / leasing.settings.CROWDTRAIN_LEASE_TARGET_S)
-    leasing.report_done(device.pk, done_for(first.lease_id))
+    reporting.report_done(device.pk, done_for(first.lease_id))
 
     _lose_redis()
-    outcome = leasing.report_done(device.pk, done_for(second.lease_id))
+    outcome = reporting.report_done(device.pk, done_for(second.lease_id))
 
     assert outcome.ack.accepted
     assert [c.message.lease_ids for c in outcome.commits] == [[first.lease_id, second.lease_id]]
@@ -53,7 +53,7 @@ def test_samples_of_leases_the_record_never_heard_of_are_redone() -> None:
     Lease.objects.filter(pk=lost.lease_id).delete()  # a process died before its batch reached the database
 
     _lose_redis()
-    refused = leasing.report_done(device.pk, done_for(kept.lease_id))  # loads the state again
+    refused = reporting.report_done(device.pk, done_for(kept.lease_id))  # loads the state again
 
     assert refused.ack.accepted
     assert redo_samples(campaign) == lost.num_samples
@@ -70,8 +70,8 @@ def test_of_two_live_leases_over_the_same_samples_only_the_newer_survives(clock:
     Lease.objects.filter(pk=old.lease_id).update(state=Lease.State.ACTIVE, reason="")  # its end never got written
 
     _lose_redis()
-    stale = leasing.report_done(gone.pk, done_for(old.lease_id))
-    fresh = leasing.report_done(other.pk, done_for(new.lease_id))
+    stale = reporting.report_done(gone.pk, done_for(old.lease_id))
+    fresh = reporting.report_done(other.pk, done_for(new.lease_id))
 
     assert not stale.ack.accepted
     assert fresh.ack.accepted
@@ -82,13 +82,13 @@ def test_a_live_lease_over_samples_of_a_committed_step_is_not_revived() -> None:
     campaign = make_campaign(target_batch_size=8, microbatch_size=4)
     device, _ = make_device()
     lease = leasing.request_lease(device.pk, None, 1000.0)
-    assert leasing.report_done(device.pk, done_for(lease.lease_id)).commits
+    assert reporting.report_done(device.pk, done_for(lease.lease_id)).commits
     ghost = Lease.objects.get(pk=lease.lease_id)
     ghost.pk, ghost.step, ghost.state = None, None, Lease.State.ACTIVE  # a stale row over the same samples
     ghost.save()
 
     _lose_redis()
-    refused = leasing.report_done(device.pk, done_for(ghost.pk))
+    refused = reporting.report_done(device.pk, done_for(ghost.pk))
 
     assert not refused.ack.accepted
     campaign.refresh_from_db()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import endings, leasing, parking, reporting
 from tests.factories import done_for, make_campaign, make_device
 
 pytestmark = pytest.mark.django_db
@@ -17,11 +17,11 @@ def test_a_commit_wakes_the_first_waiting_requests_whose_leases_fill_its_room() 
     campaign = make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
     device, _ = make_device()
     first = leasing.request_lease(device.pk, None, WHOLE_STEP)
-    places = [leasing.park(campaign.pk, device.pk, WHOLE_STEP, f"channel-{i}", 1) for i in range(3)]
+    places = [parking.park(campaign.pk, device.pk, WHOLE_STEP, f"channel-{i}", 1) for i in range(3)]
 
-    commits = leasing.report_done(device.pk, done_for(first.lease_id)).commits
-    passed = leasing.pass_on_wake(campaign.pk)
-    nobody = [leasing.pass_on_wake(campaign.pk) for _ in range(2)]
+    commits = reporting.report_done(device.pk, done_for(first.lease_id)).commits
+    passed = parking.pass_on_wake(campaign.pk)
+    nobody = [parking.pass_on_wake(campaign.pk) for _ in range(2)]
 
     assert all(places)
     assert commits[0].woken == ["channel-0"]  # a whole step of room: one lease's worth of waiters
@@ -33,11 +33,11 @@ def test_a_request_that_leaves_the_queue_is_not_woken() -> None:
     campaign = make_campaign(target_batch_size=16, microbatch_size=4, staleness=0)
     device, _ = make_device()
     first = leasing.request_lease(device.pk, None, WHOLE_STEP)
-    gone = leasing.park(campaign.pk, device.pk, WHOLE_STEP, "gone", 1)
-    leasing.park(campaign.pk, device.pk, WHOLE_STEP, "stays", 1)
+    gone = parking.park(campaign.pk, device.pk, WHOLE_STEP, "gone", 1)
+    parking.park(campaign.pk, device.pk, WHOLE_STEP, "stays", 1)
 
-    leasing.unpark(campaign.pk, gone or "")
-    commits = leasing.report_done(device.pk, done_for(first.lease_id)).commits
+    parking.unpark(campaign.pk, gone or "")
+    commits = reporting.report_done(device.pk, done_for(first.lease_id)).commits
 
     assert commits[0].woken == ["stays"]
 
@@ -49,10 +49,10 @@ def test_a_released_lease_wakes_the_first_request_waiting_for_the_next_step() ->
     holder, _ = make_device("holder")
     waiter, _ = make_device("waiter")
     held = leasing.request_lease(holder.pk, None, WHOLE_STEP)
-    assert leasing.park(campaign.pk, waiter.pk, WHOLE_STEP, "waiting", 1)
-    assert leasing.pass_on_wake(campaign.pk) == []  # nothing was committed: it waits for the next step
+    assert parking.park(campaign.pk, waiter.pk, WHOLE_STEP, "waiting", 1)
+    assert parking.pass_on_wake(campaign.pk) == []  # nothing was committed: it waits for the next step
 
-    released = leasing.release_leases(holder.pk, [held.lease_id], "agent disconnected")
+    released = endings.release_leases(holder.pk, [held.lease_id], "agent disconnected")
 
     assert released.count == 1 and released.woken == {campaign.pk: ["waiting"]}
     again = leasing.request_lease(waiter.pk, None, WHOLE_STEP)
@@ -66,12 +66,12 @@ def test_a_verification_copy_calls_the_first_request_of_a_volunteer_who_may_take
     carol, _ = make_device("carol")
     leasing.request_lease(alice.pk, None, WHOLE_STEP)
     for device, channel in [(alice, "alice"), (bob, "bob"), (carol, "carol")]:
-        assert leasing.park(campaign.pk, device.pk, WHOLE_STEP, channel, 1)
+        assert parking.park(campaign.pk, device.pk, WHOLE_STEP, channel, 1)
 
-    called = leasing.wake_for_copy(campaign.pk, [alice.owner_id])
-    again = leasing.wake_for_copy(campaign.pk, [alice.owner_id, carol.owner_id])
+    called = parking.wake_for_copy(campaign.pk, [alice.owner_id])
+    again = parking.wake_for_copy(campaign.pk, [alice.owner_id, carol.owner_id])
 
     assert called == ["bob"]  # the first in line is the copy's own volunteer: passed over, not woken
     assert again == []  # nobody left who may take it: the copy waits for the next request
-    assert leasing.pass_on_wake(campaign.pk, any_step=True) == ["alice"]  # still in line, in order
-    assert leasing.pass_on_wake(campaign.pk, any_step=True) == ["carol"]
+    assert parking.pass_on_wake(campaign.pk, any_step=True) == ["alice"]  # still in line, in order
+    assert parking.pass_on_wake(campaign.pk, any_step=True) == ["carol"]

@@ -26,7 +26,7 @@ from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.credit.models import CreditEntry
-from crowdtrain.scheduler import leasing, records
+from crowdtrain.scheduler import endings, leasing, parking, records, reporting
 from crowdtrain.scheduler.configs import campaign_config
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
@@ -73,7 +73,7 @@ def _lease(campaign: Campaign, device_id: int) -> LeaseMessage:
 
 def _work(campaign: Campaign, device_id: int, sketch: list[float]) -> tuple[LeaseMessage, str]:
     lease = _lease(campaign, device_id)
-    ack = leasing.report_done(device_id, _done(campaign, lease, sketch)).ack
+    ack = reporting.report_done(device_id, _done(campaign, lease, sketch)).ack
     assert ack.accepted, ack.reason
     return lease, ack.verification
 
@@ -132,7 +132,7 @@ def test_a_copy_goes_to_another_volunteer_and_an_agreeing_copy_releases_the_cred
     )
 
     with django_capture_on_commit_callbacks(execute=True):
-        ack = leasing.report_done(bob.pk, _done(campaign, copy, [x * (1 + 1e-4) for x in HONEST])).ack
+        ack = reporting.report_done(bob.pk, _done(campaign, copy, [x * (1 + 1e-4) for x in HONEST])).ack
         assert (ack.accepted, ack.verification, ack.step) == (True, "check", None)
         while Campaign.objects.get(pk=campaign.pk).committed_steps < 1:
             _work(campaign, bob.pk, HONEST)
@@ -159,7 +159,7 @@ def test_a_check_that_passes_after_its_step_was_committed_grants_the_withheld_cr
     assert _granted(original.lease_id) == 0  # withheld by the open check
 
     with django_capture_on_commit_callbacks(execute=True):
-        leasing.report_done(bob.pk, _done(campaign, copy, HONEST))
+        reporting.report_done(bob.pk, _done(campaign, copy, HONEST))
 
     case = Check.objects.get(lease_id=original.lease_id)
     assert (case.state, case.credited) == (Check.State.PASSED, True)
@@ -178,7 +178,7 @@ def test_a_disagreement_goes_to_the_referee_who_fails_the_made_up_original_and_p
     with django_capture_on_commit_callbacks(execute=True):
         original, _ = _work(campaign, mallory.pk, FLIPPED)
         copy = _lease(campaign, bob.pk)
-        assert leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
+        assert reporting.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
         # No third volunteer is asked: a vote among volunteers decides nothing.
         assert not verify_ticket(_lease(campaign, carol.pk).ticket, ticket_key(campaign.pk)).check
         checks.release_credit()
@@ -208,7 +208,7 @@ def test_the_referee_sides_with_a_lone_honest_volunteer_against_two_that_agree_o
         for colluder in (mallory, trudy):  # both copy it; the second copy comes after the referee's ruling
             copy = leasing.request_lease(colluder.pk, campaign.pk, None)
             if isinstance(copy, LeaseMessage) and verify_ticket(copy.ticket, ticket_key(campaign.pk)).check:
-                assert leasing.report_done(colluder.pk, _done(campaign, copy, FLIPPED)).ack.accepted
+                assert reporting.report_done(colluder.pk, _done(campaign, copy, FLIPPED)).ack.accepted
 
     case = Check.objects.get(lease_id=original.lease_id)
     assert case.state == Check.State.PASSED
@@ -231,11 +231,11 @@ def test_a_copy_by_a_volunteer_like_the_original_goes_to_the_referee_even_when_i
         early = leasing.request_lease(trudy.pk, campaign.pk, None)
         assert not (isinstance(early, LeaseMessage) and verify_ticket(early.ticket, ticket_key(campaign.pk)).check)
         if isinstance(early, LeaseMessage):
-            leasing.release_lease(trudy.pk, early.lease_id)
+            endings.release_lease(trudy.pk, early.lease_id)
         clock.advance(settings.CROWDTRAIN_CHECK_SIMILAR_WAIT_S + 1)
         copy = _lease(campaign, trudy.pk)
         assert verify_ticket(copy.ticket, ticket_key(campaign.pk)).check, "after the wait a similar volunteer may"
-        assert leasing.report_done(trudy.pk, _done(campaign, copy, FLIPPED)).ack.accepted
+        assert reporting.report_done(trudy.pk, _done(campaign, copy, FLIPPED)).ack.accepted
 
     case = Check.objects.get(lease_id=original.lease_id)
     assert Answer.objects.get(lease_id=copy.lease_id).similar
@@ -254,7 +254,7 @@ def test_a_decided_check_leaves_both_volunteers_new_records_in_this_process(
     copy = _lease(campaign, bob.pk)
 
     with django_capture_on_commit_callbacks(execute=True):
-        assert leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
+        assert reporting.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
 
     with django_assert_num_queries(0):
         records = [standing.record_of(device.owner_id) for device in (alice, bob)]
@@ -273,7 +273,7 @@ def test_a_dispute_the_referee_cannot_recompute_judges_nobody_and_withholds_the_
     with django_capture_on_commit_callbacks(execute=True):
         original, _ = _work(campaign, alice.pk, HONEST)
         copy = _lease(campaign, bob.pk)
-        ack = leasing.report_done(bob.pk, _done(campaign, copy, FLIPPED)).ack
+        ack = reporting.report_done(bob.pk, _done(campaign, copy, FLIPPED)).ack
         while Campaign.objects.get(pk=campaign.pk).committed_steps < 1:
             _work(campaign, bob.pk, HONEST)
         checks.release_credit()
@@ -299,7 +299,7 @@ def _until_passed(campaign: Campaign, volunteer_id: int, devices: list[int]) -> 
         for device_id in devices:
             lease = leasing.request_lease(device_id, campaign.pk, None)
             if isinstance(lease, LeaseMessage):
-                assert leasing.report_done(device_id, _done(campaign, lease, HONEST)).ack.accepted
+                assert reporting.report_done(device_id, _done(campaign, lease, HONEST)).ack.accepted
     raise AssertionError(f"volunteer {volunteer_id} passed no check in 20 rounds")
 
 
@@ -315,7 +315,7 @@ def test_an_abandoned_check_of_a_volunteer_nobody_verified_is_credited_only_afte
         clock.advance(10.0)  # the copy waits past CROWDTRAIN_CHECK_WAIT_S; the next request drops it
         second = _lease(campaign, alice.pk)
         assert not verify_ticket(second.ticket, ticket_key(campaign.pk)).check
-        assert leasing.report_done(alice.pk, _done(campaign, second, HONEST)).ack.accepted
+        assert reporting.report_done(alice.pk, _done(campaign, second, HONEST)).ack.accepted
         checks.release_credit()
     assert Check.objects.get(lease_id=first.lease_id).state == Check.State.ABANDONED
     assert Lease.objects.filter(pk=first.lease_id, step__isnull=False).exists()
@@ -343,13 +343,13 @@ def test_a_second_failed_check_quarantines_drops_pending_work_takes_credit_back_
         earlier = _lease(campaign, mallory.pk)
         quarantine.ledger.grant(campaign.pk, 1.0, [(earlier.lease_id, mallory.pk, 4)])
         pending = _lease(campaign, mallory.pk)
-        assert leasing.report_done(mallory.pk, done_for(pending.lease_id)).ack.accepted
+        assert reporting.report_done(mallory.pk, done_for(pending.lease_id)).ack.accepted
         redo_before = redo_samples(campaign)
         for _ in range(2):
             original, _ = _work(campaign, mallory.pk, NOISE)
             copy = _lease(campaign, bob.pk)
             assert verify_ticket(copy.ticket, ticket_key(campaign.pk)).check
-            assert leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
+            assert reporting.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
 
     standing = Standing.objects.get(volunteer_id=mallory.owner_id)
     assert (standing.checks_failed, standing.rulings_lost) == (2, 2), list(Check.objects.values_list("state", "detail"))
@@ -363,7 +363,7 @@ def test_a_second_failed_check_quarantines_drops_pending_work_takes_credit_back_
     refusal = leasing.request_lease(mallory.pk, campaign.pk, None)
     assert isinstance(refusal, NoLease) and refusal.reason == "quarantined"
     assert "/account/standing/" in refusal.detail and "appeal" in refusal.detail
-    ack = leasing.report_done(mallory.pk, _done(campaign, original, NOISE)).ack
+    ack = reporting.report_done(mallory.pk, _done(campaign, original, NOISE)).ack
     assert not ack.accepted and "quarantined" in ack.reason
 
 
@@ -416,11 +416,11 @@ def test_a_copy_calls_a_request_waiting_for_a_commit_of_another_volunteer(
     alice_tablet, _ = make_device("alice", "tablet")
     bob, _ = make_device("bob")
     held = _lease(campaign, alice.pk)  # the whole step: the others wait for its commit
-    assert leasing.park(campaign.pk, alice_tablet.pk, None, "alice-tablet-waits", 1)
-    assert leasing.park(campaign.pk, bob.pk, None, "bob-waits", 1)
+    assert parking.park(campaign.pk, alice_tablet.pk, None, "alice-tablet-waits", 1)
+    assert parking.park(campaign.pk, bob.pk, None, "bob-waits", 1)
 
     with django_capture_on_commit_callbacks(execute=True):
-        outcome = leasing.report_done(alice.pk, _done(campaign, held, HONEST))
+        outcome = reporting.report_done(alice.pk, _done(campaign, held, HONEST))
     assert outcome.ack.verification == "pending"
 
     # The commit's room (one lease's worth) went to the first in line; the copy called the next, who
@@ -434,7 +434,7 @@ def test_a_copy_calls_a_request_waiting_for_a_commit_of_another_volunteer(
 def test_a_copy_given_back_goes_to_another_volunteer(campaign: Campaign) -> None:
     bob, carol, original, copy = _a_verified_volunteers_lease_and_its_copy(campaign)
 
-    leasing.release_lease(bob.pk, copy.lease_id, "params no longer served")
+    endings.release_lease(bob.pk, copy.lease_id, "params no longer served")
 
     again = _lease(campaign, carol.pk)
     assert verify_ticket(again.ticket, ticket_key(campaign.pk)).check
@@ -472,7 +472,7 @@ def test_receipts_without_sketches_are_never_picked(campaign: Campaign) -> None:
 
     alice, _ = make_device("alice")
     lease = _lease(campaign, alice.pk)
-    ack = leasing.report_done(alice.pk, done_for(lease.lease_id)).ack
+    ack = reporting.report_done(alice.pk, done_for(lease.lease_id)).ack
     assert ack.accepted and ack.verification == ""
     assert not Check.objects.exists()
 
@@ -493,7 +493,7 @@ def test_a_forged_sketch_fails_the_receipt(campaign: Campaign) -> None:
         loss_sum=1.0,
         compute_s=0.1,
     )
-    ack = leasing.report_done(alice.pk, tampered).ack
+    ack = reporting.report_done(alice.pk, tampered).ack
     assert not ack.accepted and "receipt" in ack.reason
 
 
@@ -511,7 +511,7 @@ def _copy_reported(campaign: Campaign) -> Check:
     bob, _ = make_device("bob")
     original, _ = _work(campaign, alice.pk, HONEST)
     copy = _lease(campaign, bob.pk)
-    assert leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
+    assert reporting.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
     return Check.objects.get(lease_id=original.lease_id)
 
 
@@ -612,7 +612,7 @@ def test_a_copy_is_handed_out_without_a_query_and_reported_with_one_write(
         original.num_samples,
     )
     with django_assert_num_queries(1):  # the answer, written over its row or as it: nothing read
-        ack = leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack
+        ack = reporting.report_done(bob.pk, _done(campaign, copy, HONEST)).ack
     assert (ack.accepted, ack.verification) == (True, "check")
     case = Check.objects.get(lease_id=original.lease_id)
     assert handed == [case.pk]
@@ -642,7 +642,7 @@ def test_a_copy_issued_by_another_process_whose_batch_is_not_written_yet_is_judg
     copy = _lease(campaign, bob.pk)
     assert not Answer.objects.filter(lease_id=copy.lease_id).exists()
 
-    assert leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
+    assert reporting.report_done(bob.pk, _done(campaign, copy, HONEST)).ack.accepted
 
     answer = Answer.objects.get(lease_id=copy.lease_id)
     assert answer.reported_at is not None and answer.verdict == Answer.Verdict.AGREED
@@ -657,14 +657,14 @@ def test_only_the_device_holding_a_copy_can_report_it_or_give_it_back(campaign: 
     copy = _lease(campaign, bob.pk)
 
     # Lease ids are sequential: another volunteer can guess one, and must find nothing there.
-    ack = leasing.report_done(mallory.pk, _done(campaign, copy, FLIPPED)).ack
+    ack = reporting.report_done(mallory.pk, _done(campaign, copy, FLIPPED)).ack
     assert (ack.accepted, ack.reason) == (False, "unknown lease")
-    leasing.release_lease(mallory.pk, copy.lease_id, "given back by someone else")
+    endings.release_lease(mallory.pk, copy.lease_id, "given back by someone else")
     assert Answer.objects.get(lease_id=copy.lease_id).reported_at is None
 
-    ack = leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack
+    ack = reporting.report_done(bob.pk, _done(campaign, copy, HONEST)).ack
     assert (ack.accepted, ack.verification) == (True, "check")
-    again = leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack
+    again = reporting.report_done(bob.pk, _done(campaign, copy, HONEST)).ack
     assert (again.accepted, again.reason) == (False, "unknown lease")
     assert Check.objects.get(lease_id=original.lease_id).state == Check.State.PASSED
 
@@ -673,7 +673,7 @@ def test_a_copy_whose_report_is_refused_goes_to_another_volunteer(campaign: Camp
     bob, carol, original, copy = _a_verified_volunteers_lease_and_its_copy(campaign)
     short = msgspec.structs.replace(_done(campaign, copy, HONEST), num_samples=copy.num_samples - 1)
 
-    ack = leasing.report_done(bob.pk, short).ack
+    ack = reporting.report_done(bob.pk, short).ack
 
     assert not ack.accepted and "receipt" in ack.reason  # the receipts sign the samples the copy had
     assert Answer.objects.get(lease_id=copy.lease_id).verdict == Answer.Verdict.NONE
@@ -711,8 +711,8 @@ def test_a_copy_whose_marker_names_no_holder_is_reported_by_the_holder_on_record
     # The bare marker a site before 2.9 wrote: the answer row says who holds the copy.
     state.client.hset(state.lease_campaigns_key, str(copy.lease_id), checks.copy_marker(campaign.pk))
 
-    stranger = leasing.report_done(mallory.pk, _done(campaign, copy, FLIPPED)).ack
-    holder = leasing.report_done(bob.pk, _done(campaign, copy, HONEST)).ack
+    stranger = reporting.report_done(mallory.pk, _done(campaign, copy, FLIPPED)).ack
+    holder = reporting.report_done(bob.pk, _done(campaign, copy, HONEST)).ack
 
     assert (stranger.accepted, stranger.reason) == (False, "unknown lease")
     assert (holder.accepted, holder.verification) == (True, "check")

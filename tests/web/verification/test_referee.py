@@ -20,7 +20,7 @@ from django.utils import timezone
 from crowdtrain.campaigns import validation
 from crowdtrain.campaigns.keys import ticket_key
 from crowdtrain.campaigns.models import Campaign, shard_storage_name
-from crowdtrain.scheduler import leasing
+from crowdtrain.scheduler import leasing, reporting
 from crowdtrain.scheduler.configs import campaign_config
 from crowdtrain.verification import checks, referee
 from crowdtrain.verification.models import Answer, Check, KeptVersion, Standing
@@ -114,7 +114,7 @@ def test_the_referee_agrees_with_an_honest_upload_and_with_nothing_else(
     with django_capture_on_commit_callbacks(execute=True):
         # Another summation order than the referee's (microbatches of 1, not 4): honest noise.
         report = _done(campaign, lease, _upload_sketches(campaign, lease, flat, microbatch=1))
-        assert leasing.report_done(alice.pk, report).ack.verification == "pending"
+        assert reporting.report_done(alice.pk, report).ack.verification == "pending"
     case = Check.objects.get(lease_id=lease.lease_id)
     assert KeptVersion.objects.filter(campaign=campaign, version=case.base_version).exists()
 
@@ -136,11 +136,11 @@ def test_a_made_up_copy_loses_its_ruling_against_an_honest_original_with_the_rea
     mallory, _ = make_device("mallory")
     with django_capture_on_commit_callbacks(execute=True):
         original = _first_lease(campaign, alice.pk)
-        leasing.report_done(alice.pk, _done(campaign, original, _upload_sketches(campaign, original, flat)))
+        reporting.report_done(alice.pk, _done(campaign, original, _upload_sketches(campaign, original, flat)))
         copy = _first_lease(campaign, mallory.pk)
         assert verify_ticket(copy.ticket, ticket_key(campaign.pk)).check
         made_up = _upload_sketches(campaign, copy, flat, tamper=-3.0)
-        assert leasing.report_done(mallory.pk, _done(campaign, copy, made_up)).ack.accepted
+        assert reporting.report_done(mallory.pk, _done(campaign, copy, made_up)).ack.accepted
 
     case = Check.objects.get(lease_id=original.lease_id)
     assert case.state == Check.State.PASSED, case.detail
@@ -158,7 +158,7 @@ def test_a_check_nobody_copied_is_ruled_on_by_the_referee_alone(
     mallory, _ = make_device("mallory")
     with django_capture_on_commit_callbacks(execute=True):
         lease = _first_lease(campaign, mallory.pk)
-        leasing.report_done(mallory.pk, _done(campaign, lease, _upload_sketches(campaign, lease, flat, tamper=-1.0)))
+        reporting.report_done(mallory.pk, _done(campaign, lease, _upload_sketches(campaign, lease, flat, tamper=-1.0)))
         checks.unanswered(Check.objects.get(lease_id=lease.lease_id).pk, "no volunteer took its copy in time")
 
     case = Check.objects.get(lease_id=lease.lease_id)
@@ -175,7 +175,7 @@ def test_a_version_is_fetched_once_for_all_its_checks_and_pruned_once_none_needs
     with django_capture_on_commit_callbacks(execute=True):
         for _ in range(3):  # three checks of version 0
             lease = _first_lease(campaign, alice.pk)
-            leasing.report_done(alice.pk, _done(campaign, lease, _upload_sketches(campaign, lease, flat)))
+            reporting.report_done(alice.pk, _done(campaign, lease, _upload_sketches(campaign, lease, flat)))
     assert Check.objects.filter(base_version=0).count() == 3 and kept["fetches"] == 1
     name = KeptVersion.objects.get(campaign=campaign, version=0).name
     assert default_storage.exists(name)
@@ -199,9 +199,9 @@ def test_a_version_the_aggregators_no_longer_serve_leaves_its_disputes_without_a
     bob, _ = make_device("bob")
     with django_capture_on_commit_callbacks(execute=True):
         original = _first_lease(campaign, alice.pk)
-        leasing.report_done(alice.pk, _done(campaign, original, _upload_sketches(campaign, original, flat)))
+        reporting.report_done(alice.pk, _done(campaign, original, _upload_sketches(campaign, original, flat)))
         copy = _first_lease(campaign, bob.pk)
-        leasing.report_done(bob.pk, _done(campaign, copy, _upload_sketches(campaign, copy, flat, tamper=-1.0)))
+        reporting.report_done(bob.pk, _done(campaign, copy, _upload_sketches(campaign, copy, flat, tamper=-1.0)))
     case = Check.objects.get(lease_id=original.lease_id)
     assert case.state == Check.State.UNRULED and "was not kept" in case.detail
     assert not Standing.objects.filter(checks_failed__gt=0).exists()
@@ -221,13 +221,13 @@ def test_rulings_over_a_bound_wait_oldest_first_and_an_uncopied_check_is_given_u
         cases = []
         for _ in range(2):  # two disputes between the same volunteers: the second waits
             original = _first_lease(campaign, alice.pk)
-            leasing.report_done(alice.pk, _done(campaign, original, _upload_sketches(campaign, original, flat)))
+            reporting.report_done(alice.pk, _done(campaign, original, _upload_sketches(campaign, original, flat)))
             copy = _first_lease(campaign, bob.pk)
             bad = _upload_sketches(campaign, copy, flat, tamper=-1.0)
-            leasing.report_done(bob.pk, _done(campaign, copy, bad))
+            reporting.report_done(bob.pk, _done(campaign, copy, bad))
             cases.append(Check.objects.get(lease_id=original.lease_id))
         uncopied = _first_lease(campaign, alice.pk)
-        leasing.report_done(alice.pk, _done(campaign, uncopied, _upload_sketches(campaign, uncopied, flat)))
+        reporting.report_done(alice.pk, _done(campaign, uncopied, _upload_sketches(campaign, uncopied, flat)))
         checks.unanswered(Check.objects.get(lease_id=uncopied.lease_id).pk, "nobody came")
 
     first, second = (Check.objects.get(pk=c.pk) for c in cases)

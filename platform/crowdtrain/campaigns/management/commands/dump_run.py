@@ -18,7 +18,7 @@ from django.db.models import Count, Sum
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign, Shard
-from crowdtrain.scheduler.leasing import step_ranges
+from crowdtrain.scheduler.endings import step_ranges
 from crowdtrain_agent.protocol.schema import to_dict
 
 
