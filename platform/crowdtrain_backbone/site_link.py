@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.typing import Subprotocol
@@ -50,6 +51,10 @@ class SiteRefused(RuntimeError):
     """The site closed the backbone connection with a code no retry can fix; the message says what to do."""
 
 
+class _NotWelcomed(Exception):
+    """A connection try that ended before the site's welcome; the message says how."""
+
+
 def refusal_hint(code: int | None, url: str, name: str) -> str:
     """What the operator reads when the site refuses this aggregator for good (a final close code)."""
     if code == CloseCode.UNAUTHORIZED:
@@ -70,6 +75,11 @@ def refusal_hint(code: int | None, url: str, name: str) -> str:
             "its crowdtrain-agent package to the site's release"
         )
     return f"the site at {url} closed the backbone connection with code {code}, which no retry can fix"
+
+
+def _failure(state: RetryCallState) -> str:
+    """Why the try tenacity is about to repeat failed."""
+    return str(state.outcome.exception()) if state.outcome is not None else "no answer"
 
 
 class SiteLink:
@@ -115,51 +125,85 @@ class SiteLink:
             SiteRefused: the site closed with a code no retry can fix (unknown token, replaced by another
                 process with the same token, protocol version); the message says what to do.
         """
-        url = self.config.backbone_ws_url
-        failures = 0
+        counted = 0  # failed tries of this outage counted already: a welcomed connection that ended is one
         try:
             while True:
-                try:
-                    ws = await connect(
-                        url,
-                        additional_headers={
-                            "Authorization": f"Bearer {self.config.token}",
-                            CONNECTION_HEADER: self._tries.next().header(),
-                        },
-                        max_size=MAX_WS_MESSAGE_BYTES,
-                        open_timeout=WELCOME_TIMEOUT_S,
-                        subprotocols=[Subprotocol(p) for p in offered_subprotocols()],
-                    )
-                except InvalidStatus as exc:
-                    # Never the site's verdict on the token (it accepts every socket and refuses a token with
-                    # close code 4001): daphne answers 403 when too busy to accept in time, proxies 502/503.
-                    reason = f"HTTP {exc.response.status_code}"
-                except (OSError, TimeoutError, InvalidHandshake) as exc:
-                    reason = f"{type(exc).__name__}: {exc}"
-                else:
-                    welcomed = await self._serve(ws, failures)
-                    code = ws.close_code
-                    if not should_reconnect(code):
-                        raise SiteRefused(refusal_hint(code, self.config.site, self.config.name))
-                    if welcomed:
-                        failures = 0
-                    reason = f"closed with code {code}"
-                failures += 1
-                delay = self.backoff.delay(failures)
-                logger.debug(
-                    "site connection to %s failed (%s), try %s; next try in %.1f s", url, reason, failures, delay
-                )
-                if failures == 1:
-                    logger.warning(
-                        "the site at %s is busy or unreachable (%s); retrying with growing pauses of up to %.0f s",
-                        url,
-                        reason,
-                        self.backoff.max_s,
-                    )
+                reason = await self._reconnecting(counted)
+                counted = 1
+                delay = self.backoff.delay(counted)
+                self._note_failure(counted, reason, delay)
                 await asyncio.sleep(delay)
         finally:
             for task in self._workers.values():
                 task.cancel()
+
+    async def _reconnecting(self, counted: int) -> str:
+        """Tries until one is welcomed, then that connection's life; returns how it ended.
+
+        Each outage is one tenacity run, so a welcomed connection starts the count
+        of failures afresh. The ``n``-th failure of an outage waits ``Backoff.delay(n)``;
+        ``counted`` failures came before this run. It never gives up (an aggregator is
+        a service, whatever the policy's ``max_tries``).
+
+        Raises:
+            SiteRefused: the site closed with a code no retry can fix.
+        """
+        reason = ""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(_NotWelcomed),
+            wait=lambda state: self.backoff.delay(counted + state.attempt_number),
+            before_sleep=lambda state: self._note_failure(
+                counted + state.attempt_number, _failure(state), state.upcoming_sleep
+            ),
+        )
+        async for attempt in retrying:
+            with attempt:
+                reason = await self._one_try(counted + attempt.retry_state.attempt_number - 1)
+        return reason
+
+    async def _one_try(self, failures: int) -> str:
+        """Connect and, once welcomed, serve until the connection ends; returns how it ended.
+
+        Raises:
+            _NotWelcomed: the try ended before the site's welcome.
+            SiteRefused: the site closed with a code no retry can fix.
+        """
+        try:
+            ws = await connect(
+                self.config.backbone_ws_url,
+                additional_headers={
+                    "Authorization": f"Bearer {self.config.token}",
+                    CONNECTION_HEADER: self._tries.next().header(),
+                },
+                max_size=MAX_WS_MESSAGE_BYTES,
+                open_timeout=WELCOME_TIMEOUT_S,
+                subprotocols=[Subprotocol(p) for p in offered_subprotocols()],
+            )
+        except InvalidStatus as exc:
+            # Never the site's verdict on the token (it accepts every socket and refuses a token with
+            # close code 4001): daphne answers 403 when too busy to accept in time, proxies 502/503.
+            raise _NotWelcomed(f"HTTP {exc.response.status_code}") from None
+        except (OSError, TimeoutError, InvalidHandshake) as exc:
+            raise _NotWelcomed(f"{type(exc).__name__}: {exc}") from None
+        welcomed = await self._serve(ws, failures)
+        code = ws.close_code
+        if not should_reconnect(code):
+            raise SiteRefused(refusal_hint(code, self.config.site, self.config.name))
+        if not welcomed:
+            raise _NotWelcomed(f"closed with code {code}")
+        return f"closed with code {code}"
+
+    def _note_failure(self, failures: int, reason: str, delay: float) -> None:
+        """Each failure at DEBUG; the first of an outage also at WARNING, saying the aggregator keeps trying."""
+        url = self.config.backbone_ws_url
+        logger.debug("site connection to %s failed (%s), try %s; next try in %.1f s", url, reason, failures, delay)
+        if failures == 1:
+            logger.warning(
+                "the site at %s is busy or unreachable (%s); retrying with growing pauses of up to %.0f s",
+                url,
+                reason,
+                self.backoff.max_s,
+            )
 
     async def _serve(self, ws: ClientConnection, failures: int) -> bool:
         """Say hello, wait for the welcome, then take orders until the connection closes.

@@ -33,9 +33,10 @@ class Backoff:
     factor in ``[1 - jitter, 1]``: never longer than ``max_s``, which the "pauses of up
     to ..." log lines promise, and never all at once after a restart (a crowd of agents,
     or several aggregators, spread out instead of knocking together). The policy is
-    tenacity's: ``wait()`` and ``stop()`` plug into a ``Retrying``; ``delay`` and
-    ``exhausted`` ask the same strategies for loops whose count of tries resets
-    (a connection that was welcomed starts a fresh count).
+    tenacity's: ``wait()`` and ``stop()`` plug into a ``Retrying``. The control channel
+    and the site link run one ``AsyncRetrying`` per outage (a welcomed connection
+    starts a fresh count) and number their pauses across it, so they ask ``delay``
+    for try ``n`` of the outage; ``exhausted`` asks ``stop()`` the same way.
     """
 
     base_s: float = 0.5

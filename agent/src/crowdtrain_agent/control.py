@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, retry_if_exception_type, stop_after_attempt
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.typing import Subprotocol
@@ -58,6 +59,19 @@ class ConnectionLost(ConnectionError):
 
 class AgentStopped(RuntimeError):
     """The site refused this agent for good (or could not be reached); the message says what to do."""
+
+
+class _NotWelcomed(Exception):
+    """A connection try that ended before the site's welcome, with its close code (None: no close frame)."""
+
+    def __init__(self, code: int | None) -> None:
+        super().__init__(f"the connection ended before the welcome (close code {code})")
+        self.code = code
+
+
+def _worth_another_try(exc: BaseException) -> bool:
+    """A try that was not welcomed goes on, unless its close code says no retry can help."""
+    return isinstance(exc, _NotWelcomed) and should_reconnect(exc.code)
 
 
 def close_hint(code: int, url: str, reason: str = "") -> str:
@@ -170,25 +184,30 @@ class ControlChannel:
             ConnectionLost: if the connection dropped more than ``retries`` times.
             TimeoutError: if no reply came within ``timeout``.
         """
-        attempt = 0
-        while True:
-            ws = await self._connected()
-            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._waiters[slot] = future
+        resending = AsyncRetrying(
+            retry=retry_if_exception_type(ConnectionLost),
+            stop=stop_after_attempt(retries + 1),
+            before_sleep=lambda state: logger.debug(
+                "connection lost waiting for %s; sending again after reconnect", slot
+            ),
+            reraise=True,
+        )
+        return await resending(self._call_once, message, slot, timeout)
+
+    async def _call_once(self, message: Any, slot: str, timeout: float) -> Any:
+        """Send ``message`` once on the current connection and wait for its reply; ConnectionLost if it drops."""
+        ws = await self._connected()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiters[slot] = future
+        try:
             try:
-                try:
-                    await ws.send(encode_message(message))
-                except ConnectionClosed:
-                    raise ConnectionLost("control connection closed while sending") from None
-                return await asyncio.wait_for(future, timeout)
-            except ConnectionLost:
-                attempt += 1
-                if attempt > retries:
-                    raise
-                logger.debug("connection lost waiting for %s; sending again after reconnect", slot)
-            finally:
-                if self._waiters.get(slot) is future:
-                    del self._waiters[slot]
+                await ws.send(encode_message(message))
+            except ConnectionClosed:
+                raise ConnectionLost("control connection closed while sending") from None
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            if self._waiters.get(slot) is future:
+                del self._waiters[slot]
 
     async def send(self, message: Any) -> None:
         """Send without waiting for a reply; dropped silently if disconnected."""
@@ -221,43 +240,93 @@ class ControlChannel:
     async def run(self) -> None:
         """Connect, and reconnect after every drop, until close() or a fatal close code.
 
+        Each outage is one tenacity run of connection tries (``_reconnecting``):
+        a welcomed connection ends it, so the next drop starts a fresh count of
+        tries, and the first try after a drop waits the policy's first pause.
+
         Raises:
             AgentStopped: for a close code no retry can fix, or after Backoff.max_tries failures.
         """
-        tries = 0  # connection attempts since the last welcomed connection
+        dropped = False  # a welcomed connection ended: the next try waits first
         while not self._closing:
-            tries += 1
-            code: int | None = None
+            if dropped:
+                self._on_state("reconnecting to the site (try 1)")
+                await asyncio.sleep(self._backoff.delay(1))
+                if self._closing:
+                    return
             try:
-                code = await self._connect_once(tries)
-            except InvalidStatus as exc:
-                # An HTTP answer to the handshake is never the site's verdict on this agent: the site accepts
-                # every socket and refuses a token with a close code. daphne answers 403 to a handshake it was
-                # too busy to accept in time, and proxies answer 502/503 while the site restarts: try again.
-                self._note_busy(tries, f"HTTP {exc.response.status_code}")
-            except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed, ProtocolError) as exc:
-                rcvd = getattr(exc, "rcvd", None)  # a real close frame, if one came
-                code, self._close_reason = getattr(rcvd, "code", None), getattr(rcvd, "reason", "")
-                if should_reconnect(code):
-                    self._note_busy(tries, f"{type(exc).__name__}: {exc}")
+                code = await self._reconnecting()
+            except _NotWelcomed as exc:
+                code = exc.code  # a close code no retry can fix (see _worth_another_try)
             if self._closing:
                 return
             if not should_reconnect(code):
                 self._fail(AgentStopped(close_hint(int(code or 0), self.url, self._close_reason)))
                 raise self.fatal  # type: ignore[misc]
-            if self.welcome is not None:
-                tries = 0  # that connection worked; a drop starts a fresh count
-            elif self._backoff.exhausted(tries):
-                logger.warning("giving up on %s after %d tries", self.url, tries)
-                self._fail(
-                    AgentStopped(
-                        f"could not reach the site at {self.url} after {tries} tries; check the network and the "
-                        "--server address, then start the agent again"
-                    )
-                )
-                raise self.fatal  # type: ignore[misc]
-            self._on_state(f"reconnecting to the site (try {tries + 1})")
-            await asyncio.sleep(self._backoff.delay(tries + 1))
+            dropped = True
+
+    async def _reconnecting(self) -> int | None:
+        """Tries until one is welcomed, then that connection's life; returns its close code (None: closing).
+
+        Try ``n`` that failed waits ``Backoff.delay(n + 1)``: the pause before try 1
+        is the one after a drop (``run``).
+
+        Raises:
+            _NotWelcomed: a try ended with a close code no retry can fix.
+            AgentStopped: after Backoff.max_tries tries in a row failed.
+        """
+        code: int | None = None
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(_worth_another_try),
+            wait=lambda state: self._backoff.delay(state.attempt_number + 1),
+            stop=self._stop_trying,
+            before_sleep=lambda state: self._on_state(f"reconnecting to the site (try {state.attempt_number + 1})"),
+            retry_error_callback=self._give_up,
+        )
+        async for attempt in retrying:
+            with attempt:
+                code = await self._one_try(attempt.retry_state.attempt_number)
+        return code
+
+    def _stop_trying(self, state: RetryCallState) -> bool:
+        return self._closing or self._backoff.stop()(state)
+
+    def _give_up(self, state: RetryCallState) -> None:
+        """The last try allowed failed (or close() was called meanwhile: then nothing to say)."""
+        if self._closing:
+            return
+        tries = state.attempt_number
+        logger.warning("giving up on %s after %d tries", self.url, tries)
+        self._fail(
+            AgentStopped(
+                f"could not reach the site at {self.url} after {tries} tries; check the network and the "
+                "--server address, then start the agent again"
+            )
+        )
+        raise self.fatal  # type: ignore[misc]
+
+    async def _one_try(self, tries: int) -> int | None:
+        """Connection try number ``tries`` and, once welcomed, that connection's life; returns its close code.
+
+        Raises:
+            _NotWelcomed: the try ended before the site's welcome.
+        """
+        code: int | None = None
+        try:
+            code = await self._connect_once(tries)
+        except InvalidStatus as exc:
+            # An HTTP answer to the handshake is never the site's verdict on this agent: the site accepts
+            # every socket and refuses a token with a close code. daphne answers 403 to a handshake it was
+            # too busy to accept in time, and proxies answer 502/503 while the site restarts: try again.
+            self._note_busy(tries, f"HTTP {exc.response.status_code}")
+        except (OSError, TimeoutError, InvalidHandshake, ConnectionClosed, ProtocolError) as exc:
+            rcvd = getattr(exc, "rcvd", None)  # a real close frame, if one came
+            code, self._close_reason = getattr(rcvd, "code", None), getattr(rcvd, "reason", "")
+            if should_reconnect(code):
+                self._note_busy(tries, f"{type(exc).__name__}: {exc}")
+        if self.welcome is None:
+            raise _NotWelcomed(code)
+        return code
 
     def _note_busy(self, tries: int, reason: str) -> None:
         """Log a failed connection try: each at DEBUG, and once per outage a line that says it goes on."""

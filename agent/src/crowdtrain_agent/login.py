@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import os
@@ -11,8 +10,6 @@ import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 import webbrowser
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,13 +20,13 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.text import Text
 
-from . import __version__
+from . import __version__, pooled_http
 
 logger = logging.getLogger(__name__)
 
-# HTTP goes through the standard library only. Nothing the site sends is ever
-# executed, and its text is stripped of control characters before it reaches
-# the terminal (printable()).
+# HTTP goes through the agent's one client (pooled_http), redirects not followed. Nothing the site
+# sends is ever executed, and its text is stripped of control characters before it reaches the
+# terminal (printable()).
 
 CLIENT_ID = "crowdtrain-agent"
 GRANT_TYPE = "urn:ietf:params:oauth:grant-type:device_code"
@@ -94,16 +91,6 @@ class Issued:
 # ------------------------------------------------------------------ HTTP
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    # A redirect would resend the bearer token to wherever the Location points, and turn
-    # our POSTs into GETs: report it instead, so the volunteer fixes --server.
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-_opener = urllib.request.build_opener(_NoRedirect)
-
-
 def printable(text: Any, limit: int = 200) -> str:
     """Text from the site, safe for a terminal: no escape sequences, no control characters, bounded."""
     return "".join(ch for ch in str(text) if ch.isprintable())[:limit]
@@ -117,27 +104,31 @@ def _call(url: str, *, form: dict[str, str] | None = None, token: str | None = N
         LoginError: an answer that is not a JSON object, or a redirect.
     """
     data = urlencode(form).encode() if form is not None else None
-    request = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET")
-    request.add_header("Accept", "application/json")
-    request.add_header("User-Agent", f"crowdtrain-agent/{__version__}")
+    headers = {"Accept": "application/json", "User-Agent": f"crowdtrain-agent/{__version__}"}
     if data is not None:
-        request.add_header("Content-Type", "application/x-www-form-urlencoded")
+        headers["Content-Type"] = "application/x-www-form-urlencoded"
     if token:
-        request.add_header("Authorization", f"Bearer {token}")
+        headers["Authorization"] = f"Bearer {token}"
     try:
-        with _opener.open(request, timeout=HTTP_TIMEOUT_S) as response:
+        # Redirects are reported, not followed: one would resend the bearer token to wherever the
+        # Location points, and turn our POSTs into GETs; the volunteer fixes --server instead.
+        with pooled_http.request(
+            "POST" if data is not None else "GET",
+            url,
+            headers=headers,
+            body=data,
+            timeout=HTTP_TIMEOUT_S,
+            redirect=False,
+        ) as response:
             status, raw = response.status, response.read(MAX_RESPONSE_BYTES + 1)
-    except urllib.error.HTTPError as exc:
-        status, raw = exc.code, exc.read(MAX_RESPONSE_BYTES + 1)
-        if 300 <= status < 400:
-            location = printable(exc.headers.get("Location", "?"))
-            raise LoginError(
-                f"{url} redirects to {location}; pass the site's final address as --server "
-                "(often https:// instead of http://)"
-            ) from None
-    except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise SiteUnreachable(f"cannot reach {url}: {printable(reason)}") from None
+    except OSError as exc:
+        raise SiteUnreachable(f"cannot reach {url}: {printable(exc)}") from None
+    if 300 <= status < 400:
+        location = printable(response.headers.get("Location", "?"))
+        raise LoginError(
+            f"{url} redirects to {location}; pass the site's final address as --server "
+            "(often https:// instead of http://)"
+        )
     body: Any = None
     if len(raw) <= MAX_RESPONSE_BYTES:
         try:

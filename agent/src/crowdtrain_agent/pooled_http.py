@@ -5,6 +5,9 @@ slices) and checks the version it holds with a conditional GET per slice;
 shards come from the site. A new connection per request cost a round trip
 each, more over a home link than the small answers themselves. urllib3's pool
 keeps a few connections per server, shared by the agent's download threads.
+Login (``login``) and the site's read of each aggregator's /metrics
+(``crowdtrain.ops.aggregator_probe``) go through it too: one client, one set of
+errors to catch.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class PooledResponse:
     def __init__(self, response: urllib3.BaseHTTPResponse) -> None:
         self._response = response
         self.status = response.status
+        self.reason = response.reason or ""  # the status line's phrase ("Not Found"), for messages
         self.headers = response.headers
 
     def readinto(self, out: memoryview) -> int:
@@ -86,14 +90,44 @@ def get(url: str, headers: dict[str, str], timeout: float) -> PooledResponse:
     Raises:
         OSError: the server cannot be reached, or the connection fails before an answer.
     """
+    return request("GET", url, headers=headers, timeout=timeout)
+
+
+def request(
+    method: str,
+    url: str,
+    *,
+    headers: dict[str, str],
+    timeout: float,
+    body: bytes | None = None,
+    redirect: bool = True,
+) -> PooledResponse:
+    """Send one request on a kept connection; the answer's status is the caller's to judge, its body unread.
+
+    A POST is never sent twice: urllib3 retries a failed read only for methods that are safe to repeat.
+
+    Args:
+        method: ``GET`` or ``POST``.
+        url: an http or https URL.
+        headers: request headers; a ``User-Agent`` among them replaces the agent's.
+        timeout: seconds for the connection and for each read, as urllib's ``timeout``.
+        body: the request body, already encoded.
+        redirect: follow redirects; False returns a 3xx answer as it is (login reports it instead of
+            sending its token wherever the Location points).
+
+    Raises:
+        OSError: the server cannot be reached, or the connection fails before an answer.
+    """
     try:
         response = POOL.request(
-            "GET",
+            method,
             url,
+            body=body,
             headers={"User-Agent": USER_AGENT, **headers},
             timeout=urllib3.Timeout(connect=timeout, read=timeout),
             preload_content=False,
             decode_content=False,
+            redirect=redirect,
         )
     except Urllib3Error as exc:
         reason: Any = getattr(exc, "reason", None) or exc

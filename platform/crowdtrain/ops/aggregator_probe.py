@@ -6,6 +6,8 @@ endpoint on its HTTP port (the host of its ``params_url``), with a short
 timeout and in parallel, at most once per ``CACHE_S`` per process whatever the
 number of watchers. Ingest MB/s is the growth of its ingest counter between
 two reads. An aggregator that does not answer shows its error instead.
+Reads go through the agent's pooled client (``crowdtrain_agent.pooled_http``):
+a dashboard refreshed every few seconds reuses its connection to each aggregator.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 from prometheus_client.parser import text_string_to_metric_families
+
+from crowdtrain_agent import pooled_http
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +80,12 @@ class AggregatorProbe:
         self._readings: dict[int, _Reading] = {}
 
     def _read(self, url: str) -> tuple[dict[str, Any], float | None]:
-        request = urllib.request.Request(url)
+        headers = {"User-Agent": "crowdtrain-site"}
         if settings.CROWDTRAIN_METRICS_TOKEN:  # deploy/ gives site and aggregators the same scrape token
-            request.add_header("Authorization", f"Bearer {settings.CROWDTRAIN_METRICS_TOKEN}")
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:  # noqa: S310 (http(s) only, above)
+            headers["Authorization"] = f"Bearer {settings.CROWDTRAIN_METRICS_TOKEN}"
+        with pooled_http.get(url, headers, TIMEOUT_S) as response:  # http(s) only: metrics_url
+            if not 200 <= response.status < 300:  # worded as urllib's HTTPError, which the dashboard showed
+                raise OSError(f"HTTP Error {response.status}: {response.reason}")
             return parse(response.read().decode("utf-8", "replace"))
 
     def _refresh(self, aggregator_id: int, url: str | None) -> _Reading:
@@ -96,7 +100,7 @@ class AggregatorProbe:
             try:
                 figures, ingest = self._read(url)
                 reading = _Reading(now, figures, ingest)
-            except (OSError, urllib.error.URLError, ValueError) as exc:
+            except (OSError, ValueError) as exc:
                 logger.debug("aggregator %s: cannot read %s: %s", aggregator_id, url, exc)
                 reading = _Reading(now, {}, error=f"its /metrics did not answer ({exc})"[:200])
         if previous is not None and previous.ingest_bytes is not None and reading.ingest_bytes is not None:
