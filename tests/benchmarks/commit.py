@@ -183,9 +183,8 @@ def _seed(devices: int, samples: int) -> tuple[Any, list[int]]:
 
 def _records(config: Any, device_ids: list[int], first_id: int, step: int, size: int) -> list[dict[str, Any]]:
     """A full step's lease records as the hot state holds them, each lease's row already written as active."""
-    from crowdtrain.scheduler.commits import moment
+    from crowdtrain.scheduler.lease_rows import moment, to_shards
     from crowdtrain.scheduler.models import Lease
-    from crowdtrain.scheduler.rebuild import to_shards
 
     now = time.time()
     records = []

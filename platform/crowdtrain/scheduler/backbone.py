@@ -50,8 +50,9 @@ from . import seam
 from .configs import publish_hold, publish_state
 from .durability import complete_versions
 from .hotstate import HotStateMissing, hot_state
+from .lease_rows import to_global
 from .models import Aggregator, Checkpoint, Lease, SliceAssignment
-from .rebuild import merge, to_global
+from .rebuild import merge
 from .records import writer
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
 from django.db import IntegrityError, OperationalError, transaction
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
@@ -37,9 +36,10 @@ from . import seam
 from .configs import CampaignConfig
 from .hotrecords import FullStep, LeaseRecord, full_step
 from .hotstate import HotStateMissing, hot_state
+from .lease_rows import held, lease_row
 from .models import Lease, StepNetwork
 from .network import step_totals
-from .rebuild import load_campaign, to_shards
+from .rebuild import load_campaign
 
 logger = logging.getLogger(__name__)
 
@@ -59,20 +59,6 @@ class Commit:
     aggregator_ids: list[int]
     woken: list[str] = field(default_factory=list)
     delivered: bool = False  # the aggregators heard it already (from the committing thread)
-
-
-def moment(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, tz=UTC)
-
-
-def held(record: LeaseRecord) -> tuple[datetime, datetime, float]:
-    """A reported lease's issue and report times, and its compute time capped by how long it was held.
-
-    Capped again after rounding to the database's microseconds, so the stored
-    compute time never exceeds the stored times' difference.
-    """
-    issued, finished = moment(record.issued_at), moment(record.finished_at)
-    return issued, finished, min(record.compute_s, (finished - issued).total_seconds())
 
 
 def _write_step(config: CampaignConfig, index: int, leases: list[LeaseRecord], line: int) -> list[int]:
@@ -143,28 +129,6 @@ def _why_discarded(campaign_id: int, index: int, line: int) -> str:
     )
 
 
-def _row(config: CampaignConfig, record: LeaseRecord, step: Step) -> Lease:
-    issued, finished, compute_s = held(record)
-    ranges = to_shards(config.table, record.ranges)
-    return Lease(
-        pk=record.id,
-        campaign_id=config.id,
-        device_id=record.device,
-        base_version=record.base_version,
-        target_step=step.index,
-        ranges=ranges,
-        epoch=ranges[0][0],
-        num_samples=record.samples,
-        state=Lease.State.ACCEPTED,
-        issued_at=issued,
-        deadline=moment(record.deadline),
-        finished_at=finished,
-        step=step,
-        loss_sum=record.loss,
-        compute_s=compute_s,
-    )
-
-
 def _accept(config: CampaignConfig, leases: list[LeaseRecord], step: Step) -> None:
     """Mark the step's leases accepted into it, with their outcomes.
 
@@ -178,7 +142,7 @@ def _accept(config: CampaignConfig, leases: list[LeaseRecord], step: Step) -> No
     outcomes = sorted((lease.id, lease.loss, *held(lease)[1:]) for lease in leases)
     existing = batchsql.accept_leases(Lease, step.pk, outcomes, accepted_state=Lease.State.ACCEPTED)
     missing = sorted(
-        (_row(config, lease, step) for lease in leases if lease.id not in existing), key=lambda row: row.pk
+        (lease_row(config, lease, step=step) for lease in leases if lease.id not in existing), key=lambda row: row.pk
     )
     if missing:
         # Upserted: the other process's batch may write them between the read above and this insert.

@@ -23,7 +23,7 @@ class LeaseRecord(msgspec.Struct, frozen=True, kw_only=True):
     step: int = msgspec.field(name="s")  # the step its samples count in, reserved at issue
     samples: int = msgspec.field(name="n")  # how many samples
     base_version: int = msgspec.field(name="b")  # the parameter version it computes on
-    # Its samples in the campaign's global order: (epoch, first sample, count) spans (``rebuild.to_shards``).
+    # Its samples in the campaign's global order: (epoch, first sample, count) spans (``lease_rows.to_shards``).
     ranges: list[list[int]] = msgspec.field(name="r")
     # active (out with the device), accepted (reported, counted in its step); expired, released, rejected.
     state: str = msgspec.field(name="st")

@@ -37,12 +37,11 @@ from crowdtrain_agent.protocol import (
 )
 
 from . import ids, network, seam
-from .commits import moment
 from .configs import CampaignConfig, campaign_config, most_lease_samples, open_to, running_campaigns
-from .hotrecords import LeaseRecord, lease_record
+from .hotrecords import lease_record
 from .hotstate import hot_state
+from .lease_rows import lease_row
 from .models import Lease
-from .rebuild import to_shards
 from .records import writer
 from .scripts import record_retired, run
 
@@ -167,7 +166,7 @@ def _try_lease(
     if answer.get("kind") != "lease":
         ids.lease_ids.put_back(lease_id)
         return _refusal(config, answer)
-    lease = _row(config, lease_record(answer["lease"]), request_id)
+    lease = lease_row(config, lease_record(answer["lease"]), request_id=request_id)
     writer().lease_issued(lease)
     writer().cursor_moved(config.id, int(answer["epoch"]), int(answer["cursor"]))
     logger.debug(
@@ -190,24 +189,6 @@ def _copy_or_lease(
         if copy is not None:
             return copy
     return _try_lease(config, device_id, samples_per_s, request_id, backups)
-
-
-def _row(config: CampaignConfig, record: LeaseRecord, request_id: str = "") -> Lease:
-    ranges = to_shards(config.table, record.ranges)
-    return Lease(
-        pk=record.id,
-        campaign_id=config.id,
-        device_id=record.device,
-        base_version=record.base_version,
-        target_step=record.step,
-        ranges=ranges,
-        epoch=ranges[0][0] if ranges else 0,
-        num_samples=record.samples,
-        state=Lease.State.ACTIVE,
-        issued_at=moment(record.issued_at),
-        deadline=moment(record.deadline),
-        request_id=request_id[:64],
-    )
 
 
 def lease_message(lease: Lease, config: CampaignConfig, *, check: bool = False) -> LeaseMessage:
@@ -293,7 +274,7 @@ def _resent(device_id: int, request_id: str) -> LeaseMessage | None:
     record = lease_record(json.loads(record_raw)) if record_raw else None
     if record is None or record.state != "active" or record.device != device_id:
         return None
-    return lease_message(_row(config, record, request_id), config)
+    return lease_message(lease_row(config, record, request_id=request_id), config)
 
 
 @dataclass(frozen=True)

@@ -15,50 +15,25 @@ import bisect
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable
 
 from django.conf import settings
 from django.db.models import Max, Q
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
+from crowdtrain.campaigns.models import Campaign, shard_table
 
 from . import seam
 from .configs import hot_fields, probation_cap, publish_state, run_state
 from .hotrecords import LeaseRecord, to_script
 from .hotstate import hot_state
+from .lease_rows import to_global
 from .models import Lease
 from .records import Finished, writer
 
 logger = logging.getLogger(__name__)
 
 Interval = tuple[int, int]  # [start, end) of global sample indexes
-
-
-def to_global(table: ShardTable, ranges: Iterable[list[int]]) -> list[list[int]]:
-    """``[epoch, shard, start, count]`` ranges as ``[epoch, first sample, count]`` in dataset order."""
-    return [[e, table.first_samples[s] + start, count] for e, s, start, count in ranges]
-
-
-def to_shards(table: ShardTable, ranges: Iterable[list[int]]) -> list[list[int]]:
-    """Global ``[epoch, start, count]`` ranges cut at shard boundaries into ``[epoch, shard, start, count]``.
-
-    Raises:
-        ValueError: a range reaches past the dataset's last sample.
-    """
-    out: list[list[int]] = []
-    for epoch, start, count in ranges:
-        while count > 0:
-            index = table.locate(start)
-            offset = start - table.first_samples[index]
-            take = min(count, table.sizes[index] - offset)
-            if start < 0 or take <= 0:
-                # A range from another dataset (a campaign read before its row was replaced): never loop on it.
-                raise ValueError(f"samples {start}..{start + count - 1} are outside this dataset's shards")
-            out.append([epoch, index, offset, take])
-            start, count = start + take, count - take
-    return out
 
 
 def merge(intervals: list[Interval]) -> list[Interval]:

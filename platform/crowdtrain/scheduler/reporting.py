@@ -14,10 +14,11 @@ from crowdtrain.lib import metrics
 from crowdtrain_agent.protocol import DoneAck, LeaseDone, LeaseRequest, verify_receipt
 
 from . import committer, leasing, network, seam
-from .commits import Commit, commit_full_steps, held
+from .commits import Commit, commit_full_steps
 from .configs import CampaignConfig, campaign_config
 from .endings import release_leases
 from .hotrecords import full_step, lease_record
+from .lease_rows import held
 from .models import Lease
 from .records import Finished, writer
 from .scripts import lease_place, record_retired, run

@@ -12,9 +12,9 @@ from typing import Any, cast
 from crowdtrain.lib import metrics
 
 from . import seam
-from .commits import moment
 from .configs import CampaignConfig, campaign_config, forget
 from .hotstate import HotStateMissing, hot_state
+from .lease_rows import moment
 from .models import Lease
 from .rebuild import load_campaign
 from .records import Finished, writer

@@ -184,7 +184,7 @@ def maybe_pick(config: CampaignConfig, device_id: int, done: LeaseDone, record: 
     sketch = sketch_of(config, done)
     if sketch is None:
         return False  # nothing to compare with: an aggregator that does not sketch yet
-    from crowdtrain.scheduler.rebuild import to_shards
+    from crowdtrain.scheduler.lease_rows import to_shards
 
     case = Check(
         campaign_id=config.id,

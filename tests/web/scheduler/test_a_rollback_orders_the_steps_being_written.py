@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 
 from crowdtrain.campaigns.models import Campaign
-from crowdtrain.scheduler import backbone, commits, leasing, reporting
+from crowdtrain.scheduler import backbone, commits, endings, leasing, reporting
 from crowdtrain.scheduler.configs import CampaignConfig
 from crowdtrain.scheduler.hotrecords import FullStep
 from crowdtrain.scheduler.hotstate import hot_state
@@ -61,7 +61,7 @@ def _step_one_held(campaign: Campaign, device_id: int) -> tuple[list[int], Campa
         held.append((config, full))
         return []
 
-    with mock.patch.object(leasing, "commit_full_steps", hold):
+    with mock.patch.object(reporting, "commit_full_steps", hold), mock.patch.object(endings, "commit_full_steps", hold):
         _work(campaign, device_id, 2)
     (config, full), *_ = held
     return step_zero, config, full

@@ -205,7 +205,7 @@ def _play(
 ) -> None:
     """The random phase, then the held writes (whatever happened since), then a drain by device 0."""
     slow = SlowWriters()
-    with mock.patch.object(leasing, "commit_full_steps", slow):
+    with mock.patch.object(reporting, "commit_full_steps", slow), mock.patch.object(endings, "commit_full_steps", slow):
         processes = len(sites)
         for op, who, where in ops:
             device, site = devices[who], sites[where % processes]
