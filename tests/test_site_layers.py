@@ -24,7 +24,7 @@ import pytest
 
 SITE = Path(__file__).resolve().parents[1] / "platform" / "crowdtrain"
 
-# Lowest first. The site-wide helpers at the package root (env, text, batchsql, connections) rank with lib.
+# Lowest first. The helpers left at the package root (env, batchsql) rank with lib.
 LAYERS = ["lib", "accounts", "campaigns", "scheduler", "devices", "credit", "verification", "ops", "gateway"]
 # The site's wiring at its root: it assembles every app.
 WIRING = {
@@ -33,7 +33,6 @@ WIRING = {
     "crowdtrain.urls",
     "crowdtrain.asgi",
     "crowdtrain.celery",
-    "crowdtrain.daphne_site",
 }
 # A module whose name (or one of its packages) says it is at the site's edge.
 EDGE_NAMES = {"views", "pages", "api", "urls", "admin", "forms", "apps", "routing", "consumers", "templatetags",

@@ -363,7 +363,7 @@ if CROWDTRAIN_PROTOCOL_MINOR > PROTOCOL_MINOR:
 # liveness from its open socket (daphne's pings drop dead ones), so thousands of idle volunteers
 # need not cost a message every two seconds each. Aggregators keep CROWDTRAIN_HEARTBEAT_S: theirs
 # drive the site's resends of lost commits. Keep it under daphne's ping interval (30 s,
-# crowdtrain.daphne_site), or the site pings every idle agent as well.
+# crowdtrain.lib.daphne_site), or the site pings every idle agent as well.
 CROWDTRAIN_AGENT_HEARTBEAT_S = env_float("CROWDTRAIN_AGENT_HEARTBEAT_S", 25.0, minimum=0.1)
 # A lease of the open step still out this many times longer than its device has taken for as many
 # samples (a new device: the swarm's typical lease), and at least this many seconds, gets a backup:
@@ -408,7 +408,7 @@ CROWDTRAIN_RECORDS_INLINE = env_bool("CROWDTRAIN_RECORDS_INLINE", False)
 # is closed (4000): idle sockets that never speak must not pile up. Agents and aggregators say
 # hello at once; the time allows for a slow link, not for thinking.
 CROWDTRAIN_HELLO_TIMEOUT_S = env_float("CROWDTRAIN_HELLO_TIMEOUT_S", 5.0, minimum=0.1)
-# Every site WebSocket is pinged this often and dropped when its pong is this late (crowdtrain.daphne_site).
+# Every site WebSocket is pinged this often and dropped when its pong is this late (crowdtrain.lib.daphne_site).
 CROWDTRAIN_WS_PING_INTERVAL_S = env_float("CROWDTRAIN_WS_PING_INTERVAL_S", 30.0, minimum=1.0)
 CROWDTRAIN_WS_PING_TIMEOUT_S = env_float("CROWDTRAIN_WS_PING_TIMEOUT_S", 10.0, minimum=1.0)
 

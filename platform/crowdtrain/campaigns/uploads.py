@@ -35,7 +35,7 @@ from django.http import HttpRequest, JsonResponse
 from django.urls import reverse
 from django.views.decorators.http import require_http_methods
 
-from crowdtrain import jsonbodies
+from crowdtrain.lib import jsonbodies
 from crowdtrain_agent.models import max_text_sample_len
 from crowdtrain_agent.models.registry import BYTE_VOCAB, IMAGE_SIZES, MAX_VOCAB
 

@@ -30,7 +30,7 @@ from django.db.models import Model, Q
 
 from crowdtrain import batchsql
 from crowdtrain.campaigns.models import Campaign
-from crowdtrain.connections import refresh_if_due
+from crowdtrain.lib.connections import refresh_if_due
 
 from .models import Lease
 
