@@ -37,8 +37,6 @@ WIRING = {
 # A module whose name (or one of its packages) says it is at the site's edge.
 EDGE_NAMES = {"views", "pages", "api", "urls", "admin", "forms", "apps", "routing", "consumers", "templatetags",
               "management"}  # fmt: skip
-# Modules of views not yet named so (the layout moves them to views modules).
-VIEW_MODULES = {"crowdtrain.campaigns.join", "crowdtrain.campaigns.export", "crowdtrain.campaigns.agent_wheel"}
 
 
 def _modules() -> dict[str, Path]:
@@ -84,11 +82,7 @@ def app_of(name: str) -> str:
 
 def is_edge(name: str) -> bool:
     parts = name.split(".")
-    return (
-        name in WIRING
-        or name in VIEW_MODULES
-        or any(part in EDGE_NAMES or part.endswith("_views") for part in parts[2:])
-    )
+    return name in WIRING or any(part in EDGE_NAMES or part.endswith("_views") for part in parts[2:])
 
 
 def _violations() -> list[str]:
