@@ -24,7 +24,7 @@ import pytest
 
 SITE = Path(__file__).resolve().parents[1] / "platform" / "crowdtrain"
 
-# Lowest first. The helpers left at the package root (env, batchsql) rank with lib.
+# Lowest first. The helpers left at the package root (env, batchsql, periodic) rank with lib.
 LAYERS = ["lib", "accounts", "campaigns", "scheduler", "devices", "credit", "verification", "ops", "gateway"]
 # The site's wiring at its root: it assembles every app.
 WIRING = {

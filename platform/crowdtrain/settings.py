@@ -17,6 +17,7 @@ from django.core.exceptions import ImproperlyConfigured
 from crowdtrain_agent.protocol.frames import OLDEST_MINOR, PROTOCOL_MINOR
 
 from .env import env_bool, env_choice, env_email_url, env_float, env_hex_bytes, env_int, env_list, env_str
+from .periodic import beat_schedule
 
 BASE_DIR = Path(__file__).resolve().parents[2]
 VAR_DIR = Path(env_str("CROWDTRAIN_VAR_DIR", str(BASE_DIR / "var")))
@@ -207,13 +208,8 @@ CELERY_DB_REUSE_MAX = 1_000_000
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_BEAT_SCHEDULE = {
-    "expire-leases": {"task": "crowdtrain.scheduler.tasks.expire_leases", "schedule": 5.0},
-    "discard-stale-uploads": {"task": "crowdtrain.campaigns.tasks.discard_stale_uploads", "schedule": 3600.0},
-    "age-leaderboards": {"task": "crowdtrain.credit.tasks.age_leaderboards", "schedule": 300.0},
-    "rebuild-leaderboards": {"task": "crowdtrain.credit.tasks.rebuild_leaderboards", "schedule": 86400.0},
-    "export-stats": {"task": "crowdtrain.credit.tasks.export_stats", "schedule": 86400.0},
-}
+# Every periodic job of the site, with its period, is listed in crowdtrain/periodic.py.
+CELERY_BEAT_SCHEDULE = beat_schedule()
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
