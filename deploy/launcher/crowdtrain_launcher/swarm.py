@@ -40,7 +40,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]  # deploy/launcher/crowdtrain_launcher/swarm.py
 PYTHONPATH = [REPO_ROOT / "platform", REPO_ROOT / "agent" / "src", REPO_ROOT]
 
 DAPHNE_LISTENING = re.compile(r"Listening on TCP address ([\d.]+):(\d+)")
