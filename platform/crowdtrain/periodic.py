@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Job:
-    """One periodic job: ``call`` is the dotted path of what runs, ``every`` how often, in words."""
+    """One periodic job: ``call`` is what runs (a beat job's Celery task name, else a dotted path), ``every`` how
+    often, in words."""
 
     name: str
     call: str
