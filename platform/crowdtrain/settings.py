@@ -72,6 +72,7 @@ INSTALLED_APPS = [
     "allauth",
     "allauth.account",
     "crowdtrain.accounts",
+    "crowdtrain.datasets",
     "crowdtrain.campaigns",
     "crowdtrain.scheduler",
     "crowdtrain.devices",

@@ -6,17 +6,10 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 
 from crowdtrain.accounts import profile_views, team_views
-from crowdtrain.campaigns import (
-    dataset_views,
-    export_views,
-    join_views,
-    organizer_views,
-    pretrained_views,
-    role_views,
-    upload_views,
-)
+from crowdtrain.campaigns import export_views, join_views, organizer_views, role_views
 from crowdtrain.campaigns import views as campaign_views
 from crowdtrain.credit import views as credit_views
+from crowdtrain.datasets import dataset_views, pretrained_views, upload_views
 from crowdtrain.ops import views as ops_views
 from crowdtrain.verification import review_views, standing_views
 

@@ -187,7 +187,7 @@ def corpus_file() -> Path:
         import django
 
         django.setup()
-        from crowdtrain.campaigns.sharding import stdlib_corpus
+        from crowdtrain.datasets.sharding import stdlib_corpus
 
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(stdlib_corpus(CORPUS_BYTES))

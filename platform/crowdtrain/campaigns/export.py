@@ -18,10 +18,11 @@ from django.core.files.storage import default_storage
 from django.http import HttpRequest
 from django.urls import reverse
 
+from crowdtrain.datasets.models import shard_storage_name
 from crowdtrain_agent.models.hf import CONFIGS, pretrained_files
 
 from .agent_wheel import wheel_url
-from .models import Campaign, ValidationResult, shard_storage_name
+from .models import Campaign, ValidationResult
 
 SNIPPET = (
     "# pip install {pip_spec}\n"

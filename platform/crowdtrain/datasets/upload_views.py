@@ -18,8 +18,10 @@ from django.conf import settings
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_http_methods
 
+from crowdtrain.campaigns.organizers import is_organizer
+
 from .models import Upload
-from .permissions import is_organizer, visible_uploads
+from .permissions import visible_uploads
 from .uploads import UploadError, append_chunk, complete_upload, create_upload, describe, store_uploaded_tokenizer
 
 logger = logging.getLogger(__name__)

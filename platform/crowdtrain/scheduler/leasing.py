@@ -23,7 +23,8 @@ from typing import Any, NamedTuple, cast
 from django.conf import settings
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.campaigns.models import Campaign, Step, shard_table
+from crowdtrain.campaigns.models import Campaign, Step
+from crowdtrain.datasets.models import shard_table
 from crowdtrain.lib import metrics
 from crowdtrain_agent.protocol import (
     DoneAck,
