@@ -41,10 +41,10 @@ prometheus: $(PROMETHEUS)
 
 # torch goes in first and alone, pinned: pip then takes the CPU wheel from this
 # machine's disk instead of pulling a multi-GB CUDA build for a looser range.
-$(STAMP): pyproject.toml agent/pyproject.toml
+$(STAMP): pyproject.toml agent/pyproject.toml deploy/launcher/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install --quiet --disable-pip-version-check -e ./agent -e '.[test]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e ./agent -e ./deploy/launcher -e '.[test]'
 	touch $(STAMP)
 
 # npm ci installs exactly the committed lock file; it runs again only when the package files change.
@@ -69,7 +69,7 @@ serve: $(STAMP) $(CHARTS)
 # Until Ctrl-C: PostgreSQL and Redis (DATABASE_URL, REDIS_URL, or private ones), 2 daphne processes behind
 # HAProxy at https://127.0.0.1:8443/, Celery worker and beat, one aggregator. ARGS="--sites 3 --port 9443"
 cluster: $(STAMP) $(CHARTS) $(HAPROXY)
-	PYTHONPATH=platform:agent/src $(BIN)/python -m crowdtrain_launcher.cluster $(ARGS)
+	PYTHONPATH=platform:agent/src:deploy/launcher $(BIN)/python -m crowdtrain_launcher.cluster $(ARGS)
 
 # Debian packages the tests need, installed once (file targets: nothing runs once the binary is there).
 # CI runs as root; elsewhere sudo, if any. A fresh machine may have empty package lists, so one failed
@@ -104,7 +104,7 @@ $(PROMETHEUS):
 # formatting and types in the site, the aggregator and the agent.
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check platform agent
+	$(BIN)/ruff format --check platform agent deploy/launcher
 	$(BIN)/mypy
 
 # The end-to-end tests run in the second pass, on PostgreSQL and Redis; the first pass keeps one, the swarm

@@ -14,10 +14,11 @@ from django.utils import timezone
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.tokens import hash_token
 from crowdtrain.campaigns.keys import ticket_key
-from crowdtrain.campaigns.models import Campaign, Dataset
+from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.organizers import grant_role
 from crowdtrain.campaigns.setup import create_campaign
-from crowdtrain.campaigns.sharding import create_text_dataset
+from crowdtrain.datasets.models import Dataset
+from crowdtrain.datasets.sharding import create_text_dataset
 from crowdtrain.scheduler.models import Aggregator, Lease, SliceAssignment
 from crowdtrain_agent.protocol import LeaseDone, Receipt, sign_receipt
 

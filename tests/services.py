@@ -15,10 +15,10 @@ import os
 import sys
 from pathlib import Path
 
-# Run as `python -m tests.services` from the repository root, before pytest puts platform/ on the path.
-_PLATFORM = str(Path(__file__).resolve().parents[1] / "platform")
-if _PLATFORM not in sys.path:
-    sys.path.insert(0, _PLATFORM)
+# Run as `python -m tests.services` from the repository root, before pytest puts the launcher on the path.
+_LAUNCHER = str(Path(__file__).resolve().parents[1] / "deploy" / "launcher")
+if _LAUNCHER not in sys.path:
+    sys.path.insert(0, _LAUNCHER)
 
 from crowdtrain_launcher.engines import EngineError, ensure_postgres, ensure_redis  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Shards cut whole in memory, for tests: the site cuts its own streaming (``crowdtrain.campaigns.sharding``).
+"""Shards cut whole in memory, for tests: the site cuts its own streaming (``crowdtrain.datasets.sharding``).
 
 Same formats as ``crowdtrain_agent.data`` reads; small enough to build in a test.
 """

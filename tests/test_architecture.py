@@ -11,7 +11,10 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+from setuptools import find_packages
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +38,7 @@ def top_level_modules_after_importing(*packages: str, walk: bool = True, tmp_pat
     )  # fmt: skip
     env = {
         **{k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"},
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "platform"), str(ROOT / "agent" / "src")]),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / p) for p in ("platform", "agent/src", "deploy/launcher")]),
     }
     # Run from an empty folder: the repository root holds a folder named platform.
     result = subprocess.run(
@@ -83,3 +86,14 @@ def test_the_launcher_never_imports_django(tmp_path: Path) -> None:
 
     # It starts sites before any settings exist (benchmarks, make cluster, tests/services.py).
     assert "django" not in loaded
+
+
+def test_the_sites_distribution_leaves_the_launcher_out() -> None:
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    shipped = find_packages(where=str(ROOT / found["where"][0]), include=found["include"])
+    launcher = tomllib.loads((ROOT / "deploy" / "launcher" / "pyproject.toml").read_text())
+
+    assert {"crowdtrain", "crowdtrain_backbone"} <= set(shipped)
+    # It runs the programs from a checkout and starts engines: a production image has no use for it.
+    assert not [name for name in shipped if name.startswith("crowdtrain_launcher")], shipped
+    assert launcher["project"]["name"] == "crowdtrain-launcher"

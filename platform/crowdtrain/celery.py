@@ -1,7 +1,7 @@
 """The Celery app; the embedded default runs tasks in-process, so no broker is needed.
 
 A worker keeps its database connection from task to task, as a site
-process's threads do (``crowdtrain.connections``). Celery's Django fixup
+process's threads do (``crowdtrain.lib.connections``). Celery's Django fixup
 would close it around every task (``CELERY_DB_REUSE_MAX`` unset), so each
 verdict opened a new PostgreSQL connection, a backend forked for a dozen
 queries (its share of the worker's time is in docs/performance.md).
@@ -26,6 +26,6 @@ app.autodiscover_tasks()
 def _keep_the_connection_fresh(sender: Any = None, **_: Any) -> None:
     # Not for an eager task: it runs inside its caller's connection, maybe in its transaction.
     if sender is not None and not getattr(sender.request, "is_eager", False):
-        from crowdtrain.connections import refresh_if_due
+        from crowdtrain.lib.connections import refresh_if_due
 
         refresh_if_due()

@@ -17,6 +17,7 @@ from django.core.exceptions import ImproperlyConfigured
 from crowdtrain_agent.protocol.frames import OLDEST_MINOR, PROTOCOL_MINOR
 
 from .env import env_bool, env_choice, env_email_url, env_float, env_hex_bytes, env_int, env_list, env_str
+from .periodic import beat_schedule
 
 BASE_DIR = Path(__file__).resolve().parents[2]
 VAR_DIR = Path(env_str("CROWDTRAIN_VAR_DIR", str(BASE_DIR / "var")))
@@ -71,6 +72,7 @@ INSTALLED_APPS = [
     "allauth",
     "allauth.account",
     "crowdtrain.accounts",
+    "crowdtrain.datasets",
     "crowdtrain.campaigns",
     "crowdtrain.scheduler",
     "crowdtrain.devices",
@@ -207,13 +209,8 @@ CELERY_DB_REUSE_MAX = 1_000_000
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_BEAT_SCHEDULE = {
-    "expire-leases": {"task": "crowdtrain.scheduler.tasks.expire_leases", "schedule": 5.0},
-    "discard-stale-uploads": {"task": "crowdtrain.campaigns.tasks.discard_stale_uploads", "schedule": 3600.0},
-    "age-leaderboards": {"task": "crowdtrain.credit.tasks.age_leaderboards", "schedule": 300.0},
-    "rebuild-leaderboards": {"task": "crowdtrain.credit.tasks.rebuild_leaderboards", "schedule": 86400.0},
-    "export-stats": {"task": "crowdtrain.credit.tasks.export_stats", "schedule": 86400.0},
-}
+# Every periodic job of the site, with its period, is listed in crowdtrain/periodic.py.
+CELERY_BEAT_SCHEDULE = beat_schedule()
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
@@ -363,7 +360,7 @@ if CROWDTRAIN_PROTOCOL_MINOR > PROTOCOL_MINOR:
 # liveness from its open socket (daphne's pings drop dead ones), so thousands of idle volunteers
 # need not cost a message every two seconds each. Aggregators keep CROWDTRAIN_HEARTBEAT_S: theirs
 # drive the site's resends of lost commits. Keep it under daphne's ping interval (30 s,
-# crowdtrain.daphne_site), or the site pings every idle agent as well.
+# crowdtrain.lib.daphne_site), or the site pings every idle agent as well.
 CROWDTRAIN_AGENT_HEARTBEAT_S = env_float("CROWDTRAIN_AGENT_HEARTBEAT_S", 25.0, minimum=0.1)
 # A lease of the open step still out this many times longer than its device has taken for as many
 # samples (a new device: the swarm's typical lease), and at least this many seconds, gets a backup:
@@ -408,7 +405,7 @@ CROWDTRAIN_RECORDS_INLINE = env_bool("CROWDTRAIN_RECORDS_INLINE", False)
 # is closed (4000): idle sockets that never speak must not pile up. Agents and aggregators say
 # hello at once; the time allows for a slow link, not for thinking.
 CROWDTRAIN_HELLO_TIMEOUT_S = env_float("CROWDTRAIN_HELLO_TIMEOUT_S", 5.0, minimum=0.1)
-# Every site WebSocket is pinged this often and dropped when its pong is this late (crowdtrain.daphne_site).
+# Every site WebSocket is pinged this often and dropped when its pong is this late (crowdtrain.lib.daphne_site).
 CROWDTRAIN_WS_PING_INTERVAL_S = env_float("CROWDTRAIN_WS_PING_INTERVAL_S", 30.0, minimum=1.0)
 CROWDTRAIN_WS_PING_TIMEOUT_S = env_float("CROWDTRAIN_WS_PING_TIMEOUT_S", 10.0, minimum=1.0)
 

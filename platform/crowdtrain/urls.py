@@ -6,12 +6,10 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 
 from crowdtrain.accounts import profile_views, team_views
-from crowdtrain.campaigns import agent_wheel, dataset_views, organizer_views, pretrained_views, role_views, uploads
-from crowdtrain.campaigns import export as campaign_export
-from crowdtrain.campaigns import join as campaign_join
+from crowdtrain.campaigns import export_views, join_views, organizer_views, role_views
 from crowdtrain.campaigns import views as campaign_views
-from crowdtrain.credit import export as credit_export
 from crowdtrain.credit import views as credit_views
+from crowdtrain.datasets import dataset_views, pretrained_views, upload_views
 from crowdtrain.ops import views as ops_views
 from crowdtrain.verification import review_views, standing_views
 
@@ -30,9 +28,9 @@ urlpatterns = [
     path("api/campaigns/<int:campaign_id>/monitor", organizer_views.campaign_monitor, name="campaign-monitor"),
     path("api/campaigns/<int:campaign_id>/coverage", campaign_views.coverage, name="campaign-coverage"),
     path("admin/", admin.site.urls),
-    path("campaigns/<int:campaign_id>/join", campaign_join.join, name="campaign-join"),
+    path("campaigns/<int:campaign_id>/join", join_views.join, name="campaign-join"),
     # The agent the join pages install: crowdtrain_agent-<version>-py3-none-any.whl (manage.py build_agent_wheel).
-    path("agent/<str:filename>", agent_wheel.agent_wheel, name="agent-wheel"),
+    path("agent/<str:filename>", join_views.agent_wheel, name="agent-wheel"),
     # Organizers: their campaigns, the form, lifecycle buttons, invite links; the role and its requests.
     path("campaigns/", organizer_views.campaign_list, name="campaign-list"),
     path("campaigns/new", organizer_views.campaign_create, name="campaign-create"),
@@ -43,16 +41,16 @@ urlpatterns = [
     path("campaigns/<int:campaign_id>/restore", organizer_views.campaign_restore, name="campaign-restore"),
     path("campaigns/invite/<str:code>", organizer_views.campaign_invite, name="campaign-invite"),
     # The trained model of a validated version: safetensors weights and the config load_exported reads.
-    path("campaigns/<int:campaign_id>/export", campaign_export.campaign_export, name="campaign-export"),
+    path("campaigns/<int:campaign_id>/export", export_views.campaign_export, name="campaign-export"),
     path(
         "campaigns/<int:campaign_id>/export/config.json",
-        campaign_export.campaign_export_config,
+        export_views.campaign_export_config,
         name="campaign-export-config",
     ),
     # The same version as a transformers folder (zipped): config.json, model.safetensors, a tokenizer.
     path(
         "campaigns/<int:campaign_id>/export/transformers.zip",
-        campaign_export.campaign_export_transformers,
+        export_views.campaign_export_transformers,
         name="campaign-export-transformers",
     ),
     path("organizers/request", role_views.organizer_request, name="organizer-request"),
@@ -67,11 +65,11 @@ urlpatterns = [
     path("models/<int:pretrained_id>/", pretrained_views.pretrained_detail, name="pretrained-detail"),
     path("models/<int:pretrained_id>/status", pretrained_views.pretrained_status, name="pretrained-status"),
     path("api/backbone/weights/<str:sha256>", campaign_views.initial_weights, name="backbone-weights"),
-    path("datasets/uploads", uploads.upload_create, name="dataset-upload-create"),
-    path("datasets/tokenizers", uploads.tokenizer_upload, name="dataset-tokenizer-upload"),
-    path("datasets/uploads/<uuid:upload_id>", uploads.upload_status, name="dataset-upload-status"),
-    path("datasets/uploads/<uuid:upload_id>/chunk", uploads.upload_chunk, name="dataset-upload-chunk"),
-    path("datasets/uploads/<uuid:upload_id>/complete", uploads.upload_complete, name="dataset-upload-complete"),
+    path("datasets/uploads", upload_views.upload_create, name="dataset-upload-create"),
+    path("datasets/tokenizers", upload_views.tokenizer_upload, name="dataset-tokenizer-upload"),
+    path("datasets/uploads/<uuid:upload_id>", upload_views.upload_status, name="dataset-upload-status"),
+    path("datasets/uploads/<uuid:upload_id>/chunk", upload_views.upload_chunk, name="dataset-upload-chunk"),
+    path("datasets/uploads/<uuid:upload_id>/complete", upload_views.upload_complete, name="dataset-upload-complete"),
     # Agents log in with a device code; volunteers approve it and manage their devices.
     path("", include("crowdtrain.devices.urls")),
     # Volunteers: sign-up, e-mail verification, log-in and password reset are allauth's.
@@ -85,7 +83,7 @@ urlpatterns = [
     path("leaderboards/", credit_views.leaderboard, name="leaderboard"),
     path("api/leaderboards", credit_views.leaderboard_feed, name="leaderboard-feed"),
     # Every volunteer's and team's credit, rewritten daily, for third-party stats sites (as BOINC projects publish).
-    path("stats/stats.json", credit_export.stats_json, name="stats-json"),
+    path("stats/stats.json", credit_views.stats_json, name="stats-json"),
     path("teams/", team_views.my_team, name="my-team"),
     path("teams/new", team_views.team_create, name="team-create"),
     path("teams/join/<str:code>", team_views.team_join, name="team-join"),

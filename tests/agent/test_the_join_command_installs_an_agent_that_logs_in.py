@@ -28,7 +28,8 @@ from tests.factories import make_campaign, make_volunteer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-# The Linux step of the join page that installs the agent (campaigns/join.py; the lines before it install PyTorch).
+# The Linux step of the join page that installs the agent (campaigns/join_views.py; the lines before it install
+# PyTorch).
 INSTALL = re.compile(r"~/crowdtrain-agent/bin/pip install (\S+?\.whl)</code>")
 STEP_TIMEOUT_S = 60
 

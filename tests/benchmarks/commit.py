@@ -41,7 +41,11 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-for _folder in (REPO_ROOT / "platform", REPO_ROOT / "agent" / "src"):  # as manage.py does
+for _folder in (
+    REPO_ROOT / "platform",
+    REPO_ROOT / "agent" / "src",
+    REPO_ROOT / "deploy" / "launcher",
+):  # as manage.py does
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 

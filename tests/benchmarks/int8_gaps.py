@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-for _folder in (REPO_ROOT / "platform", REPO_ROOT / "agent" / "src"):
+for _folder in (REPO_ROOT / "platform", REPO_ROOT / "agent" / "src", REPO_ROOT / "deploy" / "launcher"):
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 

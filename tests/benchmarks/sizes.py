@@ -56,7 +56,11 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-for _folder in (REPO_ROOT / "platform", REPO_ROOT / "agent" / "src"):  # as manage.py does
+for _folder in (
+    REPO_ROOT / "platform",
+    REPO_ROOT / "agent" / "src",
+    REPO_ROOT / "deploy" / "launcher",
+):  # as manage.py does
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 
@@ -183,7 +187,7 @@ def corpus_file() -> Path:
         import django
 
         django.setup()
-        from crowdtrain.campaigns.sharding import stdlib_corpus
+        from crowdtrain.datasets.sharding import stdlib_corpus
 
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(stdlib_corpus(CORPUS_BYTES))

@@ -16,7 +16,7 @@ from django.test import override_settings
 from crowdtrain.campaigns import lifecycle
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.setup import create_campaign
-from crowdtrain.campaigns.sharding import create_text_dataset, stdlib_corpus
+from crowdtrain.datasets.sharding import create_text_dataset, stdlib_corpus
 from crowdtrain_launcher import Site, Swarm
 from tests.browser.live_site import LiveSite
 

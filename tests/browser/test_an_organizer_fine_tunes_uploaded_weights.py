@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from playwright.sync_api import Page, expect
 
-from crowdtrain.campaigns.models import Campaign, Dataset, Pretrained
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.datasets.models import Dataset, Pretrained
 from crowdtrain_agent.models.hf import library
 from tests.browser.live_site import Shot, log_in
 from tests.factories import make_organizer, make_text_dataset

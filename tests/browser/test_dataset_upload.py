@@ -7,7 +7,7 @@ from pathlib import Path
 
 from playwright.sync_api import Page, Route, expect
 
-from crowdtrain.campaigns.models import Dataset, Upload
+from crowdtrain.datasets.models import Dataset, Upload
 from tests.browser.live_site import Shot, log_in
 from tests.factories import make_organizer
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from playwright.sync_api import Page, expect
 
-from crowdtrain.campaigns.models import Campaign, Dataset, OrganizerRequest
+from crowdtrain.campaigns.models import Campaign, OrganizerRequest
+from crowdtrain.datasets.models import Dataset
 from tests.browser.live_site import LiveSite, Shot, log_in
 from tests.factories import make_admin, make_campaign, make_organizer, make_volunteer
 

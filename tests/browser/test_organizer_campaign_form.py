@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from playwright.sync_api import Page, expect
 
-from crowdtrain.campaigns.models import Campaign, Dataset, Step, ValidationResult
+from crowdtrain.campaigns.models import Campaign, Step, ValidationResult
+from crowdtrain.datasets.models import Dataset
 from tests.browser.live_site import Shot, log_in
 from tests.factories import make_organizer, make_text_dataset
 

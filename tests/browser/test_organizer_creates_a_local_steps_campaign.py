@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from playwright.sync_api import Page, expect
 
-from crowdtrain.campaigns.models import Campaign, Dataset
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.datasets.models import Dataset
 from tests.browser.live_site import Shot, log_in
 from tests.factories import make_organizer, make_text_dataset
 

@@ -27,8 +27,9 @@ from playwright.sync_api import Page, expect
 from torch.nn import functional as F
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.campaigns.models import Campaign, Dataset, ValidationResult
-from crowdtrain.campaigns.sharding import stdlib_corpus
+from crowdtrain.campaigns.models import Campaign, ValidationResult
+from crowdtrain.datasets.models import Dataset
+from crowdtrain.datasets.sharding import stdlib_corpus
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.models import load_exported
 from crowdtrain_launcher import Swarm

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from crowdtrain.campaigns.sharding import split_sizes, stdlib_corpus
+from crowdtrain.datasets.sharding import split_sizes, stdlib_corpus
 from crowdtrain_agent.models import load_exported
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]

@@ -13,8 +13,8 @@ from celery import signals
 from celery.fixups.django import DjangoWorkerFixup
 from django.db import connection
 
-from crowdtrain import connections
 from crowdtrain.celery import app
+from crowdtrain.lib import connections
 from crowdtrain.verification.tasks import judge_check
 
 pytestmark = pytest.mark.django_db(transaction=True)  # autocommit, as a worker runs

@@ -39,7 +39,7 @@ def test_daphne_refuses_to_start_with_it(tmp_path: Path) -> None:
     }  # fmt: skip
 
     result = subprocess.run(
-        [sys.executable, "-m", "crowdtrain.daphne_site", "-b", "127.0.0.1", "-p", "0"],
+        [sys.executable, "-m", "crowdtrain.lib.daphne_site", "-b", "127.0.0.1", "-p", "0"],
         check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import msgspec
 import pytest
 
-from crowdtrain.jsonbodies import BodyError, convert
+from crowdtrain.lib.jsonbodies import BodyError, convert
 
 
 class Order(msgspec.Struct):

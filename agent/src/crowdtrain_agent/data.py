@@ -1,6 +1,6 @@
 """Shard formats: how content-addressed shards lay out their samples, and how they are read back.
 
-The site's sharding (``crowdtrain.campaigns.sharding``) writes shards in these
+The site's sharding (``crowdtrain.datasets.sharding``) writes shards in these
 formats, streaming; agents and the site's referee read them with ``ShardReader``.
 
 - text: raw bytes, ``sample_len`` bytes per sample. A byte-level language

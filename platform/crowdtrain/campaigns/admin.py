@@ -12,41 +12,11 @@ from django.http import HttpRequest
 from crowdtrain_agent.fields import ConfigError
 from crowdtrain_agent.models import REGISTRY
 
-from .models import Campaign, Dataset, OrganizerRequest, Shard, Step, Upload, ValidationResult
+from .models import Campaign, OrganizerRequest, Step, ValidationResult
 from .organizer_mail import mail_outcome
 from .organizers import RoleRequestError, decide
 from .settings_table import SETTINGS
 from .setup import CampaignConfigError, validate_campaign
-
-
-class ShardInline(admin.TabularInline):
-    model = Shard
-    extra = 0
-    readonly_fields = ["split", "index", "sha256", "first_sample", "num_samples", "size_bytes"]
-    can_delete = False
-
-
-@admin.register(Dataset)
-class DatasetAdmin(admin.ModelAdmin):
-    list_display = [
-        "name",
-        "owner",
-        "kind",
-        "status",
-        "num_samples",
-        "num_validation_samples",
-        "size_bytes",
-        "created_at",
-    ]
-    list_filter = ["status", "kind"]
-    readonly_fields = ["status", "progress", "error", "source_sha256"]
-    inlines = [ShardInline]
-
-
-@admin.register(Shard)
-class ShardAdmin(admin.ModelAdmin):
-    list_display = ["dataset", "split", "index", "sha256", "num_samples", "size_bytes"]
-    list_filter = ["split", "dataset"]
 
 
 class CampaignAdminForm(forms.ModelForm):
@@ -154,10 +124,3 @@ class ValidationResultAdmin(admin.ModelAdmin):
     list_display = ["campaign", "version", "loss", "num_samples", "weights", "computed_at"]
     list_filter = ["campaign"]
     readonly_fields = ["campaign", "version", "loss", "num_samples", "weights", "computed_at"]
-
-
-@admin.register(Upload)
-class UploadAdmin(admin.ModelAdmin):
-    list_display = ["filename", "owner", "format", "size", "received", "state", "dataset", "created_at"]
-    list_filter = ["state", "format"]
-    readonly_fields = ["owner", "filename", "size", "sha256", "received", "state", "dataset"]

@@ -17,9 +17,8 @@ import tempfile
 from pathlib import Path
 
 from django.conf import settings
-from django.http import FileResponse, HttpRequest, HttpResponse, HttpResponseBase
+from django.http import HttpRequest
 from django.urls import reverse
-from django.views.decorators.http import require_GET
 
 import crowdtrain_agent
 
@@ -113,33 +112,3 @@ def ensure_wheel() -> Path | None:
     if not (AGENT_SOURCE / "pyproject.toml").is_file():
         raise WheelBuildError(f"the agent's source is not at {AGENT_SOURCE}: build the wheel where it is")
     return build_wheel(path.parent)
-
-
-@require_GET
-def agent_wheel(request: HttpRequest, filename: str) -> HttpResponseBase:
-    """The wheel, at a URL that names its version (pip reads name and version from it)."""
-    if filename != wheel_name():
-        return HttpResponse(
-            f"This site serves {wheel_name()} only; its join pages show the command that installs it.\n",
-            status=404,
-            content_type="text/plain; charset=utf-8",
-        )
-    path = wheel_path()
-    if not path.is_file():
-        logger.warning("agent wheel %s requested but missing: run manage.py build_agent_wheel", path)
-        return HttpResponse(
-            f"The agent wheel is not built on this site yet. Its operator runs `manage.py build_agent_wheel` "
-            f"(make serve does), which writes {path.name} to CROWDTRAIN_AGENT_WHEEL_DIR. Meanwhile, install the "
-            "agent from a checkout of the Crowdtrain source: pip install ./agent\n",
-            status=503,
-            content_type="text/plain; charset=utf-8",
-        )
-    # A wheel is a zip archive. no-cache: pip caches downloads by URL, and a rebuilt agent of the same
-    # version (a checkout between releases) must not be answered from a volunteer's cache.
-    return FileResponse(
-        path.open("rb"),
-        as_attachment=True,
-        filename=path.name,
-        content_type="application/zip",
-        headers={"Cache-Control": "no-cache"},
-    )

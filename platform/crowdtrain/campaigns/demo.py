@@ -5,9 +5,11 @@ from __future__ import annotations
 from django.contrib.auth import get_user_model
 from django.db import transaction
 
-from .models import Campaign, Dataset
+from crowdtrain.datasets.models import Dataset
+from crowdtrain.datasets.sharding import create_text_dataset, stdlib_corpus
+
+from .models import Campaign
 from .setup import create_campaign
-from .sharding import create_text_dataset, stdlib_corpus
 
 DEMO_MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64}
 DEMO_CORPUS_BYTES = 4 << 20

@@ -1,4 +1,4 @@
-"""Downloading a campaign's model: safetensors weights of a validated version plus a JSON config.
+"""What a campaign's model downloads hold: safetensors weights of a validated version plus a JSON config.
 
 The exportable versions are those the validation task stored (every
 ``validate_every`` steps and at the finish, see ``validation``): the site
@@ -10,23 +10,19 @@ weights are exactly the ones whose validation loss the page shows.
 from __future__ import annotations
 
 import json
-import tempfile
 import zipfile
 from typing import IO, Any
 
 from django.conf import settings
-from django.contrib.auth.decorators import login_required
 from django.core.files.storage import default_storage
-from django.http import FileResponse, Http404, HttpRequest, HttpResponse, JsonResponse
-from django.shortcuts import get_object_or_404
+from django.http import HttpRequest
 from django.urls import reverse
-from django.views.decorators.http import require_GET
 
+from crowdtrain.datasets.models import shard_storage_name
 from crowdtrain_agent.models.hf import CONFIGS, pretrained_files
 
 from .agent_wheel import wheel_url
-from .models import Campaign, ValidationResult, shard_storage_name
-from .organizers import is_organizer, managed_campaigns
+from .models import Campaign, ValidationResult
 
 SNIPPET = (
     "# pip install {pip_spec}\n"
@@ -127,39 +123,6 @@ def pretrained_files_known(campaign: Campaign) -> bool:
     return campaign.architecture in CONFIGS
 
 
-def _managed(user: Any, campaign_id: int) -> Campaign:
-    """The campaign if ``user`` owns it (as an organizer) or is staff; anyone else learns nothing (404)."""
-    if not is_organizer(user):
-        raise Http404("unknown campaign")
-    return get_object_or_404(managed_campaigns(user), pk=campaign_id)
-
-
-def _requested_export(request: HttpRequest, campaign_id: int) -> tuple[Campaign, ValidationResult | JsonResponse]:
-    """The campaign (404 unless the user manages it) and the version ``?version=`` asks for, or why not."""
-    campaign = _managed(request.user, campaign_id)
-    try:
-        return campaign, pick_export(campaign, request.GET.get("version"))
-    except ExportRequestError as exc:
-        return campaign, JsonResponse({"error": str(exc)}, status=exc.status)
-
-
-@login_required
-@require_GET
-def campaign_export(request: HttpRequest, campaign_id: int) -> FileResponse | JsonResponse:
-    campaign, result = _requested_export(request, campaign_id)
-    if isinstance(result, JsonResponse):
-        return result
-    # Streamed from storage (local or S3): a big model never sits in the site's memory.
-    response = FileResponse(
-        default_storage.open(result.weights, "rb"),
-        as_attachment=True,
-        filename="model.safetensors",
-        content_type="application/octet-stream",  # the name the page snippet loads
-    )
-    response["ETag"] = f'"c{campaign.pk}-v{result.version}-{result.computed_at.timestamp():.0f}"'
-    return response
-
-
 LM_SNIPPET = (
     "# pip install transformers; unzip the download (it holds model/)\n"
     "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
@@ -219,33 +182,3 @@ def pt_header(weights: IO[bytes]) -> bytes:
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text
-
-
-@login_required
-@require_GET
-def campaign_export_transformers(request: HttpRequest, campaign_id: int) -> FileResponse | JsonResponse:
-    campaign, result = _requested_export(request, campaign_id)
-    if isinstance(result, JsonResponse):
-        return result
-    spool = tempfile.TemporaryFile()  # on disk: a model of billions of parameters is as big as its weights
-    try:
-        transformers_folder(campaign, result, spool)
-    except ExportRequestError as exc:
-        spool.close()
-        return JsonResponse({"error": str(exc)}, status=exc.status)
-    spool.seek(0)
-    return FileResponse(
-        spool, as_attachment=True, filename=f"campaign-{campaign.pk}-v{result.version}.zip",
-        content_type="application/zip",
-    )  # fmt: skip
-
-
-@login_required
-@require_GET
-def campaign_export_config(request: HttpRequest, campaign_id: int) -> HttpResponse:
-    campaign, result = _requested_export(request, campaign_id)
-    if isinstance(result, JsonResponse):
-        return result
-    response = JsonResponse(export_config(campaign, result), json_dumps_params={"indent": 2})
-    response["Content-Disposition"] = 'attachment; filename="config.json"'
-    return response

@@ -18,6 +18,8 @@ from django.db import transaction
 from django.db.models import QuerySet
 
 from crowdtrain.accounts.models import new_invite_code
+from crowdtrain.datasets.models import Dataset, Pretrained
+from crowdtrain.datasets.permissions import visible_datasets
 from crowdtrain_agent.fields import ConfigError, ConfigField
 from crowdtrain_agent.models import REGISTRY, ModelConfigError
 from crowdtrain_agent.optimizers import (
@@ -32,8 +34,7 @@ from crowdtrain_agent.optimizers import (
 )
 
 from .lifecycle import LOCK_REASON, config_locked
-from .models import Campaign, Dataset, Pretrained
-from .permissions import visible_datasets
+from .models import Campaign
 from .settings_table import GROUPS, SETTINGS, Group, check_rules, locked_fields, rules_for_page
 from .setup import CampaignConfigError, config_field_name, validate_campaign
 

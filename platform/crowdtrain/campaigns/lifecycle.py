@@ -15,7 +15,9 @@ from typing import Any
 
 from django.db import transaction
 
-from .models import Campaign, Dataset
+from crowdtrain.datasets.models import Dataset
+
+from .models import Campaign
 from .settings_table import SETTINGS, check_settings, locked_fields
 from .setup import (
     CampaignConfigError,

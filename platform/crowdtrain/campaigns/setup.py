@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings as django_settings
 
+from crowdtrain.datasets.models import Dataset, Pretrained
+from crowdtrain.datasets.pretrained import HEAD_FIELDS, campaign_weights
 from crowdtrain_agent.codec import CODECS
 from crowdtrain_agent.models import REGISTRY, ModelConfigError, ModelEntry, get_model
 from crowdtrain_agent.optimizers import (
@@ -19,8 +21,7 @@ from crowdtrain_agent.optimizers import (
 from crowdtrain_agent.protocol import DataSpec, Lease, OptimizerSpec, ProtocolError, SliceAssignment
 from crowdtrain_agent.protocol.schema import from_dict, to_dict
 
-from .models import Campaign, Dataset, Pretrained
-from .pretrained import HEAD_FIELDS, campaign_weights
+from .models import Campaign
 from .settings_table import SETTINGS, check_rules, check_settings
 
 if TYPE_CHECKING:

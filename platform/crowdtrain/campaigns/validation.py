@@ -28,12 +28,13 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from crowdtrain.campaigns.keys import ticket_key
+from crowdtrain.datasets.models import Dataset
 from crowdtrain_agent.data import ShardReader
 from crowdtrain_agent.fetch import FetchError, fetch_params
 from crowdtrain_agent.models import ModelEntry, export_bytes, get_model, model_from_flat
 from crowdtrain_agent.protocol import ProtocolError, SliceRoute, Ticket, sign_ticket
 
-from .models import Campaign, Dataset, ValidationResult
+from .models import Campaign, ValidationResult
 from .signals import campaign_changed
 
 logger = logging.getLogger(__name__)

@@ -12,11 +12,13 @@ from django.views.decorators.http import require_GET
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.tokens import bearer_token
+from crowdtrain.datasets.models import shard_storage_name
+from crowdtrain.datasets.permissions import data_holders
 from crowdtrain.ops import campaign_monitor as monitor
 from crowdtrain.ops.coverage import coverage_map
 
-from .models import Campaign, shard_storage_name
-from .permissions import can_download_shard, data_holders
+from .models import Campaign
+from .permissions import can_download_shard
 from .visibility import can_watch, open_campaigns
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -74,9 +76,8 @@ def initial_weights(request: HttpRequest, sha256: str) -> HttpResponseBase:
 
     Whole, not a range: the aggregator checks the sha256 of every byte before it starts the campaign from them.
     """
+    from crowdtrain.datasets.pretrained import weights_storage_name
     from crowdtrain.scheduler.models import Aggregator
-
-    from .pretrained import weights_storage_name
 
     aggregator = Aggregator.authenticate(bearer_token(dict(request.headers)))
     if aggregator is None:

@@ -19,10 +19,8 @@ from typing import IO, Any
 from django.core.files import File
 from django.core.files.storage import default_storage
 from django.db.models import Count, Sum
-from django.http import FileResponse, HttpRequest, JsonResponse
 from django.utils import timezone
 from django.utils.crypto import salted_hmac
-from django.views.decorators.http import require_GET
 
 from crowdtrain.accounts.models import Profile, Team
 
@@ -163,15 +161,3 @@ def export_stats(now: datetime | None = None) -> str:
         saved = default_storage.save(STATS_NAME, File(spool, name="stats.json"))
     logger.info("stats export: %s users and %s teams in %s (%.1f s)", users, teams, saved, time.monotonic() - started)
     return saved
-
-
-@require_GET
-def stats_json(request: HttpRequest) -> FileResponse | JsonResponse:
-    # Streamed from storage (local or S3), like a campaign's weights: the file can be large.
-    try:
-        stored = default_storage.open(STATS_NAME, "rb")
-    except FileNotFoundError:
-        return JsonResponse({"error": NOT_YET}, status=404)
-    response = FileResponse(stored, content_type="application/json")
-    response["Cache-Control"] = "public, max-age=3600"
-    return response

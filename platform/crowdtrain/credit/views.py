@@ -1,12 +1,13 @@
-"""Leaderboards (a page, and a JSON feed the page polls to move live) and a volunteer's own credit."""
+"""Leaderboards (a page, and a JSON feed the page polls to move live), a volunteer's own credit, the stats export."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django import forms
+from django.core.files.storage import default_storage
 from django.core.paginator import Paginator
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.urls import reverse
 from django.views.decorators.http import require_GET
@@ -16,6 +17,7 @@ from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.visibility import can_watch
 
 from . import boards
+from .export import NOT_YET, STATS_NAME
 from .models import FORMULA
 
 PAGE_SIZE = 50
@@ -122,3 +124,15 @@ def leaderboard_feed(request: HttpRequest) -> JsonResponse:
     if problem:
         return JsonResponse({"error": problem}, status=400)
     return JsonResponse(_board(request, q))
+
+
+@require_GET
+def stats_json(request: HttpRequest) -> FileResponse | JsonResponse:
+    # Streamed from storage (local or S3), like a campaign's weights: the file can be large.
+    try:
+        stored = default_storage.open(STATS_NAME, "rb")
+    except FileNotFoundError:
+        return JsonResponse({"error": NOT_YET}, status=404)
+    response = FileResponse(stored, content_type="application/json")
+    response["Cache-Control"] = "public, max-age=3600"
+    return response

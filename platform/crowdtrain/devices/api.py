@@ -13,12 +13,12 @@ from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
-from crowdtrain import jsonbodies
 from crowdtrain.accounts import throttle
 from crowdtrain.accounts.models import Device
 from crowdtrain.accounts.names import account_name
 from crowdtrain.accounts.tokens import bearer_token
-from crowdtrain.text import not_text
+from crowdtrain.lib import jsonbodies
+from crowdtrain.lib.text import not_text
 
 from . import actions, grant
 

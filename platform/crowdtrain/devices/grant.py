@@ -17,9 +17,9 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from crowdtrain import jsonbodies
 from crowdtrain.accounts.models import Device, DeviceAuthorization
 from crowdtrain.accounts.tokens import hash_token
+from crowdtrain.lib import jsonbodies
 
 from .actions import clean_device_name
 

@@ -1,4 +1,4 @@
-"""Browser pages for devices: approving an agent's login code, and the volunteer's own devices."""
+"""Browser pages for devices: approving an agent's login code, the volunteer's own devices and their live feed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
@@ -162,3 +162,18 @@ def revoke(request: HttpRequest, device_id: int) -> HttpResponse:
     else:
         messages.info(request, f"{device.name} was already revoked.")
     return redirect("devices")
+
+
+@require_GET
+def device_status(request: HttpRequest) -> JsonResponse:
+    """``GET /devices/status``: the signed-in volunteer's devices, as ``devices-live.js`` polls them.
+
+    JSON, not a login redirect, for a visitor who is not signed in: the script
+    stops polling on 403 and says to sign in again.
+    """
+    if not request.user.is_authenticated:
+        return JsonResponse({"error": "sign in to see your devices"}, status=403)
+    rows = status_rows(owned_devices(signed_in_user(request)))
+    response = JsonResponse({"devices": list(rows.values())})
+    response["Cache-Control"] = "no-store"
+    return response

@@ -15,14 +15,11 @@ from django.contrib.auth.models import User
 from django.db import connection
 from django.db.models import F, QuerySet, Window
 from django.db.models.functions import RowNumber
-from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 from django.utils.dateformat import format as format_date
 from django.utils.timesince import timesince
-from django.views.decorators.http import require_GET
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.accounts.users import signed_in_user
 from crowdtrain.scheduler.hotstate import hot_state
 from crowdtrain.scheduler.models import Lease
 
@@ -155,18 +152,3 @@ def status_rows(owned: list[Device]) -> dict[int, dict[str, Any]]:
             "leases": history[device.pk],
         }
     return rows
-
-
-@require_GET
-def device_status(request: HttpRequest) -> JsonResponse:
-    """``GET /devices/status``: the signed-in volunteer's devices, as ``devices-live.js`` polls them.
-
-    JSON, not a login redirect, for a visitor who is not signed in: the script
-    stops polling on 403 and says to sign in again.
-    """
-    if not request.user.is_authenticated:
-        return JsonResponse({"error": "sign in to see your devices"}, status=403)
-    rows = status_rows(owned_devices(signed_in_user(request)))
-    response = JsonResponse({"devices": list(rows.values())})
-    response["Cache-Control"] = "no-store"
-    return response

@@ -28,6 +28,7 @@ from crowdtrain.devices.activity import Tracker
 from crowdtrain.lib.metrics import LEASE_REQUEST_SECONDS
 from crowdtrain.lib.offloop import offloop
 from crowdtrain.ops import heartbeats
+from crowdtrain.periodic import LAST_SEEN_DB_EVERY_S
 from crowdtrain.scheduler import backbone, endings, leasing, parking, reporting
 from crowdtrain.scheduler.hotstate import hot_state, presence
 from crowdtrain.scheduler.models import Aggregator
@@ -74,7 +75,7 @@ from crowdtrain_agent.protocol.schema import lost_in
 from .admission import admission
 from .backbone_lane import subscriber
 from .groups import memberships
-from .housekeeping import LAST_SEEN_DB_EVERY_S, housekeeping
+from .housekeeping import housekeeping
 from .outbox import (
     ControlsEvent,
     ReplacedEvent,

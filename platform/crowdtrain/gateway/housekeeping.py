@@ -1,6 +1,9 @@
-"""Periodic work of one site process: publish who is connected, sweep expired leases, keep sockets in their
-channel-layer groups, stamp "last seen", reload volunteers' records, write the admin dashboard's minute,
-check every running campaign's step counter against its rows (``scheduler.invariants``).
+"""The housekeeping round of one site process: the jobs of ``crowdtrain.periodic.ROUND_JOBS``, at their periods.
+
+Publish who is connected, sweep expired leases, keep sockets in their
+channel-layer groups, stamp "last seen", reload volunteers' records, write the
+admin dashboard's minute, check every running campaign's step counter against
+its rows (``scheduler.invariants``).
 
 It runs on the process's event loop as one task, started by the first
 connection, so a process that is behind on its messages still publishes its
@@ -21,6 +24,7 @@ from django.utils import timezone
 from crowdtrain.accounts.models import Device
 from crowdtrain.lib.offloop import offloop
 from crowdtrain.ops import history
+from crowdtrain.periodic import LAST_SEEN_DB_EVERY_S, round_interval_s
 from crowdtrain.scheduler import endings, invariants
 from crowdtrain.scheduler.commits import Commit
 from crowdtrain.scheduler.hotstate import presence
@@ -31,8 +35,6 @@ from .groups import memberships
 from .outbox import publish_commits, send_commits, send_outbox, wake
 
 logger = logging.getLogger(__name__)
-
-LAST_SEEN_DB_EVERY_S = 60.0
 
 
 def _stamp_last_seen() -> int:
@@ -68,8 +70,7 @@ class Housekeeping:
 
     @property
     def interval_s(self) -> float:
-        # Well inside the gone-after window: a connected device must never look gone between two rounds.
-        return max(0.2, min(5.0, settings.CROWDTRAIN_GONE_AFTER_S / 4))
+        return round_interval_s(settings.CROWDTRAIN_GONE_AFTER_S)
 
     async def _run(self) -> None:
         while True:

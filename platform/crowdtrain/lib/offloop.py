@@ -4,7 +4,7 @@ Not on Channels' one database thread (``database_sync_to_async``): the lease
 and done paths talk to Redis and write the database in batches, and one slow
 call must not queue every other socket's call behind it. Each pool thread
 keeps its own database connection, checked now and then
-(``crowdtrain.connections``). A failed call is not run again here: the
+(``crowdtrain.lib.connections``). A failed call is not run again here: the
 scheduler's calls change Redis, and a report counted twice would be refused
 as "already reported" while its step waited.
 """
@@ -16,7 +16,7 @@ from typing import ParamSpec, TypeVar
 
 from asgiref.sync import sync_to_async
 
-from crowdtrain.connections import refresh_if_due
+from crowdtrain.lib.connections import refresh_if_due
 
 P = ParamSpec("P")
 R = TypeVar("R")

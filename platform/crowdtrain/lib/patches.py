@@ -7,7 +7,7 @@ differs from ``written_for`` or a touched internal is gone or changed shape:
 re-measure, then update the entry or drop the patch.
 
 Two kinds of entries: those with an ``apply`` function replace a library's
-module attribute in place, and ``crowdtrain.daphne_site.main`` runs them all
+module attribute in place, and ``crowdtrain.lib.daphne_site.main`` runs them all
 (``apply_all``) before serving; the others are subclasses kept beside the code
 that uses them (``where``), listed here for the internals they depend on.
 """
@@ -202,7 +202,7 @@ PATCHES: tuple[Patch, ...] = (
         shown_by=(
             "bench: idle_cpu_pct_per_1000 (tests.benchmarks.scale); tests/web/gateway/test_daphne_site_paces_reaping.py"
         ),
-        where="crowdtrain.daphne_site.server_class (PacedWalks above)",
+        where="crowdtrain.lib.daphne_site.server_class (PacedWalks above)",
     ),
     Patch(
         name="daphne-site-protocol",
@@ -232,7 +232,7 @@ PATCHES: tuple[Patch, ...] = (
             "tests/e2e/test_odd_handshakes_are_refused_plainly.py; "
             "tests/web/gateway/test_a_message_for_a_closing_socket_is_dropped.py"
         ),
-        where="crowdtrain.daphne_site.site_websocket_protocol and server_class",
+        where="crowdtrain.lib.daphne_site.site_websocket_protocol and server_class",
     ),
     Patch(
         name="twisted-long-lines",
@@ -248,7 +248,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         gain="a fix, not a speed-up: a too-long header line gets HTTP 431 instead of a silent close",
         shown_by="tests/e2e/test_odd_handshakes_are_refused_plainly.py",
-        where="crowdtrain.daphne_site.answer_long_lines",
+        where="crowdtrain.lib.daphne_site.answer_long_lines",
     ),
     Patch(
         name="channels-redis-waiting-layer",

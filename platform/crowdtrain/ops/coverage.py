@@ -32,7 +32,8 @@ from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 
 from crowdtrain.accounts.models import ANONYMOUS_NAME, Profile
-from crowdtrain.campaigns.models import Campaign, shard_table
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.datasets.models import shard_table
 from crowdtrain.scheduler.models import Lease
 from crowdtrain.verification.models import Check
 

@@ -23,8 +23,9 @@ from django.utils import timezone
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns import validation
 from crowdtrain.campaigns.keys import ticket_key
-from crowdtrain.campaigns.models import Campaign, Step, shard_table
+from crowdtrain.campaigns.models import Campaign, Step
 from crowdtrain.campaigns.settings_table import aggregator_settings
+from crowdtrain.datasets.models import shard_table
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.optimizers import OPTIMIZERS
 from crowdtrain_agent.protocol import (

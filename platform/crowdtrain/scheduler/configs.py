@@ -21,9 +21,10 @@ from django.db.models import Exists, Q
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.keys import ticket_key
-from crowdtrain.campaigns.models import Campaign, ShardTable, shard_table
+from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.settings_table import acted_on
 from crowdtrain.campaigns.setup import inner_optimizer_spec
+from crowdtrain.datasets.models import ShardTable, shard_table
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import (
     CodecName,

@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 from django.conf import settings
 
-from crowdtrain.campaigns.models import Campaign, Step, shard_table
+from crowdtrain.campaigns.models import Campaign, Step
+from crowdtrain.datasets.models import shard_table
 
 from . import committer, seam
 from .commits import Commit, commit_full_steps

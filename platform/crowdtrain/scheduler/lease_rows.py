@@ -11,7 +11,8 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from crowdtrain.campaigns.models import ShardTable, Step
+from crowdtrain.campaigns.models import Step
+from crowdtrain.datasets.models import ShardTable
 
 from .hotrecords import LeaseRecord
 from .models import Lease

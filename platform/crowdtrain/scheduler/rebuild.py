@@ -21,7 +21,8 @@ from django.db.models import Max, Q
 from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.campaigns.models import Campaign, shard_table
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.datasets.models import shard_table
 
 from . import seam
 from .configs import hot_fields, probation_cap, publish_state, run_state

@@ -28,8 +28,8 @@ from django.db import DatabaseError, IntegrityError, close_old_connections, tran
 from django.db.models import Model
 
 from crowdtrain.campaigns.models import Campaign
-from crowdtrain.connections import refresh_if_due
 from crowdtrain.lib import batchsql
+from crowdtrain.lib.connections import refresh_if_due
 
 from .models import Lease
 

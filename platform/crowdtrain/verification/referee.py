@@ -44,7 +44,8 @@ from django.utils import timezone
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from crowdtrain.campaigns.models import Campaign, shard_storage_name
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.datasets.models import shard_storage_name
 from crowdtrain.scheduler.configs import CampaignConfig, campaign_config
 from crowdtrain_agent import trainer
 from crowdtrain_agent.codec import get_codec

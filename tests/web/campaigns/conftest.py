@@ -6,7 +6,7 @@ import pytest
 from django.contrib.auth.models import AbstractBaseUser
 from django.test import Client
 
-from crowdtrain.campaigns.models import Dataset
+from crowdtrain.datasets.models import Dataset
 from tests.factories import make_organizer, make_text_dataset
 
 

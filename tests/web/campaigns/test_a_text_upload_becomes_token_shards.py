@@ -16,11 +16,11 @@ from django.core.files.storage import default_storage
 from django.test import Client
 from tokenizers import Tokenizer
 
-from crowdtrain.campaigns import tokenizing
-from crowdtrain.campaigns.models import Dataset, Upload, shard_storage_name
 from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign
-from crowdtrain.campaigns.sharding import stdlib_corpus
-from crowdtrain.campaigns.uploads import append_chunk, complete_upload
+from crowdtrain.datasets import tokenizing
+from crowdtrain.datasets.models import Dataset, Upload, shard_storage_name
+from crowdtrain.datasets.sharding import stdlib_corpus
+from crowdtrain.datasets.uploads import append_chunk, complete_upload
 from crowdtrain_agent.data import ShardReader
 from tests.factories import logged_in, make_device, make_organizer
 

@@ -15,8 +15,8 @@ from django.urls import reverse
 
 from crowdtrain.campaigns import validation
 from crowdtrain.campaigns.models import Campaign
-from crowdtrain.campaigns.sharding import create_text_dataset
 from crowdtrain.campaigns.tasks import compute_validation_loss
+from crowdtrain.datasets.sharding import create_text_dataset
 from crowdtrain_agent.models import get_model, model_from_flat
 from crowdtrain_agent.models.hf import pixels
 from tests.factories import logged_in, make_campaign, make_organizer
@@ -112,9 +112,9 @@ def test_a_language_model_on_a_tokenized_dataset_exports_that_tokenizer(
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from crowdtrain.campaigns import tokenizing
-    from crowdtrain.campaigns.models import Dataset, Upload
-    from crowdtrain.campaigns.uploads import append_chunk, complete_upload, store_uploaded_tokenizer
+    from crowdtrain.datasets import tokenizing
+    from crowdtrain.datasets.models import Dataset, Upload
+    from crowdtrain.datasets.uploads import append_chunk, complete_upload, store_uploaded_tokenizer
 
     monkeypatch.setattr(validation, "fetch_campaign_params", _trained)
     trained = tokenizing.train_bpe([TEXT.decode()], 300)
@@ -161,7 +161,7 @@ def test_only_the_owner_and_staff_get_the_folder(llama: Campaign) -> None:
 def _image_campaign() -> Campaign:
     import numpy as np
 
-    from crowdtrain.campaigns.sharding import create_tensor_dataset
+    from crowdtrain.datasets.sharding import create_tensor_dataset
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (40, 3, 16, 16)).astype(np.uint8)

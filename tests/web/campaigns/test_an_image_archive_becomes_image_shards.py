@@ -18,9 +18,9 @@ from django.contrib.auth import get_user_model
 from django.core.files.storage import default_storage
 from PIL import Image
 
-from crowdtrain.campaigns.models import Dataset, Upload
 from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign
-from crowdtrain.campaigns.uploads import append_chunk, complete_upload
+from crowdtrain.datasets.models import Dataset, Upload
+from crowdtrain.datasets.uploads import append_chunk, complete_upload
 from crowdtrain_agent.data import ShardReader
 from tests.factories import make_organizer, make_text_dataset
 

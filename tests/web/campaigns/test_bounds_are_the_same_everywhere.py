@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from crowdtrain.campaigns.admin import CampaignAdminForm
 from crowdtrain.campaigns.forms import CampaignForm
-from crowdtrain.campaigns.models import Campaign, Dataset
+from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.settings_table import SETTINGS
 from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign
+from crowdtrain.datasets.models import Dataset
 from crowdtrain_agent.fields import ConfigField
 from crowdtrain_agent.optimizers import HYPERPARAMETERS, OPTIMIZERS, SCHEDULE
 from tests.factories import TINY_GPT, make_text_dataset

@@ -9,8 +9,9 @@ import pytest
 from django.contrib.auth.models import AbstractBaseUser
 from django.test import Client
 
-from crowdtrain.campaigns.models import Campaign, Dataset
-from crowdtrain.campaigns.sharding import create_tensor_dataset
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.datasets.models import Dataset
+from crowdtrain.datasets.sharding import create_tensor_dataset
 from tests.factories import make_campaign, make_organizer
 
 pytestmark = pytest.mark.django_db

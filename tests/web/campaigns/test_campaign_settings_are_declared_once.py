@@ -12,9 +12,10 @@ from django.test import Client
 from crowdtrain.campaigns.admin import CampaignAdminForm
 from crowdtrain.campaigns.lifecycle import LOCKED_FIELDS
 from crowdtrain.campaigns.management.commands.seed_run import CAMPAIGN_FIELDS
-from crowdtrain.campaigns.models import Campaign, Dataset
+from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.settings_table import SETTINGS
 from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign
+from crowdtrain.datasets.models import Dataset
 from crowdtrain.scheduler import backbone
 from tests.factories import TINY_GPT, make_campaign, make_text_dataset, make_user
 

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from django.test import Client
 
-from crowdtrain.campaigns.models import Dataset, Upload
-from crowdtrain.campaigns.sharding import create_text_dataset
+from crowdtrain.datasets.models import Dataset, Upload
+from crowdtrain.datasets.sharding import create_text_dataset
 from tests.factories import logged_in, make_admin, make_organizer, make_volunteer
 
 pytestmark = pytest.mark.django_db

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from django.core.files.storage import default_storage
 
-from crowdtrain.campaigns.models import Shard
 from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign
-from crowdtrain.campaigns.sharding import DatasetError, create_npz_dataset, create_text_dataset, stdlib_corpus
+from crowdtrain.datasets.models import Shard
+from crowdtrain.datasets.sharding import DatasetError, create_npz_dataset, create_text_dataset, stdlib_corpus
 from tests.factories import TINY_GPT, make_text_dataset, make_user
 
 pytestmark = pytest.mark.django_db

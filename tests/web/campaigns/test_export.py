@@ -13,8 +13,8 @@ from django.urls import reverse
 from crowdtrain.campaigns import validation
 from crowdtrain.campaigns.agent_wheel import agent_version
 from crowdtrain.campaigns.models import Campaign
-from crowdtrain.campaigns.sharding import create_text_dataset
 from crowdtrain.campaigns.tasks import compute_validation_loss
+from crowdtrain.datasets.sharding import create_text_dataset
 from crowdtrain_agent.models import get_model, load_exported
 from tests.factories import logged_in, make_admin, make_campaign, make_organizer, make_volunteer
 

@@ -91,7 +91,7 @@ def test_manage_py_serve_builds_a_missing_wheel_before_serving(
 ) -> None:
     from django.core.management import call_command
 
-    from crowdtrain import daphne_site
+    from crowdtrain.lib import daphne_site
 
     built_wheel.unlink()
     served: list[list[str]] = []

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from crowdtrain.campaigns import pretrained
-from crowdtrain.campaigns.models import Pretrained, Upload
-from crowdtrain.campaigns.pretrained import PretrainedError
-from crowdtrain.campaigns.uploads import append_chunk, complete_upload
+from crowdtrain.datasets import pretrained
+from crowdtrain.datasets.models import Pretrained, Upload
+from crowdtrain.datasets.pretrained import PretrainedError
+from crowdtrain.datasets.uploads import append_chunk, complete_upload
 from crowdtrain_agent.models import get_model, model_from_flat
 from crowdtrain_agent.models.hf import library, pixels
 from tests.factories import make_organizer
@@ -101,7 +101,7 @@ def test_a_resnets_batch_statistics_are_folded_into_its_frozen_norms(tmp_path: P
 
 
 def test_a_tokenizer_beside_the_weights_is_stored_and_named(tmp_path: Path) -> None:
-    from crowdtrain.campaigns import tokenizing
+    from crowdtrain.datasets import tokenizing
 
     tokenizer = tokenizing.tokenizer_bytes(tokenizing.train_bpe(["hello world " * 50], 300))
 
@@ -204,7 +204,7 @@ def _ready(tmp_path: Path, owner: Any, model: Any = None, **files: bytes) -> Pre
 
 
 def _text(sample_len: int = 33) -> Any:
-    from crowdtrain.campaigns.sharding import create_text_dataset
+    from crowdtrain.datasets.sharding import create_text_dataset
 
     return create_text_dataset("bytes", b"hello pretrained world " * 400, sample_len)
 
@@ -229,8 +229,8 @@ def test_a_campaign_keeps_the_weights_model_and_may_shorten_a_rope_context(tmp_p
 
 
 def test_a_campaign_on_weights_with_a_tokenizer_needs_a_dataset_of_its_ids(tmp_path: Path) -> None:
-    from crowdtrain.campaigns import tokenizing
     from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign
+    from crowdtrain.datasets import tokenizing
 
     owner = make_organizer("olga")
     tokenizer = tokenizing.tokenizer_bytes(tokenizing.train_bpe(["hello world " * 50], 300))
@@ -399,8 +399,8 @@ def test_a_start_refused_for_its_dataset_reads_no_weights(tmp_path: Path, monkey
     # The weights took seconds to read before the refusal, and an unreadable file hid the real problem.
     from crowdtrain.campaigns import setup
     from crowdtrain.campaigns.lifecycle import LifecycleError, apply_move
-    from crowdtrain.campaigns.models import Dataset
     from crowdtrain.campaigns.setup import create_campaign
+    from crowdtrain.datasets.models import Dataset
 
     owner = make_organizer("omar")
     weights = _ready(tmp_path, owner)

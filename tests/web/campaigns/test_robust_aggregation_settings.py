@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from crowdtrain.campaigns.models import Campaign, Dataset
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.datasets.models import Dataset
 from crowdtrain.scheduler import backbone
 from tests.factories import make_campaign
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from django.core.management import call_command
 
-from crowdtrain.campaigns.models import Dataset
+from crowdtrain.datasets.models import Dataset
 
 pytestmark = pytest.mark.django_db
 

@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 from django.test import Client
 
-from crowdtrain.campaigns.models import Campaign, Shard
+from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.permissions import can_download_shard
+from crowdtrain.datasets.models import Shard
 from tests.factories import make_campaign, make_device, make_text_dataset
 
 pytestmark = pytest.mark.django_db

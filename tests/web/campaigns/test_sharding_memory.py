@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from crowdtrain.campaigns.models import Dataset, Upload
-from crowdtrain.campaigns.tasks import shard_upload
-from crowdtrain.campaigns.uploads import append_chunk
+from crowdtrain.datasets.models import Dataset, Upload
+from crowdtrain.datasets.tasks import shard_upload
+from crowdtrain.datasets.uploads import append_chunk
 from tests.factories import make_organizer
 
 pytestmark = pytest.mark.django_db

@@ -12,10 +12,10 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.files.storage import default_storage
 
-from crowdtrain.campaigns import sharding, tasks
-from crowdtrain.campaigns.models import Dataset, Shard, Upload, shard_table
-from crowdtrain.campaigns.sharding import DatasetError, create_npz_dataset
-from crowdtrain.campaigns.uploads import append_chunk, complete_upload
+from crowdtrain.datasets import sharding, tasks
+from crowdtrain.datasets.models import Dataset, Shard, Upload, shard_table
+from crowdtrain.datasets.sharding import DatasetError, create_npz_dataset
+from crowdtrain.datasets.uploads import append_chunk, complete_upload
 from crowdtrain_agent.data import ShardReader
 from crowdtrain_agent.protocol import DataSpec
 from tests.factories import make_organizer

@@ -9,9 +9,9 @@ import pytest
 from django.core.files.storage import default_storage
 from django.utils import timezone
 
-from crowdtrain.campaigns.models import Upload
-from crowdtrain.campaigns.tasks import discard_stale_uploads
-from crowdtrain.campaigns.uploads import append_chunk
+from crowdtrain.datasets.models import Upload
+from crowdtrain.datasets.tasks import discard_stale_uploads
+from crowdtrain.datasets.uploads import append_chunk
 from tests.factories import make_organizer
 
 pytestmark = pytest.mark.django_db

@@ -14,7 +14,7 @@ from django.test import Client, override_settings
 from storages.backends.s3 import S3Storage
 
 import crowdtrain.settings
-from crowdtrain.campaigns.models import Dataset
+from crowdtrain.datasets.models import Dataset
 from tests.factories import logged_in, make_device, make_organizer
 
 S3_VARIABLES = {

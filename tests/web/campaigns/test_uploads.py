@@ -10,7 +10,7 @@ import pytest
 from django.core.files.storage import default_storage
 from django.test import Client
 
-from crowdtrain.campaigns.models import Dataset, Upload
+from crowdtrain.datasets.models import Dataset, Upload
 from tests.factories import logged_in, make_admin, make_organizer, make_volunteer
 
 pytestmark = pytest.mark.django_db

@@ -14,8 +14,8 @@ from torch.nn import functional as F
 
 from crowdtrain.campaigns import lifecycle, validation
 from crowdtrain.campaigns.models import Campaign, ValidationResult
-from crowdtrain.campaigns.sharding import create_text_dataset
 from crowdtrain.campaigns.tasks import compute_validation_loss
+from crowdtrain.datasets.sharding import create_text_dataset
 from crowdtrain.scheduler import backbone
 from crowdtrain_agent.models import get_model
 from crowdtrain_agent.protocol import StepApplied

@@ -13,13 +13,13 @@ import pytest
 from autobahn.exception import Disconnected
 from daphne.ws_protocol import WebSocketProtocol
 
-from crowdtrain import daphne_site
 from crowdtrain.gateway.consumers import BackboneConsumer
+from crowdtrain.lib import daphne_site
 
 
 @pytest.mark.parametrize("state", ["STATE_CLOSING", "STATE_CLOSED"])
 def test_the_sites_websocket_protocol_drops_a_send_once_closing(state: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="crowdtrain.daphne_site")
+    caplog.set_level(logging.DEBUG, logger="crowdtrain.lib.daphne_site")
     plain, site = WebSocketProtocol(), daphne_site.site_websocket_protocol()()
     for protocol in (plain, site):
         protocol.state = getattr(protocol, state)

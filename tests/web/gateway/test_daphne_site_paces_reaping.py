@@ -17,7 +17,7 @@ from crowdtrain_launcher import PYTHONPATH
 CHILD = textwrap.dedent(
     """
     import asyncio, json, time
-    from crowdtrain import daphne_site
+    from crowdtrain.lib import daphne_site
     from crowdtrain.lib.patches import REAP_EVERY_S
 
     server = daphne_site.server_class()(application=None, endpoints=["tcp:port=0"])

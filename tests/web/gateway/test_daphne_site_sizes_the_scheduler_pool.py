@@ -20,7 +20,7 @@ CHILD = textwrap.dedent(
     import django
 
     django.setup()
-    from crowdtrain import daphne_site
+    from crowdtrain.lib import daphne_site
 
     pool = daphne_site.use_scheduler_threads()
     from daphne.server import twisted_loop

@@ -5,7 +5,8 @@ import pytest
 from django.test import override_settings
 
 from crowdtrain.campaigns.keys import ticket_key
-from crowdtrain.campaigns.models import Campaign, shard_table
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.datasets.models import shard_table
 from crowdtrain.scheduler import endings, leasing, reporting
 from crowdtrain.scheduler.models import Lease
 from crowdtrain_agent.protocol import Lease as LeaseMessage

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from crowdtrain.campaigns.models import ShardTable
+from crowdtrain.datasets.models import ShardTable
 from crowdtrain.scheduler.lease_rows import to_shards
 
 TABLE = ShardTable(first_samples=(0, 30, 60), sizes=(30, 30, 10), sha256s=("a" * 64, "b" * 64, "c" * 64))

@@ -19,7 +19,8 @@ from django.utils import timezone
 
 from crowdtrain.campaigns import validation
 from crowdtrain.campaigns.keys import ticket_key
-from crowdtrain.campaigns.models import Campaign, shard_storage_name
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.datasets.models import shard_storage_name
 from crowdtrain.scheduler import leasing, reporting
 from crowdtrain.scheduler.configs import campaign_config
 from crowdtrain.verification import checks, referee

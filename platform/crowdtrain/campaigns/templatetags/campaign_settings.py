@@ -6,9 +6,9 @@ from typing import Any
 
 from django import template
 
+from crowdtrain.campaigns.models import Campaign
 from crowdtrain_agent.optimizers import OPTIMIZERS, SCHEDULE, stored_value
 
-from ..models import Campaign
 from ..settings_table import Group, Setting, display, summary
 
 register = template.Library()

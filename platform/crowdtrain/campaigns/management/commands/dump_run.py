@@ -17,7 +17,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Count, Sum
 
 from crowdtrain.accounts.models import Device
-from crowdtrain.campaigns.models import Campaign, Shard
+from crowdtrain.campaigns.models import Campaign
+from crowdtrain.datasets.models import Shard
 from crowdtrain.scheduler.endings import step_ranges
 from crowdtrain_agent.protocol.schema import to_dict
 

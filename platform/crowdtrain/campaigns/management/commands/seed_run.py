@@ -49,11 +49,12 @@ from django.utils import timezone
 from crowdtrain.accounts.models import Device, Profile
 from crowdtrain.accounts.tokens import hash_token, new_token
 from crowdtrain.campaigns.demo import seed_demo_campaign
-from crowdtrain.campaigns.models import Campaign, Dataset, Pretrained
-from crowdtrain.campaigns.pretrained import PretrainedError, convert, record_fields
+from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.settings_table import SETTINGS
 from crowdtrain.campaigns.setup import CampaignConfigError, create_campaign, prepare_initial_weights
-from crowdtrain.campaigns.sharding import (
+from crowdtrain.datasets.models import Dataset, Pretrained
+from crowdtrain.datasets.pretrained import PretrainedError, convert, record_fields
+from crowdtrain.datasets.sharding import (
     DatasetError,
     create_npz_dataset,
     create_text_dataset,

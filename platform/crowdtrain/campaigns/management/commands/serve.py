@@ -8,7 +8,7 @@ The embedded default needs nothing else: SQLite in var/, the in-memory
 channel layer and Celery tasks run eagerly inside the request that queues
 them. daphne's 1 MiB WebSocket limits stay: every protocol message is smaller.
 Its keepalive drops sockets that go quiet and stop reading, as for the swarms
-the launcher starts (``crowdtrain.daphne_site`` says what that bounds).
+the launcher starts (``crowdtrain.lib.daphne_site`` says what that bounds).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from crowdtrain import daphne_site
 from crowdtrain.campaigns.agent_wheel import WheelBuildError, ensure_wheel, wheel_ready
+from crowdtrain.lib import daphne_site
 
 
 def free_port(host: str) -> int:

@@ -1,21 +1,24 @@
-"""The public "join this campaign" page: commands to install the agent, log it in and run it."""
+"""The public "join this campaign" page (commands to install the agent, log it in and run it) and the agent's wheel."""
 
 from __future__ import annotations
 
+import logging
 import re
 import shlex
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import FileResponse, Http404, HttpRequest, HttpResponse, HttpResponseBase
 from django.shortcuts import get_object_or_404, render
 from django.views.decorators.http import require_GET
 
 from crowdtrain.ops import campaign_monitor as monitor
 
-from .agent_wheel import agent_version, wheel_ready, wheel_url
+from .agent_wheel import agent_version, wheel_name, wheel_path, wheel_ready, wheel_url
 from .models import Campaign
 from .visibility import can_watch
+
+logger = logging.getLogger(__name__)
 
 # PyTorch's own wheels, as pip downloads them for Linux x86-64 (torch 2.x): the CPU build from its CPU index, and
 # the default CUDA build with the NVIDIA libraries it pulls in.
@@ -111,3 +114,33 @@ def join(request: HttpRequest, campaign_id: int) -> HttpResponse:
         "network": monitor.network(campaign),
     }
     return render(request, "campaigns/join.html", context)
+
+
+@require_GET
+def agent_wheel(request: HttpRequest, filename: str) -> HttpResponseBase:
+    """The wheel, at a URL that names its version (pip reads name and version from it)."""
+    if filename != wheel_name():
+        return HttpResponse(
+            f"This site serves {wheel_name()} only; its join pages show the command that installs it.\n",
+            status=404,
+            content_type="text/plain; charset=utf-8",
+        )
+    path = wheel_path()
+    if not path.is_file():
+        logger.warning("agent wheel %s requested but missing: run manage.py build_agent_wheel", path)
+        return HttpResponse(
+            f"The agent wheel is not built on this site yet. Its operator runs `manage.py build_agent_wheel` "
+            f"(make serve does), which writes {path.name} to CROWDTRAIN_AGENT_WHEEL_DIR. Meanwhile, install the "
+            "agent from a checkout of the Crowdtrain source: pip install ./agent\n",
+            status=503,
+            content_type="text/plain; charset=utf-8",
+        )
+    # A wheel is a zip archive. no-cache: pip caches downloads by URL, and a rebuilt agent of the same
+    # version (a checkout between releases) must not be answered from a volunteer's cache.
+    return FileResponse(
+        path.open("rb"),
+        as_attachment=True,
+        filename=path.name,
+        content_type="application/zip",
+        headers={"Cache-Control": "no-cache"},
+    )

@@ -40,7 +40,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]  # deploy/launcher/crowdtrain_launcher/swarm.py
 PYTHONPATH = [REPO_ROOT / "platform", REPO_ROOT / "agent" / "src", REPO_ROOT]
 
 DAPHNE_LISTENING = re.compile(r"Listening on TCP address ([\d.]+):(\d+)")
@@ -305,7 +305,7 @@ class Swarm:
 
         daphne's default 1 MiB WebSocket limits stay: every protocol message
         is smaller (gradients go to aggregators, not through the site). Its
-        keepalive and housekeeping are ``crowdtrain.daphne_site``'s.
+        keepalive and housekeeping are ``crowdtrain.lib.daphne_site``'s.
 
         Args:
             name: the child's name and log file; a second site process needs another.
@@ -345,7 +345,7 @@ class Swarm:
         return [self._listening(child, timeout_s) for child in children]
 
     def _daphne_argv(self, host: str, port: int) -> list[str]:
-        return [self.python, "-m", "crowdtrain.daphne_site", "-b", host, "-p", str(port)]
+        return [self.python, "-m", "crowdtrain.lib.daphne_site", "-b", host, "-p", str(port)]
 
     @staticmethod
     def _listening(child: Child, timeout_s: float) -> Site:

@@ -10,9 +10,11 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
+from crowdtrain.campaigns.organizers import is_organizer
+
 from .dataset_views import _organizer
 from .models import Pretrained, Upload
-from .permissions import is_organizer, visible_pretrained
+from .permissions import visible_pretrained
 
 
 def pretrained_status_json(weights: Pretrained) -> dict[str, Any]:

@@ -11,11 +11,12 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
+from crowdtrain.campaigns.organizers import is_organizer
 from crowdtrain_agent.models import max_text_sample_len
 from crowdtrain_agent.models.registry import IMAGE_SIZES, MAX_VOCAB
 
 from .models import Dataset, Shard, Upload
-from .permissions import is_organizer, visible_datasets, visible_pretrained, visible_uploads
+from .permissions import visible_datasets, visible_pretrained, visible_uploads
 
 
 def _organizer(request: HttpRequest) -> None:

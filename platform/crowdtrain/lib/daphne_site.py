@@ -1,6 +1,6 @@
 """Serve the site's ASGI application on daphne, with the site's WebSocket rules and start-up checks.
 
-    python -m crowdtrain.daphne_site -b 0.0.0.0 -p 8000 [more daphne options]
+    python -m crowdtrain.lib.daphne_site -b 0.0.0.0 -p 8000 [more daphne options]
 
 Every way the site is served (``manage.py serve``, the launcher's swarms and
 ``make cluster``, ``deploy/compose.yaml``) starts daphne through here, so they

@@ -7,7 +7,7 @@ from typing import Any, TypeVar, overload
 
 import msgspec
 
-from crowdtrain.text import not_text
+from crowdtrain.lib.text import not_text
 
 T = TypeVar("T")
 
