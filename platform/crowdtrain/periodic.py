@@ -60,7 +60,7 @@ LAST_SEEN_DB_EVERY_S = 60.0
 
 ROUND_JOBS = [
     Job("publish-presence", "crowdtrain.scheduler.hotstate.Presence.publish", "every round"),
-    Job("expire-overdue-leases", "crowdtrain.scheduler.leasing.expire_all_overdue", "every round"),
+    Job("expire-overdue-leases", "crowdtrain.scheduler.endings.expire_all_overdue", "every round"),
     Job(
         "reload-volunteer-records",
         "crowdtrain.verification.standing.refresh_records",
