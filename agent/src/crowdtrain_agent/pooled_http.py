@@ -7,14 +7,17 @@ each, more over a home link than the small answers themselves. urllib3's pool
 keeps a few connections per server, shared by the agent's download threads.
 Login (``login``) and the site's read of each aggregator's /metrics
 (``crowdtrain.ops.aggregator_probe``) go through it too: one client, one set of
-errors to catch.
+errors to catch. Like urllib, it goes through the proxy the environment names.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import urllib.request
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlsplit
 
 import urllib3
 from urllib3.exceptions import HTTPError as Urllib3Error
@@ -37,6 +40,32 @@ RETRIES = urllib3.Retry(total=None, connect=0, read=1, redirect=5, status=0, oth
 USER_AGENT = "crowdtrain-agent"
 
 POOL = urllib3.PoolManager(num_pools=16, maxsize=CONNECTIONS_PER_SERVER, block=False, retries=RETRIES)
+# Never sent through a proxy, whatever NO_PROXY says: a proxy cannot reach this machine's own services.
+LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+_proxies: dict[str, urllib3.ProxyManager] = {}
+_proxies_lock = threading.Lock()
+
+
+def _manager_for(url: str) -> urllib3.PoolManager:
+    """The pool for ``url``: through the proxy the environment names for its scheme, as urllib went.
+
+    urllib3 reads no proxy settings itself, and a volunteer behind a proxy (``HTTPS_PROXY``,
+    ``NO_PROXY``) must reach the site and the aggregators the way their browser and urllib do.
+    The variables are read on each request (a test or a long-lived agent may change them).
+    """
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if not proxy or host in LOOPBACK or urllib.request.proxy_bypass(host):
+        return POOL
+    with _proxies_lock:
+        manager = _proxies.get(proxy)
+        if manager is None:
+            manager = urllib3.ProxyManager(
+                proxy, num_pools=16, maxsize=CONNECTIONS_PER_SERVER, block=False, retries=RETRIES
+            )
+            _proxies[proxy] = manager
+        return manager
 
 
 class PooledResponse:
@@ -119,7 +148,7 @@ def request(
         OSError: the server cannot be reached, or the connection fails before an answer.
     """
     try:
-        response = POOL.request(
+        response = _manager_for(url).request(
             method,
             url,
             body=body,
