@@ -61,7 +61,7 @@ def _key(raw: str) -> bytes:
 
 
 def env_hex_bytes(name: str, default: bytes) -> bytes:
-    return bytes(_read(name, default, Setting("value", bytes, check=_key)))
+    return bytes(_read(name, default, Setting("value", bytes, check=_key, secret=True)))
 
 
 def env_list(name: str, default: list[str]) -> list[str]:

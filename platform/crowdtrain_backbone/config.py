@@ -132,7 +132,8 @@ _SECONDS = f"must be a positive number of seconds, e.g. {DEFAULT_HEADER_TIMEOUT_
 # In this order, so a bad value is reported as before: the token first, the metrics token last. A
 # default of None follows other settings (load_config).
 SETTINGS = (
-    Setting("token", str, None, _WORD, flag="--token", env=ENV_PREFIX + "TOKEN", check=_word),
+    Setting("token", str, None, _WORD, flag="--token", env=ENV_PREFIX + "TOKEN", check=_word,
+            secret=True),
     Setting("host", str, DEFAULT_HOST, _WORD, flag="--host", env=ENV_PREFIX + "HOST", check=_word),
     Setting("checkpoint_url", str, "", "must be an S3 location like s3://BUCKET/checkpoints",
             flag="--checkpoint-url", env=ENV_PREFIX + "CHECKPOINT_URL", check=_bucket_url),
@@ -159,7 +160,7 @@ SETTINGS = (
             env=ENV_PREFIX + "HEADER_TIMEOUT_S", gt=0, finite=True),
     # Set but empty (compose passes unset variables so): none.
     Setting("metrics_token", str, "", _WORD, flag="--metrics-token", env=ENV_PREFIX + "METRICS_TOKEN",
-            check=lambda raw: _word(raw) if raw else ""),
+            check=lambda raw: _word(raw) if raw else "", secret=True),
 )  # fmt: skip
 
 

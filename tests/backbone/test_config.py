@@ -73,3 +73,15 @@ def test_a_fallback_folder_comes_with_a_bucket_not_with_a_folder_and_empty_means
 
     assert (with_bucket, with_folder) == (Path("var/checkpoints-fallback"), None)
     assert (chosen, refused) == (Path("/srv/keep"), None)
+
+
+@pytest.mark.parametrize("variable", ["CROWDTRAIN_BACKBONE_TOKEN", "CROWDTRAIN_BACKBONE_METRICS_TOKEN"])
+def test_a_bad_token_is_named_but_not_repeated(variable: str) -> None:
+    # Start-up errors reach logs; a token with a space in it is still somebody's token.
+    environ = {"CROWDTRAIN_BACKBONE_TOKEN": "fine-token", variable: "half of a token"}
+
+    with pytest.raises(ConfigError) as info:
+        load_config({}, environ)
+
+    assert variable in str(info.value) and "<hidden>" in str(info.value)
+    assert "half of a token" not in str(info.value)

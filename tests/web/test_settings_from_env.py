@@ -32,3 +32,15 @@ def test_a_bad_value_names_the_variable_and_what_is_accepted(
         reader()  # type: ignore[operator]
 
     assert "CT_TEST_VALUE" in str(info.value)
+
+
+@pytest.mark.parametrize("raw", ["0123456789abcdef", "secret-but-not-hex"])
+def test_a_bad_key_is_named_but_its_value_is_not_shown(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    # A key too short or malformed is still a secret: start-up errors end up in logs.
+    monkeypatch.setenv("CT_TEST_VALUE", raw)
+
+    with pytest.raises(ImproperlyConfigured) as info:
+        env_hex_bytes("CT_TEST_VALUE", b"")
+
+    assert "CT_TEST_VALUE" in str(info.value) and "<hidden>" in str(info.value)
+    assert raw not in str(info.value)

@@ -199,7 +199,8 @@ _SERVER = f"must be the site's http:// or https:// address, like {DEFAULT_SERVER
 LOGIN_SETTINGS = (
     Setting("server", str, DEFAULT_SERVER, _SERVER, flag="--server", env=ENV_PREFIX + "SERVER", key="server",
             check=_server),
-    Setting("token", str, "", flag="--token", env=ENV_PREFIX + "TOKEN", check=lambda value: str(value).strip()),
+    Setting("token", str, "", flag="--token", env=ENV_PREFIX + "TOKEN", check=lambda value: str(value).strip(),
+            secret=True),
 )  # fmt: skip
 RUN_SETTINGS = (
     Setting("device", str, "auto", f"must be one of {', '.join(DEVICE_CHOICES)}", flag="--device",

@@ -48,6 +48,7 @@ class Setting:
     gt: float | None = None
     le: float | None = None
     finite: bool = False  # refuse inf and nan
+    secret: bool = False  # a token or key: a message about a bad value never repeats it (messages reach logs)
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,13 @@ def load(
         error = exc.errors()[0]
         field = str(error["loc"][0])
         raise SettingError(
-            _message(message, origins[field], raw[field], by_field[field].accepts, error.get("ctx", {}))
+            _message(
+                message,
+                origins[field],
+                _shown(by_field[field], raw[field]),
+                by_field[field].accepts,
+                error.get("ctx", {}),
+            )
         ) from None
     return Loaded(values={field: getattr(checked, field) for field in by_field}, origins=origins)
 
@@ -122,7 +129,19 @@ def parse(setting: Setting, where: str, raw: Any, message: str = PLAIN) -> Any:
     try:
         return _adapter(setting).validate_python(raw)
     except ValidationError as exc:
-        raise SettingError(_message(message, where, raw, setting.accepts, exc.errors()[0].get("ctx", {}))) from None
+        context = exc.errors()[0].get("ctx", {})
+        raise SettingError(_message(message, where, _shown(setting, raw), setting.accepts, context)) from None
+
+
+class _Hidden:
+    """Stands in for a secret's value in a message, where ``!r`` would print it."""
+
+    def __repr__(self) -> str:
+        return "<hidden>"
+
+
+def _shown(setting: Setting, raw: Any) -> Any:
+    return _Hidden() if setting.secret else raw
 
 
 def _message(shape: str, where: str, raw: Any, accepts: str | None, context: Mapping[str, Any]) -> str:
