@@ -149,7 +149,8 @@ test-browser: $(STAMP) $(CHARTS) $(CHROMIUM)
 # then the scale phases
 # (simulated agents against two site processes on PostgreSQL + Redis; tests/services.py's checks, a database of
 # its own), then the leasing and overload phases on the embedded default (one site process on SQLite) at the
-# issue's sizes: each runs alone too. ARGS go to w1, HOMELINK_ARGS to homelink, SCALE_ARGS and SQLITE_SCALE_ARGS
+# issue's sizes, and last the browser-compute gate of each registry family (crowdtrain.browser.report): each
+# runs alone too. ARGS go to w1, HOMELINK_ARGS to homelink, SCALE_ARGS and SQLITE_SCALE_ARGS
 # to scale, e.g. HOMELINK_ARGS="--w1-samples 65536 --local-samples 16384 --gpt-samples 0",
 # SCALE_ARGS="--agents 100 --cpu-agents 100,1000 --idle-agents 2000".
 HOMELINK_ARGS ?=
@@ -170,6 +171,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.scale --backend sqlite $(SQLITE_SCALE_ARGS)
 	$(BIN)/python -m tests.benchmarks.faults $(FAULT_ARGS)
 	$(BIN)/python -m tests.benchmarks.sizes $(SIZE_ARGS)
+	$(BIN)/python -m crowdtrain.browser.report
 
 clean:
 	rm -rf $(VENV) var frontend/node_modules frontend/static/build

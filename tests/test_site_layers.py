@@ -25,8 +25,8 @@ import pytest
 SITE = Path(__file__).resolve().parents[1] / "platform" / "crowdtrain"
 
 # Lowest first. The helpers left at the package root (env, batchsql, periodic) rank with lib.
-LAYERS = ["lib", "accounts", "datasets", "campaigns", "scheduler", "devices", "credit", "verification", "ops",
-          "gateway"]  # fmt: skip
+LAYERS = ["lib", "accounts", "datasets", "browser", "campaigns", "scheduler", "devices", "credit", "verification",
+          "ops", "gateway"]  # fmt: skip
 # The site's wiring at its root: it assembles every app.
 WIRING = {
     "crowdtrain",
