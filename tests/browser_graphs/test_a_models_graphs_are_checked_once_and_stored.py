@@ -86,7 +86,9 @@ def test_the_memory_estimate_holds_parameters_gradients_their_sum_and_activation
     assert total >= 3 * params
 
 
-def test_one_row_and_one_export_for_two_campaigns_with_the_same_model(exported: Checked, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_one_row_and_one_export_for_two_campaigns_with_the_same_model(
+    exported: Checked, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls: list[int] = []
 
     def counted(model_name: str, model_config: Any, size: int) -> Any:
@@ -117,7 +119,9 @@ def test_only_one_worker_takes_a_pending_row_until_it_is_stale() -> None:
     assert third is not None and third > first
 
 
-def test_a_worker_overtaken_on_a_stale_row_does_not_overwrite_its_successor(exported: Checked, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_worker_overtaken_on_a_stale_row_does_not_overwrite_its_successor(
+    exported: Checked, monkeypatch: pytest.MonkeyPatch
+) -> None:
     row = checking.request_check("mlp", MLP, 2, queue=False)
     assert row is not None
 
@@ -131,7 +135,9 @@ def test_a_worker_overtaken_on_a_stale_row_does_not_overwrite_its_successor(expo
     assert BrowserGraph.objects.get(pk=row.pk).status == "pending"
 
 
-def test_a_single_sample_graph_that_fails_the_gate_refuses_the_model(exported: Checked, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_single_sample_graph_that_fails_the_gate_refuses_the_model(
+    exported: Checked, monkeypatch: pytest.MonkeyPatch
+) -> None:
     failed = lambda v: dataclasses.replace(v, passed=False, ratio=50.0, reason="mlp: gradients differ")  # noqa: E731
     monkeypatch.setattr(gate, "check_browser_compute", replaying(exported, size_1=failed))
     row = checking.request_check("mlp", MLP, 2, queue=False)
@@ -140,7 +146,9 @@ def test_a_single_sample_graph_that_fails_the_gate_refuses_the_model(exported: C
     checked = checking.run_check(row.pk)
 
     assert checked is not None and checked.status == "refused"
-    assert checked.reason == "mlp: gradients differ (the graph for a single sample, which a lease's last microbatch needs)"
+    assert (
+        checked.reason == "mlp: gradients differ (the graph for a single sample, which a lease's last microbatch needs)"
+    )
     assert checked.ratio == 50.0 and checked.sha256 == ""
 
 
@@ -154,7 +162,9 @@ def test_a_model_that_cannot_be_exported_is_refused_with_the_reason() -> None:
     assert "wings" in checked.reason and checked.ratio is None
 
 
-def test_an_unexpected_error_is_a_refusal_that_asks_to_be_reported(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_an_unexpected_error_is_a_refusal_that_asks_to_be_reported(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def broken(*args: Any) -> Any:
         raise MemoryError("out of memory in the exporter")
 

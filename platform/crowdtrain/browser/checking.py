@@ -1,4 +1,4 @@
-"""Checking a campaign's model for browser tabs: one export and gate per (model, config, microbatch), shared, off the request.
+"""Checking a model for browser tabs: one export and gate per (model, config, microbatch), off the request.
 
 A campaign asks with ``request_check`` when it starts (and when its model is
 saved); the row is created pending, and a Celery task (``tasks``) takes it
@@ -120,7 +120,7 @@ def _stale_before() -> datetime:
 
 
 def claim(graph_id: int) -> datetime | None:
-    """Take a pending row for this worker; the time it was taken at, or None when another worker has it or it is decided."""
+    """Take a pending row for this worker: when it was taken; None when another worker has it or it is decided."""
     stamp = timezone.now()
     free = Q(started_at__isnull=True) | Q(started_at__lt=_stale_before())
     taken = BrowserGraph.objects.filter(free, pk=graph_id, status=Status.PENDING).update(started_at=stamp)
@@ -185,7 +185,8 @@ def _check(graph: BrowserGraph) -> dict[str, Any]:
     failed = next((verdict for _, verdict in results if not verdict.passed), None)
     if failed is not None:
         one = len(results) == 2 and failed is results[1][1]
-        reason = f"{failed.reason} (the graph for a single sample, which a lease's last microbatch needs)" if one else failed.reason
+        needs = " (the graph for a single sample, which a lease's last microbatch needs)" if one else ""
+        reason = f"{failed.reason}{needs}"
         return {**fields, "status": Status.REFUSED, "reason": reason}
     onnx_bytes = [exported.onnx for exported, _ in results if exported is not None]
     for exported, _ in results:

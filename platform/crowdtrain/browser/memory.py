@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import onnx
 from onnx import TensorProto, ValueInfoProto
 
-_ITEMSIZE = {
+_ITEMSIZE: dict[int, int] = {
     TensorProto.FLOAT: 4,
     TensorProto.INT64: 8,
     TensorProto.INT32: 4,

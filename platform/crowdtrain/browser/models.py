@@ -1,4 +1,4 @@
-"""The stored verdict on a model's gradient graphs: one row per model, config and microbatch size, shared by campaigns."""
+"""The verdict on a model's gradient graphs: one row per model, config and microbatch size, shared by campaigns."""
 
 from __future__ import annotations
 
@@ -67,9 +67,7 @@ class BrowserGraph(models.Model):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(
-                fields=["model_name", "config_sha256", "microbatch_size"], name="browser_graph_key"
-            )
+            models.UniqueConstraint(fields=["model_name", "config_sha256", "microbatch_size"], name="browser_graph_key")
         ]
 
     def __str__(self) -> str:

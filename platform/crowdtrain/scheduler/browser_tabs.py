@@ -70,6 +70,7 @@ def _verdict(campaign_id: int) -> tuple[str, str]:
         .filter(pk=campaign_id)
         .first()
     )
+    status: str
     if campaign is None:
         status, reason = BrowserGraph.Status.REFUSED, "it no longer exists"
     else:
