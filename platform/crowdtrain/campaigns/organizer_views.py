@@ -113,8 +113,9 @@ def campaign_detail(request: HttpRequest, campaign_id: int) -> HttpResponse:
             return redirect_to_login(request.get_full_path())
         raise Http404(f"no campaign {campaign_id}")
     browser = browser_verdict(campaign)
-    if browser.graph is None and browser.status == "pending" and campaign.state != Campaign.State.DRAFT:
-        check_for_browsers(campaign)  # started before graphs were checked, or its check was lost
+    if browser.status == "pending" and campaign.state != Campaign.State.DRAFT:
+        # Started before graphs were checked, or its worker died: queued again only then (``request_check``).
+        check_for_browsers(campaign)
     context = {
         "campaign": campaign,
         "browser": browser,

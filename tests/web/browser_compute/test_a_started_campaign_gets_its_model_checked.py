@@ -167,3 +167,26 @@ def test_the_command_checks_each_running_campaign_with_a_line_each(monkeypatch: 
     assert lines[3] == f"{label}: refused (checked before; --again): gpt: refused in the test"
     assert lines[5].startswith(f"campaign {draft.pk} (gpt, microbatch 2): refused in ")
     assert calls == [("gpt", 4), ("gpt", 2)]
+
+
+def test_the_organizers_page_queues_again_a_check_whose_worker_died(
+    monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any
+) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    queued: list[int] = []
+    monkeypatch.setattr(checking, "dispatch", queued.append)
+    campaign, client = draft_of()
+    Campaign.objects.filter(pk=campaign.pk).update(state=Campaign.State.RUNNING)
+    row = checking.request_check("gpt", campaign.model_config, 4, queue=False)
+    assert row is not None
+    BrowserGraph.objects.filter(pk=row.pk).update(started_at=timezone.now())
+
+    with override_settings(CROWDTRAIN_BROWSER_GRAPH_TIMEOUT_S=60), django_capture_on_commit_callbacks(execute=True):
+        client.get(f"/campaigns/{campaign.pk}/")  # a live worker has it: nothing queued
+        BrowserGraph.objects.filter(pk=row.pk).update(started_at=timezone.now() - timedelta(seconds=61))
+        client.get(f"/campaigns/{campaign.pk}/")
+
+    assert queued == [row.pk]
