@@ -31,6 +31,8 @@ def pytest_configure(config: pytest.Config) -> None:
     django_settings.CROWDTRAIN_RECORDS_INLINE = True
     # Tests look at a task's outcome right after the request that queued it.
     django_settings.CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND = False
+    # No test exports a gradient graph for browsers (seconds of CPU each) unless it turns this on.
+    django_settings.CROWDTRAIN_BROWSER_GRAPHS = False
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -89,7 +91,7 @@ def fresh_scheduler_state() -> Iterator[None]:
     """
     import uuid
 
-    from crowdtrain.scheduler import configs, hotstate, ids, records
+    from crowdtrain.scheduler import browser_tabs, configs, hotstate, ids, records
     from crowdtrain.verification import checks, standing
 
     prefix = f"ct-test-{uuid.uuid4().hex[:12]}"
@@ -97,6 +99,7 @@ def fresh_scheduler_state() -> Iterator[None]:
         hotstate.reset_hot_state()
         records.reset_writer()
         configs.clear_caches()
+        browser_tabs.clear_caches()
         ids.lease_ids.reset()
         standing.clear_caches()
         checks.clear_caches()
@@ -107,6 +110,7 @@ def fresh_scheduler_state() -> Iterator[None]:
         hotstate.reset_hot_state()
         records.reset_writer()
         configs.clear_caches()
+        browser_tabs.clear_caches()
         ids.lease_ids.reset()
         standing.clear_caches()
         checks.clear_caches()

@@ -73,6 +73,7 @@ INSTALLED_APPS = [
     "allauth.account",
     "crowdtrain.accounts",
     "crowdtrain.datasets",
+    "crowdtrain.browser",
     "crowdtrain.campaigns",
     "crowdtrain.scheduler",
     "crowdtrain.devices",
@@ -203,6 +204,11 @@ CELERY_TASK_EAGER_PROPAGATES = True
 # With eager Celery (no worker), long tasks a page shows progress of (sharding an upload) run in a
 # background thread instead of inside the request; the test process turns this off to run them inline.
 CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND = env_bool("CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND", True)
+# Browser compute (issue 36): when a campaign starts, export its model's gradient graph for browser tabs and
+# gate it against PyTorch (seconds to minutes of CPU in a worker). Off: no tab is offered any campaign.
+CROWDTRAIN_BROWSER_GRAPHS = env_bool("CROWDTRAIN_BROWSER_GRAPHS", True)
+# A check that has not finished in this long (its worker died) may be taken again by the next one asked for.
+CROWDTRAIN_BROWSER_GRAPH_TIMEOUT_S = env_float("CROWDTRAIN_BROWSER_GRAPH_TIMEOUT_S", 900.0, minimum=60.0)
 # Celery's Django fixup closes the worker's database connections around every task unless told to
 # reuse them this many times; ``crowdtrain.celery`` checks them now and then instead, as the site does.
 CELERY_DB_REUSE_MAX = 1_000_000

@@ -28,6 +28,8 @@ urlpatterns = [
     path("api/campaigns/<int:campaign_id>/monitor", organizer_views.campaign_monitor, name="campaign-monitor"),
     path("api/campaigns/<int:campaign_id>/coverage", campaign_views.coverage, name="campaign-coverage"),
     path("admin/", admin.site.urls),
+    # Browser tabs: a campaign's verdict and gradient graphs, and a graph's ONNX bytes (crowdtrain.browser).
+    path("", include("crowdtrain.browser.urls")),
     path("campaigns/<int:campaign_id>/join", join_views.join, name="campaign-join"),
     # The agent the join pages install: crowdtrain_agent-<version>-py3-none-any.whl (manage.py build_agent_wheel).
     path("agent/<str:filename>", join_views.agent_wheel, name="agent-wheel"),

@@ -17,6 +17,7 @@ from django.db import transaction
 
 from crowdtrain.datasets.models import Dataset
 
+from .browser_checks import check_for_browsers
 from .models import Campaign
 from .settings_table import SETTINGS, check_settings, locked_fields
 from .setup import (
@@ -180,6 +181,10 @@ def apply_move(campaign_id: int, name: str, by: Any) -> Campaign:
                 )
         campaign.state = move.target
         campaign.save(update_fields=["state", *campaign.stamp_state()])
+        if move.target == State.RUNNING:
+            # Tabs are offered its work once its model's graphs pass: checked by a task after this commits
+            # (a resume only asks again if an earlier check was lost; a decided one costs one query).
+            check_for_browsers(campaign)
         if move.target == State.FINISHED and campaign.version > 0:
             # A campaign finished by hand between validation rounds still gets its last version's
             # loss, and with it an export of the weights it ended with (after this commits).

@@ -30,6 +30,7 @@ from crowdtrain.ops import campaign_monitor as monitor
 from crowdtrain.scheduler.backbone import restore_campaign
 from crowdtrain.scheduler.durability import complete_versions
 
+from .browser_checks import browser_verdict, check_for_browsers
 from .export import export_context
 from .forms import CampaignForm, OrganizerRequestForm
 from .lifecycle import LOCK_REASON, MOVES, LifecycleError, apply_move, available_moves, config_locked
@@ -75,6 +76,7 @@ def campaign_create(request: HttpRequest) -> HttpResponse:
     form = CampaignForm(request.POST or None, user=request.user)
     if request.method == "POST" and form.is_valid():
         campaign = form.save()
+        check_for_browsers(campaign)  # its model, for browser tabs: ready by the time it starts
         messages.success(request, f"Campaign “{campaign.name}” created as a draft. Start it when you are ready.")
         return redirect("campaign-detail", campaign_id=campaign.pk)
     return render(request, "campaigns/form.html", {"form": form, "campaign": None})
@@ -87,6 +89,7 @@ def campaign_edit(request: HttpRequest, campaign_id: int) -> HttpResponse:
     form = CampaignForm(request.POST or None, user=request.user, instance=campaign)
     if request.method == "POST" and form.is_valid():
         form.save()
+        check_for_browsers(campaign)  # a changed model or microbatch is another graph
         # Every site process re-reads the campaign: a setting that may change while it runs
         # (check_fraction, max_steps, ...) takes effect at the next lease, not at a restart.
         from crowdtrain.scheduler.configs import publish_state
@@ -109,8 +112,13 @@ def campaign_detail(request: HttpRequest, campaign_id: int) -> HttpResponse:
         if not request.user.is_authenticated:  # it may be theirs once they log in
             return redirect_to_login(request.get_full_path())
         raise Http404(f"no campaign {campaign_id}")
+    browser = browser_verdict(campaign)
+    if browser.status == "pending" and campaign.state != Campaign.State.DRAFT:
+        # Started before graphs were checked, or its worker died: queued again only then (``request_check``).
+        check_for_browsers(campaign)
     context = {
         "campaign": campaign,
+        "browser": browser,
         "live": monitor.snapshot(campaign),
         "moves": available_moves(campaign),
         "locked": config_locked(campaign),

@@ -29,7 +29,7 @@ from crowdtrain.lib.metrics import LEASE_REQUEST_SECONDS
 from crowdtrain.lib.offloop import offloop
 from crowdtrain.ops import heartbeats
 from crowdtrain.periodic import LAST_SEEN_DB_EVERY_S
-from crowdtrain.scheduler import backbone, endings, leasing, parking, reporting
+from crowdtrain.scheduler import backbone, browser_tabs, endings, leasing, parking, reporting
 from crowdtrain.scheduler.hotstate import hot_state, presence
 from crowdtrain.scheduler.models import Aggregator
 from crowdtrain.verification import checks, refusals, standing
@@ -449,6 +449,7 @@ class AgentConsumer(_ProtocolConsumer):
     async def on_hello(self, hello: AgentHello) -> None:
         self.check_version(hello.protocol_version)
         leasing.note_hardware(self.device.pk, hello.device.flops_per_s)
+        browser_tabs.note_kind(self.device.pk, hello.device.kind)  # a tab leases only campaigns its graph passed
         hardware = msgspec.structs.asdict(hello.device)
         if network := network_prefix(client_address(self.scope)):  # copies go to someone else (``affinity``)
             hardware["network"] = network

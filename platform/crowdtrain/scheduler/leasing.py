@@ -36,7 +36,7 @@ from crowdtrain_agent.protocol import (
     sign_ticket,
 )
 
-from . import ids, network, seam
+from . import browser_tabs, ids, network, seam
 from .configs import CampaignConfig, campaign_config, most_lease_samples, open_to, running_campaigns
 from .hotrecords import lease_record
 from .hotstate import hot_state
@@ -324,11 +324,18 @@ def ask_lease(
             )
         if config.state == Campaign.State.DRAFT:
             return LeaseAnswer(_no_lease("campaign_paused", f"campaign {campaign_id} is draft", 10.0), None)
+        not_for_tabs = browser_tabs.refusal(config, device_id)
+        if not_for_tabs is not None:
+            return LeaseAnswer(not_for_tabs, None)
         return LeaseAnswer(_copy_or_lease(config, device_id, samples_per_s, request_id, backups), campaign_id)
     refusals: list[tuple[NoLease, int]] = []
     for candidate_id in running_campaigns():
         config = campaign_config(candidate_id)
         if config is None or not open_to(config, device_id):
+            continue
+        not_for_tabs = browser_tabs.refusal(config, device_id)
+        if not_for_tabs is not None:
+            refusals.append((not_for_tabs, candidate_id))
             continue
         outcome = _copy_or_lease(config, device_id, samples_per_s, request_id, backups)
         if isinstance(outcome, LeaseMessage):

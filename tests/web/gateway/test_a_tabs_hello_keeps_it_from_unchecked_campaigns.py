@@ -1,0 +1,43 @@
+"""The hello's device kind decides the lease path's: a browser tab waits for its campaign's graph, an agent does not."""
+
+from __future__ import annotations
+
+from typing import Any, cast, get_args
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.test import override_settings
+
+from crowdtrain_agent.protocol import PROTOCOL_VERSION, AgentHello, DeviceInfo, Lease, LeaseRequest, NoLease
+from crowdtrain_agent.protocol.messages import DeviceKind
+from tests.factories import make_campaign, make_device
+
+from .conftest import Connect, receive, send
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "browser"])
+async def test_only_a_tab_is_told_the_campaign_is_being_checked(connect: Connect, kind: str) -> None:
+    if kind not in get_args(DeviceKind):
+        pytest.skip("DeviceKind has no 'browser' before protocol 2.10")
+    campaign = await sync_to_async(make_campaign)()
+    _, token = await sync_to_async(make_device)("vera", "this device")
+    agent, _, _ = await connect("/ws/agent/", token)
+    device = DeviceInfo(kind=cast(Any, kind), name="x")  # "browser" is protocol 2.10's
+    hello = AgentHello(protocol_version=PROTOCOL_VERSION, agent_version="test", device=device)
+
+    with override_settings(CROWDTRAIN_BROWSER_GRAPHS=True):
+        await send(agent, hello)
+        await receive(agent)  # welcome
+        await send(agent, LeaseRequest(campaign_id=campaign.pk))
+        answer = await receive(agent)
+
+    if kind == "browser":
+        assert isinstance(answer, NoLease) and answer.reason == "campaign_paused"
+        assert (
+            answer.detail
+            == f"browser compute is not offered for campaign {campaign.pk} yet: its model is being checked"
+        )
+    else:
+        assert isinstance(answer, Lease)
