@@ -26,6 +26,10 @@ import pytest
 
 from crowdtrain_launcher import LaunchError, Site, Swarm, get_json
 
+# No gradient graphs for tabs in the end-to-end runs: no tab joins them, and each site or seed_run that starts
+# a campaign on the embedded default would spend 10-20 s of the two cores exporting one beside the timed run.
+os.environ.setdefault("CROWDTRAIN_BROWSER_GRAPHS", "false")
+
 # What an agent logs while the campaign waits for its aggregators (it has connected and asked).
 WAITING_AGENT = re.compile(r"no lease from the site")
 

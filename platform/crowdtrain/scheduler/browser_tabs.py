@@ -15,7 +15,7 @@ import time
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.browser.models import BrowserGraph
-from crowdtrain.campaigns.browser_checks import browser_verdict
+from crowdtrain.campaigns.browser_checks import browser_verdict, check_for_browsers
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain_agent.protocol import NoLease
 
@@ -76,6 +76,10 @@ def _verdict(campaign_id: int) -> tuple[str, str]:
     else:
         verdict = browser_verdict(campaign)
         status, reason = verdict.status, verdict.reason
+        if status == BrowserGraph.Status.PENDING:
+            # A check queued by a process that exited first (seed_run's eager thread) or whose worker died
+            # would stay pending for ever: a tab asking is what queues it again (once per VERDICT_TTL_S).
+            check_for_browsers(campaign)
     with _lock:
         _verdicts[campaign_id] = (now, status, reason)
     return status, reason

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.db import connection
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from crowdtrain.accounts.models import Device
 from crowdtrain.browser import checking
@@ -47,6 +50,25 @@ def test_a_tab_waits_while_the_campaigns_model_is_checked() -> None:
 
     assert isinstance(answer, NoLease) and answer.reason == "campaign_paused" and answer.retry_after_s == 30.0
     assert answer.detail == f"browser compute is not offered for campaign {campaign.pk} yet: its model is being checked"
+
+
+@pytest.mark.parametrize(("started_s_ago", "queued"), [(None, True), (10_000.0, True), (5.0, False)])
+def test_a_tab_asking_queues_a_check_nobody_is_running(
+    started_s_ago: float | None, queued: bool, monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any
+) -> None:
+    """A check queued by a process that exited first, or whose worker died, is queued again when a tab asks."""
+    campaign = make_campaign()
+    verdict(campaign, "pending")
+    started = None if started_s_ago is None else timezone.now() - timedelta(seconds=started_s_ago)
+    BrowserGraph.objects.update(started_at=started)
+    dispatched: list[int] = []
+    monkeypatch.setattr(checking, "dispatch", dispatched.append)
+
+    with django_capture_on_commit_callbacks(execute=True):
+        answer = leasing.request_lease(tab().pk, campaign.pk, 10.0)
+
+    assert isinstance(answer, NoLease) and answer.reason == "campaign_paused"
+    assert dispatched == ([BrowserGraph.objects.get().pk] if queued else [])
 
 
 def test_a_tab_is_told_why_a_refused_campaign_is_not_for_it() -> None:
