@@ -52,8 +52,9 @@ $(NODE_STAMP): frontend/package.json frontend/package-lock.json
 	cd frontend && npm ci --no-audit --no-fund
 	touch $@
 
-# esbuild writes charts.js and charts.css together; charts.js stands for both.
-$(CHARTS): $(NODE_STAMP) $(wildcard frontend/src/*)
+# esbuild writes charts.js and charts.css together, and the browser tab's page, worker and ort/ files;
+# charts.js stands for all of them.
+$(CHARTS): $(NODE_STAMP) $(wildcard frontend/src/*) $(wildcard frontend/src/tab/*) $(wildcard frontend/scripts/*)
 	cd frontend && npm run build
 
 # The join pages tell volunteers to pip install the agent wheel the site serves: built from agent/ first.

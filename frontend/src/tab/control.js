@@ -1,7 +1,7 @@
 // The tab's control channel to the site (/ws/agent/), as plain steps: what to offer, what to say, when to
 // wait, when to stop. The worker strings them together; each is testable in Node on its own.
 
-import { hello, noLeaseWhy, offeredSubprotocols, parseMessage, SITE_TO_TAB } from "./messages.js";
+import { hello, noLeaseWhy, offeredSubprotocols, parseMessage, PROTOCOL_MINOR, SITE_TO_TAB } from "./messages.js";
 
 export const ORT_VERSION = "1.30.0";
 export const TAB_VERSION = "tab-1"; // agent_version of a tab: the page's build, not the Python agent's
@@ -43,7 +43,7 @@ export function runtimeName(webgpu) {
  * The `hello` of this tab (messages.js describes the fields).
  * @param {{userAgent?: string, userAgentData?: object, deviceMemory?: number}} nav the worker's navigator.
  */
-export function helloFor(nav, { webgpu = false, flopsPerS = 0 } = {}) {
+export function helloFor(nav, { webgpu = false, flopsPerS = 0, minor = PROTOCOL_MINOR } = {}) {
   const brand = nav.userAgentData?.brands?.find((b) => !/not.?a.?brand/i.test(b.brand) && b.brand !== "Chromium") ?? nav.userAgentData?.brands?.[0];
   const os = nav.userAgentData?.platform || (/(Windows|Mac OS X|Android|Linux|iPhone|iPad)/.exec(nav.userAgent ?? "")?.[1] ?? "unknown OS");
   const browser = brand ? `${brand.brand} ${brand.version}` : ((/(Firefox|Edg|Chrome|Safari)\/(\d+)/.exec(nav.userAgent ?? "") ?? []).slice(1).join(" ") || "browser");
@@ -57,7 +57,7 @@ export function helloFor(nav, { webgpu = false, flopsPerS = 0 } = {}) {
       flops_per_s: flopsPerS,
       runtime: runtimeName(webgpu),
     },
-  });
+  }, minor);
 }
 
 /** The memory a tab may use: 2 GiB, or half of what the browser says the device has, whichever is less. */
