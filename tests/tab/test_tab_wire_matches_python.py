@@ -28,6 +28,7 @@ from crowdtrain_agent.deltas import (
 from crowdtrain_agent.feedback import ErrorFeedback, SliceKey
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
+    PROTOCOL_MINOR,
     AgentHello,
     DataSpec,
     DeviceControls,
@@ -42,7 +43,6 @@ from crowdtrain_agent.protocol import (
     ModelSpec,
     NoLease,
     OptimizerSpec,
-    PROTOCOL_MINOR,
     ProtocolError,
     Receipt,
     SampleRange,

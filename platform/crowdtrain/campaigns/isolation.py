@@ -9,7 +9,7 @@ the headers keep more threads a setting away. Imported by settings (whitenoise's
 from __future__ import annotations
 
 ISOLATION_HEADERS = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp"}
-# The static files of the tab: its bundles and onnxruntime-web's, built by `make charts` (frontend/scripts/build-tab.mjs).
+# The tab's static files: its bundles and onnxruntime-web's (`make charts`, frontend/scripts/build-tab.mjs).
 TAB_STATIC_PREFIXES = ("build/tab-", "build/ort/")
 
 

@@ -27,6 +27,7 @@ BROWSER_API_PATH = "/api/campaigns/{campaign_id}/browser/"
 SHARD_PATH = "/api/shards/"
 AGENT_SOCKET_PATH = "/ws/agent/"
 
+
 def cross_origin_isolated(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
     """Send ISOLATION_HEADERS with the view's response."""
 

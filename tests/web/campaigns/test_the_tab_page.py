@@ -1,4 +1,4 @@
-"""The "Compute in this tab" page (issue 36): for logged-in volunteers, cross-origin isolated, configured by the site."""
+"""The "Compute in this tab" page (issue 36): logged-in volunteers only, cross-origin isolated, set up by the site."""
 
 from __future__ import annotations
 
