@@ -95,12 +95,13 @@ export async function fetchSlice({ fetchFn, route, version, ticket, held = null,
   };
   const retrying = async (from) => {
     const deadline = performance.now() + retryForS * 1000;
+    let damaged = 0;
     for (let wait = 50; ; wait = Math.min(1000, wait * 2)) {
       try {
         return await attempt(from);
       } catch (error) {
         // 404: the version is being published there right now; a damaged full body: once more.
-        const again = (error instanceof FetchError && error.status === 404) || (error instanceof DownloadError && from === null);
+        const again = (error instanceof FetchError && error.status === 404) || (error instanceof DownloadError && damaged++ === 0);
         if (!again || performance.now() + wait > deadline) throw error;
         await sleep(wait);
       }
