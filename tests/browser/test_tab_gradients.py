@@ -14,38 +14,26 @@ isolated as the site serves the tab.
 from __future__ import annotations
 
 import base64
-import functools
-import http.server
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from playwright.sync_api import Browser, Playwright
 
-from crowdtrain.browser.gate import ERROR_FLOOR, TOLERANCE, deviation, fp64_gradients
-from crowdtrain.browser.graphs import export_gradient_graph
 from crowdtrain.browser.report import SMALL_CONFIGS
-from crowdtrain.browser.samples import batch_layout, synthetic_batch
-from crowdtrain.campaigns.isolation import ISOLATION_HEADERS
-from crowdtrain_agent.models import get_model
-from crowdtrain_launcher import REPO_ROOT
 from tests.browser.conftest import CHROMIUM
+from tests.browser.tab_support import Family, export_family, gate_check, require_build, serving
 
-BUILD = REPO_ROOT / "frontend" / "static" / "build"
 FAMILIES = ("mlp", "gpt", "resnet")
+SMALL_MICROBATCH = {name: SMALL_CONFIGS[name][1] for name in FAMILIES}
 # A lease of two whole microbatches and one sample more: the last goes through the batch-1 graph.
 WHOLE_MICROBATCHES = 2
 WEBGPU_FLAGS = [
-    "--no-sandbox",
-    "--enable-unsafe-webgpu",
-    "--use-webgpu-adapter=swiftshader",
-    "--enable-features=Vulkan",
-]
+    "--no-sandbox", "--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader", "--enable-features=Vulkan",
+]  # fmt: skip
 
 PAGE = """<!doctype html><meta charset="utf-8"><title>tab gradients</title><script type="module">
 const worker = new Worker("/build/tab-worker.js", {type: "module"});
@@ -76,72 +64,33 @@ def live_site() -> None:
     """No site here (the conftest's autouse fixture starts one): these tests serve their own files."""
 
 
-class _Isolated(http.server.SimpleHTTPRequestHandler):
-    extensions_map = {
-        **http.server.SimpleHTTPRequestHandler.extensions_map,
-        ".mjs": "text/javascript",
-        ".wasm": "application/wasm",
-    }
-
-    def end_headers(self) -> None:
-        for name, value in ISOLATION_HEADERS.items():
-            self.send_header(name, value)
-        self.send_header("Cross-Origin-Resource-Policy", "same-origin")
-        self.send_header("Cache-Control", "no-store")
-        super().end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-def _write_family(root: Path, family: str) -> dict[str, Any]:
-    """Export the family's graphs, write them with random parameters and a batch; return what the check needs."""
-    config, microbatch = SMALL_CONFIGS[family]
-    entry = get_model(family)
-    config = entry.validate(config)
-    graph = export_gradient_graph(family, config, microbatch)
-    single = export_gradient_graph(family, config, 1)
-    n = WHOLE_MICROBATCHES * microbatch + 1
-    x, y = synthetic_batch(batch_layout(family, config, n), seed=7)
-    model = entry.build(config, seed=3).train()
-    with torch.no_grad():  # random parameters, not the initial ones the gate checked
-        gen = torch.Generator().manual_seed(11)
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    here = root / family
+def _write(root: Path, family: Family) -> None:
+    here = root / family.name
     here.mkdir()
-    (here / "graph.onnx").write_bytes(graph.onnx)
-    (here / "single.onnx").write_bytes(single.onnx)
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().astype("<f4")
-    (here / "params.bin").write_bytes(flat.tobytes())
-    kind = lambda t: "int64" if t.dtype == torch.int64 else "float32"  # noqa: E731
-    (here / "x.bin").write_bytes(x.numpy().astype("<i8" if kind(x) == "int64" else "<f4").tobytes())
-    (here / "y.bin").write_bytes(y.numpy().astype("<i8" if kind(y) == "int64" else "<f4").tobytes())
-    spec = {
-        "manifest": graph.manifest.to_dict(),
-        "x": {"type": kind(x), "dims": list(x.shape)},
-        "y": {"type": kind(y), "dims": list(y.shape)},
-    }
+    (here / "graph.onnx").write_bytes(family.graph.onnx)
+    (here / "single.onnx").write_bytes(family.single.onnx)
+    (here / "params.bin").write_bytes(family.flat_params().tobytes())
+    kind = {True: "int64", False: "float32"}
+    spec = {"manifest": family.manifest.to_dict()}
+    for name, tensor in (("x", family.x), ("y", family.y)):
+        integer = not tensor.is_floating_point()
+        (here / f"{name}.bin").write_bytes(tensor.numpy().astype("<i8" if integer else "<f4").tobytes())
+        spec[name] = {"type": kind[integer], "dims": list(tensor.shape)}
     (here / "spec.json").write_text(json.dumps(spec))
-    return {"model": model, "loss_sum": entry.loss_sum, "x": x, "y": y, "manifest": graph.manifest, "n": n}
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, dict[str, Any]]]]:
-    if not (BUILD / "tab-worker.js").is_file() or not (BUILD / "ort" / "ort.wasm.min.mjs").is_file():
-        pytest.fail(f"the tab is not built: run `make charts` (npm run build in frontend/) first; {BUILD} lacks it")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, Family]]]:
+    require_build()
     root = tmp_path_factory.mktemp("tab")
-    (root / "build").symlink_to(BUILD)
     (root / "index.html").write_text(PAGE)
-    families = {family: _write_family(root, family) for family in FAMILIES}
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Isolated, directory=str(root)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/", families
-    finally:
-        server.shutdown()
-        server.server_close()
+    families = {}
+    for name in FAMILIES:
+        microbatch = SMALL_MICROBATCH[name]
+        families[name] = export_family(name, WHOLE_MICROBATCHES * microbatch + 1)
+        _write(root, families[name])
+    with serving(root) as url:
+        yield url, families
 
 
 def _tab_gradient(browser: Browser, url: str, family: str, webgpu: bool = False) -> dict[str, Any]:
@@ -157,29 +106,14 @@ def _tab_gradient(browser: Browser, url: str, family: str, webgpu: bool = False)
         page.close()
 
 
-def _check_within_the_gate(answer: dict[str, Any], case: dict[str, Any]) -> None:
+def _check_within_the_gate(answer: dict[str, Any], family: Family) -> None:
     assert "error" not in answer, answer.get("error")
-    assert answer["numSamples"] == case["n"]
-    model, loss_sum, x, y = case["model"], case["loss_sum"], case["x"], case["y"]
-    names = [spec.name for spec in case["manifest"].gradients]
-    shapes = [tuple(spec.shape) for spec in case["manifest"].parameters]
+    assert answer["numSamples"] == family.n
     flat = np.frombuffer(base64.b64decode(answer["grad"]), dtype="<f4")
-    grads, at = [], 0
-    for shape in shapes:
-        size = int(np.prod(shape))
-        grads.append(flat[at : at + size].reshape(shape))
-        at += size
-    assert at == flat.size
-    reference = fp64_gradients(model, loss_sum, x, y)
-    params = list(model.parameters())
-    with torch.enable_grad():
-        loss = loss_sum(model, x, y)
-        torch_grads = torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
-    pytorch = deviation(names, (float(loss.detach().double()), [g.double().numpy() for g in torch_grads]), reference)
-    tab = deviation(names, (float(answer["lossSum"]), grads), reference)
-    limit = TOLERANCE * max(pytorch.relative, ERROR_FLOOR)
-    name, runtime = case["manifest"].model_name, answer["runtime"]
-    print(f"{name} {runtime}: tab {tab.relative:.2e} at {tab.worst}, torch fp32 {pytorch.relative:.2e}")
+    tab, pytorch, limit = gate_check(family, answer["lossSum"], flat)
+    print(
+        f"{family.name} {answer['runtime']}: tab {tab.relative:.2e} at {tab.worst}, torch fp32 {pytorch.relative:.2e}"
+    )
     assert tab.relative <= limit, (
         f"the tab's gradients differ from fp64 by {tab.relative:.2e} at {tab.worst} (max abs {tab.max_abs:.1e}); "
         f"PyTorch fp32's by {pytorch.relative:.2e}; the gate's bar is {limit:.1e}"
@@ -188,7 +122,7 @@ def _check_within_the_gate(answer: dict[str, Any], case: dict[str, Any]) -> None
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_tabs_gradient_matches_pytorch_within_the_gate(
-    served: tuple[str, dict[str, dict[str, Any]]], browser: Browser, family: str
+    served: tuple[str, dict[str, Family]], browser: Browser, family: str
 ) -> None:
     url, families = served
 
@@ -199,7 +133,7 @@ def test_a_tabs_gradient_matches_pytorch_within_the_gate(
 
 
 def test_the_webgpu_path_matches_pytorch_on_chromiums_software_adapter(
-    served: tuple[str, dict[str, dict[str, Any]]], playwright: Playwright
+    served: tuple[str, dict[str, Family]], playwright: Playwright
 ) -> None:
     url, families = served
     browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=WEBGPU_FLAGS)

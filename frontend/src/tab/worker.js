@@ -135,6 +135,7 @@ function giveBack() {
   } catch {
     // closed: the site releases a lease whose connection is gone when its deadline passes
   }
+  state.lease = null; // given back: the lease's own loop stops at its next step and sends nothing more
 }
 
 function stop(why) {
