@@ -58,6 +58,7 @@ class StandIn:
         self.second_download = threading.Event()  # the tab is downloading the second lease's parameters
         self.paused = threading.Event()  # the test clicked Pause: the download may finish
         self.ws_port = 0
+        self.memory_bytes = 10_000_000  # what the browser API says the campaign's graph needs in a tab
 
     def routes(self) -> list[dict[str, Any]]:
         return [
@@ -135,7 +136,7 @@ class StandIn:
                                                                 "url": f"/browser/graphs/{g.sha256}.onnx"}
                               for g in (family.graph, family.single)}  # fmt: skip
                     info = {"status": "passed", "reason": "", "microbatch_size": family.microbatch, "graphs": graphs,
-                            "manifest": family.manifest.to_dict(), "memory_bytes": 10_000_000}  # fmt: skip
+                            "manifest": family.manifest.to_dict(), "memory_bytes": stand_in.memory_bytes}  # fmt: skip
                     self.answer(200, json.dumps(info).encode())
                 elif self.path.startswith("/browser/graphs/"):
                     graph = next(g for g in (family.graph, family.single) if g.sha256 in self.path)
@@ -238,3 +239,24 @@ def test_a_tab_takes_a_lease_through_to_done_gives_one_back_when_paused_and_says
     requests = [m["request_id"] for m in site.received if m["kind"] == "lease_request"]
     assert len(set(requests)) == len(requests) == 3  # each answered request is followed by a new one
     page.close()
+
+
+def test_a_model_too_large_for_a_tab_is_refused_in_words_and_no_lease_is_asked(
+    stand_in: tuple[str, StandIn], browser: Browser
+) -> None:
+    url, site = stand_in
+    site.memory_bytes = 12_000_000_000
+    hellos = sum(m["kind"] == "hello" for m in site.received)
+    page = browser.new_page()
+    try:
+        page.goto(url)
+        problem = page.locator("#tab-problem")
+        expect(problem).to_be_visible()
+        expect(problem).to_contain_text("This campaign's model needs about 12 GB; a tab may use")
+        expect(problem).to_contain_text("run the Python agent instead")
+        expect(page.locator("#tab-pause")).to_be_disabled()
+        page.wait_for_timeout(500)
+        assert sum(m["kind"] == "hello" for m in site.received) == hellos, "a tab that cannot hold the model connected"
+    finally:
+        site.memory_bytes = 10_000_000
+        page.close()

@@ -99,7 +99,7 @@ def test_the_tabs_static_files_are_served_isolated_and_nothing_else(url: str, is
     assert (len(headers.items()) > 1) is isolated
 
 
-def test_the_site_serves_the_built_worker_and_onnxruntime_isolated(client: Client) -> None:
+def test_the_site_serves_the_built_worker_and_onnxruntime_isolated_and_compressed(client: Client) -> None:
     build = Path(settings.BASE_DIR) / "frontend" / "static" / "build"
     if not (build / "ort" / "ort-wasm-simd-threaded.wasm").is_file():
         pytest.fail(f"the tab is not built: run `make charts` (npm run build in frontend/) first; {build} lacks it")
@@ -109,8 +109,9 @@ def test_the_site_serves_the_built_worker_and_onnxruntime_isolated(client: Clien
         ("/static/build/ort/ort.wasm.min.mjs", "text/javascript"),
         ("/static/build/ort/ort-wasm-simd-threaded.wasm", "application/wasm"),
     ]:
-        answer = client.get(url)
+        answer = client.get(url, HTTP_ACCEPT_ENCODING="gzip, deflate, br")
         assert answer.status_code == 200, url
+        assert answer["Content-Encoding"] == "br", f"{url}: the build writes a brotli copy that whitenoise sends"
         assert answer["Content-Type"].startswith(kind), url
         assert answer["Cross-Origin-Embedder-Policy"] == "require-corp", url
         assert answer["Cross-Origin-Opener-Policy"] == "same-origin", url
