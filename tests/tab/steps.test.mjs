@@ -19,7 +19,7 @@ import {
 } from "../../frontend/src/tab/control.js";
 import { sha256Hex } from "../../frontend/src/tab/deltas.js";
 import { ErrorFeedback } from "../../frontend/src/tab/feedback.js";
-import { FetchError, fetchSlice, HeldParams } from "../../frontend/src/tab/params.js";
+import { FetchError, fetchSlice, HeldParams, limitedFetch } from "../../frontend/src/tab/params.js";
 import { encodeSlice, ticketIsCheck, Uploader, UploadError } from "../../frontend/src/tab/upload.js";
 
 const TOKEN = "ctd_" + "a".repeat(43);
@@ -317,4 +317,18 @@ test("a gradient stops between microbatches when the tab pauses, and a graph of 
   assert.deepEqual(runs, [2]);
   await assert.rejects(computer.compute(new Float32Array(3), samples(3)), /no batch-1 graph/);
   assert.throws(() => layoutOf(manifest, 4), (e) => e instanceof ComputeError && /hold 3 values where the lease's model has 4/.test(e.message));
+});
+
+test("downloads are held to the volunteer's download limit, read at each answer", async () => {
+  let kbps = null;
+  const fetchFn = limitedFetch(async () => response(200, new Uint8Array(2500), { ETag: '"x"' }), () => kbps);
+  let started = performance.now();
+  await fetchFn("u", {});
+  assert.ok(performance.now() - started < 100);
+  kbps = 100; // 2500 bytes are 20 kilobits: 200 ms at 100 kbps
+  started = performance.now();
+  const answer = await fetchFn("u", {});
+  assert.ok(performance.now() - started >= 190);
+  assert.equal(answer.headers.get("ETag"), '"x"');
+  assert.equal((await answer.arrayBuffer()).byteLength, 2500);
 });

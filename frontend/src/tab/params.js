@@ -25,6 +25,23 @@ export class FetchError extends Error {
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
+/**
+ * `fetchFn` held to the volunteer's download limit (the device's `download_kbps` control, read at each
+ * answer): a body is read whole, then handed on after as long as the limit says it takes.
+ * @param {typeof fetch} fetchFn
+ * @param {() => number | null} kbps the limit now, in kilobits per second; null: none.
+ */
+export function limitedFetch(fetchFn, kbps) {
+  return async (url, init) => {
+    const answer = await fetchFn(url, init);
+    const limit = kbps();
+    if (!limit) return answer;
+    const body = await answer.arrayBuffer();
+    await sleep((body.byteLength * 8) / limit); // bytes * 8 / (kbps * 1000) seconds, in milliseconds
+    return new Response(answer.status === 204 || answer.status === 304 ? null : body, { status: answer.status, headers: answer.headers });
+  };
+}
+
 /** The URL of one slice's version, asked as a delta from `heldVersion` when given. */
 export function paramsUrl(route, version, heldVersion = null) {
   const url = `${route.params_url}${version}`;

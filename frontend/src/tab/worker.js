@@ -30,7 +30,7 @@ import {
 import { sha256Hex } from "./deltas.js";
 import { ErrorFeedback } from "./feedback.js";
 import { done as doneMessage, heartbeat, leaseRequest, negotiatedMinor, release } from "./messages.js";
-import { FetchError, HeldParams, Shards } from "./params.js";
+import { FetchError, HeldParams, limitedFetch, Shards } from "./params.js";
 import { gatherSamples } from "./samples.js";
 import { encodeSlice, Uploader, UploadError } from "./upload.js";
 
@@ -59,6 +59,7 @@ const state = {
 };
 const held = new HeldParams();
 const feedback = new ErrorFeedback();
+let network = null; // fetch, held to the volunteer's download limit
 let shards = null;
 let uploader = null;
 
@@ -105,7 +106,8 @@ self.onmessage = (event) => {
     state.config = message.config;
     state.token = message.token;
     state.webgpu = Boolean(message.webgpu);
-    shards = new Shards({ fetchFn: fetch.bind(self), url: state.config.shard_url, token: state.token, caches: self.caches ?? null });
+    network = limitedFetch(fetch.bind(self), () => state.controls?.download_kbps ?? null);
+    shards = new Shards({ fetchFn: network, url: state.config.shard_url, token: state.token, caches: self.caches ?? null });
     uploader = new Uploader({ uploadKbps: () => state.controls?.upload_kbps ?? null });
     run().catch((error) => stop(`stopped by an error this tab did not expect: ${error.message}`));
   } else if (message.type === "pause") {
@@ -197,8 +199,8 @@ function onEvent(message) {
   if (message.kind === "controls") {
     state.controls = message.controls;
     wakeUp();
-  } else if (message.kind === "version") {
-    wakeUp(); // a step committed: a lease may be free now
+  } else if (message.kind === "version" || message.kind === "closed") {
+    wakeUp(); // a step committed: a lease may be free now; or the socket closed: reconnect now
   }
 }
 
@@ -266,14 +268,14 @@ async function lease(channel, lease) {
   if (state.paused) return giveBackWith(`paused: ${state.pauseWhy}`);
   try {
     const cost = { down: 0, up: 0, networkS: 0 };
-    const started = performance.now();
     // graph: the site's gated ONNX graph for this campaign, from the Cache API when this tab has it
     status(`lease ${lease.lease_id}: loading the model's gradient graph`);
     const computer = await computerFor(lease);
     if (computer.refusal) return giveBackWith(computer.refusal, computer.restS);
-    // parameters and samples
+    // parameters and samples: the time spent waiting on them is the done report's network_s
+    const started = performance.now();
     status(`lease ${lease.lease_id}: downloading parameters of version ${lease.base_version}`);
-    const { flat } = await held.fetchAll({ fetchFn: fetch.bind(self), lease, meter: (n) => (cost.down += n) });
+    const { flat } = await held.fetchAll({ fetchFn: network, lease, meter: (n) => (cost.down += n) });
     status(`lease ${lease.lease_id}: reading ${lease.num_samples} samples`);
     const { readers } = await shards.readersFor(lease, (n) => (cost.down += n));
     const samples = gatherSamples(lease.ranges, readers, lease.data, lease.base_version);
