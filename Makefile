@@ -160,7 +160,7 @@ FAULT_ARGS ?=
 SIZE_ARGS ?=
 SQLITE_SCALE_ARGS ?= --phases wide,w1like,overload --agents 10,100,300,1000 --cpu-agents 10,100,300,1000 \
 	--cpu-rate 25 --overload-agents 1000
-bench: $(STAMP)
+bench: $(STAMP) $(CHARTS)
 	$(BIN)/python -m tests.benchmarks.protocol
 	$(BIN)/python -m tests.benchmarks.leaderboard
 	$(BIN)/python -m tests.benchmarks.commit
@@ -173,6 +173,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.faults $(FAULT_ARGS)
 	$(BIN)/python -m tests.benchmarks.sizes $(SIZE_ARGS)
 	$(BIN)/python -m crowdtrain.browser.report
+	$(BIN)/python -m tests.benchmarks.browser_tab
 
 clean:
 	rm -rf $(VENV) var frontend/node_modules frontend/static/build
