@@ -52,8 +52,9 @@ $(NODE_STAMP): frontend/package.json frontend/package-lock.json
 	cd frontend && npm ci --no-audit --no-fund
 	touch $@
 
-# esbuild writes charts.js and charts.css together; charts.js stands for both.
-$(CHARTS): $(NODE_STAMP) $(wildcard frontend/src/*)
+# esbuild writes charts.js and charts.css together, and the browser tab's page, worker and ort/ files;
+# charts.js stands for all of them.
+$(CHARTS): $(NODE_STAMP) $(wildcard frontend/src/*) $(wildcard frontend/src/tab/*) $(wildcard frontend/scripts/*)
 	cd frontend && npm run build
 
 # The join pages tell volunteers to pip install the agent wheel the site serves: built from agent/ first.
@@ -159,7 +160,7 @@ FAULT_ARGS ?=
 SIZE_ARGS ?=
 SQLITE_SCALE_ARGS ?= --phases wide,w1like,overload --agents 10,100,300,1000 --cpu-agents 10,100,300,1000 \
 	--cpu-rate 25 --overload-agents 1000
-bench: $(STAMP)
+bench: $(STAMP) $(CHARTS)
 	$(BIN)/python -m tests.benchmarks.protocol
 	$(BIN)/python -m tests.benchmarks.leaderboard
 	$(BIN)/python -m tests.benchmarks.commit
@@ -172,6 +173,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tests.benchmarks.faults $(FAULT_ARGS)
 	$(BIN)/python -m tests.benchmarks.sizes $(SIZE_ARGS)
 	$(BIN)/python -m crowdtrain.browser.report
+	$(BIN)/python -m tests.benchmarks.browser_tab
 
 clean:
 	rm -rf $(VENV) var frontend/node_modules frontend/static/build

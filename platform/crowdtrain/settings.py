@@ -16,6 +16,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from crowdtrain_agent.protocol.frames import OLDEST_MINOR, PROTOCOL_MINOR
 
+from .campaigns.isolation import isolate_tab_static
 from .env import env_bool, env_choice, env_email_url, env_float, env_hex_bytes, env_int, env_list, env_str
 from .periodic import beat_schedule
 
@@ -225,6 +226,8 @@ STATICFILES_DIRS = [BASE_DIR / "frontend" / "static"]
 # STATIC_ROOT at start-up. A checkout that never collected them serves each from its source folder,
 # looked up per request, so `make serve` and the demo need no collectstatic and show edits at once.
 WHITENOISE_USE_FINDERS = WHITENOISE_AUTOREFRESH = not STATIC_ROOT.is_dir()
+# The browser tab's worker and onnxruntime-web files are served cross-origin isolated, as its page is.
+WHITENOISE_ADD_HEADERS_FUNCTION = isolate_tab_static
 MEDIA_ROOT = Path(env_str("CROWDTRAIN_MEDIA_ROOT", str(VAR_DIR / "media")))
 MEDIA_URL = "media/"
 # Shards, uploads, checkpoints and exports: the media folder, or any S3-compatible store

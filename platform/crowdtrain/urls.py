@@ -6,7 +6,7 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 
 from crowdtrain.accounts import profile_views, team_views
-from crowdtrain.campaigns import export_views, join_views, organizer_views, role_views
+from crowdtrain.campaigns import export_views, join_views, organizer_views, role_views, tab_views
 from crowdtrain.campaigns import views as campaign_views
 from crowdtrain.credit import views as credit_views
 from crowdtrain.datasets import dataset_views, pretrained_views, upload_views
@@ -31,6 +31,8 @@ urlpatterns = [
     # Browser tabs: a campaign's verdict and gradient graphs, and a graph's ONNX bytes (crowdtrain.browser).
     path("", include("crowdtrain.browser.urls")),
     path("campaigns/<int:campaign_id>/join", join_views.join, name="campaign-join"),
+    # A volunteer's browser tab as a device: the page and its worker (issue 36).
+    path("campaigns/<int:campaign_id>/tab/", tab_views.tab, name="campaign-tab"),
     # The agent the join pages install: crowdtrain_agent-<version>-py3-none-any.whl (manage.py build_agent_wheel).
     path("agent/<str:filename>", join_views.agent_wheel, name="agent-wheel"),
     # Organizers: their campaigns, the form, lifecycle buttons, invite links; the role and its requests.

@@ -74,7 +74,7 @@ const OPS = {
     return { message, ignored };
   },
   send(c) {
-    return c.kind === "hello" ? hello(c.fields) : encodeMessage(c.kind, c.fields, c.minor);
+    return c.kind === "hello" ? hello(c.fields, c.minor ?? undefined) : encodeMessage(c.kind, c.fields, c.minor);
   },
 };
 

@@ -28,6 +28,7 @@ from crowdtrain_agent.deltas import (
 from crowdtrain_agent.feedback import ErrorFeedback, SliceKey
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
+    PROTOCOL_MINOR,
     AgentHello,
     DataSpec,
     DeviceControls,
@@ -781,7 +782,16 @@ def test_the_site_reads_what_the_tab_sends(tmp_path: Path) -> None:
             "name": "browser hello",
             "op": "send",
             "kind": "hello",
-            "fields": {"agentVersion": "t", "device": {"name": "tab"}},
+            "fields": {"agentVersion": "t", "device": {"name": "tab", "runtime": "onnxruntime-web 1.30.0 wasm"}},
+        }
+    )
+    cases.append(
+        {
+            "name": "browser hello to a 2.9 site",
+            "op": "send",
+            "kind": "hello",
+            "fields": {"agentVersion": "t", "device": {"name": "tab", "runtime": "onnxruntime-web 1.30.0 wasm"}},
+            "minor": 9,
         }
     )
     cases.append(
@@ -814,10 +824,15 @@ def test_the_site_reads_what_the_tab_sends(tmp_path: Path) -> None:
         text = ok(results[name])
         assert decode_message(text, allowed=AGENT_TO_SITE) == message, name
     assert "bytes_up" not in json.loads(ok(results["done to a 2.2 site"]))
-    # Protocol 2.9 knows no "browser" device yet: the site refuses such a hello by its field until 2.10 adds it.
+    # Protocol 2.10 reads a "browser" device and what computes in it; a 2.9 site is never sent the runtime.
     browser_hello = ok(results["browser hello"])
     assert json.loads(browser_hello)["device"]["kind"] == "browser"
-    with pytest.raises(ProtocolError, match="device.kind"):
-        decode_message(browser_hello, allowed=AGENT_TO_SITE)
+    assert "runtime" not in json.loads(ok(results["browser hello to a 2.9 site"]))["device"]
+    if PROTOCOL_MINOR >= 10:
+        device_seen = decode_message(browser_hello, allowed=AGENT_TO_SITE).device  # type: ignore[union-attr]
+        assert (device_seen.kind, device_seen.runtime) == ("browser", "onnxruntime-web 1.30.0 wasm")
+    else:  # this branch goes once the agent's protocol is 2.10 (issue 36, part A)
+        with pytest.raises(ProtocolError, match="device.kind"):
+            decode_message(browser_hello, allowed=AGENT_TO_SITE)
     refused(results["loss out of bounds"], "ProtocolError", "LeaseDone.loss_sum: expected float <= 1e+30")
     refused(results["unknown field"], "ProtocolError", "LeaseRelease: no such field why")

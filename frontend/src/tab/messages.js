@@ -1,6 +1,6 @@
 // The control and data channels' JSON messages a browser tab sends and reads, checked as the agent checks them.
 //
-// One schema per message, transcribed from crowdtrain_agent.protocol.messages (protocol 2.9): the same
+// One schema per message, transcribed from crowdtrain_agent.protocol.messages (protocol 2.10): the same
 // fields, defaults and bounds, so a tab refuses what an agent refuses and never sends what a site
 // would refuse. Unknown fields are ignored and reported (`onUnknown`), never refused: they come from
 // a site of a newer minor. Errors name the field as the agent's do ("Lease.ranges[0].start: ...").
@@ -11,24 +11,21 @@
 // - ids are exact only up to 2**53 (Number.MAX_SAFE_INTEGER); a larger id, which the site never issues,
 //   is refused rather than rounded to another lease's.
 //
-// The `hello` of a tab: device kind "browser". Protocol 2.9's DeviceKind is cpu, cuda or mps, so a
-// site of today refuses it (4000, "device.kind"); the site-side change is a 2.10 value
-// (`DeviceInfo.since_values = {"kind": {"browser": 10}}`, never sent to an older site). Proposed
-// description of a tab, in the existing fields, plus one new advisory field:
+// The `hello` of a tab (protocol 2.10): device kind "browser" (`DeviceInfo.since_values = {"kind":
+// {"browser": 10}}`: a 2.9 site refuses it, 4000 "device.kind"), described in the existing fields plus
+// one advisory field of 2.10:
 //   name          "<browser> <major> on <os> (tab)" from navigator.userAgentData (userAgent where missing),
 //                 so My devices tells a tab from the agent on the same machine;
 //   memory_bytes  navigator.deviceMemory GiB (a power of two the browser caps at 8) * 2**30, 0 where
 //                 the browser does not say (Firefox, Safari);
-//   threads       the wasm threads onnxruntime-web may use: navigator.hardwareConcurrency when the page is
-//                 crossOriginIsolated (SharedArrayBuffer), else 1;
+//   threads       the wasm threads onnxruntime-web uses: 1 (two were slower than one on 2 cores);
 //   torch_version "" (no torch in a tab);
-//   flops_per_s   a short matmul benchmark in the worker, through the same onnxruntime-web session kind the
-//                 leases will use, as the agent measures at start-up;
-//   runtime       (new, 2.10, advisory, <= 200 characters) "onnxruntime-web <version> wasm" or "... webgpu":
-//                 what computes, where torch_version says it for an agent. Not sent until the site knows it.
+//   flops_per_s   0 until measured (the site then weighs the tab by its reported samples/s);
+//   runtime       (2.10, <= 200 characters) "onnxruntime-web <version> wasm" or "... webgpu": what
+//                 computes, where torch_version says it for an agent; left out for an older site.
 
 export const PROTOCOL_VERSION = 2;
-export const PROTOCOL_MINOR = 9;
+export const PROTOCOL_MINOR = 10;
 export const MAX_CONTROL_MESSAGE_BYTES = 64 << 10;
 
 /** A message the protocol refuses: malformed, out of bounds, or of a kind this channel does not carry. */
@@ -153,7 +150,9 @@ const DeviceInfo = {
   threads: [Count, 1],
   torch_version: [Name, ""],
   flops_per_s: [Rate, 0],
+  runtime: [Name, ""],
 };
+const RUNTIME_SINCE = 10; // DeviceInfo.runtime came with 2.10
 
 const Receipt = { slice_index: [SliceIndex, REQUIRED], token: [Token, REQUIRED] };
 
@@ -389,8 +388,12 @@ export function encodeMessage(kind, fields = {}, minor = PROTOCOL_MINOR) {
 }
 
 /** `hello`: the first message on the control channel, within the site's hello timeout. */
-export function hello({ agentVersion, device }) {
-  return encodeMessage("hello", { protocol_version: PROTOCOL_VERSION, agent_version: agentVersion, device: { kind: "browser", ...device } });
+export function hello({ agentVersion, device }, minor = PROTOCOL_MINOR) {
+  const text = encodeMessage("hello", { protocol_version: PROTOCOL_VERSION, agent_version: agentVersion, device: { kind: "browser", ...device } }, minor);
+  if (minor >= RUNTIME_SINCE) return text;
+  const message = JSON.parse(text);
+  delete message.device.runtime; // a field newer than the site, left out as the agent leaves them out
+  return JSON.stringify(message);
 }
 
 /** `heartbeat`, every `welcome.heartbeat_s`: keeps the socket open through proxies. */

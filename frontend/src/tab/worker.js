@@ -1,0 +1,445 @@
+// The tab's Web Worker: a device of the volunteer that speaks the agent's protocol (agent/PROTOCOL.md).
+//
+// The loop reads as the agent's runtime does: connect (the device token offered as a subprotocol) ->
+// hello -> welcome -> heartbeats; ask for a lease -> no_lease (say why, wait) | lease -> graph ->
+// parameters -> samples -> gradient -> upload each slice -> done -> done_ack; again. The page owns what
+// a worker cannot see (localStorage, visibility, the Pause button) and tells the worker in messages:
+//
+//   page -> worker  {type: "start", config, token, webgpu}   config: the page's json_script
+//                   {type: "pause", why} / {type: "resume"}  a held lease is given back at once
+//                   {type: "gradient", ...}                  one gradient, nothing else (tests, benchmarks)
+//   worker -> page  {type: "status", ...}                    what it does, why it waits, samples/s, credit
+//                   {type: "token_refused", code, why}       the page forgets the token and says so
+//                   {type: "stopped", why}                   nothing more will happen in this tab
+
+import { Cancelled, ComputeError, GradientComputer, createSession } from "./compute.js";
+import {
+  backoffS,
+  Channel,
+  closeVerdict,
+  helloFor,
+  LEASE_WAIT_S,
+  LeaseRequests,
+  leaseRefusal,
+  memoryRefusal,
+  scheduleAllows,
+  subprotocolsFor,
+  TOKEN_REFUSED,
+  whyNoLease,
+} from "./control.js";
+import { sha256Hex } from "./deltas.js";
+import { ErrorFeedback } from "./feedback.js";
+import { done as doneMessage, heartbeat, leaseRequest, negotiatedMinor, release } from "./messages.js";
+import { FetchError, HeldParams, limitedFetch, Shards } from "./params.js";
+import { gatherSamples } from "./samples.js";
+import { encodeSlice, Uploader, UploadError } from "./upload.js";
+
+const FLOPS_PER_CREDIT = 1e9; // crowdtrain_agent.credit: one credit is one GFLOP of accepted work
+const WELCOME_TIMEOUT_S = 30;
+const DONE_TIMEOUT_S = 30;
+
+const state = {
+  config: null,
+  token: "",
+  webgpu: false,
+  paused: false,
+  pauseWhy: "",
+  stopped: false,
+  controls: null,
+  lease: null, // the lease held now
+  cancel: false,
+  channel: null,
+  wake: null, // resolves a wait early (resume, a new version)
+  leasesDone: 0,
+  samplesDone: 0,
+  credit: 0,
+  samplesPerS: null,
+  ort: null,
+  graphs: new Map(), // sha256 -> session
+};
+const held = new HeldParams();
+const feedback = new ErrorFeedback();
+let network = null; // fetch, held to the volunteer's download limit
+let shards = null;
+let uploader = null;
+
+function post(message) {
+  self.postMessage(message);
+}
+
+function status(text, extra = {}) {
+  post({
+    type: "status",
+    text,
+    paused: state.paused,
+    samplesPerS: state.samplesPerS,
+    leasesDone: state.leasesDone,
+    samplesDone: state.samplesDone,
+    credit: state.credit,
+    leaseId: state.lease?.lease_id ?? null,
+    ...extra,
+  });
+}
+
+/** Wait `seconds`, or less when woken (resume, pause, a version published). */
+function rest(seconds) {
+  return new Promise((resolve) => {
+    const timer = setTimeout(done, seconds * 1000);
+    function done() {
+      clearTimeout(timer);
+      if (state.wake === done) state.wake = null;
+      resolve();
+    }
+    state.wake = done;
+  });
+}
+
+function wakeUp() {
+  state.wake?.();
+}
+
+// ------------------------------------------------------------------ page messages
+
+self.onmessage = (event) => {
+  const message = event.data ?? {};
+  if (message.type === "start" && state.config === null) {
+    state.config = message.config;
+    state.token = message.token;
+    state.webgpu = Boolean(message.webgpu);
+    network = limitedFetch(fetch.bind(self), () => state.controls?.download_kbps ?? null);
+    shards = new Shards({ fetchFn: network, url: state.config.shard_url, token: state.token, caches: self.caches ?? null });
+    uploader = new Uploader({ uploadKbps: () => state.controls?.upload_kbps ?? null });
+    run().catch((error) => stop(`stopped by an error this tab did not expect: ${error.message}`));
+  } else if (message.type === "pause") {
+    state.paused = true;
+    state.pauseWhy = message.why || "paused";
+    giveBack();
+    wakeUp();
+    status(`paused: ${state.pauseWhy}`);
+  } else if (message.type === "resume") {
+    state.paused = false;
+    wakeUp();
+    status("resuming");
+  } else if (message.type === "gradient") {
+    oneGradient(message).then(
+      (answer) => post({ type: "gradient", ...answer }, [answer.grad.buffer]),
+      (error) => post({ type: "gradient", error: `${error.name}: ${error.message}` }),
+    );
+  }
+};
+
+/** Give the held lease back now (pause, page hidden or closing): its samples go to another device at once. */
+function giveBack() {
+  if (state.lease === null) return;
+  state.cancel = true;
+  try {
+    state.channel?.send(release(state.lease.lease_id));
+  } catch {
+    // closed: the site releases a lease whose connection is gone when its deadline passes
+  }
+  state.lease = null; // given back: the lease's own loop stops at its next step and sends nothing more
+}
+
+function stop(why) {
+  state.stopped = true;
+  state.channel?.ws.close(1000);
+  uploader?.close();
+  status(why);
+  post({ type: "stopped", why });
+}
+
+// ------------------------------------------------------------------ the loop
+
+async function run() {
+  for (let attempt = 0; !state.stopped; attempt++) {
+    await untilAllowed();
+    let connected = false;
+    try {
+      const ws = new WebSocket(state.config.ws_url, subprotocolsFor(state.token));
+      const channel = new Channel(ws, { onEvent, onUnknown: () => {} });
+      state.channel = channel;
+      await new Promise((resolve, reject) => {
+        ws.onopen = resolve;
+        ws.addEventListener("close", (event) => reject(Object.assign(new Error(closeVerdict(event.code).why), { code: event.code })));
+      });
+      const minor = negotiatedMinor(ws.protocol);
+      status("connected; introducing this tab to the site");
+      channel.send(helloFor(self.navigator, { webgpu: state.webgpu, minor }));
+      const welcome = await channel.next(["welcome"], WELCOME_TIMEOUT_S);
+      connected = true;
+      attempt = 0;
+      const beat = setInterval(() => {
+        try {
+          channel.send(heartbeat());
+        } catch {
+          clearInterval(beat);
+        }
+      }, Math.max(1, welcome.heartbeat_s) * 1000);
+      try {
+        await work(channel, welcome);
+      } finally {
+        clearInterval(beat);
+      }
+    } catch (error) {
+      if (Object.hasOwn(TOKEN_REFUSED, error.code)) {
+        post({ type: "token_refused", code: error.code, why: TOKEN_REFUSED[error.code] });
+        stop(`${TOKEN_REFUSED[error.code]}; reload the page to register this tab again`);
+        return;
+      }
+      if (state.stopped) return;
+      const wait = backoffS(connected ? 0 : attempt);
+      status(`${error.message}; connecting again in ${Math.round(wait)} s`);
+      state.channel?.ws.close();
+      await rest(wait);
+    }
+  }
+}
+
+function onEvent(message) {
+  if (message.kind === "controls") {
+    state.controls = message.controls;
+    wakeUp();
+  } else if (message.kind === "version" || message.kind === "closed") {
+    wakeUp(); // a step committed: a lease may be free now; or the socket closed: reconnect now
+  }
+}
+
+/** Resolve once the tab may work: not paused, inside the volunteer's schedule. */
+async function untilAllowed() {
+  for (;;) {
+    if (state.stopped) return;
+    const schedule = scheduleAllows(state.controls?.schedule ?? "");
+    if (!state.paused && schedule.allowed) return;
+    status(state.paused ? `paused: ${state.pauseWhy}` : `waiting: ${schedule.why}`);
+    await rest(state.paused ? 3600 : 60);
+  }
+}
+
+async function work(channel, welcome) {
+  status(`connected as ${welcome.device_name}`);
+  const requests = new LeaseRequests();
+  while (!state.stopped) {
+    await untilAllowed();
+    if (channel.closed) throw Object.assign(new Error(closeVerdict(channel.closed.code).why), { code: channel.closed.code });
+    status("asking the site for work");
+    channel.send(
+      leaseRequest({
+        campaign_id: state.config.campaign_id,
+        samples_per_s: state.samplesPerS,
+        request_id: requests.id(),
+        wait_s: LEASE_WAIT_S,
+      }),
+    );
+    let reply;
+    try {
+      reply = await channel.next(["lease", "no_lease"], LEASE_WAIT_S + 30);
+    } catch (error) {
+      if (error.timeout) continue; // asked again with the same request_id: the site answers it once
+      throw error;
+    }
+    requests.answered();
+    if (reply.kind === "no_lease") {
+      status(`waiting: ${whyNoLease(reply)}; asking again in ${Math.round(reply.retry_after_s)} s`, { noLease: reply.reason });
+      if (reply.reason === "campaign_finished") return stop("the campaign has finished; thank you");
+      await rest(reply.retry_after_s);
+      continue;
+    }
+    await lease(channel, reply);
+  }
+}
+
+async function lease(channel, lease) {
+  state.lease = lease;
+  state.cancel = false;
+  const giveBackWith = async (why, restS = 0) => {
+    if (state.lease !== null) {
+      try {
+        channel.send(release(lease.lease_id));
+      } catch {
+        // the socket closed: the lease expires at its deadline
+      }
+    }
+    state.lease = null;
+    status(why);
+    if (restS) await rest(restS);
+  };
+  const refusal = leaseRefusal(lease);
+  if (refusal) return giveBackWith(refusal, 30);
+  if (state.paused) return giveBackWith(`paused: ${state.pauseWhy}`);
+  try {
+    const cost = { down: 0, up: 0, networkS: 0 };
+    // graph: the site's gated ONNX graph for this campaign, from the Cache API when this tab has it
+    status(`lease ${lease.lease_id}: loading the model's gradient graph`);
+    const computer = await computerFor(lease);
+    if (computer.refusal) return giveBackWith(computer.refusal, computer.restS);
+    // parameters and samples: the time spent waiting on them is the done report's network_s
+    const started = performance.now();
+    status(`lease ${lease.lease_id}: downloading parameters of version ${lease.base_version}`);
+    const { flat } = await held.fetchAll({ fetchFn: network, lease, meter: (n) => (cost.down += n) });
+    status(`lease ${lease.lease_id}: reading ${lease.num_samples} samples`);
+    const { readers } = await shards.readersFor(lease, (n) => (cost.down += n));
+    const samples = gatherSamples(lease.ranges, readers, lease.data, lease.base_version);
+    cost.networkS = (performance.now() - started) / 1000;
+    // gradient
+    const result = await computer.gradient.compute(flat, samples, {
+      cancelled: () => state.cancel,
+      onProgress: (n, total) => status(`lease ${lease.lease_id}: computing, ${n} of ${total} samples`),
+    });
+    state.samplesPerS = result.numSamples / Math.max(result.computeS, 1e-6);
+    // upload: each slice to the aggregator that owns it, all at once
+    status(`lease ${lease.lease_id}: uploading the gradient`);
+    const receipts = await Promise.all(
+      lease.slices.map(async (route) => {
+        const payload = encodeSlice(lease, route, result.grad, feedback);
+        const { token, bytesUp } = await uploader.upload(route.upload_url, {
+          ticket: lease.ticket,
+          sliceIndex: route.index,
+          codec: lease.codec,
+          codecBlockSize: lease.codec_block_size,
+          payload,
+          numElements: route.end - route.start,
+        });
+        cost.up += bytesUp;
+        return { slice_index: route.index, token };
+      }),
+    );
+    if (state.cancel) throw new Cancelled();
+    // report: the receipts prove the aggregators hold this lease's gradient
+    channel.send(
+      doneMessage({
+        lease_id: lease.lease_id,
+        receipts,
+        num_samples: result.numSamples,
+        loss_sum: result.lossSum,
+        compute_s: result.computeS,
+        bytes_up: cost.up,
+        bytes_down: cost.down,
+        network_s: Math.min(cost.networkS, 1e6),
+      }),
+    );
+    state.lease = null;
+    const ack = await channel.next(["done_ack"], DONE_TIMEOUT_S);
+    note(lease, result, ack, computer.flopsPerSample);
+  } catch (error) {
+    if (error instanceof Cancelled) return giveBackWith(`paused: ${state.pauseWhy}; lease ${lease.lease_id} given back`);
+    if (error instanceof FetchError || error instanceof UploadError || error instanceof ComputeError || error?.name === "SampleError" || error?.name === "ProtocolError") {
+      return giveBackWith(`lease ${lease.lease_id}: ${error.message}; giving the lease back`, 5);
+    }
+    throw error; // the connection: run() reconnects
+  } finally {
+    state.lease = null;
+  }
+}
+
+function note(lease, result, ack, flopsPerSample) {
+  const perSample = result.lossSum / Math.max(result.numSamples, 1);
+  if (!ack.accepted) {
+    status(`lease ${lease.lease_id} was not counted: ${ack.reason || "no reason given"}`);
+    return;
+  }
+  state.leasesDone += 1;
+  let granted;
+  if (ack.verification === "check") {
+    granted = "a copy to verify another volunteer's work (copies are not credited)";
+  } else {
+    state.samplesDone += result.numSamples;
+    state.credit += flopsPerSample ? (result.numSamples * flopsPerSample) / FLOPS_PER_CREDIT : 0;
+    granted = ack.verification === "pending" ? `counted in step ${ack.step}, pending verification` : `counted in step ${ack.step}`;
+  }
+  status(`lease ${lease.lease_id} done: ${result.numSamples} samples, loss ${perSample.toFixed(4)}; ${granted}`);
+}
+
+// ------------------------------------------------------------------ the graph
+
+let browserInfo = null; // the campaign's /api/campaigns/<id>/browser/ answer
+
+/** The campaign's graph as a GradientComputer, or why this tab cannot take the lease. */
+async function computerFor(lease) {
+  const answer = await fetch(state.config.browser_api_url, { headers: { Authorization: `Bearer ${state.token}` } });
+  if (!answer.ok) return { refusal: `the site answered HTTP ${answer.status} for the campaign's browser graph`, restS: 30 };
+  browserInfo = await answer.json();
+  if (browserInfo.status !== "passed") {
+    const why = browserInfo.status === "pending" ? "the site is checking whether browsers can compute this model" : `browser compute is not offered: ${browserInfo.reason}`;
+    return { refusal: why, restS: 30 };
+  }
+  const memory = memoryRefusal(browserInfo.memory_bytes, self.navigator.deviceMemory);
+  if (memory) {
+    stop(memory);
+    return { refusal: memory, restS: 0 };
+  }
+  const batch = String(browserInfo.microbatch_size);
+  const main = browserInfo.graphs?.[batch];
+  if (!main) return { refusal: `the site lists no graph for microbatches of ${batch}`, restS: 30 };
+  const single = batch === "1" ? null : (browserInfo.graphs["1"] ?? null);
+  const ort = await loadOrt();
+  const session = await sessionFor(ort, main);
+  const singleSession = single ? await sessionFor(ort, single) : null;
+  const gradient = new GradientComputer(ort, { session, single: singleSession, manifest: browserInfo.manifest, paramCount: lease.param_count });
+  return { gradient, flopsPerSample: browserInfo.flops_per_sample ?? 0 };
+}
+
+async function loadOrt() {
+  if (state.ort !== null) return state.ort;
+  const dir = state.config.ort_url;
+  const webgpu = state.webgpu && (await hasWebGpu());
+  state.webgpu = webgpu;
+  const ort = await import(/* webpackIgnore: true */ `${dir}${webgpu ? "ort.webgpu.min.mjs" : "ort.wasm.min.mjs"}`);
+  ort.env.wasm.wasmPaths = dir;
+  ort.env.wasm.numThreads = 1; // two threads were slower than one on 2 cores (issue 36)
+  ort.env.wasm.proxy = false; // this is already a worker
+  state.ort = ort;
+  return ort;
+}
+
+async function hasWebGpu() {
+  try {
+    return Boolean(self.navigator.gpu && (await self.navigator.gpu.requestAdapter()));
+  } catch {
+    return false;
+  }
+}
+
+/** An InferenceSession for one of the campaign's graphs, its bytes checked against their sha256. */
+async function sessionFor(ort, graph) {
+  const known = state.graphs.get(graph.sha256);
+  if (known) return known;
+  const bytes = await graphBytes(graph);
+  const session = await createSession(ort, bytes, { webgpu: state.webgpu });
+  state.graphs.set(graph.sha256, session);
+  return session;
+}
+
+async function graphBytes(graph) {
+  const cache = self.caches ? await self.caches.open("crowdtrain-graphs").catch(() => null) : null;
+  const cached = cache ? await cache.match(graph.url).catch(() => undefined) : undefined;
+  if (cached) {
+    const bytes = new Uint8Array(await cached.arrayBuffer());
+    if ((await sha256Hex(bytes)) === graph.sha256) return bytes;
+    await cache.delete(graph.url);
+  }
+  const answer = await fetch(graph.url, { headers: { Authorization: `Bearer ${state.token}` } });
+  if (!answer.ok) throw new FetchError(`the gradient graph ${graph.sha256.slice(0, 12)}: HTTP ${answer.status}`, answer.status);
+  const bytes = new Uint8Array(await answer.arrayBuffer());
+  if ((await sha256Hex(bytes)) !== graph.sha256) throw new FetchError(`the gradient graph ${graph.sha256.slice(0, 12)} arrived damaged; it will be downloaded again`);
+  await cache?.put(graph.url, new Response(bytes)).catch(() => {});
+  return bytes;
+}
+
+// ------------------------------------------------------------------ one gradient (tests, benchmarks)
+
+/**
+ * One summed gradient through the same path a lease takes, for the Chromium test and the bench:
+ * {graphUrl, singleUrl?, manifest, params: Float32Array, x: Input, y: Input, ortUrl, webgpu, repeat?}.
+ */
+async function oneGradient({ graphUrl, singleUrl = null, manifest, params, x, y, ortUrl, webgpu = false, repeat = 1 }) {
+  state.config ??= { ort_url: ortUrl };
+  state.webgpu = webgpu;
+  if (webgpu && !(await hasWebGpu())) throw new Error("no WebGPU adapter in this browser");
+  const ort = await loadOrt();
+  const load = async (url) => createSession(ort, new Uint8Array(await (await fetch(url)).arrayBuffer()), { webgpu });
+  const computer = new GradientComputer(ort, { session: await load(graphUrl), single: singleUrl ? await load(singleUrl) : null, manifest });
+  let result;
+  const started = performance.now();
+  for (let i = 0; i < repeat; i++) result = await computer.compute(params, { x, y });
+  return { lossSum: result.lossSum, grad: result.grad, numSamples: result.numSamples, seconds: (performance.now() - started) / 1000 / repeat, runtime: webgpu ? "webgpu" : "wasm" };
+}

@@ -1,0 +1,334 @@
+// The tab worker's protocol steps (frontend/src/tab/control.js, params.js, upload.js, compute.js), each on
+// its own under Node with fakes for the network: run by test_tab_steps.py (`node --test`).
+
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import { Cancelled, ComputeError, GradientComputer, layoutOf } from "../../frontend/src/tab/compute.js";
+import {
+  backoffS,
+  Channel,
+  closeVerdict,
+  helloFor,
+  LeaseRequests,
+  leaseRefusal,
+  memoryRefusal,
+  scheduleAllows,
+  subprotocolsFor,
+  whyNoLease,
+} from "../../frontend/src/tab/control.js";
+import { sha256Hex } from "../../frontend/src/tab/deltas.js";
+import { ErrorFeedback } from "../../frontend/src/tab/feedback.js";
+import { FetchError, fetchSlice, HeldParams, limitedFetch } from "../../frontend/src/tab/params.js";
+import { encodeSlice, ticketIsCheck, Uploader, UploadError } from "../../frontend/src/tab/upload.js";
+
+const TOKEN = "ctd_" + "a".repeat(43);
+
+test("the tab offers its minors and then its token, and refuses a malformed token", () => {
+  assert.deepEqual(subprotocolsFor(TOKEN), ["crowdtrain.2.10", "crowdtrain.2.9", `crowdtrain.bearer.${TOKEN}`]);
+  assert.throws(() => subprotocolsFor("ctd_short"), /malformed; reload the page/);
+  assert.throws(() => subprotocolsFor("ctd_" + "a".repeat(42) + " "), /malformed/);
+});
+
+test("4001 and 4003 stop the tab for good; other closes reconnect with a bounded backoff", () => {
+  assert.equal(closeVerdict(4001).stop, true);
+  assert.match(closeVerdict(4003).why, /revoked/);
+  assert.equal(closeVerdict(1006).stop, false);
+  assert.equal(backoffS(0, () => 0), 1);
+  assert.equal(backoffS(3, () => 0), 8);
+  assert.equal(backoffS(50, () => 1), 72);
+});
+
+test("hello says browser and what computes; a 2.9 site is not sent the runtime", () => {
+  const nav = { userAgentData: { brands: [{ brand: "Chromium", version: "156" }, { brand: "Google Chrome", version: "156" }], platform: "Linux" }, deviceMemory: 8 };
+  const message = JSON.parse(helloFor(nav, { webgpu: true }));
+  assert.equal(message.kind, "hello");
+  assert.deepEqual(message.device, {
+    kind: "browser",
+    name: "Google Chrome 156 on Linux (tab)",
+    memory_bytes: 8 * 2 ** 30,
+    threads: 1,
+    torch_version: "",
+    flops_per_s: 0,
+    runtime: "onnxruntime-web 1.30.0 webgpu",
+  });
+  const old = JSON.parse(helloFor({ userAgent: "Mozilla/5.0 (X11; Linux x86_64) Firefox/140" }, { minor: 9 }));
+  assert.equal(old.device.name, "Firefox 140 on Linux (tab)");
+  assert.equal(old.device.memory_bytes, 0);
+  assert.equal("runtime" in old.device, false);
+});
+
+test("a model too large for a tab is refused in words, with what it needs and what a tab may use", () => {
+  assert.equal(memoryRefusal(1.5e9, undefined), "");
+  assert.equal(
+    memoryRefusal(3e9, 8),
+    "this campaign's model needs about 3.0 GB; a tab may use 2.1 GB; run the Python agent instead",
+  );
+  assert.match(memoryRefusal(1.5e9, 2), /a tab may use 1\.1 GB/); // half of 2 GiB of device memory
+  assert.equal(memoryRefusal(1e9, 4), "");
+});
+
+test("no_lease reasons are shown in words, and local-mode leases are given back", () => {
+  assert.equal(whyNoLease({ reason: "step_full", detail: "" }), "this step has all the volunteers it needs; waiting for the next one");
+  assert.match(whyNoLease({ reason: "campaign_paused", detail: "browser compute is not offered for campaign 3: dropout" }), /paused \(browser compute is not offered/);
+  assert.match(leaseRefusal({ lease_id: 4, mode: "local" }), /local steps .* run the Python agent/);
+  assert.equal(leaseRefusal({ lease_id: 4, mode: "sync" }), "");
+});
+
+test("the schedule reads as the agent's: days, windows past midnight, and a part it cannot read", () => {
+  const at = (day, hh, mm = 0) => new Date(2026, 10, 23 + day, hh, mm); // 2026-11-23 is a Monday
+  assert.equal(scheduleAllows("", at(0, 3)).allowed, true);
+  assert.equal(scheduleAllows("mon-fri 18:00-08:00", at(0, 19)).allowed, true);
+  assert.equal(scheduleAllows("mon-fri 18:00-08:00", at(1, 7, 59)).allowed, true); // Tuesday's small hours: Monday's window
+  assert.equal(scheduleAllows("mon-fri 18:00-08:00", at(0, 12)).allowed, false);
+  assert.equal(scheduleAllows("mon-fri 18:00-08:00", at(5, 3)).allowed, true); // Saturday 03:00 belongs to Friday
+  assert.equal(scheduleAllows("mon-fri 18:00-08:00", at(6, 3)).allowed, false);
+  assert.equal(scheduleAllows("sat,sun 00:00-24:00", at(6, 23, 59)).allowed, true);
+  assert.equal(scheduleAllows("fri-mon 10:00-11:00", at(0, 10, 30)).allowed, true); // wraps the week
+  assert.match(scheduleAllows("weekdays 9-5", at(0, 10)).why, /cannot be read/);
+  assert.match(scheduleAllows("xyz 10:00-11:00", at(0, 10)).why, /unknown day/);
+});
+
+test("a lease request keeps its request_id until the site answers it", () => {
+  let n = 0;
+  const requests = new LeaseRequests(() => `r${++n}`);
+  assert.equal(requests.id(), "r1");
+  assert.equal(requests.id(), "r1"); // resent after a timeout: the same id, the site answers it once
+  requests.answered();
+  assert.equal(requests.id(), "r2");
+});
+
+class FakeSocket {
+  constructor() {
+    this.readyState = 1;
+    this.sent = [];
+  }
+  send(data) {
+    this.sent.push(data);
+  }
+  receive(message) {
+    this.onmessage({ data: JSON.stringify(message) });
+  }
+  close(code = 1000) {
+    this.readyState = 3;
+    this.onclose?.({ code, reason: "" });
+  }
+}
+
+const WELCOME = { kind: "welcome", device_id: 1, device_name: "tab", volunteer: "vera", heartbeat_s: 20, gone_after_s: 60 };
+
+test("the control channel hands each answer to its waiter, controls to the page, and a close to everyone", async () => {
+  const ws = new FakeSocket();
+  const events = [];
+  const channel = new Channel(ws, { onEvent: (e) => events.push(e) });
+  const welcome = channel.next(["welcome"], 5);
+  ws.receive({ ...WELCOME, controls: { schedule: "mon 10:00-11:00" } });
+  assert.equal((await welcome).device_name, "tab");
+  assert.equal(events[0].controls.schedule, "mon 10:00-11:00");
+  ws.receive({ kind: "version", campaign_id: 1, version: 3 });
+  assert.equal(events[1].kind, "version");
+  ws.receive({ kind: "no_lease", reason: "epoch_done", detail: "", retry_after_s: 5 });
+  assert.equal((await channel.next(["lease", "no_lease"], 5)).reason, "epoch_done"); // queued before it was asked
+  const refused = channel.next(["lease"], 5);
+  ws.receive({ kind: "error", code: "bad_request", detail: "nope" });
+  await assert.rejects(refused, /refused a message: bad_request/);
+  const pending = channel.next(["done_ack"], 5);
+  ws.close(4003);
+  await assert.rejects(pending, (e) => e.code === 4003);
+  await assert.rejects(channel.next(["lease"], 5), (e) => e.code === 4003);
+});
+
+test("a malformed message from the site closes the channel instead of being guessed at", async () => {
+  const ws = new FakeSocket();
+  const channel = new Channel(ws);
+  const waiting = channel.next(["lease"], 5);
+  ws.receive({ kind: "lease", lease_id: -1 });
+  await assert.rejects(waiting, /Lease/);
+  assert.equal(ws.readyState, 3);
+});
+
+function response(status, body, headers = {}) {
+  return {
+    ok: status >= 200 && status < 300,
+    status,
+    headers: new Headers(headers),
+    arrayBuffer: async () => body.slice().buffer,
+  };
+}
+
+const route = { index: 0, start: 0, end: 4, params_url: "http://agg/params/1/0/" };
+
+test("a slice not published yet is asked for again; a full slice is checked against its sha256", async () => {
+  const values = new Float32Array([1, 2, 3, 4]);
+  const body = new Uint8Array(values.buffer);
+  const sha = await sha256Hex(body);
+  const asked = [];
+  const fetchFn = async (url, init) => {
+    asked.push([url, init.headers.Authorization]);
+    return asked.length < 3 ? response(404, new Uint8Array()) : response(200, body, { "X-Crowdtrain-Sha256": sha, ETag: '"v5"' });
+  };
+  const got = await fetchSlice({ fetchFn, route, version: 5, ticket: "tkt", held: null });
+  assert.deepEqual(Array.from(got.params), [1, 2, 3, 4]);
+  assert.equal(got.etag, '"v5"');
+  assert.deepEqual(asked[0], ["http://agg/params/1/0/5", "Bearer tkt"]); // the ticket, never the device token
+
+  const damaged = async () => response(200, body, { "X-Crowdtrain-Sha256": "0".repeat(64) });
+  await assert.rejects(fetchSlice({ fetchFn: damaged, route, version: 5, ticket: "t" }), (e) => e instanceof FetchError && /sha256/.test(e.message));
+  const gone = async () => response(403, new Uint8Array());
+  await assert.rejects(fetchSlice({ fetchFn: gone, route, version: 5, ticket: "t" }), /HTTP 403/);
+});
+
+test("a delta that cannot be used is replaced by a full download, and a large slice comes in parts", async () => {
+  const values = new Float32Array([5, 6, 7, 8]);
+  const body = new Uint8Array(values.buffer);
+  const sha = await sha256Hex(body);
+  const asked = [];
+  const fetchFn = async (url, init) => {
+    asked.push([url, init.headers.Range]);
+    if (url.includes("?from=")) return response(200, new Uint8Array([1, 2, 3]), { "X-Crowdtrain-Delta-From": "4", "X-Crowdtrain-Delta-Encoding": "xor-shuffle4-zstd", "X-Crowdtrain-Sha256": sha });
+    const [first, last] = init.headers.Range.slice(6).split("-").map(Number);
+    const part = body.subarray(first, Math.min(last + 1, body.length));
+    return response(206, part, { "Content-Range": `bytes ${first}-${first + part.length - 1}/${body.length}`, "X-Crowdtrain-Sha256": sha });
+  };
+  const held = { version: 4, params: new Float32Array(4) };
+  const got = await fetchSlice({ fetchFn, route, version: 5, ticket: "t", held, partBytes: 8 });
+  assert.deepEqual(Array.from(got.params), [5, 6, 7, 8]);
+  assert.deepEqual(asked, [
+    ["http://agg/params/1/0/5?from=4", "bytes=0-7"],
+    ["http://agg/params/1/0/5", "bytes=0-7"],
+    ["http://agg/params/1/0/5", "bytes=8-15"],
+  ]);
+});
+
+test("held parameters are the next delta's base and are dropped for another campaign", async () => {
+  const body = new Uint8Array(new Float32Array([1, 2, 3, 4]).buffer);
+  const sha = await sha256Hex(body);
+  const asked = [];
+  const fetchFn = async (url) => (asked.push(url), response(200, body, { "X-Crowdtrain-Sha256": sha }));
+  const held = new HeldParams();
+  const lease = { campaign_id: 1, param_count: 4, base_version: 5, ticket: "t", slices: [route] };
+  await held.fetchAll({ fetchFn, lease });
+  await held.fetchAll({ fetchFn, lease }); // the same version: nothing downloaded
+  await held.fetchAll({ fetchFn, lease: { ...lease, base_version: 6 } });
+  await held.fetchAll({ fetchFn, lease: { ...lease, campaign_id: 2, base_version: 7 } });
+  // An aggregator that no longer keeps version 5 answers version 6 whole; another campaign starts afresh.
+  assert.deepEqual(asked, ["http://agg/params/1/0/5", "http://agg/params/1/0/6?from=5", "http://agg/params/1/0/7"]);
+  await assert.rejects(held.fetchAll({ fetchFn, lease: { ...lease, slices: [{ ...route, end: 9 }] } }), /outside the model's 4 values/);
+});
+
+class FakeAggregator {
+  constructor(url, protocols) {
+    FakeAggregator.opened.push({ url, protocols });
+    this.protocol = "crowdtrain.2.10";
+    this.readyState = 0;
+    this.bufferedAmount = 0;
+    this.sent = [];
+    setTimeout(() => ((this.readyState = 1), this.onopen()), 0);
+  }
+  send(data) {
+    this.sent.push(data);
+    if (typeof data !== "string") {
+      const view = new DataView(data.buffer, data.byteOffset);
+      if (view.getUint32(4) === view.getUint32(8) - 1) setTimeout(() => this.onmessage({ data: FakeAggregator.reply(JSON.parse(this.sent[0])) }), 0);
+    }
+  }
+  close() {
+    this.readyState = 3;
+  }
+}
+FakeAggregator.opened = [];
+
+test("a slice goes out as header and chunks on one kept socket, and its receipt or rejection comes back", async () => {
+  FakeAggregator.reply = (begin) => JSON.stringify({ kind: "receipt", lease_id: 1, slice_index: begin.slice_index, token: "rcpt" });
+  const uploader = new Uploader({ WebSocketImpl: FakeAggregator });
+  const payload = new Uint8Array(16);
+  const args = { ticket: "t", sliceIndex: 2, codec: "fp32", codecBlockSize: 256, payload, numElements: 4 };
+  assert.deepEqual(await uploader.upload("ws://agg/upload", args), { token: "rcpt", bytesUp: 32 });
+  await uploader.upload("ws://agg/upload", args);
+  assert.equal(FakeAggregator.opened.length, 1);
+  assert.deepEqual(FakeAggregator.opened[0].protocols, ["crowdtrain.2.10", "crowdtrain.2.9"]); // no token for an aggregator
+  FakeAggregator.reply = (begin) => JSON.stringify({ kind: "upload_rejected", lease_id: 1, slice_index: begin.slice_index, code: "stale", detail: "step moved on" });
+  await assert.rejects(uploader.upload("ws://agg/upload", args), (e) => e instanceof UploadError && e.code === "stale" && /rejected slice 2: stale/.test(e.message));
+});
+
+test("int8 keeps its rounding error for the next upload, except for a verification copy", () => {
+  const ticket = (payload) => `${Buffer.from(JSON.stringify(payload)).toString("base64url")}.sig`;
+  assert.equal(ticketIsCheck(ticket({ campaign_id: 1, check: true })), true);
+  assert.equal(ticketIsCheck(ticket({ campaign_id: 1 })), false);
+  assert.equal(ticketIsCheck("garbage"), false);
+  const grad = Float32Array.from({ length: 64 }, (_, i) => Math.sin(i) / 3);
+  const lease = { campaign_id: 1, param_count: 64, codec: "int8", codec_block_size: 32 };
+  const feedback = new ErrorFeedback();
+  encodeSlice({ ...lease, ticket: ticket({ check: true }) }, { start: 0, end: 64 }, grad, feedback);
+  assert.equal(feedback.residuals.size, 0);
+  encodeSlice({ ...lease, ticket: ticket({}) }, { start: 0, end: 64 }, grad, feedback);
+  assert.equal(feedback.residuals.size, 1);
+});
+
+// A fake onnxruntime: the "graph" answers loss = sum(x) and grad w = count * w, so sums are easy to check.
+const fakeOrt = {
+  Tensor: class {
+    constructor(type, data, dims) {
+      Object.assign(this, { type, data, dims });
+    }
+  },
+};
+const session = (runs) => ({
+  async run(feeds) {
+    runs.push(feeds.x.dims[0]);
+    const n = feeds.x.dims[0];
+    return {
+      loss: { data: new Float32Array([feeds.x.data.reduce((a, b) => a + b, 0)]) },
+      "w.grad": { data: feeds.w.data.map((v) => v * n) },
+      "b.grad": { data: new Float32Array([n]) },
+    };
+  },
+});
+const manifest = {
+  microbatch_size: 2,
+  inputs: [
+    { name: "w", shape: [2, 1], dtype: "float32" },
+    { name: "b", shape: [1], dtype: "float32" },
+    { name: "x", shape: [2, 1], dtype: "float32" },
+    { name: "y", shape: [2], dtype: "int64" },
+  ],
+  outputs: [{ name: "loss" }, { name: "w.grad" }, { name: "b.grad" }],
+};
+const samples = (n) => ({
+  x: { type: "float32", data: Float32Array.from({ length: n }, (_, i) => i + 1), dims: [n, 1] },
+  y: { type: "int64", data: new BigInt64Array(n), dims: [n] },
+});
+
+test("a lease's gradient is the sum over whole microbatches and its leftover samples, one at a time", async () => {
+  const runs = [];
+  const computer = new GradientComputer(fakeOrt, { session: session(runs), single: session(runs), manifest, paramCount: 3 });
+  const result = await computer.compute(new Float32Array([1, 2, 3]), samples(5));
+  assert.deepEqual(runs, [2, 2, 1]);
+  assert.equal(result.lossSum, 15);
+  assert.deepEqual(Array.from(result.grad), [5, 10, 5]);
+  assert.equal(result.numSamples, 5);
+});
+
+test("a gradient stops between microbatches when the tab pauses, and a graph of another model is refused", async () => {
+  const runs = [];
+  const computer = new GradientComputer(fakeOrt, { session: session(runs), single: null, manifest });
+  let calls = 0;
+  await assert.rejects(computer.compute(new Float32Array(3), samples(6), { cancelled: () => calls++ > 0 }), Cancelled);
+  assert.deepEqual(runs, [2]);
+  await assert.rejects(computer.compute(new Float32Array(3), samples(3)), /no batch-1 graph/);
+  assert.throws(() => layoutOf(manifest, 4), (e) => e instanceof ComputeError && /hold 3 values where the lease's model has 4/.test(e.message));
+});
+
+test("downloads are held to the volunteer's download limit, read at each answer", async () => {
+  let kbps = null;
+  const fetchFn = limitedFetch(async () => response(200, new Uint8Array(2500), { ETag: '"x"' }), () => kbps);
+  let started = performance.now();
+  await fetchFn("u", {});
+  assert.ok(performance.now() - started < 100);
+  kbps = 100; // 2500 bytes are 20 kilobits: 200 ms at 100 kbps
+  started = performance.now();
+  const answer = await fetchFn("u", {});
+  assert.ok(performance.now() - started >= 190);
+  assert.equal(answer.headers.get("ETag"), '"x"');
+  assert.equal((await answer.arrayBuffer()).byteLength, 2500);
+});
