@@ -20,6 +20,7 @@ from crowdtrain.accounts.tokens import bearer_token
 from crowdtrain.campaigns.browser_checks import browser_verdict
 from crowdtrain.campaigns.models import Campaign
 from crowdtrain.campaigns.visibility import can_watch
+from crowdtrain_agent.models import ModelConfigError, get_model
 
 from .models import BrowserGraph, graph_storage_name
 
@@ -79,8 +80,17 @@ def campaign_browser(request: HttpRequest, campaign_id: int) -> JsonResponse:
             "graphs": graphs,
             "manifest": graph.manifest if passed and graph is not None else {},
             "memory_bytes": graph.memory_bytes if passed and graph is not None else 0,
+            # What a sample of accepted work earns (crowdtrain_agent.credit): the page shows credit as it accrues.
+            "flops_per_sample": _flops_per_sample(campaign),
         }
     )
+
+
+def _flops_per_sample(campaign: Campaign) -> float:
+    try:
+        return float(get_model(campaign.architecture).flops_per_sample(campaign.model_config))
+    except (ModelConfigError, ValueError, TypeError):  # an architecture or config this site no longer knows
+        return 0.0
 
 
 @require_GET

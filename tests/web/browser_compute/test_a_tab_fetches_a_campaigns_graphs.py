@@ -13,6 +13,7 @@ from django.utils import timezone
 from crowdtrain.browser import checking
 from crowdtrain.browser.models import BrowserGraph, graph_storage_name
 from crowdtrain.campaigns.models import Campaign
+from crowdtrain_agent.models import get_model
 from tests.factories import logged_in, make_campaign, make_device, make_volunteer
 
 pytestmark = pytest.mark.django_db
@@ -61,7 +62,9 @@ def test_a_device_gets_a_passed_campaigns_graphs() -> None:
         },
         "manifest": {"microbatch_size": 4},
         "memory_bytes": 12345,
+        "flops_per_sample": get_model("gpt").flops_per_sample(campaign.model_config),
     }
+    assert answer.json()["flops_per_sample"] > 0
 
 
 def test_a_logged_in_volunteer_gets_the_graph_bytes_cacheable_for_ever() -> None:
