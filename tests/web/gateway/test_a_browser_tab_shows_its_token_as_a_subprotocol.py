@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -44,9 +45,21 @@ TAB_HELLO = AgentHello(
 )  # fmt: skip
 
 
+_opened: list[WebsocketCommunicator] = []
+
+
+@pytest.fixture(autouse=True)
+async def _closed_after() -> AsyncIterator[None]:
+    """Every socket a test opened is disconnected after it, so its consumer leaves its groups (closed or not)."""
+    yield
+    while _opened:
+        await _opened.pop().disconnect()
+
+
 async def tab_socket(path: str, offered: list[str], headers: list[tuple[bytes, bytes]] | None = None) -> Any:
     communicator = WebsocketCommunicator(application, path, headers=headers or [], subprotocols=offered)
     connected, chosen = await communicator.connect()
+    _opened.append(communicator)
     assert connected
     return communicator, chosen
 
@@ -60,7 +73,6 @@ async def test_a_tab_with_its_token_offered_and_no_header_is_welcomed_and_its_ru
     tab, chosen = await tab_socket("/ws/agent/", [*TAB, bearer_subprotocol(token)])
     await tab.send_to(text_data=encode_message(TAB_HELLO))
     welcome = await receive(tab)
-    await tab.disconnect()
 
     assert chosen == f"crowdtrain.2.{PROTOCOL_MINOR}", "the answer is the minor, never the token"
     assert isinstance(welcome, Welcome) and welcome.device_id == device.pk
@@ -90,7 +102,6 @@ async def test_the_header_comes_first_when_both_are_sent() -> None:
     )
     await tab.send_to(text_data=encode_message(TAB_HELLO))
     welcome = await receive(tab)
-    await tab.disconnect()
 
     assert isinstance(welcome, Welcome) and welcome.device_id == device.pk
 
