@@ -173,7 +173,7 @@ def test_a_tab_that_offers_its_token_as_a_subprotocol_is_welcomed_and_refused_as
     with _tab(running, token) as ws:
         chosen = ws.subprotocol
         ws.send(encode_message(tab_hello))
-        welcome = decode_message(ws.recv(timeout=10))
+        welcome: Any = decode_message(ws.recv(timeout=10))
     with _tab(running, "ctd_" + "x" * 43) as ws:
         wrong = _close_code(ws)
     with pytest.raises(InvalidStatus) as refused:
