@@ -499,6 +499,9 @@ CROWDTRAIN_DEVICE_CODE_INTERVAL_S = env_int("CROWDTRAIN_DEVICE_CODE_INTERVAL_S",
 # Codes one client IP may ask for, and wrong user codes one account may type, per 10 minutes.
 CROWDTRAIN_DEVICE_CODES_PER_IP = env_int("CROWDTRAIN_DEVICE_CODES_PER_IP", 30, minimum=1)
 CROWDTRAIN_USER_CODE_FAILURES = env_int("CROWDTRAIN_USER_CODE_FAILURES", 20, minimum=1)
+# Devices one volunteer may make for browser tabs (POST /devices/tab/) per 10 minutes; each also counts
+# against CROWDTRAIN_DEVICE_CODES_PER_IP, as an agent's login does.
+CROWDTRAIN_TAB_DEVICES_PER_USER = env_int("CROWDTRAIN_TAB_DEVICES_PER_USER", 10, minimum=1)
 # What the join page tells volunteers to `pip install`. Empty (the default): the agent wheel this site
 # serves at /agent/crowdtrain_agent-<version>-py3-none-any.whl, the one it is compatible with. Otherwise a
 # PyPI name or any URL pip accepts, for a site whose agents come from elsewhere.

@@ -35,6 +35,24 @@ IMMUTABLE = "private, max-age=31536000, immutable"
 # How long a download of a version still being applied waits for it; well under the agent's HTTP timeout.
 PARAMS_WAIT_S = 5.0
 
+# A browser tab (docs/browser-compute.md) downloads parameters from a page of the site's origin, not this one:
+# the answers under /params/ carry CORS headers, errors included, so the tab can read why. Any origin:
+# what authorizes a download is a ticket in Authorization, never a cookie, so no page gains anything by it.
+EXPOSED_HEADERS = ("ETag", "Content-Range", "X-Crowdtrain-Version", deltas.CHECKSUM_HEADER,
+                   deltas.DELTA_FROM_HEADER, deltas.ENCODING_HEADER)  # fmt: skip
+CORS_HEADERS = [
+    ("Access-Control-Allow-Origin", "*"),
+    ("Access-Control-Expose-Headers", ", ".join(EXPOSED_HEADERS)),
+    # A page isolated for wasm threads (COEP require-corp) loads only what says it may be embedded.
+    ("Cross-Origin-Resource-Policy", "cross-origin"),
+]
+# What a preflight (OPTIONS) is told: a GET with the ticket, a held ETag and a byte range may follow.
+PREFLIGHT_HEADERS = [
+    ("Access-Control-Allow-Methods", "GET"),
+    ("Access-Control-Allow-Headers", "Authorization, If-None-Match, Range"),
+    ("Access-Control-Max-Age", "7200"),  # Chromium's cap: one preflight per two hours per URL
+]
+
 # A header line longer than this is answered 431 (RFC 6585), as the port answered before it ran on aiohttp;
 # aiohttp reads header fields up to READ_HEADER_BYTES, so that the rule, not its parser, refuses them.
 MAX_HEADER_LINE_BYTES = 8192
@@ -206,12 +224,34 @@ def _check_ticket(node: AggregatorNode, request: web.Request, campaign_id: int) 
     return None
 
 
+async def add_cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Give every answer under ``/params/`` the CORS headers, as it is prepared: bodies, 304s and errors alike.
+
+    An ``on_response_prepare`` hook rather than headers added by each answer,
+    so no refusal (401, 404, 410, 416, a 431 for a long header) goes out
+    without them: a browser hides an answer without them from the page, which
+    then sees only "failed to fetch" and cannot tell a dropped version from a
+    network error.
+    """
+    if request.rel_url.raw_path.startswith(PARAMS_PREFIX):
+        for name, value in CORS_HEADERS:
+            response.headers[name] = value
+
+
+def _preflight(path: str) -> web.Response:
+    """The answer to a browser's ``OPTIONS`` before a cross-origin GET of parameters (CORS added as prepared)."""
+    if not _PARAMS.match(path):
+        return json_response(HTTPStatus.NOT_FOUND, {"error": "not found"})
+    return _response(HTTPStatus.NO_CONTENT, b"", "text/plain", [*PREFLIGHT_HEADERS, ("Allow", "GET, OPTIONS")])
+
+
 def make_router(node: AggregatorNode, upload: Answer) -> Answer:
     """The one handler of every path on the aggregator's port: ``/upload`` goes to ``upload``, the rest is HTTP.
 
     One handler for all paths and methods rather than a route table, so that
-    every refusal is the same JSON: 405 for anything but GET, 404 for a path
-    this does not know.
+    every refusal is the same JSON: 405 for anything but GET (and a browser's
+    CORS preflight, OPTIONS, under ``/params/``), 404 for a path this does not
+    know. ``add_cors_headers`` must be hooked to the application too.
 
     Args:
         node: the aggregator state to serve from.
@@ -228,6 +268,8 @@ def make_router(node: AggregatorNode, upload: Answer) -> Answer:
         if too_long is not None:
             error = f"header {too_long[:40].decode(errors='replace')} is over {MAX_HEADER_LINE_BYTES} bytes"
             return json_response(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, {"error": error})
+        if request.method == "OPTIONS" and request.rel_url.raw_path.startswith(PARAMS_PREFIX):
+            return _preflight(request.rel_url.raw_path)
         if request.method != "GET":  # the WebSocket handshake is a GET too
             error = f"{request.method[:20]} is not answered here; every path takes GET"
             return json_response(HTTPStatus.METHOD_NOT_ALLOWED, {"error": error}, [("Allow", "GET")])

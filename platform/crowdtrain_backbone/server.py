@@ -11,7 +11,7 @@ from aiohttp import web
 from crowdtrain_agent.backoff import Backoff
 
 from .config import WS_LOGGER_NAME, BackboneConfig
-from .http_routes import PARAMS_PREFIX, READ_HEADER_BYTES, UPLOAD_PATH, make_router
+from .http_routes import PARAMS_PREFIX, READ_HEADER_BYTES, UPLOAD_PATH, add_cors_headers, make_router
 from .node import AggregatorNode
 from .site_link import SITE_BACKOFF, SiteLink, SiteRefused
 from .uploads import UploadHandler
@@ -60,6 +60,7 @@ class BackboneServer:
         uploads = UploadHandler(self.node)
         app = web.Application(handler_args={"max_field_size": READ_HEADER_BYTES})
         app.router.add_route("*", "/{path:.*}", make_router(self.node, uploads))
+        app.on_response_prepare.append(add_cors_headers)
         app.on_shutdown.append(uploads.close_all)
         runner = web.AppRunner(
             app,

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
+from websockets.typing import Subprotocol
 
 from crowdtrain_agent import login
 from crowdtrain_agent.protocol import (
@@ -23,8 +24,10 @@ from crowdtrain_agent.protocol import (
     CloseCode,
     DeviceInfo,
     Welcome,
+    bearer_subprotocol,
     decode_message,
     encode_message,
+    offered_subprotocols,
     should_reconnect,
 )
 from crowdtrain_launcher import Site, Swarm
@@ -58,7 +61,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     with service_database() as services:
         swarm = Swarm(root / "run", env={"CROWDTRAIN_VAR_DIR": str(root / "run" / "var"), **services})
         try:
-            seeded = seed(swarm, {"agents": ["revoked", "twice", "crowded"]}, root / "spec.json")
+            seeded = seed(swarm, {"agents": ["revoked", "twice", "crowded", "tab"]}, root / "spec.json")
             yield Running(swarm, swarm.start_site(), seeded["agents"])
         finally:
             swarm.stop(grace_s=5.0)
@@ -150,3 +153,35 @@ def test_the_aggregator_with_an_unknown_token_exits_saying_how_to_get_one(runnin
 
     assert status == 1, aggregator.log_tail()
     assert "manage.py create_backbone_token --name agg-unknown-token" in aggregator.log_tail()
+
+
+def _tab(running: Running, token: str) -> ClientConnection:
+    """A socket as a browser tab opens it: no Authorization header, its token offered after its minors."""
+    offered = [Subprotocol(p) for p in [*offered_subprotocols(), bearer_subprotocol(token)]]
+    return connect(running.ws_url + "/ws/agent/", subprotocols=offered)
+
+
+def test_a_tab_that_offers_its_token_as_a_subprotocol_is_welcomed_and_refused_as_with_the_header(
+    running: Running,
+) -> None:
+    token = running.agent_tokens["tab"]
+    tab_hello = AgentHello(
+        protocol_version=PROTOCOL_VERSION, agent_version="e2e tab",
+        device=DeviceInfo(kind="browser", name="e2e tab", runtime="onnxruntime-web 1.30.0 wasm"),
+    )  # fmt: skip
+
+    with _tab(running, token) as ws:
+        chosen = ws.subprotocol
+        ws.send(encode_message(tab_hello))
+        welcome: Any = decode_message(ws.recv(timeout=10))
+    with _tab(running, "ctd_" + "x" * 43) as ws:
+        wrong = _close_code(ws)
+    with pytest.raises(InvalidStatus) as refused:
+        _tab(running, token + "x" * 64)
+
+    assert chosen == offered_subprotocols()[0], "the answer is the minor, never the token"
+    assert isinstance(welcome, Welcome)
+    assert wrong == CloseCode.UNAUTHORIZED
+    assert refused.value.response.status_code == 400
+    assert "a device token has" in refused.value.response.reason_phrase  # daphne says why in its status line
+    assert token[4:] not in _site_log(running)

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from crowdtrain_agent.protocol import (
     MESSAGE_TYPES,
     PROTOCOL_MINOR,
+    AgentHello,
+    DeviceInfo,
     LeaseDone,
     ProtocolError,
     choose_subprotocol,
@@ -273,3 +275,22 @@ def test_a_block_size_out_of_bounds_is_refused_by_the_decoder(size: int) -> None
 
     with pytest.raises(ProtocolError, match="codec_block_size"):
         decode_message(text)
+
+
+def test_a_browser_device_and_its_runtime_came_with_minor_10() -> None:
+    tab = AgentHello(
+        protocol_version=2, agent_version="crowdtrain-tab 0.1",
+        device=DeviceInfo(kind="browser", name="Chromium tab", runtime="onnxruntime-web 1.30.0 wasm"),
+    )  # fmt: skip
+    agent = AgentHello(
+        protocol_version=2, agent_version="test", device=DeviceInfo(kind="cpu", name="cpu", runtime="torch 2.13.0")
+    )
+
+    assert PROTOCOL_MINOR >= 10 and DeviceInfo.since_values == {"kind": {"browser": 10}}
+    assert decode_message(encode_message(tab), allowed=AGENT_TO_SITE) == tab
+    # A 2.9 site's decoder refuses kind "browser": such a hello must not go to it, runtime or not.
+    assert lost_in(tab, 9) == ["device.kind=browser"] and lost_in(tab, 10) == []
+    # The runtime is only shown: an agent's hello to a 2.9 site leaves it out and means the same.
+    assert lost_in(agent, 9) == []
+    assert "runtime" not in json.loads(encode_message(agent, 9))["device"]
+    assert json.loads(encode_message(agent))["device"]["runtime"] == "torch 2.13.0"

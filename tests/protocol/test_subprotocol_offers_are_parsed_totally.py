@@ -15,13 +15,19 @@ from hypothesis import strategies as st
 from crowdtrain_agent.protocol import (
     PROTOCOL_MINOR,
     SubprotocolError,
+    bearer_subprotocol,
     choose_subprotocol,
     close_reason,
     negotiated_minor,
+    offered_bearer,
     offered_subprotocols,
     subprotocols_in_header,
 )
-from crowdtrain_agent.protocol.subprotocols import MAX_OFFERED_SUBPROTOCOLS, MAX_SUBPROTOCOL_HEADER_CHARS
+from crowdtrain_agent.protocol.subprotocols import (
+    MAX_BEARER_TOKEN_CHARS,
+    MAX_OFFERED_SUBPROTOCOLS,
+    MAX_SUBPROTOCOL_HEADER_CHARS,
+)
 
 ODD_OFFERS = {
     "a superscript digit": ["crowdtrain.2.³"],
@@ -96,3 +102,54 @@ def test_a_close_reason_is_cut_to_123_bytes_at_a_character() -> None:
 
     assert len(reason.encode()) <= 123 and reason.endswith("...")
     assert close_reason("short") == "short"
+
+
+# ------------------------------------------------------------------ a browser tab's token (2.10)
+
+TAB_TOKEN = "ctd_" + "A1b2-C3d4_" * 4 + "xyz"  # the shape of accounts.tokens.new_token("ctd"): 47 characters
+
+
+def test_a_tabs_token_offer_is_read_and_never_picked() -> None:
+    offered = [f"crowdtrain.2.{PROTOCOL_MINOR}", f"crowdtrain.2.{PROTOCOL_MINOR - 1}", bearer_subprotocol(TAB_TOKEN)]
+
+    assert subprotocols_in_header(", ".join(offered)) == offered, "the header a browser sends is split back"
+    assert choose_subprotocol(offered) == (f"crowdtrain.2.{PROTOCOL_MINOR}", PROTOCOL_MINOR)
+    assert offered_bearer(offered) == TAB_TOKEN
+    assert offered_bearer(offered_subprotocols()) is None
+    # Alone, it is not a minor: the client speaks 2.0 then, and still shows its token.
+    assert choose_subprotocol([bearer_subprotocol(TAB_TOKEN)]) == (None, 0)
+
+
+ODD_BEARERS = {
+    "no token": ["crowdtrain.bearer."],
+    "an over-long token": ["crowdtrain.bearer." + "a" * (MAX_BEARER_TOKEN_CHARS + 1)],
+    "a token of 5,000 characters": ["crowdtrain.bearer." + "a" * 5000],
+    "a character no token has": ["crowdtrain.bearer.ctd_abc.def"],
+    "a non-ASCII letter": ["crowdtrain.bearer.ctd_abcé"],
+    "two tokens": [bearer_subprotocol(TAB_TOKEN), bearer_subprotocol(TAB_TOKEN + "x")],
+}
+
+
+@pytest.mark.parametrize("offered", list(ODD_BEARERS.values()), ids=list(ODD_BEARERS))
+def test_an_odd_token_offer_is_refused_with_a_reason_that_never_quotes_it(offered: list[str]) -> None:
+    for check in (choose_subprotocol, offered_bearer):
+        with pytest.raises(SubprotocolError) as refused:
+            check([f"crowdtrain.2.{PROTOCOL_MINOR}", *offered])
+
+        reason = str(refused.value)
+        assert refused.value.close_code == 4004 and refused.value.fatal
+        assert "crowdtrain.bearer." in reason and "token" in reason, "it says which offer is wrong"
+        assert reason.isascii() and len(close_reason(reason).encode()) <= 123
+        for value in offered:
+            secret = value.removeprefix("crowdtrain.bearer.")
+            assert not secret or secret[:8] not in reason, "a token, right or wrong, never reaches a log"
+
+
+def test_a_longest_token_offer_still_fits_the_header_bound() -> None:
+    longest = [*offered_subprotocols(), bearer_subprotocol("a" * MAX_BEARER_TOKEN_CHARS)]
+
+    assert len(", ".join(longest)) <= MAX_SUBPROTOCOL_HEADER_CHARS
+    assert offered_bearer(subprotocols_in_header(", ".join(longest))) == "a" * MAX_BEARER_TOKEN_CHARS
+    # Only the token offer may pass the bound on one subprotocol.
+    with pytest.raises(SubprotocolError, match="more than the 64"):
+        choose_subprotocol(["crowdtrain.other." + "a" * 60])

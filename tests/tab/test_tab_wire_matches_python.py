@@ -828,11 +828,7 @@ def test_the_site_reads_what_the_tab_sends(tmp_path: Path) -> None:
     browser_hello = ok(results["browser hello"])
     assert json.loads(browser_hello)["device"]["kind"] == "browser"
     assert "runtime" not in json.loads(ok(results["browser hello to a 2.9 site"]))["device"]
-    if PROTOCOL_MINOR >= 10:
-        device_seen = decode_message(browser_hello, allowed=AGENT_TO_SITE).device  # type: ignore[union-attr]
-        assert (device_seen.kind, device_seen.runtime) == ("browser", "onnxruntime-web 1.30.0 wasm")
-    else:  # this branch goes once the agent's protocol is 2.10 (issue 36, part A)
-        with pytest.raises(ProtocolError, match="device.kind"):
-            decode_message(browser_hello, allowed=AGENT_TO_SITE)
+    device_seen = decode_message(browser_hello, allowed=AGENT_TO_SITE).device  # type: ignore[union-attr]
+    assert (device_seen.kind, device_seen.runtime) == ("browser", "onnxruntime-web 1.30.0 wasm")
     refused(results["loss out of bounds"], "ProtocolError", "LeaseDone.loss_sum: expected float <= 1e+30")
     refused(results["unknown field"], "ProtocolError", "LeaseRelease: no such field why")

@@ -94,7 +94,9 @@ def hardware_summary(hardware: dict[str, Any]) -> list[tuple[str, str]]:
     hardware = hardware if isinstance(hardware, dict) else {}
     kind, name = hardware.get("kind"), hardware.get("name")  # hello
     accelerator = hardware.get("accelerator")  # login
-    if kind and name:
+    if kind == "browser":  # a tab (protocol 2.10): its runtime says what computes, as PyTorch does for agents
+        compute = f"{name} (browser tab)" if name else "browser tab"
+    elif kind and name:
         compute = f"{name} ({kind})"
     elif accelerator:
         compute = str(accelerator)
@@ -108,6 +110,7 @@ def hardware_summary(hardware: dict[str, Any]) -> list[tuple[str, str]]:
         ("Operating system", hardware.get("os")),
         ("Host name", hardware.get("hostname")),
         ("PyTorch", hardware.get("torch_version")),
+        ("Runtime", hardware.get("runtime")),
         ("Agent", hardware.get("agent_version")),
     ]
     return [(label, str(value)) for label, value in rows if value not in (None, "")]

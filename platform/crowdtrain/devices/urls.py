@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from . import api, pages
+from . import api, pages, tab_views
 
 urlpatterns = [
     # the agent (RFC 8628 device login, then its bearer token)
@@ -17,6 +17,7 @@ urlpatterns = [
     path("device/confirm", pages.confirm, name="device-confirm"),
     path("devices/", pages.device_list, name="devices"),
     path("devices/status", pages.device_status, name="devices-status"),
+    path("devices/tab/", tab_views.create_tab_device, name="device-tab"),
     path("devices/<int:device_id>/rename", pages.rename, name="device-rename"),
     path("devices/<int:device_id>/controls", pages.set_controls, name="device-controls"),
     path("devices/<int:device_id>/revoke", pages.revoke, name="device-revoke"),

@@ -47,6 +47,7 @@ from crowdtrain_agent.protocol import (
     CheckpointSaved,
     CloseCode,
     ControlsChanged,
+    DeviceInfo,
     ErrorMessage,
     Heartbeat,
     Lease,
@@ -69,6 +70,7 @@ from crowdtrain_agent.protocol import (
     close_reason,
     decode_message,
     encode_message,
+    offered_bearer,
 )
 from crowdtrain_agent.protocol.schema import lost_in
 
@@ -403,10 +405,19 @@ class AgentConsumer(_ProtocolConsumer):
         finally:
             admission.handshake_done()
 
+    def device_token(self) -> str | None:
+        """The device token from ``Authorization: Bearer``, or else from a ``crowdtrain.bearer.<token>`` offer.
+
+        A browser tab cannot set headers on a WebSocket, so it offers its token as a subprotocol
+        (2.10); ``accept_protocol`` has checked that offer and never picked it. Only this channel
+        reads it: an aggregator sets its header.
+        """
+        return bearer_token(self.scope["headers"]) or offered_bearer(self.scope.get("subprotocols") or [])
+
     async def _set_up(self) -> None:
         """Check the token, replace the device's older socket and say the device is here."""
         try:
-            device = await offloop(Device.authenticate)(bearer_token(self.scope["headers"]))
+            device = await offloop(Device.authenticate)(self.device_token())
         except DatabaseError as exc:
             # The database is away (restarting, failing over): "come back later", which agents do with backoff.
             logger.warning("cannot check an agent's token, the database is unavailable (%s); asked it to retry", exc)
@@ -448,6 +459,16 @@ class AgentConsumer(_ProtocolConsumer):
 
     async def on_hello(self, hello: AgentHello) -> None:
         self.check_version(hello.protocol_version)
+        if lost := lost_in(hello.device, self.minor, "device."):
+            # A tab answered with 2.9 (a site pinned there) says hello as a "browser", which a 2.9 site's
+            # decoder refuses: every process of the site refuses it alike, and says why.
+            raise ProtocolError(
+                f"hello's {', '.join(lost)} is not part of protocol {PROTOCOL_VERSION}.{self.minor}, which this "
+                f"connection speaks; this site does not take browser tabs until it speaks "
+                f"{PROTOCOL_VERSION}.{DeviceInfo.since_values['kind']['browser']}",
+                close_code=CloseCode.UNSUPPORTED_VERSION,
+                fatal=True,
+            )
         leasing.note_hardware(self.device.pk, hello.device.flops_per_s)
         browser_tabs.note_kind(self.device.pk, hello.device.kind)  # a tab leases only campaigns its graph passed
         hardware = msgspec.structs.asdict(hello.device)

@@ -28,8 +28,10 @@ from .messages import *  # noqa: F403  (messages.__all__ lists the message class
 from .messages import MESSAGE_TYPES, decode_message, encode_message
 from .subprotocols import (
     SubprotocolError,
+    bearer_subprotocol,
     choose_subprotocol,
     negotiated_minor,
+    offered_bearer,
     offered_subprotocols,
     subprotocols_in_header,
 )
@@ -62,6 +64,7 @@ __all__ = [
     "ProtocolError",
     "SubprotocolError",
     "Ticket",
+    "bearer_subprotocol",
     "campaign_key",
     "choose_subprotocol",
     "chunk_fragments",
@@ -71,6 +74,7 @@ __all__ = [
     "encode_chunk",
     "encode_message",
     "negotiated_minor",
+    "offered_bearer",
     "offered_subprotocols",
     "parse_connection_try",
     "should_reconnect",

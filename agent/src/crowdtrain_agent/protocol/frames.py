@@ -26,7 +26,9 @@ PROTOCOL_VERSION = 2
 #   2.7  upload_refused: an aggregator tells the site of an upload refused for its content
 #   2.8  paused: an agent tells the site its volunteer's controls stopped work, and why
 #   2.9  controls: the site pushes controls changed on My devices to a connected agent
-PROTOCOL_MINOR = 9
+#   2.10 a browser tab is a device: device.kind "browser", device.runtime; a client that cannot set headers
+#        offers its token as the subprotocol "crowdtrain.bearer.<token>"
+PROTOCOL_MINOR = 10
 # A site serves every minor of its major: volunteers upgrade at their own pace until the next major. An older
 # peer that cannot carry what a campaign needs is refused at that message, with the field to upgrade for.
 OLDEST_MINOR = 0

@@ -51,7 +51,7 @@ TrainingMode = Literal["sync", "local"]
 CodecName = Literal["fp32", "fp16", "int8"]  # "int8" since 2.3: an older peer cannot read it (``since_values``)
 # Elements per scale of the int8 codec (crowdtrain_agent.codec.MIN_INT8_BLOCK_SIZE to MAX_INT8_BLOCK_SIZE).
 BlockSize = Annotated[int, msgspec.Meta(ge=32, le=1 << 16)]
-DeviceKind = Literal["cpu", "cuda", "mps"]
+DeviceKind = Literal["cpu", "cuda", "mps", "browser"]  # "browser" since 2.10 (``DeviceInfo.since_values``)
 DataKind = Literal["text", "tensors", "tokens"]  # "tokens" since 2.6
 TokenBytes = Literal[0, 2, 4]  # bytes per token id of a token shard; 0 for other kinds
 Augment = Literal["none", "flip", "flip_crop"]  # what agents do to image samples (DataSpec)
@@ -63,7 +63,18 @@ RequestId = Annotated[str, msgspec.Meta(max_length=64)]
 
 
 class DeviceInfo(Part, frozen=True, kw_only=True):
-    """Hardware an agent reports; shown on the volunteer's device page."""
+    """Hardware an agent reports; shown on the volunteer's device page.
+
+    ``kind`` "browser" (2.10) is a browser tab computing with onnxruntime-web:
+    a 2.9 site's decoder refuses it, so a tab that was answered with 2.9 must
+    not say hello as one. ``runtime`` (2.10, advisory: only shown) says what
+    computes, as ``torch_version`` does for an agent ("onnxruntime-web 1.30.0
+    wasm" or "... webgpu").
+    """
+
+    since: ClassVar[dict[str, int]] = {"runtime": 10}
+    advisory: ClassVar[frozenset[str]] = frozenset({"runtime"})
+    since_values: ClassVar[dict[str, dict[str, int]]] = {"kind": {"browser": 10}}
 
     kind: DeviceKind
     name: Name
@@ -71,6 +82,7 @@ class DeviceInfo(Part, frozen=True, kw_only=True):
     threads: Count = 1
     torch_version: Name = ""
     flops_per_s: Rate = 0.0  # measured by a short matmul benchmark at start-up
+    runtime: Name = ""
 
 
 class ModelSpec(Part, frozen=True, kw_only=True):
