@@ -28,7 +28,6 @@ from crowdtrain_agent.deltas import (
 from crowdtrain_agent.feedback import ErrorFeedback, SliceKey
 from crowdtrain_agent.protocol import (
     AGENT_TO_SITE,
-    PROTOCOL_MINOR,
     AgentHello,
     DataSpec,
     DeviceControls,

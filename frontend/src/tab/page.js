@@ -54,6 +54,7 @@ function main() {
     if (el) el.textContent = text;
   };
   const button = $("tab-pause");
+  const panel = document.querySelector("[data-testid=\"tab-panel\"]") ?? document.body;
   const say = (text) => show("tab-status", text);
   const refuse = (text) => {
     say(text);
@@ -82,6 +83,8 @@ function main() {
       show("tab-speed", m.samplesPerS ? `${m.samplesPerS.toFixed(1)} samples/s` : "not measured yet");
       show("tab-leases", String(m.leasesDone));
       show("tab-credit", m.credit ? m.credit.toFixed(1) : `${m.samplesDone} samples counted`);
+      // The lease in hand, for whoever inspects the page (and the test that closes the tab mid-lease).
+      panel.dataset.lease = m.leaseId === null || m.leaseId === undefined ? "" : String(m.leaseId);
     } else if (m.type === "token_refused") {
       localStorage.removeItem(tokenKey(config));
       refuse(`The site refused this tab: ${m.why}. Reload the page to register it again as a new device.`);
