@@ -11,6 +11,7 @@ run in a background thread, never inside the request that started the campaign.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import threading
@@ -108,11 +109,40 @@ def dispatch(graph_id: int) -> None:
         check_browser_graph.delay(graph_id)
 
 
+# Rows a background thread of this process is checking. The thread is a daemon, so a short-lived
+# process (seed_run, a management command that starts a campaign) exits in the middle of a check:
+# its claim is then given back at exit, or the row would wait CROWDTRAIN_BROWSER_GRAPH_TIMEOUT_S
+# before anyone took it again (a tab's lease request or the organizer's page queues it at once).
+_checking: set[int] = set()
+_checking_lock = threading.Lock()
+_exit_hook: list[bool] = []  # registered once per process
+
+
 def _run_in_thread(graph_id: int) -> None:
+    with _checking_lock:
+        if not _exit_hook:
+            atexit.register(_give_back_claims)
+            _exit_hook.append(True)
+        _checking.add(graph_id)
     try:
         run_check(graph_id)
     finally:
+        with _checking_lock:
+            _checking.discard(graph_id)
         connection.close()  # this thread's connection would otherwise stay open until exit
+
+
+def _give_back_claims() -> None:
+    """At exit: rows still being checked here are free again (their verdict was not written)."""
+    with _checking_lock:
+        unfinished = sorted(_checking)
+    if not unfinished:
+        return
+    try:
+        BrowserGraph.objects.filter(pk__in=unfinished, status=Status.PENDING).update(started_at=None)
+        logger.info("exiting mid-check: browser graphs %s are free for another worker", unfinished)
+    except Exception:  # the database may be gone at exit; the timeout frees the rows then
+        logger.warning("exiting mid-check: could not free browser graphs %s", unfinished, exc_info=True)
 
 
 def _stale_before() -> datetime:

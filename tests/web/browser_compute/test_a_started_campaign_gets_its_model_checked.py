@@ -190,3 +190,36 @@ def test_the_organizers_page_queues_again_a_check_whose_worker_died(
         client.get(f"/campaigns/{campaign.pk}/")
 
     assert queued == [row.pk]
+
+
+@pytest.mark.django_db(transaction=True)  # the check's thread reads the row through its own connection
+def test_a_process_exiting_mid_check_gives_its_claim_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """seed_run's eager thread dies with it: at exit the row is free again, not taken for the timeout."""
+    campaign = make_campaign()
+    row = checking.request_check(campaign.architecture, campaign.model_config, campaign.microbatch_size, queue=False)
+    assert row is not None
+    claimed, release = threading.Event(), threading.Event()
+
+    def stuck(graph_id: int) -> None:
+        assert checking.claim(graph_id) is not None
+        claimed.set()
+        release.wait(30)
+
+    monkeypatch.setattr(checking, "run_check", stuck)
+    worker = threading.Thread(target=checking._run_in_thread, args=(row.pk,))
+    worker.start()
+    try:
+        assert claimed.wait(10), "the check never claimed its row"
+        row.refresh_from_db()
+        assert row.started_at is not None  # taken: no other worker would start it before the timeout
+
+        checking._give_back_claims()  # what atexit runs
+
+        row.refresh_from_db()
+        assert (row.status, row.started_at) == (BrowserGraph.Status.PENDING, None)
+    finally:
+        release.set()
+        worker.join(10)
+    checking._give_back_claims()  # the thread is done: nothing left to give back
+    decided = BrowserGraph.objects.filter(pk=row.pk).update(status=BrowserGraph.Status.PASSED)
+    assert decided == 1
