@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, cast, get_args
+from typing import Any, cast
 
 import pytest
 from asgiref.sync import sync_to_async
 from django.test import override_settings
 
+from crowdtrain.browser import checking
 from crowdtrain_agent.protocol import PROTOCOL_VERSION, AgentHello, DeviceInfo, Lease, LeaseRequest, NoLease
-from crowdtrain_agent.protocol.messages import DeviceKind
 from tests.factories import make_campaign, make_device
 
 from .conftest import Connect, receive, send
@@ -18,9 +18,11 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.mark.parametrize("kind", ["cpu", "browser"])
-async def test_only_a_tab_is_told_the_campaign_is_being_checked(connect: Connect, kind: str) -> None:
-    if kind not in get_args(DeviceKind):
-        pytest.skip("DeviceKind has no 'browser' before protocol 2.10")
+async def test_only_a_tab_is_told_the_campaign_is_being_checked(
+    connect: Connect, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queued: list[int] = []
+    monkeypatch.setattr(checking, "dispatch", queued.append)  # no export here: the answer is what is tested
     campaign = await sync_to_async(make_campaign)()
     _, token = await sync_to_async(make_device)("vera", "this device")
     agent, _, _ = await connect("/ws/agent/", token)
@@ -34,10 +36,11 @@ async def test_only_a_tab_is_told_the_campaign_is_being_checked(connect: Connect
         answer = await receive(agent)
 
     if kind == "browser":
+        assert len(queued) == 1, "the tab's request queues the check nobody ran"
         assert isinstance(answer, NoLease) and answer.reason == "campaign_paused"
         assert (
             answer.detail
             == f"browser compute is not offered for campaign {campaign.pk} yet: its model is being checked"
         )
     else:
-        assert isinstance(answer, Lease)
+        assert isinstance(answer, Lease) and queued == []
