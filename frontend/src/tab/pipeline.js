@@ -1,0 +1,101 @@
+// The tab's leases as a pipeline, as the agent's runtime._work runs them: once a lease's gradient is
+// computed, its report (encode, upload every slice, done, done_ack) goes on in the background while the
+// loop asks for the next lease, downloads it and computes it. The worker (worker.js) strings these
+// together; each is testable under Node on its own (tests/tab/steps.test.mjs).
+
+/**
+ * Reports of computed leases, one at a time, in the background.
+ *
+ * At most one is in flight, as in the agent (runtime._start_report): a second computed gradient waits
+ * for the first report to end before its own starts. So a tab holds at most two gradients at once (the
+ * one uploading and the one just computed) besides the parameters it computes on, whatever the network's
+ * speed: a slow link slows the loop down instead of piling gradients up in a tab's bounded memory.
+ */
+export class Reports {
+  /** @param {{onError?: (error: Error) => void}} options `onError`: a report that threw (a bug: reports handle their own failures). */
+  constructor({ onError = () => {} } = {}) {
+    this.running = null;
+    this.onError = onError;
+  }
+
+  /** Whether a report is in flight now. */
+  get busy() {
+    return this.running !== null;
+  }
+
+  /**
+   * Start `report()` once the report in flight (if any) has ended; resolves as soon as it has started,
+   * not when it ends.
+   * @param {() => Promise<void>} report
+   */
+  async start(report) {
+    while (this.running !== null) await this.running;
+    const tracked = (async () => report())()
+      .catch((error) => this.onError(error))
+      .finally(() => {
+        if (this.running === tracked) this.running = null;
+      });
+    this.running = tracked;
+  }
+
+  /** Resolves once no report is in flight. */
+  async drain() {
+    while (this.running !== null) await this.running;
+  }
+}
+
+/**
+ * What the tab is doing, which is two things at once: the loop's lease (asking, downloading, computing)
+ * and the report in flight. The page shows both, loop first: "lease 12: computing, 512 of 1024 samples;
+ * lease 11: uploading the gradient".
+ */
+export class Doing {
+  constructor() {
+    this.loop = "";
+    this.report = "";
+  }
+
+  text() {
+    return [this.loop, this.report].filter(Boolean).join("; ");
+  }
+}
+
+/**
+ * The leases a tab holds, oldest first, and where each stands: "preparing" (graph, parameters, shards),
+ * "computing", "computed" (waiting for the report before it), "reporting" (encode, upload) and
+ * "reported" (done sent: the site has it, nothing left to give back). `given` once released.
+ */
+export class HeldLeases {
+  constructor() {
+    this.jobs = [];
+  }
+
+  /** A lease just received, in the "preparing" phase. */
+  add(lease) {
+    const job = { lease, phase: "preparing", given: false };
+    this.jobs.push(job);
+    return job;
+  }
+
+  /** The job is over (reported, given back, failed): it is no longer held. */
+  drop(job) {
+    this.jobs = this.jobs.filter((j) => j !== job);
+  }
+
+  /**
+   * The jobs to give back now, each marked `given`: for a pause, those still being prepared or computed
+   * (their gradient would take a while yet); for a closing tab, every one not reported yet (nothing in
+   * this tab will finish once it is gone).
+   */
+  toGiveBack(closing) {
+    const early = new Set(["preparing", "computing"]);
+    const out = this.jobs.filter((j) => !j.given && j.phase !== "reported" && (closing || early.has(j.phase)));
+    for (const job of out) job.given = true;
+    return out;
+  }
+
+  /** Ids of the leases held (not given back, not reported), oldest first. */
+  ids() {
+    return this.jobs.filter((j) => !j.given && j.phase !== "reported").map((j) => j.lease.lease_id);
+  }
+}
