@@ -207,14 +207,15 @@ test("one report at a time: a second computed gradient waits for the first repor
   assert.deepEqual(errors, ["a bug"]);
 });
 
-test("a pause gives back the lease being computed and lets the report finish; closing gives back both", () => {
+test("a pause gives back the leases being prepared or computed and lets the report finish; closing gives back all", () => {
   const held = new HeldLeases();
   const reporting = held.add({ lease_id: 11 });
   reporting.phase = "reporting";
   const computing = held.add({ lease_id: 12 });
   computing.phase = "computing";
-  assert.deepEqual(held.ids(), [11, 12]);
-  assert.deepEqual(held.toGiveBack(false).map((j) => j.lease.lease_id), [12]);
+  const ahead = held.add({ lease_id: 14 }); // asked for and downloading while 12 computes
+  assert.deepEqual(held.ids(), [11, 12, 14]);
+  assert.deepEqual(held.toGiveBack(false).map((j) => j.lease.lease_id), [12, 14]);
   assert.deepEqual(held.ids(), [11]);
   assert.deepEqual(held.toGiveBack(true).map((j) => j.lease.lease_id), [11]);
   const reported = held.add({ lease_id: 13 });
@@ -224,6 +225,8 @@ test("a pause gives back the lease being computed and lets the report finish; cl
   doing.loop = "lease 12: computing, 512 of 1024 samples";
   doing.report = "lease 11: uploading the gradient";
   assert.equal(doing.text(), "lease 12: computing, 512 of 1024 samples; lease 11: uploading the gradient");
+  doing.ahead = "lease 13: downloading parameters of version 7";
+  assert.equal(doing.text(), "lease 12: computing, 512 of 1024 samples; lease 13: downloading parameters of version 7; lease 11: uploading the gradient");
 });
 
 test("a lease's prefetch shards are fetched ahead once, and the lease that needs one waits for that fetch", async () => {

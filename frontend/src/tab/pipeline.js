@@ -1,15 +1,16 @@
-// The tab's leases as a pipeline, as the agent's runtime._work runs them: once a lease's gradient is
-// computed, its report (encode, upload every slice, done, done_ack) goes on in the background while the
-// loop asks for the next lease, downloads it and computes it. The worker (worker.js) strings these
+// The tab's leases as a pipeline, as the agent's runtime._work runs them: while a lease computes, the
+// next one is asked for and downloaded; once its gradient is computed, its report (encode, upload every
+// slice, done, done_ack) goes on in the background while the loop computes the next. The worker (worker.js) strings these
 // together; each is testable under Node on its own (tests/tab/steps.test.mjs).
 
 /**
  * Reports of computed leases, one at a time, in the background.
  *
  * At most one is in flight, as in the agent (runtime._start_report): a second computed gradient waits
- * for the first report to end before its own starts. So a tab holds at most two gradients at once (the
- * one uploading and the one just computed) besides the parameters it computes on, whatever the network's
- * speed: a slow link slows the loop down instead of piling gradients up in a tab's bounded memory.
+ * for the first report to end before its own starts, and the loop with it. So a tab holds at most two
+ * gradients at once (the one uploading and the one just computed), besides the parameters of the lease
+ * computing and of the one prepared ahead, whatever the network's speed: a slow link slows the loop
+ * down instead of piling gradients up in a tab's bounded memory (memoryRefusal's budget).
  */
 export class Reports {
   /** @param {{onError?: (error: Error) => void}} options `onError`: a report that threw (a bug: reports handle their own failures). */
@@ -45,23 +46,26 @@ export class Reports {
 }
 
 /**
- * What the tab is doing, which is two things at once: the loop's lease (asking, downloading, computing)
- * and the report in flight. The page shows both, loop first: "lease 12: computing, 512 of 1024 samples;
- * lease 11: uploading the gradient".
+ * What the tab is doing, which is up to three things at once: the loop (the lease computing, or what it
+ * waits for), the next lease asked for and downloaded ahead while one computes, and the report in flight.
+ * The page shows them in that order: "lease 12: computing, 512 of 1024 samples; lease 13: downloading
+ * parameters of version 7; lease 11: uploading the gradient".
  */
 export class Doing {
   constructor() {
     this.loop = "";
+    this.ahead = "";
     this.report = "";
   }
 
   text() {
-    return [this.loop, this.report].filter(Boolean).join("; ");
+    return [this.loop, this.ahead, this.report].filter(Boolean).join("; ");
   }
 }
 
 /**
- * The leases a tab holds, oldest first, and where each stands: "preparing" (graph, parameters, shards),
+ * The leases a tab holds, oldest first, and where each stands: "preparing" (graph, parameters, shards,
+ * then ready and waiting for the compute before it),
  * "computing", "computed" (waiting for the report before it), "reporting" (encode, upload) and
  * "reported" (done sent: the site has it, nothing left to give back). `given` once released.
  */

@@ -54,6 +54,7 @@ const state = {
   held: new HeldLeases(), // the leases held now: one being prepared or computed, one computed or reporting
   doing: new Doing(), // what the page shows: the loop's lease; the report in flight
   reports: new Reports({ onError: (error) => stop(`stopped by an error this tab did not expect: ${error.message}`) }),
+  computing: false, // a lease's gradient is being computed (the next lease is then asked for ahead)
   downAhead: 0, // bytes fetched ahead (shards of the next leases), reported with the next done
   channel: null,
   wake: null, // resolves a wait early (resume, a new version)
@@ -74,10 +75,30 @@ function post(message) {
   self.postMessage(message);
 }
 
-/** Say what the loop does now (`text`), beside what the report in flight does; post both to the page. */
+/** Say what the loop does now (`text`): the lease computing, or why nothing computes. */
 function status(text, extra = {}) {
   state.doing.loop = text;
   show(extra);
+}
+
+/**
+ * Say what the next lease's request and downloads do: beside the compute while a lease computes, else
+ * as what the loop does (it waits for them).
+ */
+function aheadStatus(text, extra = {}) {
+  if (state.computing) {
+    state.doing.ahead = text;
+    show(extra);
+  } else status(text, extra);
+}
+
+/** The compute ended: what the next lease does is now what the loop waits for. */
+function aheadToLoop() {
+  if (state.doing.ahead) {
+    state.doing.loop = state.doing.ahead;
+    state.doing.ahead = "";
+    show();
+  }
 }
 
 /** Say what the report in flight does now ("" once it is over), beside what the loop does. */
@@ -243,10 +264,55 @@ async function untilAllowed() {
 async function work(channel, welcome) {
   status(`connected as ${welcome.device_name}`);
   const requests = new LeaseRequests();
+  let following = null; // the next lease: asked for and downloaded while this one computes
+  try {
+    while (!state.stopped) {
+      const waitFrom = performance.now();
+      const prepared = await (following ?? nextLease(channel, requests));
+      following = null;
+      if (prepared === null) return; // stopped (the campaign finished, a refusal for good)
+      // Of the downloads, only what the loop waited for is the network's fault (the agent's METER.waited).
+      prepared.cost.networkS = Math.min(prepared.cost.networkS, (performance.now() - waitFrom) / 1000);
+      // Ask for the next lease now: its request and downloads overlap this compute (runtime._work).
+      following = nextLease(channel, requests);
+      following.catch(() => {}); // its failure is met where it is awaited
+      const computed = await compute(channel, prepared);
+      if (computed === null) continue;
+      const { job } = computed;
+      if (state.reports.busy) status(`lease ${job.lease.lease_id}: computed; its upload waits for the one before`);
+      // Waits for the report in flight to end (one at a time, pipeline.js), then lets this one run while
+      // the loop computes the next lease.
+      await state.reports.start(() => report(channel, computed));
+    }
+  } finally {
+    // Leaving (a reconnect, a stop): a lease prepared ahead goes back rather than wait for its deadline.
+    following?.then((ahead) => ahead && giveBackJob(channel, ahead.job), () => {});
+  }
+}
+
+/** Send a release for `job` unless it was given back already. */
+function giveBackJob(channel, job) {
+  if (!job.given) {
+    job.given = true;
+    try {
+      channel.send(release(job.lease.lease_id));
+    } catch {
+      // the socket closed: the site releases the lease when its deadline passes
+    }
+  }
+  state.held.drop(job);
+}
+
+/**
+ * Ask the site for a lease until it gives one, and prepare it (graph, parameters, samples). Resolves to
+ * the prepared lease, or null once the tab stops. While a lease computes, this runs ahead of it.
+ */
+async function nextLease(channel, requests) {
   while (!state.stopped) {
     await untilAllowed();
+    if (state.stopped) break;
     if (channel.closed) throw Object.assign(new Error(closeVerdict(channel.closed.code).why), { code: channel.closed.code });
-    status("asking the site for work");
+    aheadStatus("asking the site for work");
     channel.send(
       leaseRequest({
         campaign_id: state.config.campaign_id,
@@ -264,41 +330,31 @@ async function work(channel, welcome) {
     }
     requests.answered();
     if (reply.kind === "no_lease") {
-      status(`waiting: ${whyNoLease(reply)}; asking again in ${Math.round(reply.retry_after_s)} s`, { noLease: reply.reason });
+      aheadStatus(`waiting: ${whyNoLease(reply)}; asking again in ${Math.round(reply.retry_after_s)} s`, { noLease: reply.reason });
       if (reply.reason === "campaign_finished") {
         await state.reports.drain(); // the last lease's report still counts
-        return stop("the campaign has finished; thank you");
+        stop("the campaign has finished; thank you");
+        return null;
       }
       await rest(reply.retry_after_s);
       continue;
     }
-    const computed = await lease(channel, reply);
-    if (computed === null) continue;
-    const { job } = computed;
-    if (state.reports.busy) status(`lease ${job.lease.lease_id}: computed; its upload waits for the one before`);
-    // Waits for the report in flight to end (one at a time, pipeline.js), then lets this one run while
-    // the loop asks for the next lease.
-    await state.reports.start(() => report(channel, computed));
+    const prepared = await prepare(channel, reply);
+    if (prepared !== null) return prepared;
   }
+  return null;
 }
 
 /**
- * Prepare and compute one lease. Resolves to what its report needs, or null when the lease was given
- * back (a refusal, a pause, a download or compute that failed: said in the page).
+ * Prepare one lease: the graph, its parameters and samples, the shards the next leases read fetched
+ * ahead. Resolves to what its compute needs, or null when the lease was given back (a refusal, a pause,
+ * a download that failed: said in the page).
  */
-async function lease(channel, lease) {
+async function prepare(channel, lease) {
   const job = state.held.add(lease);
   const giveBackWith = async (why, restS = 0) => {
-    if (!job.given) {
-      job.given = true;
-      try {
-        channel.send(release(lease.lease_id));
-      } catch {
-        // the socket closed: the lease expires at its deadline
-      }
-    }
-    state.held.drop(job);
-    status(why);
+    giveBackJob(channel, job);
+    aheadStatus(why);
     if (restS) await rest(restS);
     return null;
   };
@@ -308,21 +364,40 @@ async function lease(channel, lease) {
   try {
     const cost = { down: 0, networkS: 0 };
     // graph: the site's gated ONNX graph for this campaign, from the Cache API when this tab has it
-    status(`lease ${lease.lease_id}: loading the model's gradient graph`);
+    aheadStatus(`lease ${lease.lease_id}: loading the model's gradient graph`);
     const computer = await computerFor(lease);
     if (computer.refusal) return giveBackWith(computer.refusal, computer.restS);
-    // parameters and samples: the time spent waiting on them is the done report's network_s
+    // parameters and samples
     const started = performance.now();
-    status(`lease ${lease.lease_id}: downloading parameters of version ${lease.base_version}`);
+    aheadStatus(`lease ${lease.lease_id}: downloading parameters of version ${lease.base_version}`);
     const { flat } = await held.fetchAll({ fetchFn: network, lease, meter: (n) => (cost.down += n) });
     if (job.given) throw new Cancelled();
-    status(`lease ${lease.lease_id}: reading ${lease.num_samples} samples`);
+    aheadStatus(`lease ${lease.lease_id}: reading ${lease.num_samples} samples`);
     const { readers } = await shards.readersFor(lease, (n) => (cost.down += n));
     const samples = gatherSamples(lease.ranges, readers, lease.data, lease.base_version);
     cost.networkS = (performance.now() - started) / 1000;
-    // the next leases' shards, fetched while this one computes (the network is idle then)
+    if (job.given) throw new Cancelled();
+    // the next leases' shards, fetched while this one computes
     shards.prefetch(lease, undefined, (n) => (state.downAhead += n));
-    // gradient
+    aheadStatus(`lease ${lease.lease_id}: ready`);
+    return { job, computer, flat, samples, cost };
+  } catch (error) {
+    if (error instanceof Cancelled) return giveBackWith(`paused: ${state.pauseWhy}; lease ${lease.lease_id} given back`);
+    if (error instanceof FetchError || error instanceof ComputeError || error?.name === "SampleError" || error?.name === "ProtocolError") {
+      return giveBackWith(`lease ${lease.lease_id}: ${error.message}; giving the lease back`, 5);
+    }
+    state.held.drop(job);
+    throw error; // the connection: run() reconnects
+  }
+}
+
+/** Compute a prepared lease's gradient. Resolves to what its report needs, or null when it was given back. */
+async function compute(channel, { job, computer, flat, samples, cost }) {
+  const lease = job.lease;
+  state.computing = true;
+  status(`lease ${lease.lease_id}: computing`);
+  try {
+    if (job.given) throw new Cancelled(); // paused while it waited its turn
     job.phase = "computing";
     const result = await computer.gradient.compute(flat, samples, {
       cancelled: () => job.given,
@@ -332,12 +407,22 @@ async function lease(channel, lease) {
     job.phase = "computed"; // its gradient is done: a pause lets it be reported
     return { job, result, cost, flopsPerSample: computer.flopsPerSample };
   } catch (error) {
-    if (error instanceof Cancelled) return giveBackWith(`paused: ${state.pauseWhy}; lease ${lease.lease_id} given back`);
-    if (error instanceof FetchError || error instanceof ComputeError || error?.name === "SampleError" || error?.name === "ProtocolError") {
-      return giveBackWith(`lease ${lease.lease_id}: ${error.message}; giving the lease back`, 5);
+    if (error instanceof Cancelled) {
+      giveBackJob(channel, job);
+      status(`paused: ${state.pauseWhy}; lease ${lease.lease_id} given back`);
+      return null;
+    }
+    if (error instanceof ComputeError) {
+      giveBackJob(channel, job);
+      status(`lease ${lease.lease_id}: ${error.message}; giving the lease back`);
+      await rest(5);
+      return null;
     }
     state.held.drop(job);
-    throw error; // the connection: run() reconnects
+    throw error;
+  } finally {
+    state.computing = false;
+    aheadToLoop();
   }
 }
 
