@@ -19,7 +19,8 @@ import {
 } from "../../frontend/src/tab/control.js";
 import { sha256Hex } from "../../frontend/src/tab/deltas.js";
 import { ErrorFeedback } from "../../frontend/src/tab/feedback.js";
-import { FetchError, fetchSlice, HeldParams, limitedFetch } from "../../frontend/src/tab/params.js";
+import { FetchError, fetchSlice, HeldParams, limitedFetch, Shards } from "../../frontend/src/tab/params.js";
+import { Doing, HeldLeases, Reports } from "../../frontend/src/tab/pipeline.js";
 import { encodeSlice, ticketIsCheck, Uploader, UploadError } from "../../frontend/src/tab/upload.js";
 
 const TOKEN = "ctd_" + "a".repeat(43);
@@ -136,6 +137,127 @@ test("the control channel hands each answer to its waiter, controls to the page,
   ws.close(4003);
   await assert.rejects(pending, (e) => e.code === 4003);
   await assert.rejects(channel.next(["lease"], 5), (e) => e.code === 4003);
+});
+
+test("a lease's report and the request for the next lease wait at once, each for its own answer", async () => {
+  const ws = new FakeSocket();
+  const channel = new Channel(ws);
+  const reports = new Reports();
+  let acked = null;
+  // lease 11's report: done sent, its done_ack awaited in the background
+  await reports.start(async () => {
+    ws.send(JSON.stringify({ kind: "done", lease_id: 11 }));
+    acked = await channel.next(["done_ack"], 5, (m) => m.lease_id === 11);
+  });
+  assert.equal(reports.busy, true);
+  // meanwhile the loop asks for lease 12: both are in flight before the site answers either
+  ws.send(JSON.stringify({ kind: "lease_request" }));
+  const asked = channel.next(["lease", "no_lease"], 5);
+  assert.deepEqual(ws.sent.map((m) => JSON.parse(m).kind), ["done", "lease_request"]);
+  // the site answers in any order; a done_ack of another lease is not this report's
+  ws.receive({ kind: "done_ack", lease_id: 9, accepted: false, reason: "lease expired: deadline passed" });
+  ws.receive({ kind: "no_lease", reason: "step_full", detail: "", retry_after_s: 1 });
+  assert.equal((await asked).reason, "step_full");
+  assert.equal(acked, null);
+  ws.receive({ kind: "done_ack", lease_id: 11, accepted: true, step: 4 });
+  await reports.drain();
+  assert.equal(acked.lease_id, 11);
+  assert.equal(reports.busy, false);
+  assert.equal((await channel.next(["done_ack"], 5)).lease_id, 9); // kept for whoever asks for it
+});
+
+test("an error from the site fails every waiter: it does not say which message it refused", async () => {
+  const ws = new FakeSocket();
+  const channel = new Channel(ws);
+  const ack = channel.next(["done_ack"], 5, (m) => m.lease_id === 3);
+  const lease = channel.next(["lease", "no_lease"], 5);
+  ws.receive({ kind: "error", code: "bad message", detail: "nope" });
+  await assert.rejects(ack, /refused a message: bad message/);
+  await assert.rejects(lease, /refused a message/);
+  // a waiter that timed out leaves the others waiting
+  const short = channel.next(["done_ack"], 0.01);
+  const long = channel.next(["lease", "no_lease"], 5);
+  await assert.rejects(short, (e) => e.timeout === true);
+  ws.receive({ kind: "no_lease", reason: "epoch_done", detail: "", retry_after_s: 1 });
+  assert.equal((await long).reason, "epoch_done");
+});
+
+test("one report at a time: a second computed gradient waits for the first report to end", async () => {
+  const reports = new Reports();
+  const order = [];
+  let finishFirst;
+  await reports.start(async () => {
+    order.push("first started");
+    await new Promise((resolve) => (finishFirst = resolve));
+    order.push("first ended");
+  });
+  const second = reports.start(async () => order.push("second started"));
+  await new Promise((resolve) => setTimeout(resolve, 10));
+  assert.deepEqual(order, ["first started"]);
+  finishFirst();
+  await second;
+  await reports.drain();
+  assert.deepEqual(order, ["first started", "first ended", "second started"]);
+  const errors = [];
+  const failing = new Reports({ onError: (e) => errors.push(e.message) });
+  await failing.start(async () => {
+    throw new Error("a bug");
+  });
+  await failing.drain();
+  assert.deepEqual(errors, ["a bug"]);
+});
+
+test("a pause gives back the leases being prepared or computed and lets the report finish; closing gives back all", () => {
+  const held = new HeldLeases();
+  const reporting = held.add({ lease_id: 11 });
+  reporting.phase = "reporting";
+  const computing = held.add({ lease_id: 12 });
+  computing.phase = "computing";
+  const ahead = held.add({ lease_id: 14 }); // asked for and downloading while 12 computes
+  assert.deepEqual(held.ids(), [11, 12, 14]);
+  assert.deepEqual(held.toGiveBack(false).map((j) => j.lease.lease_id), [12, 14]);
+  assert.deepEqual(held.ids(), [11]);
+  assert.deepEqual(held.toGiveBack(true).map((j) => j.lease.lease_id), [11]);
+  const reported = held.add({ lease_id: 13 });
+  reported.phase = "reported"; // done sent: the site has it, there is nothing to give back
+  assert.deepEqual(held.toGiveBack(true), []);
+  const doing = new Doing();
+  doing.loop = "lease 12: computing, 512 of 1024 samples";
+  doing.report = "lease 11: uploading the gradient";
+  assert.equal(doing.text(), "lease 12: computing, 512 of 1024 samples; lease 11: uploading the gradient");
+  doing.ahead = "lease 13: downloading parameters of version 7";
+  assert.equal(doing.text(), "lease 12: computing, 512 of 1024 samples; lease 13: downloading parameters of version 7; lease 11: uploading the gradient");
+});
+
+test("a lease's prefetch shards are fetched ahead once, and the lease that needs one waits for that fetch", async () => {
+  const shard = new Uint8Array(4 * 8).fill(7);
+  const sha = await sha256Hex(shard);
+  const other = "f".repeat(64);
+  const asked = [];
+  let answer;
+  const fetchFn = async (url) => {
+    asked.push(url);
+    if (url.endsWith(other)) return response(404, new Uint8Array());
+    await new Promise((resolve) => (answer = resolve));
+    return response(200, shard);
+  };
+  const shards = new Shards({ fetchFn, url: "http://site/api/shards/", token: TOKEN });
+  const data = { kind: "text", sample_len: 4 };
+  let ahead = 0;
+  const fetchingAhead = shards.prefetch({ data, prefetch: [sha, other] }, 2, (n) => (ahead += n));
+  await new Promise((resolve) => setTimeout(resolve, 0));
+  let down = 0;
+  const needing = shards.readersFor({ data, ranges: [{ shard: sha }] }, (n) => (down += n));
+  await new Promise((resolve) => setTimeout(resolve, 0));
+  answer();
+  const { readers } = await needing;
+  assert.equal(await fetchingAhead, shard.length); // a shard the site cannot give is left to the lease that needs it
+  assert.ok(readers.get(sha));
+  assert.deepEqual(asked, [`http://site/api/shards/${sha}`, `http://site/api/shards/${other}`]);
+  assert.equal(ahead, shard.length); // counted once, by the fetch ahead
+  assert.equal(down, 0);
+  await shards.prefetch({ data, prefetch: [sha] });
+  assert.equal(asked.length, 2); // held: not fetched again
 });
 
 test("a malformed message from the site closes the channel instead of being guessed at", async () => {

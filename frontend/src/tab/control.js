@@ -146,9 +146,18 @@ export class LeaseRequests {
   }
 }
 
+/** Replies kept for a waiter to come (a no_lease answered before the loop asked again); the oldest go first. */
+const QUEUE_LIMIT = 32;
+
 /**
- * One control socket: messages from the site queued and waited for by kind, `controls` and `version`
- * handed to `onEvent` as they come.
+ * One control socket: replies from the site handed to whoever waits for their kind, `controls` and
+ * `version` handed to `onEvent` as they come.
+ *
+ * Two waiters may wait at once (the loop for a `lease`/`no_lease`, the report in the background for its
+ * `done_ack`): a reply goes to the oldest waiter that wants its kind and matches it (a `done_ack` to the
+ * report of its lease_id), else it is queued for the next `next` that wants it. An `error` says the site
+ * refused one of the tab's messages without saying which, so it fails every waiter (each then gives its
+ * lease back or reconnects); with nobody waiting it fails the next `next`.
  */
 export class Channel {
   constructor(ws, { onEvent = () => {}, onUnknown = () => {} } = {}) {
@@ -170,9 +179,16 @@ export class Channel {
         return;
       }
       if (message.kind === "welcome" && message.controls) onEvent({ kind: "controls", controls: message.controls });
-      const at = this.waiters.findIndex((w) => w.kinds.includes(message.kind));
+      if (message.kind === "error" && this.waiters.length) {
+        for (const w of this.waiters.splice(0)) w.resolve(message);
+        return;
+      }
+      const at = this.waiters.findIndex((w) => w.wants(message));
       if (at >= 0) this.waiters.splice(at, 1)[0].resolve(message);
-      else this.queue.push(message);
+      else {
+        this.queue.push(message);
+        if (this.queue.length > QUEUE_LIMIT) this.queue.shift(); // e.g. done_acks of reports that gave up waiting
+      }
     };
     ws.onclose = (event) => {
       this.closed = event;
@@ -192,15 +208,26 @@ export class Channel {
     this.ws.send(text);
   }
 
-  /** The next message of one of `kinds` (an `error` too: it rejects), within `timeoutS`. */
-  next(kinds, timeoutS) {
-    const at = this.queue.findIndex((m) => kinds.includes(m.kind) || m.kind === "error");
+  /**
+   * The next message of one of `kinds` for which `match` holds (an `error` too: it rejects), within `timeoutS`.
+   * @param {string[]} kinds
+   * @param {number} timeoutS
+   * @param {(message: object) => boolean} [match] e.g. `(m) => m.lease_id === 12` for a done_ack.
+   */
+  next(kinds, timeoutS, match = () => true) {
+    const wants = (m) => kinds.includes(m.kind) && match(m);
+    const at = this.queue.findIndex((m) => wants(m) || m.kind === "error");
     if (at >= 0) return settle(this.queue.splice(at, 1)[0]);
     if (this.closed) return Promise.reject(Object.assign(new Error(closeVerdict(this.closed.code).why), { code: this.closed.code }));
     return new Promise((resolve, reject) => {
-      const waiter = { kinds: [...kinds, "error"], resolve: (m) => (clearTimeout(timer), settle(m).then(resolve, reject)), reject: (e) => (clearTimeout(timer), reject(e)) };
+      const waiter = {
+        wants,
+        resolve: (m) => (clearTimeout(timer), settle(m).then(resolve, reject)),
+        reject: (e) => (clearTimeout(timer), reject(e)),
+      };
       const timer = setTimeout(() => {
-        this.waiters.splice(this.waiters.indexOf(waiter), 1);
+        const mine = this.waiters.indexOf(waiter);
+        if (mine >= 0) this.waiters.splice(mine, 1);
         reject(Object.assign(new Error(`the site did not answer within ${timeoutS} s`), { timeout: true }));
       }, timeoutS * 1000);
       this.waiters.push(waiter);

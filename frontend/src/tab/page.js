@@ -83,8 +83,10 @@ function main() {
       show("tab-speed", m.samplesPerS ? `${m.samplesPerS.toFixed(1)} samples/s` : "not measured yet");
       show("tab-leases", String(m.leasesDone));
       show("tab-credit", m.credit ? m.credit.toFixed(1) : `${m.samplesDone} samples counted`);
-      // The lease in hand, for whoever inspects the page (and the test that closes the tab mid-lease).
+      // The leases in hand, for whoever inspects the page (and the test that closes the tab mid-lease):
+      // data-lease the oldest (the one reporting while the next computes), data-leases all, oldest first.
       panel.dataset.lease = m.leaseId === null || m.leaseId === undefined ? "" : String(m.leaseId);
+      panel.dataset.leases = (m.leaseIds ?? []).join(" ");
     } else if (m.type === "token_refused") {
       localStorage.removeItem(tokenKey(config));
       refuse(`The site refused this tab: ${m.why}. Reload the page to register it again as a new device.`);
@@ -124,8 +126,9 @@ function main() {
       worker?.postMessage({ type: "resume" });
     }
   });
-  // Closing the tab: the lease is given back at once rather than at its deadline.
-  window.addEventListener("pagehide", () => worker?.postMessage({ type: "pause", why: "the tab is closing" }));
+  // Closing the tab: its leases are given back at once rather than at their deadline, the one whose
+  // gradient is uploading too (the upload will not finish once the tab is gone).
+  window.addEventListener("pagehide", () => worker?.postMessage({ type: "pause", why: "the tab is closing", closing: true }));
 
   start().catch((error) => refuse(error.message));
 }

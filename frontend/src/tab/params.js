@@ -14,6 +14,9 @@ import { ShardReader } from "./samples.js";
 export const PART_BYTES = 16 << 20; // the agent's fetch.PART_BYTES
 const RETRY_FOR_S = 10;
 const SHA256 = /^[0-9a-f]{64}$/;
+export const PREFETCH_SHARDS = 2; // shards fetched ahead per lease: the next lease's, not the epoch's
+
+const readerKey = (sha, data) => `${sha}:${JSON.stringify(data)}`;
 
 export class FetchError extends Error {
   constructor(message, status = 0) {
@@ -202,6 +205,7 @@ export class Shards {
     this.caches = caches;
     this.keep = keep;
     this.readers = new Map();
+    this.fetching = new Map(); // sha -> promise of {bytes, downloaded}: a lease needing a shard fetched ahead waits for that fetch
   }
 
   /**
@@ -212,22 +216,57 @@ export class Shards {
     const readers = new Map();
     let bytesDown = 0;
     for (const sha of new Set(lease.ranges.map((r) => r.shard))) {
-      const key = `${sha}:${JSON.stringify(lease.data)}`;
-      let reader = this.readers.get(key);
-      if (reader === undefined) {
-        const { bytes, downloaded } = await this.bytes(sha);
-        bytesDown += downloaded;
-        meter(downloaded);
-        reader = new ShardReader(lease.data, bytes);
-        this.readers.set(key, reader);
-        while (this.readers.size > this.keep) this.readers.delete(this.readers.keys().next().value);
-      } else {
-        this.readers.delete(key); // most recently used last
-        this.readers.set(key, reader);
-      }
+      const reader = await this.reader(sha, lease.data, (n) => {
+        bytesDown += n;
+        meter(n);
+      });
       readers.set(sha, reader);
     }
     return { readers, bytesDown };
+  }
+
+  /**
+   * Fetch ahead the shards the site says the next leases will read (a lease's `prefetch`), at most
+   * `limit` of them not held yet, so that the next lease does not wait for its data. Never throws: the
+   * lease that needs a shard fetches it again and says why it cannot.
+   * @returns {Promise<number>} the bytes downloaded.
+   */
+  async prefetch(lease, limit = PREFETCH_SHARDS, meter = () => {}) {
+    const wanted = (lease.prefetch ?? []).filter((sha) => !this.readers.has(readerKey(sha, lease.data))).slice(0, Math.min(limit, this.keep - 1));
+    let down = 0;
+    for (const sha of wanted) {
+      try {
+        await this.reader(sha, lease.data, (n) => {
+          down += n;
+          meter(n);
+        });
+      } catch {
+        // fetched again, with its reason, by the lease that needs it
+      }
+    }
+    return down;
+  }
+
+  async reader(sha, data, meter) {
+    const key = readerKey(sha, data);
+    let reader = this.readers.get(key);
+    if (reader === undefined) {
+      let fetching = this.fetching.get(sha);
+      let mine = false;
+      if (fetching === undefined) {
+        mine = true;
+        fetching = this.bytes(sha).finally(() => this.fetching.delete(sha));
+        this.fetching.set(sha, fetching);
+      }
+      const { bytes, downloaded } = await fetching;
+      if (mine) meter(downloaded); // counted once, by whoever fetched it
+      reader = this.readers.get(key) ?? new ShardReader(data, bytes);
+    } else {
+      this.readers.delete(key); // most recently used last
+    }
+    this.readers.set(key, reader);
+    while (this.readers.size > this.keep) this.readers.delete(this.readers.keys().next().value);
+    return reader;
   }
 
   async bytes(sha) {

@@ -2,11 +2,15 @@
 //
 // The loop reads as the agent's runtime does: connect (the device token offered as a subprotocol) ->
 // hello -> welcome -> heartbeats; ask for a lease -> no_lease (say why, wait) | lease -> graph ->
-// parameters -> samples -> gradient -> upload each slice -> done -> done_ack; again. The page owns what
-// a worker cannot see (localStorage, visibility, the Pause button) and tells the worker in messages:
+// parameters -> samples (and the lease's `prefetch` shards fetched ahead) -> gradient; then the lease's
+// report (upload each slice -> done -> done_ack) goes on in the background while the loop asks for the
+// next lease and computes it (pipeline.js: one report in flight at a time). The page owns what a worker
+// cannot see (localStorage, visibility, the Pause button) and tells the worker in messages:
 //
 //   page -> worker  {type: "start", config, token, webgpu}   config: the page's json_script
-//                   {type: "pause", why} / {type: "resume"}  a held lease is given back at once
+//                   {type: "pause", why, closing?}           a lease being prepared or computed is given back
+//                   {type: "resume"}                         at once; a report in flight finishes, unless the
+//                                                            tab is closing: then its lease goes back too
 //                   {type: "gradient", ...}                  one gradient, nothing else (tests, benchmarks)
 //   worker -> page  {type: "status", ...}                    what it does, why it waits, samples/s, credit
 //                   {type: "token_refused", code, why}       the page forgets the token and says so
@@ -31,8 +35,9 @@ import { sha256Hex } from "./deltas.js";
 import { ErrorFeedback } from "./feedback.js";
 import { done as doneMessage, heartbeat, leaseRequest, negotiatedMinor, release } from "./messages.js";
 import { FetchError, HeldParams, limitedFetch, Shards } from "./params.js";
+import { Doing, HeldLeases, Reports } from "./pipeline.js";
 import { gatherSamples } from "./samples.js";
-import { encodeSlice, Uploader, UploadError } from "./upload.js";
+import { encodeSlice, Uploader } from "./upload.js";
 
 const FLOPS_PER_CREDIT = 1e9; // crowdtrain_agent.credit: one credit is one GFLOP of accepted work
 const WELCOME_TIMEOUT_S = 30;
@@ -46,8 +51,11 @@ const state = {
   pauseWhy: "",
   stopped: false,
   controls: null,
-  lease: null, // the lease held now
-  cancel: false,
+  held: new HeldLeases(), // the leases held now: one being prepared or computed, one computed or reporting
+  doing: new Doing(), // what the page shows: the loop's lease; the report in flight
+  reports: new Reports({ onError: (error) => stop(`stopped by an error this tab did not expect: ${error.message}`) }),
+  computing: false, // a lease's gradient is being computed (the next lease is then asked for ahead)
+  downAhead: 0, // bytes fetched ahead (shards of the next leases), reported with the next done
   channel: null,
   wake: null, // resolves a wait early (resume, a new version)
   leasesDone: 0,
@@ -67,16 +75,50 @@ function post(message) {
   self.postMessage(message);
 }
 
+/** Say what the loop does now (`text`): the lease computing, or why nothing computes. */
 function status(text, extra = {}) {
+  state.doing.loop = text;
+  show(extra);
+}
+
+/**
+ * Say what the next lease's request and downloads do: beside the compute while a lease computes, else
+ * as what the loop does (it waits for them).
+ */
+function aheadStatus(text, extra = {}) {
+  if (state.computing) {
+    state.doing.ahead = text;
+    show(extra);
+  } else status(text, extra);
+}
+
+/** The compute ended: what the next lease does is now what the loop waits for. */
+function aheadToLoop() {
+  if (state.doing.ahead) {
+    state.doing.loop = state.doing.ahead;
+    state.doing.ahead = "";
+    show();
+  }
+}
+
+/** Say what the report in flight does now ("" once it is over), beside what the loop does. */
+function reportStatus(text) {
+  state.doing.report = text;
+  show();
+}
+
+function show(extra = {}) {
+  const ids = state.held.ids();
   post({
     type: "status",
-    text,
+    text: state.doing.text(),
     paused: state.paused,
     samplesPerS: state.samplesPerS,
     leasesDone: state.leasesDone,
     samplesDone: state.samplesDone,
     credit: state.credit,
-    leaseId: state.lease?.lease_id ?? null,
+    leaseId: ids[0] ?? null, // the oldest lease held: the one reporting while the next computes
+    leaseIds: ids,
     ...extra,
   });
 }
@@ -113,7 +155,7 @@ self.onmessage = (event) => {
   } else if (message.type === "pause") {
     state.paused = true;
     state.pauseWhy = message.why || "paused";
-    giveBack();
+    giveBack(Boolean(message.closing));
     wakeUp();
     status(`paused: ${state.pauseWhy}`);
   } else if (message.type === "resume") {
@@ -128,16 +170,20 @@ self.onmessage = (event) => {
   }
 };
 
-/** Give the held lease back now (pause, page hidden or closing): its samples go to another device at once. */
-function giveBack() {
-  if (state.lease === null) return;
-  state.cancel = true;
-  try {
-    state.channel?.send(release(state.lease.lease_id));
-  } catch {
-    // closed: the site releases a lease whose connection is gone when its deadline passes
+/**
+ * Give leases back now, so their samples go to another device at once: on a pause (or a minute hidden)
+ * the lease being prepared or computed; a computed one still gets reported, its work is done. A closing
+ * tab gives back every lease it has not reported: its uploads will not finish.
+ */
+function giveBack(closing = false) {
+  for (const job of state.held.toGiveBack(closing)) {
+    try {
+      state.channel?.send(release(job.lease.lease_id));
+    } catch {
+      // closed: the site releases a lease whose connection is gone when its deadline passes
+    }
+    // `given`: the lease's own steps stop at their next check and send nothing more of it
   }
-  state.lease = null; // given back: the lease's own loop stops at its next step and sends nothing more
 }
 
 function stop(why) {
@@ -218,10 +264,55 @@ async function untilAllowed() {
 async function work(channel, welcome) {
   status(`connected as ${welcome.device_name}`);
   const requests = new LeaseRequests();
+  let following = null; // the next lease: asked for and downloaded while this one computes
+  try {
+    while (!state.stopped) {
+      const waitFrom = performance.now();
+      const prepared = await (following ?? nextLease(channel, requests));
+      following = null;
+      if (prepared === null) return; // stopped (the campaign finished, a refusal for good)
+      // Of the downloads, only what the loop waited for is the network's fault (the agent's METER.waited).
+      prepared.cost.networkS = Math.min(prepared.cost.networkS, (performance.now() - waitFrom) / 1000);
+      // Ask for the next lease now: its request and downloads overlap this compute (runtime._work).
+      following = nextLease(channel, requests);
+      following.catch(() => {}); // its failure is met where it is awaited
+      const computed = await compute(channel, prepared);
+      if (computed === null) continue;
+      const { job } = computed;
+      if (state.reports.busy) status(`lease ${job.lease.lease_id}: computed; its upload waits for the one before`);
+      // Waits for the report in flight to end (one at a time, pipeline.js), then lets this one run while
+      // the loop computes the next lease.
+      await state.reports.start(() => report(channel, computed));
+    }
+  } finally {
+    // Leaving (a reconnect, a stop): a lease prepared ahead goes back rather than wait for its deadline.
+    following?.then((ahead) => ahead && giveBackJob(channel, ahead.job), () => {});
+  }
+}
+
+/** Send a release for `job` unless it was given back already. */
+function giveBackJob(channel, job) {
+  if (!job.given) {
+    job.given = true;
+    try {
+      channel.send(release(job.lease.lease_id));
+    } catch {
+      // the socket closed: the site releases the lease when its deadline passes
+    }
+  }
+  state.held.drop(job);
+}
+
+/**
+ * Ask the site for a lease until it gives one, and prepare it (graph, parameters, samples). Resolves to
+ * the prepared lease, or null once the tab stops. While a lease computes, this runs ahead of it.
+ */
+async function nextLease(channel, requests) {
   while (!state.stopped) {
     await untilAllowed();
+    if (state.stopped) break;
     if (channel.closed) throw Object.assign(new Error(closeVerdict(channel.closed.code).why), { code: channel.closed.code });
-    status("asking the site for work");
+    aheadStatus("asking the site for work");
     channel.send(
       leaseRequest({
         campaign_id: state.config.campaign_id,
@@ -239,55 +330,115 @@ async function work(channel, welcome) {
     }
     requests.answered();
     if (reply.kind === "no_lease") {
-      status(`waiting: ${whyNoLease(reply)}; asking again in ${Math.round(reply.retry_after_s)} s`, { noLease: reply.reason });
-      if (reply.reason === "campaign_finished") return stop("the campaign has finished; thank you");
+      aheadStatus(`waiting: ${whyNoLease(reply)}; asking again in ${Math.round(reply.retry_after_s)} s`, { noLease: reply.reason });
+      if (reply.reason === "campaign_finished") {
+        await state.reports.drain(); // the last lease's report still counts
+        stop("the campaign has finished; thank you");
+        return null;
+      }
       await rest(reply.retry_after_s);
       continue;
     }
-    await lease(channel, reply);
+    const prepared = await prepare(channel, reply);
+    if (prepared !== null) return prepared;
   }
+  return null;
 }
 
-async function lease(channel, lease) {
-  state.lease = lease;
-  state.cancel = false;
+/**
+ * Prepare one lease: the graph, its parameters and samples, the shards the next leases read fetched
+ * ahead. Resolves to what its compute needs, or null when the lease was given back (a refusal, a pause,
+ * a download that failed: said in the page).
+ */
+async function prepare(channel, lease) {
+  const job = state.held.add(lease);
   const giveBackWith = async (why, restS = 0) => {
-    if (state.lease !== null) {
-      try {
-        channel.send(release(lease.lease_id));
-      } catch {
-        // the socket closed: the lease expires at its deadline
-      }
-    }
-    state.lease = null;
-    status(why);
+    giveBackJob(channel, job);
+    aheadStatus(why);
     if (restS) await rest(restS);
+    return null;
   };
   const refusal = leaseRefusal(lease);
   if (refusal) return giveBackWith(refusal, 30);
   if (state.paused) return giveBackWith(`paused: ${state.pauseWhy}`);
   try {
-    const cost = { down: 0, up: 0, networkS: 0 };
+    const cost = { down: 0, networkS: 0 };
     // graph: the site's gated ONNX graph for this campaign, from the Cache API when this tab has it
-    status(`lease ${lease.lease_id}: loading the model's gradient graph`);
+    aheadStatus(`lease ${lease.lease_id}: loading the model's gradient graph`);
     const computer = await computerFor(lease);
     if (computer.refusal) return giveBackWith(computer.refusal, computer.restS);
-    // parameters and samples: the time spent waiting on them is the done report's network_s
+    // parameters and samples
     const started = performance.now();
-    status(`lease ${lease.lease_id}: downloading parameters of version ${lease.base_version}`);
+    aheadStatus(`lease ${lease.lease_id}: downloading parameters of version ${lease.base_version}`);
     const { flat } = await held.fetchAll({ fetchFn: network, lease, meter: (n) => (cost.down += n) });
-    status(`lease ${lease.lease_id}: reading ${lease.num_samples} samples`);
+    if (job.given) throw new Cancelled();
+    aheadStatus(`lease ${lease.lease_id}: reading ${lease.num_samples} samples`);
     const { readers } = await shards.readersFor(lease, (n) => (cost.down += n));
     const samples = gatherSamples(lease.ranges, readers, lease.data, lease.base_version);
     cost.networkS = (performance.now() - started) / 1000;
-    // gradient
+    if (job.given) throw new Cancelled();
+    // the next leases' shards, fetched while this one computes
+    shards.prefetch(lease, undefined, (n) => (state.downAhead += n));
+    aheadStatus(`lease ${lease.lease_id}: ready`);
+    return { job, computer, flat, samples, cost };
+  } catch (error) {
+    if (error instanceof Cancelled) return giveBackWith(`paused: ${state.pauseWhy}; lease ${lease.lease_id} given back`);
+    if (error instanceof FetchError || error instanceof ComputeError || error?.name === "SampleError" || error?.name === "ProtocolError") {
+      return giveBackWith(`lease ${lease.lease_id}: ${error.message}; giving the lease back`, 5);
+    }
+    state.held.drop(job);
+    throw error; // the connection: run() reconnects
+  }
+}
+
+/** Compute a prepared lease's gradient. Resolves to what its report needs, or null when it was given back. */
+async function compute(channel, { job, computer, flat, samples, cost }) {
+  const lease = job.lease;
+  state.computing = true;
+  status(`lease ${lease.lease_id}: computing`);
+  try {
+    if (job.given) throw new Cancelled(); // paused while it waited its turn
+    job.phase = "computing";
     const result = await computer.gradient.compute(flat, samples, {
-      cancelled: () => state.cancel,
+      cancelled: () => job.given,
       onProgress: (n, total) => status(`lease ${lease.lease_id}: computing, ${n} of ${total} samples`),
     });
     state.samplesPerS = result.numSamples / Math.max(result.computeS, 1e-6);
-    // upload: each slice to the aggregator that owns it, all at once
-    status(`lease ${lease.lease_id}: uploading the gradient`);
+    job.phase = "computed"; // its gradient is done: a pause lets it be reported
+    return { job, result, cost, flopsPerSample: computer.flopsPerSample };
+  } catch (error) {
+    if (error instanceof Cancelled) {
+      giveBackJob(channel, job);
+      status(`paused: ${state.pauseWhy}; lease ${lease.lease_id} given back`);
+      return null;
+    }
+    if (error instanceof ComputeError) {
+      giveBackJob(channel, job);
+      status(`lease ${lease.lease_id}: ${error.message}; giving the lease back`);
+      await rest(5);
+      return null;
+    }
+    state.held.drop(job);
+    throw error;
+  } finally {
+    state.computing = false;
+    aheadToLoop();
+  }
+}
+
+/**
+ * Report a computed lease, in the background of the loop: each slice encoded (with the int8 error
+ * feedback) and uploaded to its aggregator, `done` with the receipts, then the site's `done_ack`.
+ * Handles its own failures: the lease goes back, or expires with a connection that dropped.
+ */
+async function report(channel, { job, result, cost, flopsPerSample }) {
+  const lease = job.lease;
+  try {
+    if (job.given) return; // the tab closed while it waited for the report before it
+    job.phase = "reporting";
+    reportStatus(`lease ${lease.lease_id}: uploading the gradient`);
+    let up = 0;
+    // each slice to the aggregator that owns it, all at once
     const receipts = await Promise.all(
       lease.slices.map(async (route) => {
         const payload = encodeSlice(lease, route, result.grad, feedback);
@@ -299,12 +450,15 @@ async function lease(channel, lease) {
           payload,
           numElements: route.end - route.start,
         });
-        cost.up += bytesUp;
+        up += bytesUp;
         return { slice_index: route.index, token };
       }),
     );
-    if (state.cancel) throw new Cancelled();
-    // report: the receipts prove the aggregators hold this lease's gradient
+    if (job.given) return; // released while it uploaded (the tab is closing): nothing more of it is sent
+    // the receipts prove the aggregators hold this lease's gradient
+    reportStatus(`lease ${lease.lease_id}: reporting to the site`);
+    const down = cost.down + state.downAhead;
+    state.downAhead = 0;
     channel.send(
       doneMessage({
         lease_id: lease.lease_id,
@@ -312,29 +466,40 @@ async function lease(channel, lease) {
         num_samples: result.numSamples,
         loss_sum: result.lossSum,
         compute_s: result.computeS,
-        bytes_up: cost.up,
-        bytes_down: cost.down,
+        bytes_up: up,
+        bytes_down: down,
         network_s: Math.min(cost.networkS, 1e6),
       }),
     );
-    state.lease = null;
-    const ack = await channel.next(["done_ack"], DONE_TIMEOUT_S);
-    note(lease, result, ack, computer.flopsPerSample);
+    job.phase = "reported"; // the site has it: nothing left to give back
+    const ack = await channel.next(["done_ack"], DONE_TIMEOUT_S, (m) => m.lease_id === lease.lease_id);
+    note(lease, result, ack, flopsPerSample);
   } catch (error) {
-    if (error instanceof Cancelled) return giveBackWith(`paused: ${state.pauseWhy}; lease ${lease.lease_id} given back`);
-    if (error instanceof FetchError || error instanceof UploadError || error instanceof ComputeError || error?.name === "SampleError" || error?.name === "ProtocolError") {
-      return giveBackWith(`lease ${lease.lease_id}: ${error.message}; giving the lease back`, 5);
+    // An upload refused or cut, the site's refusal or silence, a closed connection: the loop goes on
+    // (and reconnects if the connection is gone); this lease goes back unless the site already has it.
+    if (job.phase === "reported") {
+      reportStatus(`lease ${lease.lease_id}: the site did not confirm its report (${error.message})`);
+      return;
     }
-    throw error; // the connection: run() reconnects
+    if (!job.given) {
+      job.given = true;
+      try {
+        channel.send(release(lease.lease_id));
+      } catch {
+        // the socket closed: the lease expires at its deadline
+      }
+    }
+    reportStatus(`lease ${lease.lease_id}: ${error.message}; the lease was given back`);
   } finally {
-    state.lease = null;
+    state.held.drop(job);
+    show();
   }
 }
 
 function note(lease, result, ack, flopsPerSample) {
   const perSample = result.lossSum / Math.max(result.numSamples, 1);
   if (!ack.accepted) {
-    status(`lease ${lease.lease_id} was not counted: ${ack.reason || "no reason given"}`);
+    reportStatus(`lease ${lease.lease_id} was not counted: ${ack.reason || "no reason given"}`);
     return;
   }
   state.leasesDone += 1;
@@ -346,18 +511,23 @@ function note(lease, result, ack, flopsPerSample) {
     state.credit += flopsPerSample ? (result.numSamples * flopsPerSample) / FLOPS_PER_CREDIT : 0;
     granted = ack.verification === "pending" ? `counted in step ${ack.step}, pending verification` : `counted in step ${ack.step}`;
   }
-  status(`lease ${lease.lease_id} done: ${result.numSamples} samples, loss ${perSample.toFixed(4)}; ${granted}`);
+  reportStatus(`lease ${lease.lease_id} done: ${result.numSamples} samples, loss ${perSample.toFixed(4)}; ${granted}`);
 }
 
 // ------------------------------------------------------------------ the graph
 
 let browserInfo = null; // the campaign's /api/campaigns/<id>/browser/ answer
+let browserInfoAt = -Infinity; // when it came (performance.now()), reused for BROWSER_INFO_S if it passed
+const BROWSER_INFO_S = 60; // not a round trip to the site per lease for an answer that changes with the model only
 
 /** The campaign's graph as a GradientComputer, or why this tab cannot take the lease. */
 async function computerFor(lease) {
-  const answer = await fetch(state.config.browser_api_url, { headers: { Authorization: `Bearer ${state.token}` } });
-  if (!answer.ok) return { refusal: `the site answered HTTP ${answer.status} for the campaign's browser graph`, restS: 30 };
-  browserInfo = await answer.json();
+  if (!(browserInfo?.status === "passed" && performance.now() - browserInfoAt < BROWSER_INFO_S * 1000)) {
+    const answer = await fetch(state.config.browser_api_url, { headers: { Authorization: `Bearer ${state.token}` } });
+    if (!answer.ok) return { refusal: `the site answered HTTP ${answer.status} for the campaign's browser graph`, restS: 30 };
+    browserInfo = await answer.json();
+    browserInfoAt = performance.now();
+  }
   if (browserInfo.status !== "passed") {
     const why = browserInfo.status === "pending" ? "the site is checking whether browsers can compute this model" : `browser compute is not offered: ${browserInfo.reason}`;
     return { refusal: why, restS: 30 };
