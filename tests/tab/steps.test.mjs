@@ -19,7 +19,7 @@ import {
 } from "../../frontend/src/tab/control.js";
 import { sha256Hex } from "../../frontend/src/tab/deltas.js";
 import { ErrorFeedback } from "../../frontend/src/tab/feedback.js";
-import { FetchError, fetchSlice, HeldParams, limitedFetch, Shards } from "../../frontend/src/tab/params.js";
+import { DeltaChoice, FetchError, fetchSlice, HeldParams, limitedFetch, Shards } from "../../frontend/src/tab/params.js";
 import { Doing, HeldLeases, Reports } from "../../frontend/src/tab/pipeline.js";
 import { encodeSlice, ticketIsCheck, Uploader, UploadError } from "../../frontend/src/tab/upload.js";
 
@@ -453,4 +453,22 @@ test("downloads are held to the volunteer's download limit, read at each answer"
   assert.ok(performance.now() - started >= 190);
   assert.equal(answer.headers.get("ETag"), '"x"');
   assert.equal((await answer.arrayBuffer()).byteLength, 2500);
+});
+
+test("a delta is asked on a slow link and the whole slice on a fast one, with a probe now and then", () => {
+  const full = 5_300_000;
+  const slow = new DeltaChoice();
+  assert.equal(slow.wantsDelta(), true, "nothing measured yet: a delta, as the agent asks");
+  // A home link (2.5 MB/s) and a delta of half the slice that decodes at 25 MB/s: the delta pays.
+  slow.note({ bodyBytes: full / 2, fullBytes: full, downloadS: full / 2 / 2.5e6, decodeS: full / 25e6 });
+  assert.deepEqual([1, 2, 3].map(() => slow.wantsDelta()), [true, true, true]);
+
+  // Next to the site (500 MB/s), decoding costs more than the bytes it saves: the whole slice.
+  const fast = new DeltaChoice();
+  fast.note({ bodyBytes: full / 2, fullBytes: full, downloadS: full / 2 / 500e6, decodeS: full / 25e6 });
+  const picks = Array.from({ length: 2 * DeltaChoice.PROBE_EVERY }, () => fast.wantsDelta());
+  assert.equal(picks.filter(Boolean).length, 2, "only the probes ask a delta");
+  // The link slows down (a full download now takes long): deltas come back.
+  for (let i = 0; i < 20; i++) fast.note({ bodyBytes: full, fullBytes: full, downloadS: full / 1e6, decodeS: null });
+  assert.equal(fast.wantsDelta(), true);
 });

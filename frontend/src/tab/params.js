@@ -102,16 +102,22 @@ export async function getInParts(fetchFn, url, { ticket, limit, partBytes = PART
  * @param {number} args.version the lease's base_version.
  * @param {string} args.ticket the lease's ticket.
  * @param {{version: number, params: Float32Array} | null} args.held what the tab holds of this slice.
+ * @param {DeltaChoice | null} args.choice whether a delta pays on this link (null: always ask one).
  * @returns {Promise<{params: Float32Array, etag: string, delta: boolean}>}
  * @throws {FetchError} when the slice stays unpublished, or cannot be downloaded intact.
  */
-export async function fetchSlice({ fetchFn, route, version, ticket, held = null, retryForS = RETRY_FOR_S, meter = () => {}, partBytes = PART_BYTES }) {
+export async function fetchSlice({ fetchFn, route, version, ticket, held = null, retryForS = RETRY_FOR_S, meter = () => {}, partBytes = PART_BYTES, choice = null }) {
   const numElements = route.end - route.start;
   const attempt = async (from) => {
     const url = paramsUrl(route, version, from === null ? null : from.version);
     const limit = from === null ? 4 * numElements : maxDeltaSize(4 * numElements);
+    const asked = performance.now();
     const { headers, body } = await getInParts(fetchFn, url, { ticket, limit, partBytes, meter });
-    return paramsFromResponse({ headers, body, numElements, held: from });
+    const arrived = performance.now();
+    const answer = await paramsFromResponse({ headers, body, numElements, held: from });
+    choice?.note({ bodyBytes: body.length, fullBytes: 4 * numElements, downloadS: (arrived - asked) / 1000,
+      decodeS: answer.delta ? (performance.now() - arrived) / 1000 : null });
+    return answer;
   };
   const retrying = async (from) => {
     const deadline = performance.now() + retryForS * 1000;
@@ -128,7 +134,7 @@ export async function fetchSlice({ fetchFn, route, version, ticket, held = null,
     }
   };
   try {
-    if (held !== null && held.params.length === numElements && held.version !== version) {
+    if (held !== null && held.params.length === numElements && held.version !== version && (choice === null || choice.wantsDelta())) {
       try {
         return await retrying(held);
       } catch (error) {
@@ -146,6 +152,48 @@ export async function fetchSlice({ fetchFn, route, version, ticket, held = null,
 }
 
 /**
+ * Whether a delta pays on this tab's link, from what the downloads so far cost.
+ *
+ * A delta saves bytes and costs decoding: zstd and the byte planes in JavaScript, on the thread that also
+ * computes the gradient (measured on W1 in Chromium: a 5.3 MB slice decodes in 150-300 ms, while the whole
+ * fp32 body comes over a fast link in tens of ms). Over a home link the bytes saved are worth far more
+ * than the decoding; next to the site, the whole slice is quicker. A delta is worth it when
+ *   ratio * full / link + full / decode < full / link,  that is  link < decode * (1 - ratio),
+ * with `link` and `decode` in bytes per second and `ratio` a delta's size over the whole slice's. The
+ * estimates are running averages; every PROBE_EVERY-th download asks a delta anyway, so a link or a
+ * model that changes is noticed.
+ */
+export class DeltaChoice {
+  static PROBE_EVERY = 16;
+  static WEIGHT = 0.3; // of the newest figure in each running average
+
+  constructor() {
+    this.linkBps = null;
+    this.decodeBps = null;
+    this.ratio = null;
+    this.asked = 0;
+  }
+
+  /** True until both costs are known, then whenever a delta is the quicker way; now and then to re-measure. */
+  wantsDelta() {
+    this.asked += 1;
+    if (this.linkBps === null || this.decodeBps === null || this.ratio === null) return true;
+    if (this.asked % DeltaChoice.PROBE_EVERY === 0) return true;
+    return this.linkBps < this.decodeBps * (1 - this.ratio);
+  }
+
+  /** One download: its body's bytes, the whole slice's, seconds on the link, and seconds decoding a delta (null: not one). */
+  note({ bodyBytes, fullBytes, downloadS, decodeS }) {
+    const mix = (old, now) => (old === null ? now : old + DeltaChoice.WEIGHT * (now - old));
+    if (bodyBytes > 0 && downloadS > 0) this.linkBps = mix(this.linkBps, bodyBytes / downloadS);
+    if (decodeS !== null && fullBytes > 0) {
+      this.ratio = mix(this.ratio, Math.min(1, bodyBytes / fullBytes));
+      if (decodeS > 0) this.decodeBps = mix(this.decodeBps, fullBytes / decodeS);
+    }
+  }
+}
+
+/**
  * The parameters a tab holds: one version per slice, reused as the base of the next delta. Dropped when
  * a lease of another campaign or parameter count comes (a slice's residual means nothing elsewhere).
  */
@@ -153,6 +201,7 @@ export class HeldParams {
   constructor() {
     this.key = "";
     this.slices = new Map(); // "start:end" -> {version, params}
+    this.choice = new DeltaChoice();
   }
 
   /**
@@ -182,7 +231,7 @@ export class HeldParams {
         if (held !== null && held.version === lease.base_version) {
           params = held.params; // the same version again: nothing to download
         } else {
-          ({ params } = await fetchSlice({ fetchFn, route, version: lease.base_version, ticket: lease.ticket, held, meter: count }));
+          ({ params } = await fetchSlice({ fetchFn, route, version: lease.base_version, ticket: lease.ticket, held, meter: count, choice: this.choice }));
           this.slices.set(at, { version: lease.base_version, params });
         }
         flat.set(params, route.start);
