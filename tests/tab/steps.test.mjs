@@ -4,7 +4,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { Cancelled, ComputeError, GradientComputer, layoutOf } from "../../frontend/src/tab/compute.js";
+import { Cancelled, ComputeError, GradientComputer, layoutOf, yieldToEvents } from "../../frontend/src/tab/compute.js";
 import {
   backoffS,
   Channel,
@@ -471,4 +471,17 @@ test("a delta is asked on a slow link and the whole slice on a fast one, with a 
   // The link slows down (a full download now takes long): deltas come back.
   for (let i = 0; i < 20; i++) fast.note({ bodyBytes: full, fullBytes: full, downloadS: full / 1e6, decodeS: null });
   assert.equal(fast.wantsDelta(), true);
+});
+
+test("a microbatch boundary lets queued tasks run, where awaiting a settled run would not", async () => {
+  const order = [];
+  const socket = new MessageChannel(); // stands for a reply arriving on the site's socket
+  socket.port1.onmessage = () => order.push("reply handled");
+  socket.port2.postMessage(null);
+  await Promise.resolve(); // what awaiting onnxruntime-web's wasm run amounts to: microtasks only
+  order.push("next microbatch without a yield");
+  await yieldToEvents();
+  order.push("next microbatch after the yield");
+  socket.port1.close();
+  assert.deepEqual(order, ["next microbatch without a yield", "reply handled", "next microbatch after the yield"]);
 });
