@@ -11,20 +11,21 @@ run in a background thread, never inside the request that started the campaign.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -100,49 +101,29 @@ def request_check(
 
 
 def dispatch(graph_id: int) -> None:
-    """Queue the check: to a worker, or with eager Celery to a thread (the site's own request returns at once)."""
+    """Queue the check: to a worker, or with eager Celery to a process of its own (the request returns at once)."""
     from .tasks import check_browser_graph  # tasks imports this module
 
     if settings.CELERY_TASK_ALWAYS_EAGER and settings.CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND:
-        threading.Thread(target=_run_in_thread, args=(graph_id,), name=f"browser-graph-{graph_id}", daemon=True).start()
+        start_checker(graph_id)
     else:
         check_browser_graph.delay(graph_id)
 
 
-# Rows a background thread of this process is checking. The thread is a daemon, so a short-lived
-# process (seed_run, a management command that starts a campaign) exits in the middle of a check:
-# its claim is then given back at exit, or the row would wait CROWDTRAIN_BROWSER_GRAPH_TIMEOUT_S
-# before anyone took it again (a tab's lease request or the organizer's page queues it at once).
-_checking: set[int] = set()
-_checking_lock = threading.Lock()
-_exit_hook: list[bool] = []  # registered once per process
+def start_checker(graph_id: int) -> subprocess.Popen[bytes]:
+    """``manage.py check_browser_graphs --graph ID`` in a process of its own, left to run to its end.
 
-
-def _run_in_thread(graph_id: int) -> None:
-    with _checking_lock:
-        if not _exit_hook:
-            atexit.register(_give_back_claims)
-            _exit_hook.append(True)
-        _checking.add(graph_id)
-    try:
-        run_check(graph_id)
-    finally:
-        with _checking_lock:
-            _checking.discard(graph_id)
-        connection.close()  # this thread's connection would otherwise stay open until exit
-
-
-def _give_back_claims() -> None:
-    """At exit: rows still being checked here are free again (their verdict was not written)."""
-    with _checking_lock:
-        unfinished = sorted(_checking)
-    if not unfinished:
-        return
-    try:
-        BrowserGraph.objects.filter(pk__in=unfinished, status=Status.PENDING).update(started_at=None)
-        logger.info("exiting mid-check: browser graphs %s are free for another worker", unfinished)
-    except Exception:  # the database may be gone at exit; the timeout frees the rows then
-        logger.warning("exiting mid-check: could not free browser graphs %s", unfinished, exc_info=True)
+    Not a thread of this process: the export traces with torch.fx, whose state is the process's, and a
+    request building a model meanwhile (a campaign's validation) failed inside torch (KeyError 'custom'
+    in fx.traceback). A process of its own also outlives a short-lived parent (seed_run, make demo),
+    keeps onnx and the exporter out of the site's memory, and writes its lines to the site's log.
+    """
+    manage = Path(settings.BASE_DIR) / "manage.py"
+    argv = [sys.executable, str(manage), "check_browser_graphs", "--graph", str(graph_id)]
+    logger.info("browser graph %s: checking in a process of its own", graph_id)
+    # In this process's group: whoever stops the site's group (the launcher, a terminal's Ctrl-C) stops the
+    # check with it; a parent that simply exits (seed_run) leaves it to finish.
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)  # noqa: S603 (our own argv)
 
 
 def _stale_before() -> datetime:

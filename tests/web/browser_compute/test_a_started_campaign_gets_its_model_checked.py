@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import math
-import threading
-import time
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.test import Client, override_settings
 
 from crowdtrain.browser import checking, gate
@@ -71,28 +72,47 @@ def test_a_start_checks_the_model_after_the_commit(
     assert "not offered: gpt: refused in the test" in page
 
 
-def test_with_eager_celery_the_start_returns_while_the_check_runs_in_a_thread(
+def test_with_eager_celery_the_start_returns_while_the_check_runs_in_a_process_of_its_own(
     monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any
 ) -> None:
-    release, began = threading.Event(), threading.Event()
+    """Not a thread: torch.fx's tracing state is the process's, and a request building a model meanwhile broke."""
+    started: list[list[str]] = []
 
-    def slow(graph_id: int) -> None:
-        began.set()
-        release.wait(30)
+    class Recorded:
+        def __init__(self, argv: list[str], **options: Any) -> None:
+            started.append(argv)
+            assert options == {"stdin": subprocess.DEVNULL}
 
-    monkeypatch.setattr(checking, "run_check", slow)
+    monkeypatch.setattr(checking.subprocess, "Popen", Recorded)
     campaign, client = draft_of()
 
     with override_settings(CELERY_TASK_ALWAYS_EAGER=True, CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND=True):
-        started = time.monotonic()
         start(client, campaign, django_capture_on_commit_callbacks)
-        took = time.monotonic() - started
 
-    assert began.wait(10), "the check never started"
-    assert not release.is_set() and took < 10
-    thread = next(t for t in threading.enumerate() if t.name.startswith("browser-graph-"))
-    release.set()
-    thread.join(10)
+    row = BrowserGraph.objects.get()
+    [argv] = started
+    assert argv[0] == sys.executable and argv[1].endswith("manage.py")
+    assert argv[2:] == ["check_browser_graphs", "--graph", str(row.pk)]
+    assert row.status == BrowserGraph.Status.PENDING  # the process decides it, not the request
+
+
+def test_the_command_checks_one_row_by_id_as_the_process_of_a_start_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = refusing(monkeypatch)
+    campaign = make_campaign()
+    row = checking.request_check(campaign.architecture, campaign.model_config, campaign.microbatch_size, queue=False)
+    assert row is not None
+    out = io.StringIO()
+
+    call_command("check_browser_graphs", "--graph", str(row.pk), stdout=out)
+    call_command("check_browser_graphs", "--graph", str(row.pk), stdout=out)
+
+    row.refresh_from_db()
+    assert row.status == BrowserGraph.Status.REFUSED and len(calls) == 1
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith(f"browser graph {row.pk}: refused in ") and lines[0].endswith("refused in the test")
+    assert lines[1] == f"browser graph {row.pk}: already decided, or another worker is checking it"
+    with pytest.raises(CommandError, match="no browser graph 999999"):
+        call_command("check_browser_graphs", "--graph", "999999")
 
 
 def test_a_campaign_in_local_mode_is_not_checked_and_says_why(
@@ -190,36 +210,3 @@ def test_the_organizers_page_queues_again_a_check_whose_worker_died(
         client.get(f"/campaigns/{campaign.pk}/")
 
     assert queued == [row.pk]
-
-
-@pytest.mark.django_db(transaction=True)  # the check's thread reads the row through its own connection
-def test_a_process_exiting_mid_check_gives_its_claim_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    """seed_run's eager thread dies with it: at exit the row is free again, not taken for the timeout."""
-    campaign = make_campaign()
-    row = checking.request_check(campaign.architecture, campaign.model_config, campaign.microbatch_size, queue=False)
-    assert row is not None
-    claimed, release = threading.Event(), threading.Event()
-
-    def stuck(graph_id: int) -> None:
-        assert checking.claim(graph_id) is not None
-        claimed.set()
-        release.wait(30)
-
-    monkeypatch.setattr(checking, "run_check", stuck)
-    worker = threading.Thread(target=checking._run_in_thread, args=(row.pk,))
-    worker.start()
-    try:
-        assert claimed.wait(10), "the check never claimed its row"
-        row.refresh_from_db()
-        assert row.started_at is not None  # taken: no other worker would start it before the timeout
-
-        checking._give_back_claims()  # what atexit runs
-
-        row.refresh_from_db()
-        assert (row.status, row.started_at) == (BrowserGraph.Status.PENDING, None)
-    finally:
-        release.set()
-        worker.join(10)
-    checking._give_back_claims()  # the thread is done: nothing left to give back
-    decided = BrowserGraph.objects.filter(pk=row.pk).update(status=BrowserGraph.Status.PASSED)
-    assert decided == 1

@@ -14,6 +14,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from crowdtrain.browser.checking import request_check, run_check
+from crowdtrain.browser.models import BrowserGraph
 from crowdtrain.campaigns.browser_checks import LOCAL_MODE_REASON, browser_verdict
 from crowdtrain.campaigns.models import Campaign
 
@@ -24,10 +25,18 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--campaign", type=int, help="only this campaign (any state)")
         parser.add_argument("--again", action="store_true", help="check models already decided once more")
+        parser.add_argument(
+            "--graph",
+            type=int,
+            help="check one stored model by its row id (what a campaign's start runs without a worker)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if not settings.CROWDTRAIN_BROWSER_GRAPHS:
             raise CommandError("browser compute is off: set CROWDTRAIN_BROWSER_GRAPHS=true to check graphs")
+        if options["graph"] is not None:
+            self._check_row(options["graph"])
+            return
         campaigns = Campaign.objects.order_by("pk")
         if options["campaign"] is not None:
             campaigns = campaigns.filter(pk=options["campaign"])
@@ -57,3 +66,14 @@ class Command(BaseCommand):
             return
         taken = f" in {time.monotonic() - began:.1f} s" if checked is not None else " (checked before; --again)"
         self.stdout.write(f"{label}: {verdict.status}{taken}: {verdict.reason}")
+
+    def _check_row(self, graph_id: int) -> None:
+        label = f"browser graph {graph_id}"
+        if not BrowserGraph.objects.filter(pk=graph_id).exists():
+            raise CommandError(f"no browser graph {graph_id}; `check_browser_graphs --campaign N` checks a campaign's")
+        began = time.monotonic()
+        checked = run_check(graph_id)
+        if checked is None:
+            self.stdout.write(f"{label}: already decided, or another worker is checking it")
+            return
+        self.stdout.write(f"{label}: {checked.status} in {time.monotonic() - began:.1f} s: {checked.reason}")
