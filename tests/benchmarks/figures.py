@@ -121,7 +121,9 @@ def ratio_or_unstable(name: str, value: float, baseline: BaselinePair,
 
 
 def format_value(value: float) -> str:
-    """Three decimals below 100, one above: the precision w1 has always printed."""
+    """Three decimals below 100, one above: the precision w1 has always printed; a count as it is."""
+    if isinstance(value, int):
+        return str(value)
     if math.isnan(value):
         return "nan"
     if math.isinf(value):

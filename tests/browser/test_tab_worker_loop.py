@@ -29,6 +29,7 @@ from tests.shards import make_tensor_shards
 TOKEN = "ctd_" + "T" * 43
 TICKET = "dGlja2V0.c2ln"
 CAMPAIGN = 7
+FLOPS_PER_SAMPLE = 3_000_000  # what the stand-in's browser API says one sample's gradient costs
 SAMPLES = 2 * 16 + 3  # mlp's small microbatch is 16: two whole microbatches and three samples one by one
 
 PAGE = """<!doctype html><meta charset="utf-8"><title>tab</title>
@@ -36,6 +37,12 @@ PAGE = """<!doctype html><meta charset="utf-8"><title>tab</title>
 <p id="tab-credit"></p><button id="tab-pause" disabled>Pause</button>
 <script id="tab-config" type="application/json">{config}</script>
 <script type="module" src="/build/tab-page.js"></script>"""
+
+# What a browser does when its tab goes to the background or comes back (Playwright's pages stay visible).
+HIDE = """() => {{
+  Object.defineProperty(document, "visibilityState", {{ configurable: true, get: () => "{state}" }});
+  document.dispatchEvent(new Event("visibilitychange"));
+}}"""
 
 
 @pytest.fixture(autouse=True)
@@ -136,7 +143,8 @@ class StandIn:
                                                                 "url": f"/browser/graphs/{g.sha256}.onnx"}
                               for g in (family.graph, family.single)}  # fmt: skip
                     info = {"status": "passed", "reason": "", "microbatch_size": family.microbatch, "graphs": graphs,
-                            "manifest": family.manifest.to_dict(), "memory_bytes": stand_in.memory_bytes}  # fmt: skip
+                            "manifest": family.manifest.to_dict(), "memory_bytes": stand_in.memory_bytes,
+                            "flops_per_sample": FLOPS_PER_SAMPLE}  # fmt: skip
                     self.answer(200, json.dumps(info).encode())
                 elif self.path.startswith("/browser/graphs/"):
                     graph = next(g for g in (family.graph, family.single) if g.sha256 in self.path)
@@ -205,6 +213,10 @@ def test_a_tab_takes_a_lease_through_to_done_gives_one_back_when_paused_and_says
     expect(page.locator("#tab-leases")).to_have_text("1", timeout=60_000)
     assert f"crowdtrain.bearer.{TOKEN}" in site.offered and site.offered[0] == "crowdtrain.2.10"
     assert page.evaluate("localStorage.getItem('crowdtrain.tab.token.1')") == TOKEN
+    # what the tab trained at is kept for its next visit's hello: samples/s times the FLOPs of a sample
+    kept = float(page.evaluate("localStorage.getItem('crowdtrain.tab.flops')"))
+    speed = float(page.locator("#tab-speed").inner_text().split()[0])
+    assert kept == pytest.approx(speed * FLOPS_PER_SAMPLE, rel=0.01), (kept, speed)
     hello = site.received[0]
     assert hello["kind"] == "hello" and hello["device"]["kind"] == "browser"
     assert hello["device"]["runtime"] == "onnxruntime-web 1.30.0 wasm"
@@ -259,4 +271,48 @@ def test_a_model_too_large_for_a_tab_is_refused_in_words_and_no_lease_is_asked(
         assert sum(m["kind"] == "hello" for m in site.received) == hellos, "a tab that cannot hold the model connected"
     finally:
         site.memory_bytes = 10_000_000
+        page.close()
+
+
+def test_a_tab_hidden_for_a_minute_gives_its_lease_back_and_works_again_once_shown(
+    stand_in: tuple[str, StandIn], browser: Browser
+) -> None:
+    """A background tab is throttled and may be discarded: after HIDDEN_RELEASE_S its lease goes to others."""
+    url, site = stand_in
+    site.second_download.clear()
+    site.paused.clear()
+    start = len(site.received)
+    sent = lambda: [(m["kind"], m.get("lease_id")) for m in site.received[start:]]  # noqa: E731
+    page = browser.new_page()
+    page.clock.install()  # the page's timers only: the worker keeps real time
+    page.add_init_script("localStorage.setItem('crowdtrain.tab.flops', '4500000000')")  # a visit before
+    try:
+        page.goto(url)
+        expect(page.locator("#tab-leases")).to_have_text("1", timeout=60_000)
+        assert site.second_download.wait(30), "the tab did not start on its second lease"
+        hello = next(m for m in site.received[start:] if m["kind"] == "hello")
+        assert hello["device"]["flops_per_s"] == 4.5e9, "the hello did not say what the tab measured before"
+
+        page.evaluate(HIDE.format(state="hidden"))
+        page.wait_for_timeout(500)
+        assert ("release", 102) not in sent(), "a tab hidden for half a second gave its lease back"
+        page.clock.fast_forward("01:01")
+        expect(page.locator("#tab-status")).to_contain_text("paused: the tab was hidden for more than a minute")
+        for _ in range(50):  # the pause crosses to the worker, the release to the stand-in
+            if ("release", 102) in sent():
+                break
+            page.wait_for_timeout(100)
+        assert ("release", 102) in sent(), f"the hidden tab kept its lease: {sent()}"
+        site.paused.set()
+        page.wait_for_timeout(1000)  # the download ends; a worker that ignored the pause would compute and report
+        assert ("done", 102) not in sent()
+
+        requests = sum(kind == "lease_request" for kind, _ in sent())
+        page.evaluate(HIDE.format(state="visible"))
+        expect(page.locator("#tab-status")).to_contain_text(
+            "waiting: every sample of this epoch is handed out", timeout=30_000
+        )
+        assert sum(kind == "lease_request" for kind, _ in sent()) == requests + 1, "shown again, the tab asked no work"
+    finally:
+        site.paused.set()
         page.close()

@@ -154,7 +154,9 @@ export class GradientComputer {
       layout.params.forEach((p, i) => {
         const g = answer[layout.outputs[i + 1]].data;
         if (g.length !== p.size) throw new ComputeError(`the graph's ${layout.outputs[i + 1]} has ${g.length} values, not ${p.size}`);
-        for (let j = 0; j < p.size; j++) grad[p.offset + j] += g[j];
+        const into = grad.subarray(p.offset, p.offset + p.size);
+        if (done === 0) into.set(g); // the first microbatch's gradient is the sum so far: a copy, not a pass of adds
+        else for (let j = 0; j < g.length; j++) into[j] += g[j];
       });
       for (const name of layout.outputs) answer[name].dispose?.();
       done += count;

@@ -20,7 +20,8 @@
 //                 the browser does not say (Firefox, Safari);
 //   threads       the wasm threads onnxruntime-web uses: 1 (two were slower than one on 2 cores);
 //   torch_version "" (no torch in a tab);
-//   flops_per_s   0 until measured (the site then weighs the tab by its reported samples/s);
+//   flops_per_s   the training FLOP/s of the leases this browser computed (samples/s times the graph's
+//                 FLOPs per sample), kept from its last visit; 0 on a first visit;
 //   runtime       (2.10, <= 200 characters) "onnxruntime-web <version> wasm" or "... webgpu": what
 //                 computes, where torch_version says it for an agent; left out for an older site.
 

@@ -18,6 +18,15 @@ export function hasWasmSimd() {
 }
 
 const tokenKey = (config) => `crowdtrain.tab.token.${config.user_id ?? "me"}`;
+// The training FLOP/s this browser reached on its last visit: the next hello says it, so the site sizes the
+// first lease from the tab's own speed rather than the smallest lease.
+const FLOPS_KEY = "crowdtrain.tab.flops";
+
+/** The FLOP/s kept from a visit before, or 0. */
+function keptFlops() {
+  const value = Number(localStorage.getItem(FLOPS_KEY));
+  return Number.isFinite(value) && value > 0 ? value : 0;
+}
 
 function csrfToken() {
   return document.cookie.split("; ").find((c) => c.startsWith("csrftoken="))?.slice("csrftoken=".length) ?? "";
@@ -83,6 +92,7 @@ function main() {
       show("tab-speed", m.samplesPerS ? `${m.samplesPerS.toFixed(1)} samples/s` : "not measured yet");
       show("tab-leases", String(m.leasesDone));
       show("tab-credit", m.credit ? m.credit.toFixed(1) : `${m.samplesDone} samples counted`);
+      if (m.flopsPerS > 0) localStorage.setItem(FLOPS_KEY, String(Math.round(m.flopsPerS)));
       // The leases in hand, for whoever inspects the page (and the test that closes the tab mid-lease):
       // data-lease the oldest (the one reporting while the next computes), data-leases all, oldest first.
       panel.dataset.lease = m.leaseId === null || m.leaseId === undefined ? "" : String(m.leaseId);
@@ -108,7 +118,7 @@ function main() {
     worker = new Worker(config.worker_url, { type: "module", name: "crowdtrain-tab" });
     worker.onmessage = onWorker;
     worker.onerror = (event) => refuse(`The tab's worker failed to start: ${event.message || "see the browser console"}.`);
-    worker.postMessage({ type: "start", config, token, webgpu });
+    worker.postMessage({ type: "start", config, token, webgpu, flopsPerS: keptFlops() });
     button.disabled = false;
   }
 

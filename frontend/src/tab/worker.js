@@ -7,7 +7,8 @@
 // next lease and computes it (pipeline.js: one report in flight at a time). The page owns what a worker
 // cannot see (localStorage, visibility, the Pause button) and tells the worker in messages:
 //
-//   page -> worker  {type: "start", config, token, webgpu}   config: the page's json_script
+//   page -> worker  {type: "start", config, token, webgpu,   config: the page's json_script; flopsPerS: what
+//                    flopsPerS}                              this browser trained at on its last visit (0: never)
 //                   {type: "pause", why, closing?}           a lease being prepared or computed is given back
 //                   {type: "resume"}                         at once; a report in flight finishes, unless the
 //                                                            tab is closing: then its lease goes back too
@@ -62,6 +63,7 @@ const state = {
   samplesDone: 0,
   credit: 0,
   samplesPerS: null,
+  flopsPerS: 0, // training FLOP/s measured on the leases computed (the hello says it; the site sizes first leases by it)
   ort: null,
   graphs: new Map(), // sha256 -> session
 };
@@ -114,6 +116,7 @@ function show(extra = {}) {
     text: state.doing.text(),
     paused: state.paused,
     samplesPerS: state.samplesPerS,
+    flopsPerS: state.flopsPerS,
     leasesDone: state.leasesDone,
     samplesDone: state.samplesDone,
     credit: state.credit,
@@ -148,6 +151,7 @@ self.onmessage = (event) => {
     state.config = message.config;
     state.token = message.token;
     state.webgpu = Boolean(message.webgpu);
+    state.flopsPerS = Number.isFinite(message.flopsPerS) && message.flopsPerS > 0 ? message.flopsPerS : 0;
     network = limitedFetch(fetch.bind(self), () => state.controls?.download_kbps ?? null);
     shards = new Shards({ fetchFn: network, url: state.config.shard_url, token: state.token, caches: self.caches ?? null });
     uploader = new Uploader({ uploadKbps: () => state.controls?.upload_kbps ?? null });
@@ -210,7 +214,7 @@ async function run() {
       });
       const minor = negotiatedMinor(ws.protocol);
       status("connected; introducing this tab to the site");
-      channel.send(helloFor(self.navigator, { webgpu: state.webgpu, minor }));
+      channel.send(helloFor(self.navigator, { webgpu: state.webgpu, flopsPerS: state.flopsPerS, minor }));
       const welcome = await channel.next(["welcome"], WELCOME_TIMEOUT_S);
       connected = true;
       attempt = 0;
@@ -404,6 +408,7 @@ async function compute(channel, { job, computer, flat, samples, cost }) {
       onProgress: (n, total) => status(`lease ${lease.lease_id}: computing, ${n} of ${total} samples`),
     });
     state.samplesPerS = result.numSamples / Math.max(result.computeS, 1e-6);
+    if (computer.flopsPerSample > 0) state.flopsPerS = state.samplesPerS * computer.flopsPerSample;
     job.phase = "computed"; // its gradient is done: a pause lets it be reported
     return { job, result, cost, flopsPerSample: computer.flopsPerSample };
   } catch (error) {
