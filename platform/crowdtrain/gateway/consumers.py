@@ -452,6 +452,9 @@ class AgentConsumer(_ProtocolConsumer):
         if device is None:
             return
         presence.disconnected(device.pk)
+        # Per-process caches of what hellos said: a site that lives for months sees many devices come and go.
+        leasing.forget_hardware(device.pk)
+        browser_tabs.forget_device(device.pk)
         if self.leases:
             _release_after_grace(device.pk, sorted(self.leases))
         for group in groups:

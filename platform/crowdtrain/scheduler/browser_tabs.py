@@ -4,8 +4,9 @@ A tab computes with the campaign's exported graph (``crowdtrain.browser``), so
 it gets no lease of a campaign whose graph is refused or still being checked,
 nor of one in local mode (a graph computes one gradient, not inner steps).
 The lease path asks once per request, so both answers come from per-process
-caches: the device's kind from its hello, the campaign's verdict re-read every
-``VERDICT_TTL_S``. Any other device is never looked at twice.
+caches: the device's kind from its hello (dropped when its socket closes), the
+campaign's verdict re-read every ``VERDICT_TTL_S``. Any other device is never
+looked at twice.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ _lock = threading.Lock()
 def note_kind(device_id: int, kind: str) -> None:
     """What the device's hello said it is; the lease path reads it without a query."""
     _kinds[device_id] = kind
+
+
+def forget_device(device_id: int) -> None:
+    """The device's socket closed: its entry goes, so the cache holds the devices connected, not all ever seen."""
+    _kinds.pop(device_id, None)
 
 
 def is_browser(device_id: int) -> bool:

@@ -74,6 +74,11 @@ def note_hardware(device_id: int, flops_per_s: float) -> None:
     _hardware_flops[device_id] = max(0.0, flops_per_s)
 
 
+def forget_hardware(device_id: int) -> None:
+    """The device's socket closed: what its hello said goes, so the cache holds connected devices only."""
+    _hardware_flops.pop(device_id, None)
+
+
 def lease_size(config: CampaignConfig, device_id: int, samples_per_s: float | None) -> tuple[int, float]:
     """Samples for ~LEASE_TARGET_S of work on this device, and the speed that came from (0: unknown).
 

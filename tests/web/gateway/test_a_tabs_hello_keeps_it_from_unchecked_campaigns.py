@@ -9,6 +9,7 @@ from asgiref.sync import sync_to_async
 from django.test import override_settings
 
 from crowdtrain.browser import checking
+from crowdtrain.scheduler import browser_tabs, leasing
 from crowdtrain_agent.protocol import PROTOCOL_VERSION, AgentHello, DeviceInfo, Lease, LeaseRequest, NoLease
 from tests.factories import make_campaign, make_device
 
@@ -44,3 +45,19 @@ async def test_only_a_tab_is_told_the_campaign_is_being_checked(
         )
     else:
         assert isinstance(answer, Lease) and queued == []
+
+
+async def test_what_a_hello_said_is_forgotten_when_its_socket_closes(connect: Connect) -> None:
+    """The per-process caches hold the devices connected now, not every device a long-lived site has seen."""
+    _, token = await sync_to_async(make_device)("vera", "a tab")
+    agent, _, _ = await connect("/ws/agent/", token)
+    device = DeviceInfo(kind="browser", name="Chromium tab", flops_per_s=2.0e9)
+    await send(agent, AgentHello(protocol_version=PROTOCOL_VERSION, agent_version="test", device=device))
+    welcome = await receive(agent)
+    assert browser_tabs._kinds.get(welcome.device_id) == "browser"
+    assert leasing._hardware_flops.get(welcome.device_id) == 2.0e9
+
+    await agent.disconnect()
+
+    assert welcome.device_id not in browser_tabs._kinds
+    assert welcome.device_id not in leasing._hardware_flops
