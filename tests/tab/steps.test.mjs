@@ -4,7 +4,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { Cancelled, ComputeError, GradientComputer, layoutOf, yieldToEvents } from "../../frontend/src/tab/compute.js";
+import { Cancelled, ComputeError, GradientComputer, layoutOf, RuntimeFailure, yieldToEvents } from "../../frontend/src/tab/compute.js";
 import {
   backoffS,
   Channel,
@@ -439,6 +439,28 @@ test("a gradient stops between microbatches when the tab pauses, and a graph of 
   assert.deepEqual(runs, [2]);
   await assert.rejects(computer.compute(new Float32Array(3), samples(3)), /no batch-1 graph/);
   assert.throws(() => layoutOf(manifest, 4), (e) => e instanceof ComputeError && /hold 3 values where the lease's model has 4/.test(e.message));
+});
+
+test("a graph WebGPU cannot run computes the whole lease again on wasm; with nothing to fall to, the lease fails in words", async () => {
+  const runs = [];
+  const broken = { async run() { throw new Error("The Indices output is not supported yet."); } };
+  const fellTo = [];
+  const fallback = async (failure) => {
+    fellTo.push(failure.message);
+    return { session: session(runs), single: session(runs) };
+  };
+  const computer = new GradientComputer(fakeOrt, { session: broken, single: broken, manifest, runtime: "webgpu", fallback });
+  const result = await computer.compute(new Float32Array([1, 2, 3]), samples(5));
+  assert.deepEqual(runs, [2, 2, 1]); // every sample, from the first, on the fallback's sessions
+  assert.deepEqual(Array.from(result.grad), [5, 10, 5]);
+  assert.equal(computer.runtime, "wasm");
+  assert.match(computer.fellBack, /onnxruntime \(webgpu\) could not run the graph: The Indices output is not supported yet/);
+  assert.equal(fellTo.length, 1);
+  await computer.compute(new Float32Array([1, 2, 3]), samples(2)); // the next lease goes straight to wasm
+  assert.equal(fellTo.length, 1);
+
+  const alone = new GradientComputer(fakeOrt, { session: broken, single: broken, manifest });
+  await assert.rejects(alone.compute(new Float32Array(3), samples(2)), (e) => e instanceof RuntimeFailure && e instanceof ComputeError);
 });
 
 test("downloads are held to the volunteer's download limit, read at each answer", async () => {

@@ -16,6 +16,17 @@ export class ComputeError extends Error {
   }
 }
 
+/**
+ * onnxruntime could not run the graph at all (an operator its execution provider lacks: WebGPU has no
+ * MaxPool with indices, which a CNN's gradient needs), as opposed to a result that came out wrong.
+ */
+export class RuntimeFailure extends ComputeError {
+  constructor(message) {
+    super(message);
+    this.name = "RuntimeFailure";
+  }
+}
+
 /** A lease stopped between microbatches (paused, page hidden or closed): the lease is given back. */
 export class Cancelled extends Error {
   constructor(message = "stopped") {
@@ -103,17 +114,38 @@ export class GradientComputer {
    * @param {{session: object, single: object | null, manifest: object, paramCount?: number | null}} graphs
    *   `session` runs microbatches of the manifest's size; `single` one sample (null when that size is 1).
    */
-  constructor(ort, { session, single = null, manifest, paramCount = null }) {
+  constructor(ort, { session, single = null, manifest, paramCount = null, runtime = "wasm", fallback = null }) {
     this.ort = ort;
     this.session = session;
     this.single = single;
     this.layout = layoutOf(manifest, paramCount);
     // A lease with a partial last microbatch needs `single`; compute() says so when it lacks one.
     this.batch = manifest.microbatch_size ?? this.layout.x.shape[0];
+    this.runtime = runtime; // "webgpu" or "wasm": what computes now
+    // async (failure) => ({session, single}) on wasm, for graphs WebGPU cannot run (null: none to fall to)
+    this.fallback = fallback;
+    this.fellBack = ""; // why WebGPU gave way to wasm, once it did
   }
 
   /**
-   * Sum the loss and gradient over `samples` (lease order).
+   * Sum the loss and gradient over `samples` (lease order); on a runtime that cannot run the graph, the
+   * lease's samples again from the first on the fallback's (wasm) sessions.
+   * @see GradientComputer#computeOn
+   */
+  async compute(params, samples, hooks = {}) {
+    try {
+      return await this.computeOn(params, samples, hooks);
+    } catch (error) {
+      if (!(error instanceof RuntimeFailure) || this.fallback === null) throw error;
+      const fallback = this.fallback;
+      this.fallback = null;
+      Object.assign(this, await fallback(error), { runtime: "wasm", fellBack: error.message });
+      return this.computeOn(params, samples, hooks);
+    }
+  }
+
+  /**
+   * Sum the loss and gradient over `samples` (lease order) on the sessions held now.
    *
    * @param {Float32Array} params the flat parameter vector (param_count values).
    * @param {{x: {type: string, data: any, dims: number[]}, y: {type: string, data: any, dims: number[]}}} samples
@@ -121,8 +153,9 @@ export class GradientComputer {
    * @param {{cancelled?: () => boolean, onProgress?: (done: number, total: number) => void}} hooks
    * @returns {Promise<{grad: Float32Array, lossSum: number, numSamples: number, computeS: number}>}
    * @throws {Cancelled} if `cancelled()` turned true between two microbatches.
+   * @throws {RuntimeFailure} if onnxruntime could not run the graph.
    */
-  async compute(params, samples, { cancelled = () => false, onProgress = () => {} } = {}) {
+  async computeOn(params, samples, { cancelled = () => false, onProgress = () => {} } = {}) {
     const { layout } = this;
     if (params.length !== layout.total) {
       throw new ComputeError(`the parameters hold ${params.length} values, the graph ${layout.total}`);
@@ -148,7 +181,12 @@ export class GradientComputer {
       }
       feeds[layout.x.name] = this.tensor(samples.x, done, count);
       feeds[layout.y.name] = this.tensor(samples.y, done, count);
-      const answer = await session.run(feeds);
+      let answer;
+      try {
+        answer = await session.run(feeds);
+      } catch (error) {
+        throw new RuntimeFailure(`onnxruntime (${this.runtime}) could not run the graph: ${error?.message ?? error}`);
+      }
       const loss = answer[layout.outputs[0]].data[0];
       lossSum += Number(loss);
       layout.params.forEach((p, i) => {

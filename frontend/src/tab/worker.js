@@ -65,7 +65,8 @@ const state = {
   samplesPerS: null,
   flopsPerS: 0, // training FLOP/s measured on the leases computed (the hello says it; the site sizes first leases by it)
   ort: null,
-  graphs: new Map(), // sha256 -> session
+  graphs: new Map(), // "<sha256>:<webgpu|wasm>" -> session
+  wasmOnly: new Set(), // sha256 of graphs WebGPU could not run: they compute on wasm
 };
 const held = new HeldParams();
 const feedback = new ErrorFeedback();
@@ -547,9 +548,23 @@ async function computerFor(lease) {
   if (!main) return { refusal: `the site lists no graph for microbatches of ${batch}`, restS: 30 };
   const single = batch === "1" ? null : (browserInfo.graphs["1"] ?? null);
   const ort = await loadOrt();
-  const session = await sessionFor(ort, main);
-  const singleSession = single ? await sessionFor(ort, single) : null;
-  const gradient = new GradientComputer(ort, { session, single: singleSession, manifest: browserInfo.manifest, paramCount: lease.param_count });
+  const webgpu = state.webgpu && !state.wasmOnly.has(main.sha256);
+  const sessions = async (onGpu) => ({ session: await sessionFor(ort, main, onGpu), single: single ? await sessionFor(ort, single, onGpu) : null });
+  // A graph WebGPU cannot run computes on the CPU (wasm), for this lease and the campaign's next ones.
+  const fallback = webgpu
+    ? async (failure) => {
+        state.wasmOnly.add(main.sha256);
+        status(`lease ${lease.lease_id}: WebGPU cannot run this model's graph; computing on the CPU instead (${failure.message})`);
+        return sessions(false);
+      }
+    : null;
+  const gradient = new GradientComputer(ort, {
+    ...(await sessions(webgpu)),
+    manifest: browserInfo.manifest,
+    paramCount: lease.param_count,
+    runtime: webgpu ? "webgpu" : "wasm",
+    fallback,
+  });
   return { gradient, flopsPerSample: browserInfo.flops_per_sample ?? 0 };
 }
 
@@ -574,13 +589,14 @@ async function hasWebGpu() {
   }
 }
 
-/** An InferenceSession for one of the campaign's graphs, its bytes checked against their sha256. */
-async function sessionFor(ort, graph) {
-  const known = state.graphs.get(graph.sha256);
+/** An InferenceSession for one of the campaign's graphs on WebGPU or wasm, its bytes checked against their sha256. */
+async function sessionFor(ort, graph, webgpu) {
+  const key = `${graph.sha256}:${webgpu ? "webgpu" : "wasm"}`;
+  const known = state.graphs.get(key);
   if (known) return known;
   const bytes = await graphBytes(graph);
-  const session = await createSession(ort, bytes, { webgpu: state.webgpu });
-  state.graphs.set(graph.sha256, session);
+  const session = await createSession(ort, bytes, { webgpu });
+  state.graphs.set(key, session);
   return session;
 }
 
@@ -611,10 +627,17 @@ async function oneGradient({ graphUrl, singleUrl = null, manifest, params, x, y,
   state.webgpu = webgpu;
   if (webgpu && !(await hasWebGpu())) throw new Error("no WebGPU adapter in this browser");
   const ort = await loadOrt();
-  const load = async (url) => createSession(ort, new Uint8Array(await (await fetch(url)).arrayBuffer()), { webgpu });
-  const computer = new GradientComputer(ort, { session: await load(graphUrl), single: singleUrl ? await load(singleUrl) : null, manifest });
+  const load = async (url, onGpu) => createSession(ort, new Uint8Array(await (await fetch(url)).arrayBuffer()), { webgpu: onGpu });
+  const sessions = async (onGpu) => ({ session: await load(graphUrl, onGpu), single: singleUrl ? await load(singleUrl, onGpu) : null });
+  const computer = new GradientComputer(ort, {
+    ...(await sessions(webgpu)),
+    manifest,
+    runtime: webgpu ? "webgpu" : "wasm",
+    fallback: webgpu ? () => sessions(false) : null,
+  });
   let result;
   const started = performance.now();
   for (let i = 0; i < repeat; i++) result = await computer.compute(params, { x, y });
-  return { lossSum: result.lossSum, grad: result.grad, numSamples: result.numSamples, seconds: (performance.now() - started) / 1000 / repeat, runtime: webgpu ? "webgpu" : "wasm" };
+  const seconds = (performance.now() - started) / 1000 / repeat;
+  return { lossSum: result.lossSum, grad: result.grad, numSamples: result.numSamples, seconds, runtime: computer.runtime, fellBack: computer.fellBack };
 }
