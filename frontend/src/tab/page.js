@@ -83,6 +83,7 @@ function main() {
 
   let worker = null;
   let userPaused = false;
+  let keptText = localStorage.getItem(FLOPS_KEY) ?? "";
   let hiddenTimer = null;
 
   const onWorker = (event) => {
@@ -92,7 +93,8 @@ function main() {
       show("tab-speed", m.samplesPerS ? `${m.samplesPerS.toFixed(1)} samples/s` : "not measured yet");
       show("tab-leases", String(m.leasesDone));
       show("tab-credit", m.credit ? m.credit.toFixed(1) : `${m.samplesDone} samples counted`);
-      if (m.flopsPerS > 0) localStorage.setItem(FLOPS_KEY, String(Math.round(m.flopsPerS)));
+      const flops = m.flopsPerS > 0 ? String(Math.round(m.flopsPerS)) : "";
+      if (flops && flops !== keptText) localStorage.setItem(FLOPS_KEY, (keptText = flops)); // once a lease, not per status
       // The leases in hand, for whoever inspects the page (and the test that closes the tab mid-lease):
       // data-lease the oldest (the one reporting while the next computes), data-leases all, oldest first.
       panel.dataset.lease = m.leaseId === null || m.leaseId === undefined ? "" : String(m.leaseId);
