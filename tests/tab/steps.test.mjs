@@ -19,6 +19,7 @@ import {
 } from "../../frontend/src/tab/control.js";
 import { sha256Hex } from "../../frontend/src/tab/deltas.js";
 import { ErrorFeedback } from "../../frontend/src/tab/feedback.js";
+import { ComputeThread } from "../../frontend/src/tab/compute_thread.js";
 import { DeltaChoice, FetchError, fetchSlice, HeldParams, limitedFetch, Shards } from "../../frontend/src/tab/params.js";
 import { Doing, HeldLeases, Reports } from "../../frontend/src/tab/pipeline.js";
 import { encodeSlice, ticketIsCheck, Uploader, UploadError } from "../../frontend/src/tab/upload.js";
@@ -461,6 +462,60 @@ test("a graph WebGPU cannot run computes the whole lease again on wasm; with not
 
   const alone = new GradientComputer(fakeOrt, { session: broken, single: broken, manifest });
   await assert.rejects(alone.compute(new Float32Array(3), samples(2)), (e) => e instanceof RuntimeFailure && e instanceof ComputeError);
+});
+
+test("the compute worker's calls: progress, a cancel once the lease is given back, results, errors by class", async () => {
+  const sent = [];
+  class FakeWorker {
+    constructor(url, options) {
+      this.options = options;
+      workers.push(this);
+    }
+    postMessage(message) {
+      sent.push(message);
+    }
+    terminate() {}
+    answer(message) {
+      this.onmessage({ data: message });
+    }
+  }
+  const workers = [];
+  const thread = new ComputeThread({ ortUrl: "/ort/", webgpu: false, WorkerImpl: FakeWorker, url: "/w.js" });
+  assert.equal(workers[0].options.name, "crowdtrain-compute");
+  assert.deepEqual(sent[0], { type: "setup", ortUrl: "/ort/", webgpu: false });
+  thread.sendGraph({ sha256: "a".repeat(64) }, new Uint8Array(2));
+  thread.sendGraph({ sha256: "a".repeat(64) }, new Uint8Array(2)); // once per graph
+  assert.equal(sent.filter((m) => m.type === "graph").length, 1);
+
+  let given = false;
+  const progress = [];
+  const runtimes = [];
+  const computer = thread.computer({ main: "a".repeat(64), single: null, manifest, paramCount: 3 }, (r) => runtimes.push(r));
+  const first = computer.compute(new Float32Array(3), samples(4), { cancelled: () => given, onProgress: (n, t) => progress.push([n, t]) });
+  const { id } = sent.at(-1);
+  workers[0].answer({ type: "progress", id, done: 2, total: 4 });
+  given = true;
+  workers[0].answer({ type: "progress", id, done: 4, total: 4 });
+  workers[0].answer({ type: "progress", id, done: 4, total: 4 });
+  assert.deepEqual(sent.filter((m) => m.type === "cancel"), [{ type: "cancel", id }]); // asked once
+  workers[0].answer({ type: "failed", id, error: { name: "Cancelled", message: "stopped" } });
+  await assert.rejects(first, Cancelled);
+  assert.deepEqual(progress, [[2, 4], [4, 4], [4, 4]]);
+
+  const second = computer.compute(new Float32Array(3), samples(2));
+  workers[0].answer({ type: "result", id: sent.at(-1).id, result: { lossSum: 1, numSamples: 2 }, runtime: "wasm", fellBack: "no MaxPool" });
+  assert.equal((await second).lossSum, 1);
+  assert.deepEqual(runtimes, [{ runtime: "wasm", fellBack: "no MaxPool" }]);
+
+  const third = computer.compute(new Float32Array(3), samples(2));
+  workers[0].answer({ type: "failed", id: sent.at(-1).id, error: { name: "RuntimeFailure", message: "onnxruntime (wasm) could not run the graph" } });
+  await assert.rejects(third, (e) => e instanceof ComputeError && /could not run the graph/.test(e.message));
+
+  const fourth = computer.compute(new Float32Array(3), samples(2));
+  workers[0].onerror({ message: "out of memory" });
+  await assert.rejects(fourth, /the compute worker failed: out of memory/);
+  await assert.rejects(computer.compute(new Float32Array(3), samples(2)), /out of memory/); // not posted to a dead worker
+  assert.ok(thread.broken);
 });
 
 test("downloads are held to the volunteer's download limit, read at each answer", async () => {

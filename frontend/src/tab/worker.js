@@ -18,6 +18,7 @@
 //                   {type: "stopped", why}                   nothing more will happen in this tab
 
 import { Cancelled, ComputeError, GradientComputer, createSession } from "./compute.js";
+import { COMPUTE_THREAD, ComputeThread, importOrt, serveComputeThread } from "./compute_thread.js";
 import {
   backoffS,
   Channel,
@@ -43,6 +44,7 @@ import { encodeSlice, Uploader } from "./upload.js";
 const FLOPS_PER_CREDIT = 1e9; // crowdtrain_agent.credit: one credit is one GFLOP of accepted work
 const WELCOME_TIMEOUT_S = 30;
 const DONE_TIMEOUT_S = 30;
+const PROGRESS_EVERY_MS = 250; // how often the page hears how far a lease's compute has got
 
 const state = {
   config: null,
@@ -64,9 +66,10 @@ const state = {
   credit: 0,
   samplesPerS: null,
   flopsPerS: 0, // training FLOP/s measured on the leases computed (the hello says it; the site sizes first leases by it)
-  ort: null,
-  graphs: new Map(), // "<sha256>:<webgpu|wasm>" -> session
-  wasmOnly: new Set(), // sha256 of graphs WebGPU could not run: they compute on wasm
+  ort: null, // onnxruntime in this thread: for one gradient alone (tests, benchmarks); leases compute in `compute`
+  compute: null, // the compute worker (compute_thread.js), started with the first lease
+  progressShownAt: -Infinity, // when the page last heard a lease's progress (performance.now())
+  fellBack: "", // why WebGPU gave way to wasm for the campaign's graph, once it did
 };
 const held = new HeldParams();
 const feedback = new ErrorFeedback();
@@ -146,8 +149,8 @@ function wakeUp() {
 
 // ------------------------------------------------------------------ page messages
 
-self.onmessage = (event) => {
-  const message = event.data ?? {};
+function onPageMessage(event) {
+  const message = event.data ?? {}
   if (message.type === "start" && state.config === null) {
     state.config = message.config;
     state.token = message.token;
@@ -195,6 +198,7 @@ function stop(why) {
   state.stopped = true;
   state.channel?.ws.close(1000);
   uploader?.close();
+  state.compute?.close();
   status(why);
   post({ type: "stopped", why });
 }
@@ -396,6 +400,9 @@ async function prepare(channel, lease) {
   }
 }
 
+/** Said beside "computing" once WebGPU gave way to wasm. */
+const onCpu = () => (state.fellBack ? " on the CPU (WebGPU cannot run this model's graph)" : "");
+
 /** Compute a prepared lease's gradient. Resolves to what its report needs, or null when it was given back. */
 async function compute(channel, { job, computer, flat, samples, cost }) {
   const lease = job.lease;
@@ -406,7 +413,13 @@ async function compute(channel, { job, computer, flat, samples, cost }) {
     job.phase = "computing";
     const result = await computer.gradient.compute(flat, samples, {
       cancelled: () => job.given,
-      onProgress: (n, total) => status(`lease ${lease.lease_id}: computing, ${n} of ${total} samples`),
+      onProgress: (n, total) => {
+        // A few times a second, not per microbatch: each status redraws the page, and the page's drawing
+        // shares the machine with the compute.
+        if (n < total && performance.now() - state.progressShownAt < PROGRESS_EVERY_MS) return;
+        state.progressShownAt = performance.now();
+        status(`lease ${lease.lease_id}: computing${onCpu()}, ${n} of ${total} samples`);
+      },
     });
     state.samplesPerS = result.numSamples / Math.max(result.computeS, 1e-6);
     if (computer.flopsPerSample > 0) state.flopsPerS = state.samplesPerS * computer.flopsPerSample;
@@ -547,23 +560,11 @@ async function computerFor(lease) {
   const main = browserInfo.graphs?.[batch];
   if (!main) return { refusal: `the site lists no graph for microbatches of ${batch}`, restS: 30 };
   const single = batch === "1" ? null : (browserInfo.graphs["1"] ?? null);
-  const ort = await loadOrt();
-  const webgpu = state.webgpu && !state.wasmOnly.has(main.sha256);
-  const sessions = async (onGpu) => ({ session: await sessionFor(ort, main, onGpu), single: single ? await sessionFor(ort, single, onGpu) : null });
-  // A graph WebGPU cannot run computes on the CPU (wasm), for this lease and the campaign's next ones.
-  const fallback = webgpu
-    ? async (failure) => {
-        state.wasmOnly.add(main.sha256);
-        status(`lease ${lease.lease_id}: WebGPU cannot run this model's graph; computing on the CPU instead (${failure.message})`);
-        return sessions(false);
-      }
-    : null;
-  const gradient = new GradientComputer(ort, {
-    ...(await sessions(webgpu)),
-    manifest: browserInfo.manifest,
-    paramCount: lease.param_count,
-    runtime: webgpu ? "webgpu" : "wasm",
-    fallback,
+  const thread = await computeThread();
+  for (const graph of [main, single]) if (graph && !thread.hasGraph(graph.sha256)) thread.sendGraph(graph, await graphBytes(graph));
+  const graphs = { main: main.sha256, single: single?.sha256 ?? null, manifest: browserInfo.manifest, paramCount: lease.param_count };
+  const gradient = thread.computer(graphs, ({ fellBack }) => {
+    if (fellBack && !state.fellBack) state.fellBack = fellBack;
   });
   return { gradient, flopsPerSample: browserInfo.flops_per_sample ?? 0 };
 }
@@ -571,14 +572,9 @@ async function computerFor(lease) {
 async function loadOrt() {
   if (state.ort !== null) return state.ort;
   const dir = state.config.ort_url;
-  const webgpu = state.webgpu && (await hasWebGpu());
-  state.webgpu = webgpu;
-  const ort = await import(/* webpackIgnore: true */ `${dir}${webgpu ? "ort.webgpu.min.mjs" : "ort.wasm.min.mjs"}`);
-  ort.env.wasm.wasmPaths = dir;
-  ort.env.wasm.numThreads = 1; // two threads were slower than one on 2 cores (issue 36)
-  ort.env.wasm.proxy = false; // this is already a worker
-  state.ort = ort;
-  return ort;
+  state.webgpu = state.webgpu && (await hasWebGpu());
+  state.ort = await importOrt(dir, state.webgpu);
+  return state.ort;
 }
 
 async function hasWebGpu() {
@@ -589,15 +585,17 @@ async function hasWebGpu() {
   }
 }
 
-/** An InferenceSession for one of the campaign's graphs on WebGPU or wasm, its bytes checked against their sha256. */
-async function sessionFor(ort, graph, webgpu) {
-  const key = `${graph.sha256}:${webgpu ? "webgpu" : "wasm"}`;
-  const known = state.graphs.get(key);
-  if (known) return known;
-  const bytes = await graphBytes(graph);
-  const session = await createSession(ort, bytes, { webgpu });
-  state.graphs.set(key, session);
-  return session;
+/** The compute worker, started (again, if the last one failed) with WebGPU where this browser has it. */
+async function computeThread() {
+  if (state.compute?.broken) {
+    state.compute.close();
+    state.compute = null;
+  }
+  if (state.compute === null) {
+    state.webgpu = state.webgpu && (await hasWebGpu());
+    state.compute = new ComputeThread({ ortUrl: state.config.ort_url, webgpu: state.webgpu });
+  }
+  return state.compute;
 }
 
 async function graphBytes(graph) {
@@ -641,3 +639,7 @@ async function oneGradient({ graphUrl, singleUrl = null, manifest, params, x, y,
   const seconds = (performance.now() - started) / 1000 / repeat;
   return { lossSum: result.lossSum, grad: result.grad, numSamples: result.numSamples, seconds, runtime: computer.runtime, fellBack: computer.fellBack };
 }
+
+// One bundle, two workers: the page's (the loop) and the loop's compute worker, told apart by name.
+if (self.name === COMPUTE_THREAD) serveComputeThread(self);
+else self.onmessage = onPageMessage;
