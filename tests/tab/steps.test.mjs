@@ -4,7 +4,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { Cancelled, ComputeError, GradientComputer, layoutOf, RuntimeFailure, yieldToEvents } from "../../frontend/src/tab/compute.js";
+import { addInto, Cancelled, ComputeError, GradientComputer, layoutOf, RuntimeFailure, yieldToEvents } from "../../frontend/src/tab/compute.js";
 import {
   backoffS,
   Channel,
@@ -13,18 +13,32 @@ import {
   LeaseRequests,
   leaseRefusal,
   memoryRefusal,
+  MOST_TAB_FLOPS,
+  plausibleFlops,
   scheduleAllows,
   subprotocolsFor,
   whyNoLease,
 } from "../../frontend/src/tab/control.js";
 import { sha256Hex } from "../../frontend/src/tab/deltas.js";
 import { ErrorFeedback } from "../../frontend/src/tab/feedback.js";
-import { ComputeThread } from "../../frontend/src/tab/compute_thread.js";
+import { ComputeThread, MOST_GRAPHS } from "../../frontend/src/tab/compute_thread.js";
 import { DeltaChoice, FetchError, fetchSlice, HeldParams, limitedFetch, Shards } from "../../frontend/src/tab/params.js";
 import { Doing, HeldLeases, Reports } from "../../frontend/src/tab/pipeline.js";
 import { encodeSlice, ticketIsCheck, Uploader, UploadError } from "../../frontend/src/tab/upload.js";
 
 const TOKEN = "ctd_" + "a".repeat(43);
+
+test("a microbatch's gradient adds into the lease's sum at every length, the last partial group of four too", () => {
+  for (let n = 0; n <= 9; n++) {
+    const into = Float32Array.from({ length: n }, (_, i) => i + 0.5);
+    const g = Float32Array.from({ length: n }, (_, i) => 10 * (i + 1));
+    addInto(into, g);
+    assert.deepEqual([...into], Array.from({ length: n }, (_, i) => i + 0.5 + 10 * (i + 1)), `length ${n}`);
+  }
+  const into = new Float32Array(8);
+  addInto(into.subarray(2, 7), Float32Array.of(1, 2, 3, 4, 5)); // a parameter's view of the flat sum
+  assert.deepEqual([...into], [0, 0, 1, 2, 3, 4, 5, 0]);
+});
 
 test("the tab offers its minors and then its token, and refuses a malformed token", () => {
   assert.deepEqual(subprotocolsFor(TOKEN), ["crowdtrain.2.10", "crowdtrain.2.9", `crowdtrain.bearer.${TOKEN}`]);
@@ -58,6 +72,19 @@ test("hello says browser and what computes; a 2.9 site is not sent the runtime",
   assert.equal(old.device.name, "Firefox 140 on Linux (tab)");
   assert.equal(old.device.memory_bytes, 0);
   assert.equal("runtime" in old.device, false);
+});
+
+test("a kept FLOP/s that is garbage or tampered reaches the hello as 0, never past the protocol's bound", () => {
+  const nav = { userAgent: "Mozilla/5.0 (X11; Linux x86_64) Chrome/156" };
+  const said = (kept) => JSON.parse(helloFor(nav, { flopsPerS: plausibleFlops(kept) })).device.flops_per_s;
+  assert.equal(said("4500000000"), 4.5e9); // localStorage keeps text
+  assert.equal(said(4.5e9), 4.5e9);
+  for (const kept of ["", " ", "abc", "-5", "0", "NaN", "Infinity", "1e30", "1e16", null, undefined, {}, [7]]) {
+    assert.equal(said(kept), 0, `kept ${JSON.stringify(kept)}`);
+  }
+  assert.equal(said(String(MOST_TAB_FLOPS)), MOST_TAB_FLOPS);
+  // helloFor bounds it on its own too: a measured figure from a huge flops_per_sample cannot break the hello
+  assert.equal(JSON.parse(helloFor(nav, { flopsPerS: 1e25 })).device.flops_per_s, 0);
 });
 
 test("a model too large for a tab is refused in words, with what it needs and what a tab may use", () => {
@@ -483,9 +510,15 @@ test("the compute worker's calls: progress, a cancel once the lease is given bac
   const thread = new ComputeThread({ ortUrl: "/ort/", webgpu: false, WorkerImpl: FakeWorker, url: "/w.js" });
   assert.equal(workers[0].options.name, "crowdtrain-compute");
   assert.deepEqual(sent[0], { type: "setup", ortUrl: "/ort/", webgpu: false });
-  thread.sendGraph({ sha256: "a".repeat(64) }, new Uint8Array(2));
-  thread.sendGraph({ sha256: "a".repeat(64) }, new Uint8Array(2)); // once per graph
+  let reads = 0;
+  const loadBytes = async () => {
+    reads += 1;
+    return new Uint8Array(2);
+  };
+  await thread.ensureGraph({ sha256: "a".repeat(64) }, loadBytes);
+  await thread.ensureGraph({ sha256: "a".repeat(64) }, loadBytes); // once per graph: neither read nor sent again
   assert.equal(sent.filter((m) => m.type === "graph").length, 1);
+  assert.equal(reads, 1);
 
   let given = false;
   const progress = [];
@@ -511,9 +544,21 @@ test("the compute worker's calls: progress, a cancel once the lease is given bac
   workers[0].answer({ type: "failed", id: sent.at(-1).id, error: { name: "RuntimeFailure", message: "onnxruntime (wasm) could not run the graph" } });
   await assert.rejects(third, (e) => e instanceof ComputeError && /could not run the graph/.test(e.message));
 
+  // At most MOST_GRAPHS graphs stay in the compute worker: the one no lease used longest is forgotten.
+  const sha = (c) => c.repeat(64);
+  for (const c of "bcd") await thread.ensureGraph({ sha256: sha(c) }, loadBytes);
+  const onA = computer.compute(new Float32Array(3), samples(2)); // lease on graph a: now the most recently used
+  await thread.ensureGraph({ sha256: sha("e") }, loadBytes);
+  assert.deepEqual(sent.filter((m) => m.type === "forget"), [{ type: "forget", sha256: sha("b") }]);
+  await thread.ensureGraph({ sha256: sha("b") }, loadBytes); // needed again: read and sent again
+  assert.equal(reads, 6);
+  assert.deepEqual(sent.filter((m) => m.type === "forget").map((m) => m.sha256[0]), ["b", "c"]);
+  assert.equal(MOST_GRAPHS, 4);
+
   const fourth = computer.compute(new Float32Array(3), samples(2));
   workers[0].onerror({ message: "out of memory" });
   await assert.rejects(fourth, /the compute worker failed: out of memory/);
+  await assert.rejects(onA, /out of memory/);
   await assert.rejects(computer.compute(new Float32Array(3), samples(2)), /out of memory/); // not posted to a dead worker
   assert.ok(thread.broken);
 });

@@ -11,6 +11,7 @@
 //
 //   loop -> compute  {type: "setup", ortUrl, webgpu}
 //                    {type: "graph", sha256, bytes}            once per graph (bytes checked by the loop)
+//                    {type: "forget", sha256}                  a graph no lease used lately: its bytes and sessions go
 //                    {type: "compute", id, main, single, manifest, paramCount, flat, samples}
 //                    {type: "cancel", id}                      the lease was given back: stop between microbatches
 //   compute -> loop  {type: "progress", id, done, total}
@@ -20,6 +21,9 @@
 import { Cancelled, ComputeError, GradientComputer, createSession } from "./compute.js";
 
 export const COMPUTE_THREAD = "crowdtrain-compute";
+// Graphs the compute worker holds at most (each with its sessions): a campaign needs two (its microbatch's and
+// batch 1's), and a tab that lives through model changes would otherwise keep every graph it ever ran.
+export const MOST_GRAPHS = 4;
 
 /** onnxruntime-web from the site's copy in `dir`, the WebGPU build or the wasm one, set for a worker. */
 export async function importOrt(dir, webgpu) {
@@ -39,7 +43,7 @@ export class ComputeThread {
   constructor({ ortUrl, webgpu, WorkerImpl = globalThis.Worker, url = globalThis.location?.href }) {
     this.worker = new WorkerImpl(url, { type: "module", name: COMPUTE_THREAD });
     this.calls = new Map(); // id -> {resolve, reject, onProgress, cancelled}
-    this.graphs = new Set(); // sha256 of graphs sent
+    this.graphs = new Map(); // sha256 of graphs the compute worker holds -> true, least recently used first
     this.nextId = 1;
     this.broken = null; // the error that ended the compute worker: a new one is started for the next lease
     this.worker.onmessage = (event) => this.answer(event.data ?? {});
@@ -52,15 +56,28 @@ export class ComputeThread {
     this.worker.postMessage({ type: "setup", ortUrl, webgpu });
   }
 
-  /** Send a graph's bytes once; later computes name it by its sha256. */
-  sendGraph(graph, bytes) {
+  /**
+   * Send a graph's bytes once, read by `loadBytes(graph)` only when not sent before; later computes name it
+   * by its sha256.
+   */
+  async ensureGraph(graph, loadBytes) {
     if (this.graphs.has(graph.sha256)) return;
+    const bytes = await loadBytes(graph);
+    if (this.graphs.has(graph.sha256)) return; // another lease sent it while these were read
     this.worker.postMessage({ type: "graph", sha256: graph.sha256, bytes });
-    this.graphs.add(graph.sha256);
+    this.graphs.set(graph.sha256, true);
+    for (const oldest of this.graphs.keys()) {
+      if (this.graphs.size <= MOST_GRAPHS) break;
+      this.graphs.delete(oldest);
+      this.worker.postMessage({ type: "forget", sha256: oldest });
+    }
   }
 
-  hasGraph(sha256) {
-    return this.graphs.has(sha256);
+  /** Mark graphs as just used, so that forgetting takes others first. */
+  touch(...sha256s) {
+    for (const sha256 of sha256s) {
+      if (sha256 && this.graphs.delete(sha256)) this.graphs.set(sha256, true);
+    }
   }
 
   /**
@@ -73,6 +90,7 @@ export class ComputeThread {
       compute: (flat, samples, { cancelled = () => false, onProgress = () => {} } = {}) => {
         const id = this.nextId++;
         if (this.broken) return Promise.reject(this.broken);
+        this.touch(graphs.main, graphs.single);
         return new Promise((resolve, reject) => {
           this.calls.set(id, { resolve, reject, cancelled, onProgress, sentCancel: false, onRuntime });
           // a copy of the parameters (the loop keeps its own as the base of the next delta)
@@ -118,7 +136,7 @@ export function rebuilt({ name = "Error", message = "" } = {}) {
 export function serveComputeThread(scope = self) {
   const held = { ort: null, ortUrl: "", webgpu: false, bytes: new Map(), sessions: new Map(), wasmOnly: new Set() };
   const cancelled = new Set();
-  let queue = Promise.resolve(); // computes one after another, in the order asked
+  let queue = Promise.resolve(); // one step after another, in the order sent
 
   async function ort() {
     held.ort ??= await importOrt(held.ortUrl, held.webgpu);
@@ -136,6 +154,7 @@ export function serveComputeThread(scope = self) {
   }
 
   async function compute(m) {
+    if (cancelled.has(m.id)) throw new Cancelled("given back before it started");
     const onGpu = held.webgpu && !held.wasmOnly.has(m.main);
     const sessions = async (gpu) => ({ session: await session(m.main, gpu), single: m.single ? await session(m.single, gpu) : null });
     const computer = new GradientComputer(await ort(), {
@@ -157,21 +176,39 @@ export function serveComputeThread(scope = self) {
     scope.postMessage({ type: "result", id: m.id, result, runtime: computer.runtime, fellBack: computer.fellBack }, [result.grad.buffer]);
   }
 
+  async function forget(sha256) {
+    held.bytes.delete(sha256);
+    held.wasmOnly.delete(sha256);
+    for (const key of [`${sha256}:wasm`, `${sha256}:webgpu`]) {
+      const gone = held.sessions.get(key);
+      held.sessions.delete(key);
+      await gone?.release?.().catch(() => {}); // its wasm memory goes back to the runtime
+    }
+  }
+
+  // Graphs, forgets and computes run in the order sent: a forget queued behind a lease's compute waits for
+  // it, and a graph sent again after a forget is not dropped by it.
+  const inOrder = (step) => {
+    queue = queue.then(step).catch((error) => console.error("crowdtrain compute worker:", error)); // the next step still runs
+  };
   scope.onmessage = (event) => {
     const m = event.data ?? {};
     if (m.type === "setup") {
       held.ortUrl = m.ortUrl;
       held.webgpu = Boolean(m.webgpu);
-    } else if (m.type === "graph") {
-      held.bytes.set(m.sha256, m.bytes);
     } else if (m.type === "cancel") {
-      cancelled.add(m.id);
+      cancelled.add(m.id); // at once: a lease waiting in the queue is then never started
+    } else if (m.type === "graph") {
+      inOrder(() => held.bytes.set(m.sha256, m.bytes));
+    } else if (m.type === "forget") {
+      inOrder(() => forget(m.sha256));
     } else if (m.type === "compute") {
-      queue = queue.then(() =>
+      inOrder(() =>
         compute(m)
           .catch((error) => scope.postMessage({ type: "failed", id: m.id, error: { name: error?.name ?? "Error", message: error?.message ?? String(error) } }))
           .finally(() => cancelled.delete(m.id)),
       );
     }
   };
+  return held;
 }

@@ -39,6 +39,16 @@ export function runtimeName(webgpu) {
   return `onnxruntime-web ${ORT_VERSION} ${webgpu ? "webgpu" : "wasm"}`;
 }
 
+// Above any browser's training FLOP/s by far (a data-centre GPU trains at ~1e14 in fp32): a figure above it
+// came from a tampered or corrupt localStorage, and a hello carrying it past the protocol's bound would be refused.
+export const MOST_TAB_FLOPS = 1e15;
+
+/** `value` as a FLOP/s figure a hello may carry: finite, positive and at most MOST_TAB_FLOPS, else 0 (unknown). */
+export function plausibleFlops(value) {
+  const flops = typeof value === "string" ? Number(value.trim() || NaN) : value;
+  return typeof flops === "number" && Number.isFinite(flops) && flops > 0 && flops <= MOST_TAB_FLOPS ? flops : 0;
+}
+
 /**
  * The `hello` of this tab (messages.js describes the fields).
  * @param {{userAgent?: string, userAgentData?: object, deviceMemory?: number}} nav the worker's navigator.
@@ -54,7 +64,7 @@ export function helloFor(nav, { webgpu = false, flopsPerS = 0, minor = PROTOCOL_
       memory_bytes: nav.deviceMemory ? Math.round(nav.deviceMemory * GiB) : 0,
       threads: 1,
       torch_version: "",
-      flops_per_s: flopsPerS,
+      flops_per_s: plausibleFlops(flopsPerS),
       runtime: runtimeName(webgpu),
     },
   }, minor);

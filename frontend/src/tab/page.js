@@ -22,12 +22,6 @@ const tokenKey = (config) => `crowdtrain.tab.token.${config.user_id ?? "me"}`;
 // first lease from the tab's own speed rather than the smallest lease.
 const FLOPS_KEY = "crowdtrain.tab.flops";
 
-/** The FLOP/s kept from a visit before, or 0. */
-function keptFlops() {
-  const value = Number(localStorage.getItem(FLOPS_KEY));
-  return Number.isFinite(value) && value > 0 ? value : 0;
-}
-
 function csrfToken() {
   return document.cookie.split("; ").find((c) => c.startsWith("csrftoken="))?.slice("csrftoken=".length) ?? "";
 }
@@ -83,7 +77,7 @@ function main() {
 
   let worker = null;
   let userPaused = false;
-  let keptText = localStorage.getItem(FLOPS_KEY) ?? "";
+  let keptText = localStorage.getItem(FLOPS_KEY) ?? ""; // the worker checks it (plausibleFlops)
   let hiddenTimer = null;
 
   const onWorker = (event) => {
@@ -120,7 +114,7 @@ function main() {
     worker = new Worker(config.worker_url, { type: "module", name: "crowdtrain-tab" });
     worker.onmessage = onWorker;
     worker.onerror = (event) => refuse(`The tab's worker failed to start: ${event.message || "see the browser console"}.`);
-    worker.postMessage({ type: "start", config, token, webgpu, flopsPerS: keptFlops() });
+    worker.postMessage({ type: "start", config, token, webgpu, flopsPerS: keptText });
     button.disabled = false;
   }
 

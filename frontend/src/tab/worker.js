@@ -28,6 +28,7 @@ import {
   LeaseRequests,
   leaseRefusal,
   memoryRefusal,
+  plausibleFlops,
   scheduleAllows,
   subprotocolsFor,
   TOKEN_REFUSED,
@@ -150,12 +151,12 @@ function wakeUp() {
 // ------------------------------------------------------------------ page messages
 
 function onPageMessage(event) {
-  const message = event.data ?? {}
+  const message = event.data ?? {};
   if (message.type === "start" && state.config === null) {
     state.config = message.config;
     state.token = message.token;
     state.webgpu = Boolean(message.webgpu);
-    state.flopsPerS = Number.isFinite(message.flopsPerS) && message.flopsPerS > 0 ? message.flopsPerS : 0;
+    state.flopsPerS = plausibleFlops(message.flopsPerS);
     network = limitedFetch(fetch.bind(self), () => state.controls?.download_kbps ?? null);
     shards = new Shards({ fetchFn: network, url: state.config.shard_url, token: state.token, caches: self.caches ?? null });
     uploader = new Uploader({ uploadKbps: () => state.controls?.upload_kbps ?? null });
@@ -561,7 +562,7 @@ async function computerFor(lease) {
   if (!main) return { refusal: `the site lists no graph for microbatches of ${batch}`, restS: 30 };
   const single = batch === "1" ? null : (browserInfo.graphs["1"] ?? null);
   const thread = await computeThread();
-  for (const graph of [main, single]) if (graph && !thread.hasGraph(graph.sha256)) thread.sendGraph(graph, await graphBytes(graph));
+  for (const graph of [main, single]) if (graph) await thread.ensureGraph(graph, graphBytes);
   const graphs = { main: main.sha256, single: single?.sha256 ?? null, manifest: browserInfo.manifest, paramCount: lease.param_count };
   const gradient = thread.computer(graphs, ({ fellBack }) => {
     if (fellBack && !state.fellBack) state.fellBack = fellBack;
