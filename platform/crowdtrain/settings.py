@@ -210,6 +210,10 @@ CROWDTRAIN_EAGER_TASKS_IN_BACKGROUND = env_bool("CROWDTRAIN_EAGER_TASKS_IN_BACKG
 CROWDTRAIN_BROWSER_GRAPHS = env_bool("CROWDTRAIN_BROWSER_GRAPHS", True)
 # A check that has not finished in this long (its worker died) may be taken again by the next one asked for.
 CROWDTRAIN_BROWSER_GRAPH_TIMEOUT_S = env_float("CROWDTRAIN_BROWSER_GRAPH_TIMEOUT_S", 900.0, minimum=60.0)
+# A third graph of this many microbatches a run, for models whose samples do not meet in a batch (no batch
+# norm): a tab copies the parameters in and every gradient out once a run, so fewer, wider runs cost less.
+# 1: none.
+CROWDTRAIN_BROWSER_WIDE_MICROBATCHES = env_int("CROWDTRAIN_BROWSER_WIDE_MICROBATCHES", 4, minimum=1)
 # Celery's Django fixup closes the worker's database connections around every task unless told to
 # reuse them this many times; ``crowdtrain.celery`` checks them now and then instead, as the site does.
 CELERY_DB_REUSE_MAX = 1_000_000

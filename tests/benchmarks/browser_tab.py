@@ -11,9 +11,10 @@ Prints one ``bench: NAME=VALUE`` line per figure:
   shards), as Chromium counts them; the note gives the runtime's own share
   (the brotli copies the build writes) and its raw size.
 - ``browser_compute_w1``: the tab's gradient alone, W1's global batch
-  computed by the worker's own bundle (onnxruntime-web, wasm, one thread),
-  over plain PyTorch training on one thread: the most a tab can reach. Each
-  has core 0 to itself (all of Chromium's processes for the tab).
+  computed by the worker's own bundle (onnxruntime-web, wasm, one thread;
+  through the wide graph, as a lease is) over plain PyTorch training on one
+  thread: the most a tab can reach. Each has core 0 to itself (all of
+  Chromium's processes for the tab).
 - ``browser_efficiency_w1``: committed samples/s of one tab training W1 alone
   through the site and an aggregator (Chromium alone on core 0; site,
   aggregator and this harness on core 1), over plain PyTorch with one thread
@@ -96,8 +97,9 @@ window.run = async (repeat) => {
   const params = new Float32Array((await bytes("/w1/params.bin")).buffer);
   return new Promise((resolve) => {
     worker.onmessage = (event) => resolve({seconds: event.data.seconds, error: event.data.error});
-    worker.postMessage({type: "gradient", graphUrl: "/w1/graph.onnx", manifest: spec.manifest, params, x, y,
-      ortUrl: new URL("/build/ort/", location.href).href, repeat});
+    worker.postMessage({type: "gradient", graphUrl: "/w1/graph.onnx", wideUrl: spec.wide ? "/w1/wide.onnx" : null,
+      wideBatch: spec.wide, manifest: spec.manifest, params, x, y, ortUrl: new URL("/build/ort/", location.href).href,
+      repeat});
   });
 };
 window.ready = true;
@@ -125,6 +127,9 @@ def tab_samples_per_s(
     from tests.browser.tab_support import serving
 
     graph = export_gradient_graph("mlp", W1.model_config, W1.microbatch)
+    # The wide graph the site offers W1 (its samples do not meet in a batch), as a lease would run it.
+    wide = W1.microbatch * int(os.environ.get("CROWDTRAIN_BROWSER_WIDE_MICROBATCHES", "4"))
+    wide_graph = export_gradient_graph("mlp", W1.model_config, wide) if wide > W1.microbatch else None
     x, y = make_data(W1, W1.global_batch)
     model = get_model("mlp").build(W1.model_config, seed=0)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().astype("<f4")
@@ -132,10 +137,13 @@ def tab_samples_per_s(
         root = Path(tmp)
         (root / "w1").mkdir()
         (root / "w1" / "graph.onnx").write_bytes(graph.onnx)
+        if wide_graph is not None:
+            (root / "w1" / "wide.onnx").write_bytes(wide_graph.onnx)
         (root / "w1" / "params.bin").write_bytes(flat.tobytes())
         (root / "w1" / "x.bin").write_bytes(x.astype("<f4").tobytes())
         (root / "w1" / "y.bin").write_bytes(y.astype("<i8").tobytes())
         spec = {"manifest": graph.manifest.to_dict(), "x": list(x.shape), "y": list(y.shape)}
+        spec["wide"] = wide if wide_graph is not None else 0
         (root / "w1" / "spec.json").write_text(json.dumps(spec))
         (root / "index.html").write_text(PAGE)
         with (

@@ -17,7 +17,7 @@ from django.utils import timezone
 from crowdtrain.browser import checking, gate
 from crowdtrain.browser.gate import GateResult, check_browser_compute
 from crowdtrain.browser.graphs import GradientGraph
-from crowdtrain.browser.memory import graph_memory
+from crowdtrain.browser.memory import graph_memory, memory_bytes
 from crowdtrain.browser.models import BrowserGraph, graph_storage_name
 
 pytestmark = pytest.mark.django_db
@@ -70,9 +70,53 @@ def test_both_graphs_pass_and_are_stored_by_their_sha256(exported: Checked, monk
     assert "match PyTorch's" in checked.reason and checked.checked_at is not None
 
 
-def test_the_memory_estimate_holds_parameters_gradients_their_sum_and_activations(exported: Checked) -> None:
-    from crowdtrain.browser.memory import memory_bytes
+def test_a_wide_graph_passes_against_the_sum_of_its_microbatches_and_is_stored(
+    exported: Checked, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gate, "check_browser_compute", replaying(exported))
+    row = checking.request_check("mlp", MLP, 2, queue=False)
+    assert row is not None
 
+    with override_settings(CROWDTRAIN_BROWSER_WIDE_MICROBATCHES=4):
+        checked = checking.run_check(row.pk)
+
+    assert checked is not None and checked.status == "passed" and checked.wide_size == 8
+    with default_storage.open(graph_storage_name(checked.sha256_wide), "rb") as fh:
+        wide = fh.read()
+    assert len(wide) == checked.bytes_wide
+    big, one = exported[2][0], exported[1][0]
+    assert big is not None and one is not None
+    assert checked.memory_bytes == memory_bytes(big.onnx, one.onnx, wide) > memory_bytes(big.onnx, one.onnx)
+
+
+@pytest.mark.parametrize("why", ["off", "its gate fails"])
+def test_no_wide_graph_when_off_or_when_it_is_not_the_sum_and_the_row_still_passes(
+    why: str, exported: Checked, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gate, "check_browser_compute", replaying(exported))
+    wide_checks: list[int] = []
+
+    def failing(model_name: str, model_config: Any, microbatch_size: int, microbatches: int) -> Any:
+        wide_checks.append(microbatches)
+        graph, verdict = exported[2]
+        return graph, dataclasses.replace(verdict, passed=False, reason="cnn: gradients differ")
+
+    monkeypatch.setattr(gate, "check_wide", failing)
+    row = checking.request_check("mlp", MLP, 2, queue=False)
+    assert row is not None
+
+    with override_settings(CROWDTRAIN_BROWSER_WIDE_MICROBATCHES=1 if why == "off" else 4):
+        checked = checking.run_check(row.pk)
+
+    assert checked is not None and checked.status == "passed"
+    assert (checked.wide_size, checked.sha256_wide, checked.bytes_wide) == (0, "", 0)
+    assert wide_checks == ([] if why == "off" else [4])
+    big, one = exported[2][0], exported[1][0]
+    assert big is not None and one is not None
+    assert checked.memory_bytes == memory_bytes(big.onnx, one.onnx)
+
+
+def test_the_memory_estimate_holds_parameters_gradients_their_sum_and_activations(exported: Checked) -> None:
     big, one = exported[2][0], exported[1][0]
     assert big is not None and one is not None
     params = sum(4 * math.prod(spec.shape) for spec in big.manifest.parameters)

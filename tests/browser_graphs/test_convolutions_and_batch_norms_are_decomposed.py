@@ -56,3 +56,19 @@ def test_the_training_batch_norm_is_not_the_inference_operator() -> None:
 
     assert "BatchNormalization" not in kinds
     assert "Conv" in kinds and "ConvTranspose" in kinds
+
+
+def test_a_batch_norms_wide_graph_is_not_the_sum_of_its_microbatches() -> None:
+    """A batch norm normalizes over the batch: four microbatches at once are not four microbatches summed."""
+    wide = BatchLayout("pixels", TensorSpec("x", (16, 3, 9, 9), "float32"), TensorSpec("y", (16,), "int64"), 3)
+    model = _small_cnn()
+    graph = build_graph(model, _loss_sum, wide, model_name="cnn", model_config={})
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randint(0, 256, wide.x.shape, generator=gen).float()
+    y = torch.randint(0, 3, wide.y.shape, generator=gen)
+
+    whole = measure(graph, model, _loss_sum, x, y)
+    summed = measure(graph, model, _loss_sum, x, y, parts=4)
+
+    assert whole.passed, whole.reason  # the graph is right for a batch of 16
+    assert not summed.passed and summed.onnx is not None and summed.onnx.relative > 1e-3, summed.reason

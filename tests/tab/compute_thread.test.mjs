@@ -33,10 +33,21 @@ function scope() {
   return s;
 }
 
-const compute = (id) => ({
+const compute = (id, { wide = false } = {}) => ({
   type: "compute", id, main: spec.main, single: spec.single, manifest: spec.manifest,
+  ...(wide ? { wide: spec.wide, wideBatch: spec.wideBatch } : {}),
   paramCount: flat().length, flat: flat(), samples: samples(),
 });
+const expected = () => new Float32Array(new Uint8Array(read("expected.bin")).buffer);
+
+/** The largest difference from the agent's gradient, in units of the tolerance (1e-6 + 1e-4 of the value). */
+function offBy(grad) {
+  let worst = 0;
+  expected().forEach((e, i) => {
+    worst = Math.max(worst, Math.abs(grad[i] - e) / (1e-6 + 1e-4 * Math.abs(e)));
+  });
+  return worst;
+}
 
 test("a lease's gradient is the agent's; one given back while queued never starts", async () => {
   const worker = scope();
@@ -52,12 +63,8 @@ test("a lease's gradient is the agent's; one given back while queued never start
   assert.equal(first.type, "result", JSON.stringify(first.error));
   assert.equal(first.result.numSamples, spec.x[0]);
   assert.ok(Math.abs(first.result.lossSum - spec.loss) <= 1e-5 * Math.abs(spec.loss), `${first.result.lossSum} vs ${spec.loss}`);
-  const expected = new Float32Array(new Uint8Array(read("expected.bin")).buffer);
-  assert.equal(first.result.grad.length, expected.length);
-  let worst = 0;
-  expected.forEach((e, i) => {
-    worst = Math.max(worst, Math.abs(first.result.grad[i] - e) / (1e-6 + 1e-4 * Math.abs(e)));
-  });
+  assert.equal(first.result.grad.length, expected().length);
+  const worst = offBy(first.result.grad);
   assert.ok(worst <= 1, `the worker's gradient is off the agent's by ${worst}x the tolerance`);
   const progress = worker.posted.filter((m) => m.type === "progress" && m.id === 1).map((m) => m.done);
   assert.deepEqual(progress, [4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 41]);
@@ -88,4 +95,21 @@ test("a forgotten graph's sessions go, and a graph sent again after its forget i
   worker.send({ type: "graph", sha256: spec.main, bytes: new Uint8Array(read("main.onnx")) });
   worker.send(compute(3));
   assert.equal((await worker.answer(3)).type, "result");
+});
+
+test("whole groups of microbatches run through the wide graph, and the sum is still the agent's", async () => {
+  const worker = scope();
+  serveComputeThread(worker);
+  worker.send({ type: "setup", ortUrl: spec.ort, webgpu: false });
+  for (const [sha256, file] of [[spec.main, "main.onnx"], [spec.single, "single.onnx"], [spec.wide, "wide.onnx"]]) {
+    worker.send({ type: "graph", sha256, bytes: new Uint8Array(read(file)) });
+  }
+  worker.send(compute(1, { wide: true }));
+  const answer = await worker.answer(1);
+  assert.equal(answer.type, "result", JSON.stringify(answer.error));
+  const progress = worker.posted.filter((m) => m.type === "progress").map((m) => m.done);
+  assert.deepEqual(progress, [16, 32, 36, 40, 41]);
+  const worst = offBy(answer.result.grad);
+  assert.ok(worst <= 1, `the wide graph's sum is off the agent's by ${worst}x the tolerance`);
+  assert.ok(Math.abs(answer.result.lossSum - spec.loss) <= 1e-5 * Math.abs(spec.loss));
 });

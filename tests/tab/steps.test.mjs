@@ -459,6 +459,20 @@ test("a lease's gradient is the sum over whole microbatches and its leftover sam
   assert.equal(result.numSamples, 5);
 });
 
+test("a wide graph takes whole groups of microbatches, the microbatch graph the rest, and the sum is the same", async () => {
+  const runs = [];
+  const graphs = { session: session(runs), single: session(runs), wide: session(runs), wideBatch: 4, manifest, paramCount: 3 };
+  const result = await new GradientComputer(fakeOrt, graphs).compute(new Float32Array([1, 2, 3]), samples(11));
+  assert.deepEqual(runs, [4, 4, 2, 1]);
+  assert.equal(result.lossSum, 66);
+  assert.deepEqual(Array.from(result.grad), [11, 22, 11]);
+  const progress = [];
+  await new GradientComputer(fakeOrt, graphs).compute(new Float32Array(3), samples(3), { onProgress: (n) => progress.push(n) });
+  assert.deepEqual(progress, [2, 3]); // fewer samples than the wide graph takes: microbatches only
+  const noWide = await new GradientComputer(fakeOrt, { ...graphs, wide: null }).compute(new Float32Array([1, 2, 3]), samples(11));
+  assert.deepEqual(Array.from(noWide.grad), Array.from(result.grad));
+});
+
 test("a gradient stops between microbatches when the tab pauses, and a graph of another model is refused", async () => {
   const runs = [];
   const computer = new GradientComputer(fakeOrt, { session: session(runs), single: null, manifest });

@@ -27,7 +27,8 @@ TEST = REPO / "tests" / "tab" / "compute_thread.test.mjs"
 ORT = REPO / "frontend" / "node_modules" / "onnxruntime-web" / "dist"
 CONFIG = {"in_dim": 6, "hidden": [8], "classes": 3}
 MICROBATCH = 4
-SAMPLES = 41  # ten whole microbatches and one sample for the batch-1 graph
+WIDE = 16  # four microbatches a run
+SAMPLES = 41  # two wide runs, two microbatches and one sample for the batch-1 graph
 
 
 def test_the_compute_worker_computes_the_agents_gradient_and_keeps_its_queue_in_order(tmp_path: Path) -> None:
@@ -38,6 +39,7 @@ def test_the_compute_worker_computes_the_agents_gradient_and_keeps_its_queue_in_
         pytest.fail("frontend/node_modules/onnxruntime-web is missing: run `make charts` (npm ci in frontend/) first")
     main = export_gradient_graph("mlp", CONFIG, MICROBATCH)
     single = export_gradient_graph("mlp", CONFIG, 1)
+    wide = export_gradient_graph("mlp", CONFIG, WIDE)
     x, y = synthetic_batch(batch_layout("mlp", CONFIG, SAMPLES), seed=7)
     model = get_model("mlp").build(CONFIG, seed=2)
     flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
@@ -47,6 +49,7 @@ def test_the_compute_worker_computes_the_agents_gradient_and_keeps_its_queue_in_
 
     (tmp_path / "main.onnx").write_bytes(main.onnx)
     (tmp_path / "single.onnx").write_bytes(single.onnx)
+    (tmp_path / "wide.onnx").write_bytes(wide.onnx)
     flat.numpy().astype("<f4").tofile(tmp_path / "params.bin")
     x.numpy().astype("<f4").tofile(tmp_path / "x.bin")
     y.numpy().astype("<i8").tofile(tmp_path / "y.bin")
@@ -54,6 +57,8 @@ def test_the_compute_worker_computes_the_agents_gradient_and_keeps_its_queue_in_
         "ort": f"{ORT}/",
         "main": main.sha256,
         "single": single.sha256,
+        "wide": wide.sha256,
+        "wideBatch": WIDE,
         "manifest": main.manifest.to_dict(),
         "x": list(x.shape),
         "y": list(y.shape),

@@ -4,7 +4,10 @@
 // then the microbatch's x and y; it answers the loss (the sum over the microbatch of each sample's mean
 // loss, what the agent reports) and each parameter's gradient in the same order. The lease's gradient is
 // the sum over its microbatches, as the agent's `_summed_gradient` takes it; samples left over after the
-// last whole microbatch go through the batch-1 graph one by one (its shapes are fixed as well).
+// last whole microbatch go through the batch-1 graph one by one (its shapes are fixed as well). Where the
+// site gave a wide graph (several microbatches a run, for a model whose samples do not meet in a batch,
+// gated against their sum), whole groups of that many microbatches run through it: each run copies every
+// parameter in and every gradient out, so fewer runs cost less.
 //
 // `ort` is passed in (the onnxruntime-web module the worker loaded), so this module runs wherever a
 // runtime does: the worker, and the Chromium test that compares it with PyTorch.
@@ -127,18 +130,22 @@ export async function createSession(ort, bytes, { webgpu = false } = {}) {
 export class GradientComputer {
   /**
    * @param {object} ort the onnxruntime-web module (for `ort.Tensor`).
-   * @param {{session: object, single: object | null, manifest: object, paramCount?: number | null}} graphs
-   *   `session` runs microbatches of the manifest's size; `single` one sample (null when that size is 1).
+   * @param {{session: object, single: object | null, wide?: object | null, wideBatch?: number, manifest: object,
+   *   paramCount?: number | null}} graphs
+   *   `session` runs microbatches of the manifest's size; `single` one sample (null when that size is 1);
+   *   `wide`, where given, `wideBatch` samples (a multiple of the microbatch).
    */
-  constructor(ort, { session, single = null, manifest, paramCount = null, runtime = "wasm", fallback = null }) {
+  constructor(ort, { session, single = null, wide = null, wideBatch = 0, manifest, paramCount = null, runtime = "wasm", fallback = null }) {
     this.ort = ort;
     this.session = session;
     this.single = single;
+    this.wide = wide;
+    this.wideBatch = wide ? wideBatch : 0;
     this.layout = layoutOf(manifest, paramCount);
     // A lease with a partial last microbatch needs `single`; compute() says so when it lacks one.
     this.batch = manifest.microbatch_size ?? this.layout.x.shape[0];
     this.runtime = runtime; // "webgpu" or "wasm": what computes now
-    // async (failure) => ({session, single}) on wasm, for graphs WebGPU cannot run (null: none to fall to)
+    // async (failure) => ({session, single, wide}) on wasm, for graphs WebGPU cannot run (null: none to fall to)
     this.fallback = fallback;
     this.fellBack = ""; // why WebGPU gave way to wasm, once it did
   }
@@ -155,7 +162,7 @@ export class GradientComputer {
       if (!(error instanceof RuntimeFailure) || this.fallback === null) throw error;
       const fallback = this.fallback;
       this.fallback = null;
-      Object.assign(this, await fallback(error), { runtime: "wasm", fellBack: error.message });
+      Object.assign(this, { wide: null }, await fallback(error), { runtime: "wasm", fellBack: error.message });
       return this.computeOn(params, samples, hooks);
     }
   }
@@ -186,9 +193,9 @@ export class GradientComputer {
     let done = 0;
     while (done < total) {
       if (cancelled()) throw new Cancelled();
-      const whole = total - done >= this.batch;
-      const count = whole ? this.batch : 1;
-      const session = whole ? this.session : this.single;
+      const left = total - done;
+      const [count, session] =
+        this.wide && left >= this.wideBatch ? [this.wideBatch, this.wide] : left >= this.batch ? [this.batch, this.session] : [1, this.single];
       if (session === null) {
         throw new ComputeError(
           `the lease has ${total - done} samples left after its whole microbatches of ${this.batch}, ` +

@@ -12,7 +12,7 @@
 //   loop -> compute  {type: "setup", ortUrl, webgpu}
 //                    {type: "graph", sha256, bytes}            once per graph (bytes checked by the loop)
 //                    {type: "forget", sha256}                  a graph no lease used lately: its bytes and sessions go
-//                    {type: "compute", id, main, single, manifest, paramCount, flat, samples}
+//                    {type: "compute", id, main, single, wide, wideBatch, manifest, paramCount, flat, samples}
 //                    {type: "cancel", id}                      the lease was given back: stop between microbatches
 //   compute -> loop  {type: "progress", id, done, total}
 //                    {type: "result", id, result, runtime, fellBack}   result.grad transferred
@@ -82,7 +82,8 @@ export class ComputeThread {
 
   /**
    * A computer with GradientComputer's `compute(flat, samples, hooks)` that runs in the compute worker.
-   * @param {{main: string, single: string | null, manifest: object, paramCount: number}} graphs
+   * @param {{main: string, single: string | null, wide?: string | null, wideBatch?: number, manifest: object,
+   *   paramCount: number}} graphs (by sha256)
    * @param {(result: {runtime: string, fellBack: string}) => void} onRuntime told what computed each lease
    */
   computer(graphs, onRuntime = () => {}) {
@@ -90,7 +91,7 @@ export class ComputeThread {
       compute: (flat, samples, { cancelled = () => false, onProgress = () => {} } = {}) => {
         const id = this.nextId++;
         if (this.broken) return Promise.reject(this.broken);
-        this.touch(graphs.main, graphs.single);
+        this.touch(graphs.main, graphs.single, graphs.wide);
         return new Promise((resolve, reject) => {
           this.calls.set(id, { resolve, reject, cancelled, onProgress, sentCancel: false, onRuntime });
           // a copy of the parameters (the loop keeps its own as the base of the next delta)
@@ -156,9 +157,14 @@ export function serveComputeThread(scope = self) {
   async function compute(m) {
     if (cancelled.has(m.id)) throw new Cancelled("given back before it started");
     const onGpu = held.webgpu && !held.wasmOnly.has(m.main);
-    const sessions = async (gpu) => ({ session: await session(m.main, gpu), single: m.single ? await session(m.single, gpu) : null });
+    const sessions = async (gpu) => ({
+      session: await session(m.main, gpu),
+      single: m.single ? await session(m.single, gpu) : null,
+      wide: m.wide ? await session(m.wide, gpu) : null,
+    });
     const computer = new GradientComputer(await ort(), {
       ...(await sessions(onGpu)),
+      wideBatch: m.wideBatch ?? 0,
       manifest: m.manifest,
       paramCount: m.paramCount,
       runtime: onGpu ? "webgpu" : "wasm",

@@ -561,9 +561,19 @@ async function computerFor(lease) {
   const main = browserInfo.graphs?.[batch];
   if (!main) return { refusal: `the site lists no graph for microbatches of ${batch}`, restS: 30 };
   const single = batch === "1" ? null : (browserInfo.graphs["1"] ?? null);
+  // the wide graph, where the site gave one: keyed by its batch, a multiple of the microbatch
+  const wideBatch = Math.max(0, ...Object.keys(browserInfo.graphs).map(Number).filter((n) => n > Number(batch) && n % Number(batch) === 0));
+  const wide = wideBatch ? browserInfo.graphs[String(wideBatch)] : null;
   const thread = await computeThread();
-  for (const graph of [main, single]) if (graph) await thread.ensureGraph(graph, graphBytes);
-  const graphs = { main: main.sha256, single: single?.sha256 ?? null, manifest: browserInfo.manifest, paramCount: lease.param_count };
+  for (const graph of [main, single, wide]) if (graph) await thread.ensureGraph(graph, graphBytes);
+  const graphs = {
+    main: main.sha256,
+    single: single?.sha256 ?? null,
+    wide: wide?.sha256 ?? null,
+    wideBatch,
+    manifest: browserInfo.manifest,
+    paramCount: lease.param_count,
+  };
   const gradient = thread.computer(graphs, ({ fellBack }) => {
     if (fellBack && !state.fellBack) state.fellBack = fellBack;
   });
@@ -619,17 +629,23 @@ async function graphBytes(graph) {
 
 /**
  * One summed gradient through the same path a lease takes, for the Chromium test and the bench:
- * {graphUrl, singleUrl?, manifest, params: Float32Array, x: Input, y: Input, ortUrl, webgpu, repeat?}.
+ * {graphUrl, singleUrl?, wideUrl?, wideBatch?, manifest, params: Float32Array, x: Input, y: Input, ortUrl, webgpu,
+ * repeat?}.
  */
-async function oneGradient({ graphUrl, singleUrl = null, manifest, params, x, y, ortUrl, webgpu = false, repeat = 1 }) {
+async function oneGradient({ graphUrl, singleUrl = null, wideUrl = null, wideBatch = 0, manifest, params, x, y, ortUrl, webgpu = false, repeat = 1 }) {
   state.config ??= { ort_url: ortUrl };
   state.webgpu = webgpu;
   if (webgpu && !(await hasWebGpu())) throw new Error("no WebGPU adapter in this browser");
   const ort = await loadOrt();
   const load = async (url, onGpu) => createSession(ort, new Uint8Array(await (await fetch(url)).arrayBuffer()), { webgpu: onGpu });
-  const sessions = async (onGpu) => ({ session: await load(graphUrl, onGpu), single: singleUrl ? await load(singleUrl, onGpu) : null });
+  const sessions = async (onGpu) => ({
+    session: await load(graphUrl, onGpu),
+    single: singleUrl ? await load(singleUrl, onGpu) : null,
+    wide: wideUrl ? await load(wideUrl, onGpu) : null,
+  });
   const computer = new GradientComputer(ort, {
     ...(await sessions(webgpu)),
+    wideBatch,
     manifest,
     runtime: webgpu ? "webgpu" : "wasm",
     fallback: webgpu ? () => sessions(false) : null,

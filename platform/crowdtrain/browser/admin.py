@@ -12,7 +12,16 @@ from .models import BrowserGraph
 
 @admin.register(BrowserGraph)
 class BrowserGraphAdmin(admin.ModelAdmin):
-    list_display = ["model_name", "microbatch_size", "status", "ratio", "bytes", "memory_bytes", "checked_at"]
+    list_display = [
+        "model_name",
+        "microbatch_size",
+        "status",
+        "ratio",
+        "bytes",
+        "wide_size",
+        "memory_bytes",
+        "checked_at",
+    ]
     list_filter = ["status", "model_name"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:

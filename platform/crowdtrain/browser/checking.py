@@ -37,6 +37,9 @@ Status = BrowserGraph.Status
 
 OFF_REASON = "browser compute is turned off on this site (CROWDTRAIN_BROWSER_GRAPHS)"
 UNCHECKED_REASON = "its model is being checked for browsers"
+# The most a tab may need with the wide graph: half of what a tab on a device of 2 GiB may use. Past it the
+# wide graph's activations would start to decide which devices a tab refuses.
+WIDE_MEMORY_BYTES = 1 << 29
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,7 @@ def _check(graph: BrowserGraph) -> dict[str, Any]:
     second = results[1][0] if len(results) == 2 else None
     if first is None:  # unreachable: a passed verdict has its graph; kept for the type checker
         raise RuntimeError("a passed gate without its graph")
+    single = onnx_bytes[1] if len(onnx_bytes) == 2 else None
     return {
         **fields,
         "status": Status.PASSED,
@@ -215,7 +219,36 @@ def _check(graph: BrowserGraph) -> dict[str, Any]:
         "bytes": len(first.onnx),
         "sha256_one": second.sha256 if second is not None else "",
         "bytes_one": len(second.onnx) if second is not None else 0,
-        "memory_bytes": memory_bytes(onnx_bytes[0], onnx_bytes[1] if len(onnx_bytes) == 2 else None),
+        "memory_bytes": memory_bytes(onnx_bytes[0], single),
+        **_wide(graph, onnx_bytes[0], single),
+    }
+
+
+def _wide(graph: BrowserGraph, main: bytes, one: bytes | None) -> dict[str, Any]:
+    """The wide graph's fields when it passes its gate and a tab can hold it; else none (tabs run microbatches).
+
+    Not passing is no refusal: the microbatch's graph computes the same sum, run by run.
+    """
+    from .gate import check_wide
+    from .memory import memory_bytes
+
+    microbatches = settings.CROWDTRAIN_BROWSER_WIDE_MICROBATCHES
+    if microbatches <= 1:
+        return {}
+    exported, verdict = check_wide(graph.model_name, graph.model_config, graph.microbatch_size, microbatches)
+    if exported is None or not verdict.passed:
+        logger.info("browser graph %s: no wide graph of %d microbatches: %s", graph.pk, microbatches, verdict.reason)
+        return {}
+    total = memory_bytes(main, one, exported.onnx)
+    if total > WIDE_MEMORY_BYTES:
+        logger.info("browser graph %s: no wide graph: a tab would need %d bytes with it", graph.pk, total)
+        return {}
+    _store(exported.sha256, exported.onnx)
+    return {
+        "wide_size": exported.manifest.microbatch_size,
+        "sha256_wide": exported.sha256,
+        "bytes_wide": len(exported.onnx),
+        "memory_bytes": total,
     }
 
 

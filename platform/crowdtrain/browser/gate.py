@@ -81,6 +81,25 @@ def check_browser_compute(
     return graph, gate(graph, model_name, model_config, seed=seed)
 
 
+def check_wide(
+    model_name: str, model_config: Mapping[str, Any], microbatch_size: int, microbatches: int, *, seed: int = 0
+) -> tuple[GradientGraph | None, GateResult]:
+    """Export and gate the graph of ``microbatches`` microbatches a run, against what they sum to in PyTorch.
+
+    A tab runs it in place of that many runs of the microbatch's graph, so it
+    must compute the sum of their losses and gradients: the reference is the
+    agent's, microbatch by microbatch. A model whose samples meet in a batch (a
+    batch norm normalizes over it) computes something else on a wider batch,
+    and fails here: it is then offered the microbatch's graph alone.
+    """
+    size = microbatch_size * microbatches
+    try:
+        graph = export_gradient_graph(model_name, model_config, size, seed=seed)
+    except GraphRefused as refusal:
+        return None, GateResult(model_name, False, str(refusal), None, None, math.inf)
+    return graph, gate(graph, model_name, model_config, seed=seed, parts=microbatches)
+
+
 def gate(
     graph: GradientGraph,
     model_name: str,
@@ -88,6 +107,7 @@ def gate(
     *,
     seed: int = 0,
     tolerance: float = TOLERANCE,
+    parts: int = 1,
 ) -> GateResult:
     """Run ``graph`` in onnxruntime and PyTorch fp32 against fp64, and decide whether browsers may use it.
 
@@ -97,6 +117,7 @@ def gate(
         model_config: its config, as the campaign holds it.
         seed: the parameters are the model's initial ones with this seed; the microbatch uses ``seed + 1``.
         tolerance: how many times PyTorch's own error the graph's may be.
+        parts: PyTorch computes the graph's batch as this many equal microbatches, summed.
 
     Returns:
         The verdict with both measurements; a failure's reason names the cause.
@@ -113,7 +134,7 @@ def gate(
         )
     x, y = synthetic_batch(batch_layout(model_name, config, manifest.microbatch_size), seed + 1)
     model = entry.build(config, seed=seed)
-    return measure(graph, model, entry.loss_sum, x, y, tolerance=tolerance)
+    return measure(graph, model, entry.loss_sum, x, y, tolerance=tolerance, parts=parts)
 
 
 def measure(
@@ -124,8 +145,11 @@ def measure(
     y: torch.Tensor,
     *,
     tolerance: float = TOLERANCE,
+    parts: int = 1,
 ) -> GateResult:
     """The gate on any model: ``graph`` against ``loss_sum(model, x, y)`` in fp32 and fp64, with ``model``'s parameters.
+
+    With ``parts`` above 1, PyTorch's side is the sum over that many equal microbatches of the batch.
 
     Returns:
         The verdict; a failure's reason names the cause.
@@ -133,8 +157,10 @@ def measure(
     model_name = graph.manifest.model_name
     model = model.train()  # training mode, as the agent computes
     names = [spec.name for spec in graph.manifest.gradients]
-    reference = fp64_gradients(model, loss_sum, x, y)
-    pytorch = deviation(names, _gradients(model, loss_sum, x, y), reference)
+    reference = _summed([fp64_gradients(model, loss_sum, xs, ys) for xs, ys in _split(x, y, parts)])
+    pytorch = deviation(
+        names, _summed([_gradients(model, loss_sum, xs, ys) for xs, ys in _split(x, y, parts)]), reference
+    )
     try:
         onnx = deviation(names, run_graph(graph, [p.detach() for p in model.parameters()], x, y), reference)
     except Exception as error:  # onnxruntime refuses the graph: the organizer reads the cause
@@ -190,6 +216,23 @@ def deviation(names: Sequence[str], got: Outputs, reference: Outputs) -> Deviati
         if error > relative:
             worst, relative = name, error
     return Deviation(relative=relative, max_abs=max_abs, worst=worst)
+
+
+def _split(x: torch.Tensor, y: torch.Tensor, parts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if parts < 1 or x.shape[0] % parts:
+        raise ValueError(f"a batch of {x.shape[0]} samples does not split into {parts} equal microbatches")
+    return list(zip(x.chunk(parts), y.chunk(parts), strict=True))
+
+
+def _summed(outputs: Sequence[Outputs]) -> Outputs:
+    """The loss and gradients of several microbatches added up, in the order computed, as the agent adds them."""
+    loss, grads = outputs[0]
+    grads = [np.array(g, copy=True) for g in grads]
+    for more_loss, more_grads in outputs[1:]:
+        loss += more_loss
+        for into, grad in zip(grads, more_grads, strict=True):
+            into += grad
+    return loss, grads
 
 
 def _finite_or_inf(value: float) -> float:

@@ -44,7 +44,7 @@ def graph_memory(onnx_bytes: bytes) -> tuple[int, int, int]:
     return tensor_bytes(graph.input), tensor_bytes(graph.output), tensor_bytes(graph.value_info)
 
 
-def memory_bytes(graph: bytes, graph_one: bytes | None) -> int:
+def memory_bytes(graph: bytes, graph_one: bytes | None, graph_wide: bytes | None = None) -> int:
     """What a tab holds to compute a lease: the estimate ``GET /api/campaigns/<id>/browser/`` answers.
 
     Why this sum: the tab keeps an onnxruntime session of each graph (the
@@ -55,12 +55,15 @@ def memory_bytes(graph: bytes, graph_one: bytes | None) -> int:
     more); and the run allocates the intermediate values (activations and the
     backward's temporaries), counted from shape inference as if none were freed
     (``graph_memory``). So about three times the parameters' fp32 bytes plus
-    the activations. The single-sample graph shares the parameters and the
-    gradient the tab already holds: only its bytes and intermediates add. It
-    leaves out the runtime itself (a few MB of wasm).
+    the activations. The single-sample and wide graphs share the parameters
+    and the gradient the tab already holds: only their bytes, their batch's
+    inputs and their intermediates add. It leaves out the runtime itself (a
+    few MB of wasm).
     """
     inputs, outputs, intermediates = graph_memory(graph)
     total = len(graph) + inputs + 2 * outputs + intermediates
-    if graph_one is not None:
-        total += len(graph_one) + graph_memory(graph_one)[2]
+    for other in (graph_one, graph_wide):
+        if other is not None:
+            other_inputs, _, other_intermediates = graph_memory(other)
+            total += len(other) + max(0, other_inputs - inputs) + other_intermediates
     return total

@@ -32,7 +32,9 @@ class BrowserGraph(models.Model):
     share one row and one export. Two graphs are gated: one for the microbatch
     size and, when that is above 1, one for a single sample, which a tab runs
     once per sample of a lease's last, partial microbatch. The row passes only
-    when both do.
+    when both do. A third, optional graph runs several microbatches at once
+    (``wide_size`` samples) for a model whose samples do not meet in a batch;
+    it is offered only when it computes what the microbatches sum to.
     """
 
     class Status(models.TextChoices):
@@ -51,13 +53,16 @@ class BrowserGraph(models.Model):
     sha256_one = models.CharField(max_length=64, blank=True, default="")  # batch 1; blank when microbatch_size is 1
     bytes = models.BigIntegerField(default=0)  # of the microbatch graph
     bytes_one = models.BigIntegerField(default=0)
+    wide_size = models.PositiveIntegerField(default=0)  # samples per run of the wide graph; 0: none offered
+    sha256_wide = models.CharField(max_length=64, blank=True, default="")
+    bytes_wide = models.BigIntegerField(default=0)
     manifest = models.JSONField(default=dict, blank=True)  # GraphManifest.to_dict() of the microbatch graph
     # The gate's figures, of the worse of the two graphs (the larger ratio): errors against fp64.
     graph_error = models.FloatField(null=True, blank=True)
     torch_error = models.FloatField(null=True, blank=True)
     ratio = models.FloatField(null=True, blank=True)  # graph_error / torch_error; null when not measured
     seconds = models.FloatField(null=True, blank=True)  # export and gate of both graphs
-    # What a tab needs to hold both graphs, the parameters, gradients and activations (``memory``).
+    # What a tab needs to hold its graphs, the parameters, gradients and activations (``memory``).
     memory_bytes = models.BigIntegerField(default=0)
     # When a worker took the row; a pending row taken longer ago than CROWDTRAIN_BROWSER_GRAPH_TIMEOUT_S
     # (its worker died) may be taken again.

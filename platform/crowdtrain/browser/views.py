@@ -56,7 +56,9 @@ def campaign_browser(request: HttpRequest, campaign_id: int) -> JsonResponse:
 
     ``graphs`` is keyed by batch size: the microbatch's and, when that is
     above 1, "1" for a lease's last partial microbatch (the same inputs with a
-    leading dimension of 1 for ``x`` and ``y``). Empty unless passed.
+    leading dimension of 1 for ``x`` and ``y``); for a model whose samples do
+    not meet in a batch, also a wide graph of several microbatches a run,
+    keyed by its batch (a multiple of the microbatch). Empty unless passed.
     """
     user, refused = _caller(request)
     if refused is not None:
@@ -72,6 +74,8 @@ def campaign_browser(request: HttpRequest, campaign_id: int) -> JsonResponse:
         graphs[str(graph.microbatch_size)] = _graph_entry(graph.sha256, graph.bytes)
         if graph.sha256_one:
             graphs["1"] = _graph_entry(graph.sha256_one, graph.bytes_one)
+        if graph.sha256_wide:
+            graphs[str(graph.wide_size)] = _graph_entry(graph.sha256_wide, graph.bytes_wide)
     return JsonResponse(
         {
             "status": verdict.status,
@@ -119,5 +123,6 @@ def graph_bytes(request: HttpRequest, sha256: str) -> HttpResponseBase:
 
 
 def _passed_graph(sha256: str) -> bool:
-    graphs = BrowserGraph.objects.filter(Q(sha256=sha256) | Q(sha256_one=sha256), status=BrowserGraph.Status.PASSED)
+    either = Q(sha256=sha256) | Q(sha256_one=sha256) | Q(sha256_wide=sha256)
+    graphs = BrowserGraph.objects.filter(either, status=BrowserGraph.Status.PASSED)
     return graphs.exists()

@@ -67,6 +67,22 @@ def test_a_device_gets_a_passed_campaigns_graphs() -> None:
     assert answer.json()["flops_per_sample"] > 0
 
 
+def test_a_wide_graph_is_listed_by_its_batch_and_its_bytes_are_served() -> None:
+    campaign = make_campaign()
+    row = passed(campaign)
+    wide = "c" * 64
+    BrowserGraph.objects.filter(pk=row.pk).update(wide_size=16, sha256_wide=wide, bytes_wide=4)
+    default_storage.save(graph_storage_name(wide), ContentFile(b"wide"))
+    _, token = make_device("vera")
+
+    graphs = as_device(token).get(f"/api/campaigns/{campaign.pk}/browser/").json()["graphs"]
+    served = as_device(token).get(f"/browser/graphs/{wide}.onnx")
+
+    assert sorted(graphs, key=int) == ["1", "4", "16"]
+    assert graphs["16"] == {"sha256": wide, "url": f"/browser/graphs/{wide}.onnx", "bytes": 4}
+    assert served.status_code == 200 and b"".join(served.streaming_content) == b"wide"  # type: ignore[attr-defined]
+
+
 def test_a_logged_in_volunteer_gets_the_graph_bytes_cacheable_for_ever() -> None:
     campaign = make_campaign()
     passed(campaign)

@@ -65,7 +65,9 @@ class Command(BaseCommand):
             self.stdout.write(f"{label}: another worker is checking it; see the campaign's page for its verdict")
             return
         taken = f" in {time.monotonic() - began:.1f} s" if checked is not None else " (checked before; --again)"
-        self.stdout.write(f"{label}: {verdict.status}{taken}: {verdict.reason}")
+        wide = verdict.graph.wide_size if verdict.graph is not None else 0
+        runs = f"; tabs run {wide} samples a run where a lease has them (the wide graph)" if wide else ""
+        self.stdout.write(f"{label}: {verdict.status}{taken}: {verdict.reason}{runs}")
 
     def _check_row(self, graph_id: int) -> None:
         label = f"browser graph {graph_id}"
