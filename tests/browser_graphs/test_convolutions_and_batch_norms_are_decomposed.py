@@ -37,12 +37,17 @@ def _small_cnn() -> nn.Module:
     )
 
 
+def _pixels(layout: BatchLayout, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random pixels and labels shaped as ``layout``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, layout.x.shape, generator=gen).float()
+    return x, torch.randint(0, 3, layout.y.shape, generator=gen)
+
+
 def test_a_small_cnn_in_training_mode_passes_the_gate() -> None:
     model = _small_cnn()
     graph = build_graph(model, _loss_sum, LAYOUT, model_name="cnn", model_config={})
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 256, LAYOUT.x.shape, generator=gen).float()
-    y = torch.randint(0, 3, LAYOUT.y.shape, generator=gen)
+    x, y = _pixels(LAYOUT, seed=1)
 
     result = measure(graph, model, _loss_sum, x, y)
 
@@ -63,9 +68,7 @@ def test_a_batch_norms_wide_graph_is_not_the_sum_of_its_microbatches() -> None:
     wide = BatchLayout("pixels", TensorSpec("x", (16, 3, 9, 9), "float32"), TensorSpec("y", (16,), "int64"), 3)
     model = _small_cnn()
     graph = build_graph(model, _loss_sum, wide, model_name="cnn", model_config={})
-    gen = torch.Generator().manual_seed(2)
-    x = torch.randint(0, 256, wide.x.shape, generator=gen).float()
-    y = torch.randint(0, 3, wide.y.shape, generator=gen)
+    x, y = _pixels(wide, seed=2)
 
     whole = measure(graph, model, _loss_sum, x, y)
     summed = measure(graph, model, _loss_sum, x, y, parts=4)
