@@ -471,6 +471,11 @@ test("a wide graph takes whole groups of microbatches, the microbatch graph the 
   assert.deepEqual(progress, [2, 3]); // fewer samples than the wide graph takes: microbatches only
   const noWide = await new GradientComputer(fakeOrt, { ...graphs, wide: null }).compute(new Float32Array([1, 2, 3]), samples(11));
   assert.deepEqual(Array.from(noWide.grad), Array.from(result.grad));
+  // a wide graph whose batch is no whole number of microbatches above one is refused, not run (a batch of 0
+  // would never advance through the lease)
+  for (const wideBatch of [0, 2, 3, 5, 4.5, undefined]) {
+    assert.throws(() => new GradientComputer(fakeOrt, { ...graphs, wideBatch }), (e) => e instanceof ComputeError && /not a whole number of microbatches/.test(e.message), String(wideBatch));
+  }
 });
 
 test("a gradient stops between microbatches when the tab pauses, and a graph of another model is refused", async () => {

@@ -140,10 +140,13 @@ export class GradientComputer {
     this.session = session;
     this.single = single;
     this.wide = wide;
-    this.wideBatch = wide ? wideBatch : 0;
+    this.wideBatch = wideBatch; // used only with `wide`
     this.layout = layoutOf(manifest, paramCount);
     // A lease with a partial last microbatch needs `single`; compute() says so when it lacks one.
     this.batch = manifest.microbatch_size ?? this.layout.x.shape[0];
+    if (wide && !(Number.isSafeInteger(wideBatch) && wideBatch > this.batch && wideBatch % this.batch === 0)) {
+      throw new ComputeError(`a wide graph of ${wideBatch} samples is not a whole number of microbatches of ${this.batch}; reload the page`);
+    }
     this.runtime = runtime; // "webgpu" or "wasm": what computes now
     // async (failure) => ({session, single, wide}) on wasm, for graphs WebGPU cannot run (null: none to fall to)
     this.fallback = fallback;

@@ -21,8 +21,9 @@
 import { Cancelled, ComputeError, GradientComputer, createSession } from "./compute.js";
 
 export const COMPUTE_THREAD = "crowdtrain-compute";
-// Graphs the compute worker holds at most (each with its sessions): a campaign needs two (its microbatch's and
-// batch 1's), and a tab that lives through model changes would otherwise keep every graph it ever ran.
+// Graphs the compute worker holds at most (each with its sessions): a campaign needs up to three (its
+// microbatch's, batch 1's and the wide one), and a tab that lives through model changes would otherwise keep
+// every graph it ever ran.
 export const MOST_GRAPHS = 4;
 
 /** onnxruntime-web from the site's copy in `dir`, the WebGPU build or the wasm one, set for a worker. */

@@ -74,11 +74,7 @@ def check_browser_compute(
     Returns:
         The graph (None when it was refused) and the verdict, whose reason the organizer sees.
     """
-    try:
-        graph = export_gradient_graph(model_name, model_config, microbatch_size, seed=seed)
-    except GraphRefused as refusal:
-        return None, GateResult(model_name, False, str(refusal), None, None, math.inf)
-    return graph, gate(graph, model_name, model_config, seed=seed)
+    return _export_and_gate(model_name, model_config, microbatch_size, seed=seed, parts=1)
 
 
 def check_wide(
@@ -93,11 +89,17 @@ def check_wide(
     and fails here: it is then offered the microbatch's graph alone.
     """
     size = microbatch_size * microbatches
+    return _export_and_gate(model_name, model_config, size, seed=seed, parts=microbatches)
+
+
+def _export_and_gate(
+    model_name: str, model_config: Mapping[str, Any], size: int, *, seed: int, parts: int
+) -> tuple[GradientGraph | None, GateResult]:
     try:
         graph = export_gradient_graph(model_name, model_config, size, seed=seed)
     except GraphRefused as refusal:
         return None, GateResult(model_name, False, str(refusal), None, None, math.inf)
-    return graph, gate(graph, model_name, model_config, seed=seed, parts=microbatches)
+    return graph, gate(graph, model_name, model_config, seed=seed, parts=parts)
 
 
 def gate(
@@ -157,10 +159,9 @@ def measure(
     model_name = graph.manifest.model_name
     model = model.train()  # training mode, as the agent computes
     names = [spec.name for spec in graph.manifest.gradients]
-    reference = _summed([fp64_gradients(model, loss_sum, xs, ys) for xs, ys in _split(x, y, parts)])
-    pytorch = deviation(
-        names, _summed([_gradients(model, loss_sum, xs, ys) for xs, ys in _split(x, y, parts)]), reference
-    )
+    pieces = _split(x, y, parts)
+    reference = _summed([fp64_gradients(model, loss_sum, xs, ys) for xs, ys in pieces])
+    pytorch = deviation(names, _summed([_gradients(model, loss_sum, xs, ys) for xs, ys in pieces]), reference)
     try:
         onnx = deviation(names, run_graph(graph, [p.detach() for p in model.parameters()], x, y), reference)
     except Exception as error:  # onnxruntime refuses the graph: the organizer reads the cause
