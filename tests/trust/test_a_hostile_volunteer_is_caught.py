@@ -19,8 +19,13 @@ Volunteers who work together (``collude``: two accounts that joined within
 minutes of each other upload the same made-up gradient) meet the referee,
 the site's own recomputation, whenever they dispute an honest volunteer's
 result or check each other's: the honest volunteers are never quarantined,
-the colluders are, no credit stays with made-up work, and the loss stays
-within 5% of the honest run; the same with a flipper beside the pair.
+the colluders are, no credit stays with made-up work; the same with a flipper
+beside the pair. Three hostile newcomers of five are half of every early step,
+which no robust rule outvotes: what bounds their harm is how few of their leases
+reach steps. From its first disagreement a newcomer is held to copies until the
+referee rules (``verification.standing.held``), so that count is a few per account
+however slow the referee is (without the hold a CI run let 26 through and ended
+10% above the honest loss), and the loss stays within ``COLLUSION_LOSS_RATIO``.
 
 Runs in ``make test`` on its own after the first pass (the embedded default, with no other test
 beside it: the harm bound assumes the referee has the machine's cores): it is about the trust
@@ -73,6 +78,14 @@ HEAD_START_S = 8.0
 SETTLE_S = 60.0
 UNSETTLED = ("referee",)  # an open check waits for a copy (up to CROWDTRAIN_CHECK_WAIT_S): not waited for
 COLLUDERS_JOINED_S_AGO = 7200.0  # both accounts, within the same ten minutes; the honest ones half-hours apart
+# Leases of each hostile account that may reach steps before its first disagreement holds it: its first lease,
+# and what it computes while a copy of that lease is made (1 to 5 for three accounts in 8 runs here).
+LEASES_BEFORE_HELD = 3
+# With three of five volunteers hostile the final loss of this 40-step run swings both ways, whatever the harm:
+# with 1 to 5 hostile leases in steps it ended 0.959 to 1.070 of the honest run's in 8 runs here (mean 0.99),
+# and honest runs whose seed alone differs end 3.3% apart. 1.10 is past that noise; an attack left to run
+# (never held, never quarantined) is not: a flipper alone that filled the steps ended 5.6 times the honest loss.
+COLLUSION_LOSS_RATIO = 1.10
 
 
 def train(
@@ -193,7 +206,10 @@ def test_colluding_volunteers_cannot_outvote_an_honest_one(
     checks = dump["checks"]
     by_referee = [c for c in checks if c["detail"].startswith("referee:")]
     hostile_devices = {dump.get("devices", {}).get(v) for v in hostile}
-    in_steps = sum(lease["device"] in hostile_devices for step in dump["steps"] for lease in step["leases"])
+    hostile_steps = [
+        step["index"] for step in dump["steps"] for lease in step["leases"] if lease["device"] in hostile_devices
+    ]
+    in_steps = len(hostile_steps)
     print(
         f"\ntrust: scenario={scenario.replace(' ', '_')} val_loss honest={honest_loss['loss']:.4f} "
         f"with_hostile={loss:.4f} ratio={ratio:.3f} rulings={len(by_referee)} hostile_leases_in_steps={in_steps} "
@@ -203,7 +219,7 @@ def test_colluding_volunteers_cannot_outvote_an_honest_one(
             f":credit={dump['credit'].get(v, 0)}"
             for v in volunteers
         )
-        + f" run_s={took:.0f}"
+        + f" run_s={took:.0f} hostile_in_steps={','.join(map(str, hostile_steps))}"
         + " checks="
         + ",".join(
             f"{v.removeprefix('volunteer-')}:{c['state']}" for c in checks for v in [c["volunteer"]] if v in hostile
@@ -219,7 +235,8 @@ def test_colluding_volunteers_cannot_outvote_an_honest_one(
         assert standings[volunteer].get("state") == "quarantined", (volunteer, standings[volunteer])
         # Quarantine took back whatever a colluder's copy had let through: no credit for made-up work.
         assert dump["credit"].get(volunteer, 0) == 0, [c for c in checks if c["volunteer"] == volunteer]
-    assert ratio <= 1.05, f"validation loss {loss:.4f} against {honest_loss['loss']:.4f} honest"
+    assert in_steps <= LEASES_BEFORE_HELD * len(hostile), f"hostile leases reached steps {hostile_steps}"
+    assert ratio <= COLLUSION_LOSS_RATIO, f"validation loss {loss:.4f} against {honest_loss['loss']:.4f} honest"
 
 
 def _device(dump: dict[str, Any], username: str) -> int | None:

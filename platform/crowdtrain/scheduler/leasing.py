@@ -137,10 +137,16 @@ def _refusal(config: CampaignConfig, answer: dict[str, Any]) -> NoLease:
 
 
 def _try_lease(
-    config: CampaignConfig, device_id: int, samples_per_s: float | None, request_id: str, backups: bool = True
+    config: CampaignConfig,
+    device_id: int,
+    samples_per_s: float | None,
+    request_id: str,
+    backups: bool,
+    owner: int | None,
+    cap: int,
 ) -> LeaseMessage | NoLease:
+    """New work; ``owner``: the device's volunteer, ``cap``: their probation cap (``standing.probation``)."""
     want, claimed = lease_size(config, device_id, samples_per_s)
-    owner = seam.standing().owner_of(device_id)
     lease_id = ids.lease_ids.take()
     answer = run(
         config,
@@ -161,7 +167,7 @@ def _try_lease(
             "rid": request_id,
             "backups": int(backups),
             "owner": owner or 0,
-            "cap": seam.standing().probation(config.probation_cap, config.owner_id, owner),
+            "cap": cap,
             "relief_s": settings.CROWDTRAIN_PROBATION_RELIEF_S,
         },
     )
@@ -188,12 +194,21 @@ def _try_lease(
 def _copy_or_lease(
     config: CampaignConfig, device_id: int, samples_per_s: float | None, request_id: str, backups: bool = True
 ) -> LeaseMessage | NoLease:
-    """A waiting verification copy first (it must train on a version aggregators still serve), else new work."""
+    """A waiting verification copy first (it must train on a version aggregators still serve), else new work.
+
+    A volunteer on probation who is held (``standing.held``: a disputed or failed result) gets copies only.
+    """
     if config.state == Campaign.State.RUNNING:
         copy = seam.verification().take_copy(config, device_id)
         if copy is not None:
             return copy
-    return _try_lease(config, device_id, samples_per_s, request_id, backups)
+    standing = seam.standing()
+    owner = standing.owner_of(device_id)
+    cap = standing.probation(config.probation_cap, config.owner_id, owner)
+    held = standing.held(owner) if cap else ""
+    if held:
+        return _no_lease("step_full", f"campaign {config.id}: {held}")
+    return _try_lease(config, device_id, samples_per_s, request_id, backups, owner, cap)
 
 
 def lease_message(lease: Lease, config: CampaignConfig, *, check: bool = False) -> LeaseMessage:

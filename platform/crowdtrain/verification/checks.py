@@ -528,8 +528,11 @@ def judge(check_id: int) -> None:
             return
         agreement = compare(original.sketch, copy.sketch)
         if not agreement.agrees() or copy.similar:
-            why = "the copy disagrees" if not agreement.agrees() else "the copy's volunteer is like the original's"
+            why = standing.DISAGREEMENT if not agreement.agrees() else "the copy's volunteer is like the original's"
             to_referee(check_id, f"{why} ({_figures(agreement)})")
+            if not agreement.agrees():
+                disputed = (original.volunteer_id, copy.volunteer_id)
+                transaction.on_commit(lambda: standing.note_disputed(disputed))
             return
         for answer, other in sorted(((original, copy), (copy, original)), key=lambda pair: pair[0].volunteer_id):
             _mark(answer, Answer.Verdict.AGREED, other)
@@ -574,6 +577,7 @@ def decide(check_id: int, ruling: list[float]) -> None:
             figures.append(f"{answer.role} {_figures(agreement)}")
         state = Check.State.PASSED if upheld else Check.State.FAILED
         _close(case, state, f"referee: {'; '.join(figures)} ({case.detail})")
+    standing.reload_soon()  # who is held changed (``standing.held``)
     logger.info("check %s of lease %s: %s by the referee (%s)", case.pk, case.lease_id, state, "; ".join(figures))
     from .quarantine import consider
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from crowdtrain.accounts.models import Device
 
-from .models import Standing
+from .models import Answer, Check, Standing
 
 # A volunteer with fewer passed checks than this is new: their leases are checked four times as often.
 NEWCOMER_CHECKS = 10
@@ -29,6 +29,9 @@ TRUSTED_STREAK = 100
 # A volunteer is quarantined at this many failed checks, if they are at least QUARANTINE_SHARE of their checks.
 QUARANTINE_FAILURES = 2
 QUARANTINE_SHARE = 0.1
+# How a check's detail begins when its copy disagreed with the original (``checks.judge``): a dispute
+# that holds a volunteer on probation (``held``), unlike a referral for a copier too like the original.
+DISAGREEMENT = "the copy disagrees"
 REFUSALS_TTL_S = 5.0
 # The volunteer's standing page (URL name "standing"), named in refusals; a test checks the two agree.
 STANDING_PATH = "/account/standing/"
@@ -36,6 +39,17 @@ RECORD_TTL_S = 60.0
 # ``refresh_records`` reloads records this old, if read within RECORDS_IN_USE_S: due ones seldom remain.
 RECORD_REFRESH_AT_S = RECORD_TTL_S / 2
 RECORDS_IN_USE_S = 10 * RECORD_TTL_S
+# What a held volunteer's agent is told (``held``).
+DISPUTED = (
+    "a result of yours and another volunteer's computation of the same lease disagree, and the site is "
+    "recomputing that lease to rule on it; until it has, your agent computes copies of other volunteers' "
+    "work, not new work for steps (nothing to do on your side: it resumes by itself once the ruling is in)"
+)
+LOST = (
+    "the last of your results the site checked disagreed with its own recomputation; until one of your "
+    "results passes a check, your agent computes copies of other volunteers' work, not new work for steps "
+    f"(if your hardware computes differently, say so on {STANDING_PATH} on this site)"
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,7 @@ _owners: dict[int, int] = {}
 _records: dict[int, tuple[float, Record]] = {}
 _records_used: dict[int, float] = {}  # volunteer -> when their record was last read here (monotonic)
 _refusals: dict[int, str] = {}
+_held: dict[int, str] = {}  # volunteer on probation -> why their work for steps waits (``held``)
 _refusals_at = 0.0
 
 
@@ -156,7 +171,20 @@ def clear_caches() -> None:
     _records.clear()
     _records_used.clear()
     _refusals.clear()
+    _held.clear()
     _refusals_at = 0.0
+
+
+def reload_soon() -> None:
+    """Read refusals and holds again on next use (a ruling changed who is held)."""
+    global _refusals_at
+    _refusals_at = 0.0
+
+
+def note_disputed(volunteer_ids: Iterable[int]) -> None:
+    """This process sent a disagreement to the referee: hold its volunteers now, not at the next reload."""
+    for volunteer_id in volunteer_ids:
+        _held.setdefault(volunteer_id, DISPUTED)
 
 
 def refusal(volunteer_id: int | None) -> str:
@@ -164,16 +192,60 @@ def refusal(volunteer_id: int | None) -> str:
     global _refusals, _refusals_at
     if volunteer_id is None:
         return ""
-    now = time.monotonic()
-    if now - _refusals_at > REFUSALS_TTL_S:
-        with _lock:
-            if now - _refusals_at > REFUSALS_TTL_S:
-                rows = Standing.objects.exclude(state=Standing.State.GOOD).values_list(
-                    "volunteer_id", "state", "reason"
-                )
-                _refusals = {v: explain(state, reason) for v, state, reason in rows}
-                _refusals_at = now
+    _reload_if_due()
     return _refusals.get(volunteer_id, "")
+
+
+def held(volunteer_id: int | None) -> str:
+    """Why this volunteer's work for steps waits ("" if it does not): a newcomer under suspicion.
+
+    A newcomer's results go into steps before their checks are decided, and
+    the referee that decides a dispute may take minutes on a loaded site:
+    hostile newcomers kept filling steps while their rulings waited, and their
+    harm grew with the referee's delay. So a volunteer on
+    probation (the caller asks ``probation`` first) whose result is disputed
+    by a copy, or whose last decided check failed, gets no new leases for
+    steps until the dispute is ruled or a check passes; copies of others' work
+    stay open to them, which is how an honest newcomer unlucky in one check
+    passes the next. Honest volunteers in an honest crowd never disagree, so
+    this costs them nothing; a hostile newcomer's harm ends at its first
+    disagreement instead of at its second lost ruling.
+    """
+    if volunteer_id is None:
+        return ""
+    _reload_if_due()
+    return _held.get(volunteer_id, "")
+
+
+def _reload_if_due() -> None:
+    """Refusals and holds, read for all volunteers at once every ``REFUSALS_TTL_S``: not a query per lease."""
+    global _refusals, _held, _refusals_at
+    now = time.monotonic()
+    if now - _refusals_at <= REFUSALS_TTL_S:
+        return
+    with _lock:
+        if now - _refusals_at <= REFUSALS_TTL_S:
+            return
+        rows = Standing.objects.exclude(state=Standing.State.GOOD).values_list("volunteer_id", "state", "reason")
+        refusals = {v: explain(state, reason) for v, state, reason in rows}
+        _refusals, _held, _refusals_at = refusals, _load_holds(refusals), now
+
+
+def _load_holds(refused: dict[int, str]) -> dict[int, str]:
+    """Volunteers on probation with a disagreement before the referee, or whose last decided check failed."""
+    holds: dict[int, str] = {}
+    lost = Standing.objects.filter(
+        state=Standing.State.GOOD, checks_failed__gt=0, streak=0, checks_passed__lt=NEWCOMER_CHECKS
+    ).values_list("volunteer_id", flat=True)
+    holds.update(dict.fromkeys(lost, LOST))
+    # Proven volunteers among them are not held: the lease path asks ``probation`` first.
+    disputed = Answer.objects.filter(
+        case__state=Check.State.REFEREE, case__detail__startswith=DISAGREEMENT
+    ).values_list("volunteer_id", flat=True)
+    holds.update(dict.fromkeys(disputed, DISPUTED))
+    for volunteer_id in refused:
+        holds.pop(volunteer_id, None)  # refused outright: ``refusal`` says why
+    return holds
 
 
 def explain(state: str, reason: str) -> str:
