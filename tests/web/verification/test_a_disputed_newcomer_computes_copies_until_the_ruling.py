@@ -20,7 +20,8 @@ from crowdtrain.verification import checks, referee, standing
 from crowdtrain.verification.models import Check, Standing
 from crowdtrain_agent.protocol import Lease as LeaseMessage
 from crowdtrain_agent.protocol import NoLease, verify_ticket
-from tests.factories import make_campaign, make_device, make_user
+from tests.factories import make_device, make_user
+from tests.web.scheduler.test_probation import _trimmed
 from tests.web.verification.test_checks import FLIPPED, HONEST, _done
 
 pytestmark = pytest.mark.django_db
@@ -39,12 +40,8 @@ def referee_away(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _campaign(**fields: Any) -> Campaign:
-    options: dict[str, Any] = {
-        "target_batch_size": 16, "microbatch_size": 4, "staleness": 1, "check_fraction": 1.0,
-        "aggregation": Campaign.Aggregation.TRIMMED_MEAN, "trim_fraction": 0.25,
-    }  # fmt: skip
-    options.update(fields)
-    return make_campaign(**options)
+    """Probation's campaign (a trimmed mean of 4 leases a step), with every newcomer's lease checked."""
+    return _trimmed(**{"check_fraction": 1.0, **fields})
 
 
 def _ask(campaign: Campaign, device: Device) -> LeaseMessage | NoLease:
