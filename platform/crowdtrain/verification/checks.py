@@ -527,10 +527,11 @@ def judge(check_id: int) -> None:
         if original is None or copy is None:
             return
         agreement = compare(original.sketch, copy.sketch)
-        if not agreement.agrees() or copy.similar:
-            why = standing.DISAGREEMENT if not agreement.agrees() else "the copy's volunteer is like the original's"
+        agrees = agreement.agrees()
+        if not agrees or copy.similar:
+            why = "the copy's volunteer is like the original's" if agrees else standing.DISAGREEMENT
             to_referee(check_id, f"{why} ({_figures(agreement)})")
-            if not agreement.agrees():
+            if not agrees:
                 disputed = (original.volunteer_id, copy.volunteer_id)
                 transaction.on_commit(lambda: standing.note_disputed(disputed))
             return

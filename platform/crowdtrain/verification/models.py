@@ -18,6 +18,11 @@ from django.utils import timezone
 from crowdtrain.accounts.models import Device
 from crowdtrain.campaigns.models import Campaign
 
+# A volunteer with fewer passed checks than this is on probation (``standing``): a newcomer.
+NEWCOMER_CHECKS = 10
+# On probation, in good standing, and the last decided check failed: held to copies (``standing.held``).
+LOST_LAST_CHECK = models.Q(state="good", checks_failed__gt=0, streak=0, checks_passed__lt=NEWCOMER_CHECKS)
+
 
 class Standing(models.Model):
     """What a volunteer's verified record says of them, and whether they may work."""
@@ -45,6 +50,10 @@ class Standing(models.Model):
     reviewed_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+
+    class Meta:
+        # Each site process reads who is held every few seconds: these rows only, never the whole table.
+        indexes = [models.Index(fields=["volunteer"], condition=LOST_LAST_CHECK, name="standing_lost_last_check")]
 
     def __str__(self) -> str:
         return f"{self.volunteer_id}: {self.get_state_display()}"

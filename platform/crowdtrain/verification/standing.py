@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 from crowdtrain.accounts.models import Device
 
-from .models import Answer, Check, Standing
+from .models import LOST_LAST_CHECK, NEWCOMER_CHECKS, Answer, Check, Standing
 
-# A volunteer with fewer passed checks than this is new: their leases are checked four times as often.
-NEWCOMER_CHECKS = 10
+# A newcomer (fewer than NEWCOMER_CHECKS passed checks, ``models``) is checked four times as often.
 # Passed checks in a row after which a volunteer's leases are checked a quarter as often.
 TRUSTED_STREAK = 100
 # A volunteer is quarantined at this many failed checks, if they are at least QUARANTINE_SHARE of their checks.
@@ -189,7 +188,6 @@ def note_disputed(volunteer_ids: Iterable[int]) -> None:
 
 def refusal(volunteer_id: int | None) -> str:
     """Why this volunteer may not work now ("" if they may), in words for their agent's log."""
-    global _refusals, _refusals_at
     if volunteer_id is None:
         return ""
     _reload_if_due()
@@ -234,10 +232,7 @@ def _reload_if_due() -> None:
 def _load_holds(refused: dict[int, str]) -> dict[int, str]:
     """Volunteers on probation with a disagreement before the referee, or whose last decided check failed."""
     holds: dict[int, str] = {}
-    lost = Standing.objects.filter(
-        state=Standing.State.GOOD, checks_failed__gt=0, streak=0, checks_passed__lt=NEWCOMER_CHECKS
-    ).values_list("volunteer_id", flat=True)
-    holds.update(dict.fromkeys(lost, LOST))
+    holds.update(dict.fromkeys(Standing.objects.filter(LOST_LAST_CHECK).values_list("volunteer_id", flat=True), LOST))
     # Proven volunteers among them are not held: the lease path asks ``probation`` first.
     disputed = Answer.objects.filter(
         case__state=Check.State.REFEREE, case__detail__startswith=DISAGREEMENT
